@@ -1,0 +1,291 @@
+"""The experiment config: its defaults, command-line arguments and validation.
+
+Every file in ``configs/`` defines ``get_config(arg)`` by starting from
+:func:`base_config` and changing what its experiment family needs. ``arg`` is a
+comma-separated list of ``key=value`` items and flags, for example
+``configs/default.py:objective=gspo,smoke``; :func:`parse_arg` reads it.
+
+:func:`validate` checks a config before anything is built or compiled and raises
+:class:`ConfigError` (a ``ValueError``) naming the offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
+ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
+REPLAY_MODES = ("none", "R2", "R3")
+TASKS = ("countdown", "arithmetic", "gsm8k")
+SCHEDULES = ("constant", "cosine", "linear")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+class ConfigError(ValueError):
+    """An invalid experiment config; the message names the field."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The defaults every experiment family starts from: a tiny MoE on CPU."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_rl_steps = 120
+
+    # Prompts.
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "countdown"
+    c.task.difficulty = "easy"
+    c.task.data_dir = ""  # "" = <workdir>/data
+    c.task.eval_size = 64  # held-out prompts scored every eval_every steps
+    c.task.format_reward = 0.0  # weight of the optional format reward
+
+    c.tokenizer = "char"  # "char" or a checkpoint directory holding tokenizer.json
+
+    # The policy. Fields are ModelConfig's; vocab_size 0 = the tokenizer's.
+    c.model = ml_collections.ConfigDict()
+    c.model.pretrained = ""  # a Hugging Face checkpoint directory, or "" to init
+    c.model.fields = ml_collections.ConfigDict(
+        dict(
+            vocab_size=0,
+            d_model=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            d_ff=256,
+            moe_d_ff=128,
+            num_experts=8,
+            top_k=2,
+        )
+    )
+
+    # Device mesh: sizes per axis; -1 takes the remaining devices.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
+
+    # Rollout.
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.prompts_per_step = 16
+    c.rollout.group_size = 8
+    c.rollout.max_new_tokens = 24
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+
+    # Objective: name and hyperparameters (empty = the objective's defaults).
+    c.objective = ml_collections.ConfigDict()
+    c.objective.name = "gspo"
+    c.objective.hparams = ml_collections.ConfigDict()
+    c.objective.hparams.eps_low = 0.003
+    c.objective.hparams.eps_high = 0.004
+
+    c.advantage = "group"
+    c.gae = ml_collections.ConfigDict(dict(gamma=1.0, lam=0.95, value_clip=0.2, value_coef=0.5))
+    c.entropy_coef = 0.0
+
+    # DAPO's data-side techniques.
+    c.dapo = ml_collections.ConfigDict()
+    c.dapo.dynamic_sampling = False
+    c.dapo.max_sampling_rounds = 3  # rollouts per step at most, to fill the batch
+    c.dapo.overlong_filter = False
+    c.dapo.soft_overlong = False
+    c.dapo.overlong_cache_len = 8
+
+    # Updates per rollout (the off-policy regime where MoE instability shows).
+    c.update = ml_collections.ConfigDict()
+    c.update.num_minibatches = 2  # optimizer steps per rollout and epoch
+    c.update.num_epochs = 1
+    c.update.micro_batches = 1  # gradient accumulation inside a mini-batch
+    c.update.routing_replay = "none"
+    c.update.gamma_min = 0.5  # RSPO's floor on the router-shift weight
+    c.update.aux_loss_coef = 0.01
+    c.update.z_loss_coef = 0.001
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.lr = 2e-4
+    c.optimizer.schedule = "constant"
+    c.optimizer.warmup_steps = 5
+    c.optimizer.end_lr_ratio = 0.1
+    c.optimizer.weight_decay = 0.0
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.99
+    c.optimizer.grad_clip = 1.0
+
+    # Supervised warm start on generated solutions (0 steps = skip).
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 400
+    c.sft.batch_size = 64
+    c.sft.lr = 3e-3
+    c.sft.warmup_steps = 20
+
+    c.eval_every = 10
+    c.log_every = 1
+    c.checkpoint_every = 20
+    c.keep_checkpoints = 3
+    c.progress_bar = True
+    return c
+
+
+def parse_arg(arg: str | None) -> dict[str, Any]:
+    """``"objective=gspo,smoke"`` -> ``{"objective": "gspo", "smoke": True}``."""
+    out: dict[str, Any] = {}
+    for item in (arg or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            key, value = item.split("=", 1)
+            out[key.strip()] = value.strip()
+        else:
+            out[item] = True
+    return out
+
+
+def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Shrink a config so the whole job runs two SFT and two RL steps in seconds."""
+    c.total_rl_steps = 2
+    c.sft.steps = 2
+    c.sft.batch_size = 8
+    c.task.eval_size = 8
+    c.eval_every = 2
+    c.checkpoint_every = 1
+    c.rollout.prompts_per_step = 4
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 8
+    c.update.num_minibatches = 2
+    c.model.fields.d_model = 32
+    c.model.fields.num_layers = 2
+    c.model.fields.num_heads = 2
+    c.model.fields.num_kv_heads = 1
+    c.model.fields.head_dim = 16
+    c.model.fields.d_ff = 64
+    c.model.fields.moe_d_ff = 32
+    c.model.fields.num_experts = 4
+    c.model.fields.top_k = 2
+    c.progress_bar = False
+    return c
+
+
+def _err(field: str, msg: str) -> ConfigError:
+    return ConfigError(f"config.{field}: {msg}")
+
+
+def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """Resolve the mesh sizes (at most one -1) against the device count."""
+    sizes = {}
+    for axis in MESH_AXES:
+        if axis not in c.mesh:
+            raise _err(f"mesh.{axis}", "missing mesh axis")
+        v = int(c.mesh[axis])
+        if v == 0 or v < -1:
+            raise _err(f"mesh.{axis}", f"size must be positive or -1, got {v}")
+        sizes[axis] = v
+    extra = set(c.mesh.keys()) - set(MESH_AXES)
+    if extra:
+        raise _err(f"mesh.{sorted(extra)[0]}", f"unknown mesh axis; axes are {MESH_AXES}")
+    free = [a for a, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise _err(f"mesh.{free[1]}", "only one mesh axis may be -1")
+    fixed = 1
+    for a, v in sizes.items():
+        if v != -1:
+            fixed *= v
+    if free:
+        if num_devices % fixed:
+            raise _err(
+                f"mesh.{free[0]}",
+                f"the fixed axes multiply to {fixed}, which does not divide the {num_devices} devices",
+            )
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise _err("mesh", f"axis sizes {sizes} multiply to {fixed}, but there are {num_devices} devices")
+    return sizes
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """Check a config before anything compiles; return the resolved mesh shape.
+
+    Raises ConfigError naming the first invalid field.
+    """
+    from gspo_jax import objectives  # local: keeps config import light
+
+    if c.objective.name not in objectives.names():
+        raise _err("objective.name", f"unknown objective {c.objective.name!r}; known: {objectives.names()}")
+    try:
+        objectives.check_hparams(c.objective.name, **dict(c.objective.hparams))
+    except ValueError as e:
+        raise _err("objective.hparams", str(e)) from None
+
+    if c.task.name not in TASKS:
+        raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
+    if c.advantage not in ADVANTAGES:
+        raise _err("advantage", f"unknown advantage estimator {c.advantage!r}; known: {ADVANTAGES}")
+    if c.advantage == "gae" and c.objective.name != "ppo":
+        raise _err("advantage", "'gae' needs a critic; it is used with objective 'ppo'")
+    g = int(c.rollout.group_size)
+    if g < 1:
+        raise _err("rollout.group_size", f"must be >= 1, got {g}")
+    if c.advantage in GROUP_ADVANTAGES and g < 2:
+        raise _err("rollout.group_size", f"group advantages ({c.advantage!r}) need a group of at least 2, got {g}")
+    if c.dapo.dynamic_sampling and g < 2:
+        raise _err("rollout.group_size", "dynamic sampling needs a group of at least 2")
+    for field in ("prompts_per_step", "max_new_tokens"):
+        if int(c.rollout[field]) < 1:
+            raise _err(f"rollout.{field}", f"must be >= 1, got {c.rollout[field]}")
+    if not c.rollout.temperature >= 0:
+        raise _err("rollout.temperature", f"must be >= 0, got {c.rollout.temperature}")
+    if not 0 < c.rollout.top_p <= 1:
+        raise _err("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+    if int(c.rollout.top_k) < 0:
+        raise _err("rollout.top_k", f"must be >= 0, got {c.rollout.top_k}")
+    if int(c.dapo.max_sampling_rounds) < 1:
+        raise _err("dapo.max_sampling_rounds", "must be >= 1")
+    if c.dapo.soft_overlong and not 0 < int(c.dapo.overlong_cache_len) < int(c.rollout.max_new_tokens):
+        raise _err("dapo.overlong_cache_len", "must be in (0, rollout.max_new_tokens)")
+
+    f = c.model.fields
+    if not c.model.pretrained:
+        if int(f.top_k) > int(f.num_experts):
+            raise _err("model.fields.top_k", f"top_k={f.top_k} exceeds num_experts={f.num_experts}")
+        if int(f.top_k) < 1:
+            raise _err("model.fields.top_k", f"must be >= 1, got {f.top_k}")
+        if int(f.num_heads) % int(f.num_kv_heads):
+            raise _err("model.fields.num_kv_heads", f"must divide num_heads={f.num_heads}")
+
+    if c.update.routing_replay not in REPLAY_MODES:
+        raise _err("update.routing_replay", f"unknown mode {c.update.routing_replay!r}; known: {REPLAY_MODES}")
+    if not 0 < c.update.gamma_min <= 1:
+        raise _err("update.gamma_min", f"must be in (0, 1], got {c.update.gamma_min}")
+
+    shape = mesh_shape(c, num_devices)
+    batch_shards = shape["data"] * shape["fsdp"]
+    n = int(c.rollout.prompts_per_step) * g
+    mb = int(c.update.num_minibatches)
+    if mb < 1 or n % mb:
+        raise _err(
+            "update.num_minibatches",
+            f"{mb} does not divide the rollout batch prompts_per_step*group_size = {n}",
+        )
+    micro = int(c.update.micro_batches)
+    if micro < 1 or (n // mb) % micro:
+        raise _err("update.micro_batches", f"{micro} does not divide the mini-batch of {n // mb} sequences")
+    if (n // mb // micro) % batch_shards:
+        raise _err(
+            "mesh",
+            f"the micro-batch of {n // mb // micro} sequences is not divisible by the "
+            f"data*fsdp = {batch_shards} batch shards",
+        )
+    if int(c.sft.steps) > 0 and int(c.sft.batch_size) % batch_shards:
+        raise _err("sft.batch_size", f"{c.sft.batch_size} is not divisible by data*fsdp = {batch_shards}")
+    if int(c.update.num_epochs) < 1:
+        raise _err("update.num_epochs", "must be >= 1")
+    if c.optimizer.schedule not in SCHEDULES:
+        raise _err("optimizer.schedule", f"unknown schedule {c.optimizer.schedule!r}; known: {SCHEDULES}")
+    if not c.optimizer.lr > 0:
+        raise _err("optimizer.lr", f"must be > 0, got {c.optimizer.lr}")
+    for field in ("eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
+        if int(c[field]) < 1:
+            raise _err(field, f"must be >= 1, got {c[field]}")
+    return shape
+

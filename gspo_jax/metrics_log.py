@@ -1,0 +1,97 @@
+"""Where a run's metrics go: ``metrics.jsonl``, TensorBoard, and the console.
+
+``metrics.jsonl`` holds one JSON object per logged step and is flushed after
+every line, so it survives a crash. On resume, :class:`MetricsWriter` drops the
+lines of steps after the restored checkpoint: the resumed run writes them again,
+and the file then reads as if the run had never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def _scalar(v: Any) -> Any:
+    if isinstance(v, (str, bool)) or v is None:
+        return v
+    a = np.asarray(v)
+    if a.ndim == 0:
+        x = a.item()
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)  # JSON has no NaN/inf; keep them visible as strings
+        return x
+    return [_scalar(x) for x in a.tolist()] if a.ndim == 1 else a.tolist()
+
+
+class MetricsWriter:
+    """Appends metrics to ``<workdir>/metrics.jsonl`` and TensorBoard events."""
+
+    def __init__(self, workdir: str, *, resume_step: int | None = None, resume_phase: str | None = None,
+                 tensorboard: bool = True):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        if resume_step is not None:
+            self._truncate_after(resume_step, resume_phase)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def _truncate_after(self, step: int, phase: str | None) -> None:
+        """Keep lines up to (phase, step) of the checkpoint we resume from."""
+        if not os.path.exists(self.path):
+            return
+        order = {"sft": 0, "rl": 1}
+        keep = []
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+                key = (order.get(rec.get("phase"), 0), int(rec.get("step", 0)))
+                if phase is None or key <= (order[phase], step):
+                    keep.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, phase: str, metrics: Mapping[str, Any]) -> dict:
+        rec = {"step": int(step), "phase": phase}
+        rec.update({k: _scalar(v) for k, v in metrics.items()})
+        self._f.write(json.dumps(rec, sort_keys=True) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k in ("step", "phase"):
+                    continue
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{phase}/{k}", v, int(step))
+                elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                    for i, x in enumerate(v):
+                        self._tb.add_scalar(f"{phase}/{k}/{i}", x, int(step))
+        return rec
+
+    def flush(self) -> None:
+        self._f.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """All records of ``<workdir>/metrics.jsonl``."""
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
