@@ -1,0 +1,816 @@
+r"""Policy objectives: PPO, GRPO, Dr.GRPO, DAPO, GSPO, GSPO-token, CISPO, GMPO, RSPO, SAPO.
+
+Every objective is a pure function of arrays, found by name::
+
+    from gspo_jax import objectives
+    fn = objectives.get("gspo")            # objectives.names() lists them all
+    loss, metrics = fn(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4)
+    grads = jax.grad(lambda lp: fn(lp, old_logp, advantages, mask)[0])(logp)
+
+Signature of every objective::
+
+    fn(logp, old_logp, advantages, mask, *, ref_logp=None, router_shift=None,
+       normalizer=None, **hyperparameters) -> (loss, metrics)
+
+Arrays (``../shared/design/objectives.md`` is the exact specification):
+
+  ``logp``          f32[N,T]  log pi_theta(o_t | q, o_<t) of the sampled token (differentiated).
+  ``old_logp``      f32[N,T]  the same under pi_old (treated as a constant).
+  ``advantages``    f32[N] (one per sequence) or f32[N,T] (per token; token-level
+                    objectives only). f32[N] is broadcast over T explicitly.
+  ``mask``          f32[N,T]  1 on response tokens that count, 0 elsewhere.
+  ``ref_logp``      f32[N,T]  log pi_ref, required when ``kl_coef > 0``.
+  ``router_shift``  f32[N,T]  RSPO's gamma in (0, 1] (`gspo_jax.routing.router_shift`);
+                    required by ``rspo``, ignored by the others.
+
+``loss`` is the scalar that is minimised (L = -J). ``metrics`` is a flat dict of
+f32 scalars (see `METRIC_KINDS`). Hyperparameters are keyword-only and static
+(Python numbers / strings); each objective accepts only those that apply to it,
+with the defaults of objectives.md (``get(name).defaults``). Wrong names, wrong
+values or wrong shapes raise ``ValueError`` naming the argument before any array
+is touched, so the same checks fire under ``jax.jit`` (shapes are static there).
+
+Conventions common to all objectives (objectives.md, "Inputs"):
+
+  delta_t = clip(logp_t - old_logp_t, -20, 20) (0 where mask = 0),  r_t = exp(delta_t),
+  n_i = sum_t mask_{i,t},  mean_delta_i = sum_t mask*delta / max(n_i, 1),  s_i = exp(mean_delta_i).
+
+A sequence with n_i = 0 contributes nothing to any loss or metric; a batch whose
+mask is all 0 gives a loss of exactly 0 with finite gradients.
+
+Aggregation (``agg``) of per-token losses l_{i,t}, for token-level objectives:
+
+  ``token-mean``               sum_{i,t} mask*l / sum_{i,t} mask
+  ``seq-mean-token-mean``      mean over sequences with n_i > 0 of sum_t mask*l / n_i
+  ``seq-mean-token-sum``       sum_{i,t} mask*l / #{i : n_i > 0}
+  ``seq-mean-token-sum-norm``  sum_{i,t} mask*l / (#{i : n_i > 0} * norm_len);
+                               ``norm_len=None`` means T, the padded response length.
+
+Sequence-level objectives (``gspo``, ``gmpo``, ``rspo``) average one l_i over the
+sequences with n_i > 0 and take no ``agg``; their KL term uses
+``seq-mean-token-mean``.
+
+Exact gradient accumulation
+---------------------------
+The only cross-sequence quantities in any loss are the two denominators
+sum_{i,t} mask and #{i : n_i > 0}. Compute them once from the whole mini-batch
+and pass them to every micro-batch::
+
+    norm = objectives.normalizer(minibatch_mask)          # Normalizer(num_tokens, num_seqs)
+    loss = sum(fn(lp_k, old_k, adv_k, mask_k, normalizer=norm)[0] for k in micro_batches)
+    # == fn(lp, old, adv, mask)[0] up to float rounding, and so are the gradients,
+    # for every objective and every aggregation mode.
+
+(Sequences must not be split across micro-batches: n_i is per sequence.) Without
+``normalizer`` the denominators are those of the arrays passed in.
+
+Metrics describe the arrays passed in (the micro-batch), never the normalizer.
+``combine_metrics`` merges metrics stacked over micro-batches into exactly the
+metrics of the whole mini-batch, using ``num_tokens`` / ``num_seqs`` as weights.
+
+PPO with a critic: `value_loss` (clipped value loss), `token_entropy` and
+`entropy_bonus` live beside the objectives; `gspo_jax.advantages.gae` gives the
+advantages and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Metrics = dict[str, Array]
+
+LOG_RATIO_CLIP = 20.0
+"""Token log-ratios are clipped to [-20, 20] before exponentiation."""
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+KL_KINDS = ("k1", "k2", "k3")
+
+# How each metric merges across micro-batches (see `combine_metrics`):
+#   count: summed;  token: mean weighted by num_tokens;  seq: weighted by num_seqs;
+#   max / min: max / min;  std: pooled from the per-part std and mean log-ratio.
+METRIC_KINDS: dict[str, str] = {
+    "num_tokens": "count",
+    "num_seqs": "count",
+    "ppo_kl": "token",
+    "logratio_std": "std",
+    "logratio_abs_max": "max",
+    "logratio_seq_var": "seq",
+    "frac_ratio_gt_2": "token",
+    "clip_frac_low": "token",
+    "clip_frac_high": "token",
+    "dual_clip_frac": "token",
+    "seq_clip_frac": "seq",
+    "seq_clip_frac_low": "seq",
+    "seq_clip_frac_high": "seq",
+    "seq_ratio_mean": "seq",
+    "is_weight_mean": "token",
+    "is_weight_max": "max",
+    "sapo_gate_mean": "token",
+    "sapo_gate_min": "min",
+    "gamma_mean": "token",
+    "gamma_min": "min",
+    "kl": "token",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Normaliser (exact micro-batch accumulation)
+# --------------------------------------------------------------------------------------
+
+
+class Normalizer(NamedTuple):
+    """Denominators of a whole mini-batch (a pytree of two f32 scalars).
+
+    Attributes:
+      num_tokens: f32[], sum_{i,t} mask.
+      num_seqs: f32[], #{i : n_i > 0}.
+    """
+
+    num_tokens: Array
+    num_seqs: Array
+
+
+def normalizer(mask: Array) -> Normalizer:
+    """The loss denominators of a mini-batch, for exact gradient accumulation.
+
+    Args:
+      mask: f32[N,T] (or bool) mask of the whole mini-batch.
+
+    Returns:
+      `Normalizer`; pass it as ``normalizer=`` to every micro-batch's objective call
+      so that the micro-batch losses sum to the mini-batch loss.
+    """
+    mask = jnp.asarray(mask)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be f32[N,T], got shape {mask.shape}")
+    m = mask.astype(jnp.float32)
+    n = jnp.sum(m, axis=-1)
+    return Normalizer(jnp.sum(m), jnp.sum((n > 0).astype(jnp.float32)))
+
+
+# --------------------------------------------------------------------------------------
+# KL estimators
+# --------------------------------------------------------------------------------------
+
+
+def kl(logp: Array, ref_logp: Array, kind: str) -> Array:
+    r"""Per-token estimator of KL(pi_theta || pi_ref) from sampled-token log-probs.
+
+    With d = ref_logp - logp (objectives.md, "KL to a reference policy"):
+      k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1   (DeepSeekMath's low-variance one).
+
+    Args:
+      logp: f32[...] log pi_theta of the sampled tokens.
+      ref_logp: f32[...] log pi_ref, same shape.
+      kind: "k1", "k2" or "k3".
+
+    Returns:
+      f32[...] the estimator per token (unmasked).
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    logp, ref_logp = jnp.asarray(logp), jnp.asarray(ref_logp)
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"ref_logp shape {ref_logp.shape} != logp shape {logp.shape}")
+    return _kl(ref_logp - logp, kind)
+
+
+def _kl(d: Array, kind: str) -> Array:
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    return jnp.exp(d) - d - 1.0
+
+
+# --------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------
+
+
+class _Batch(NamedTuple):
+    """Quantities shared by all objectives (all masked: 0 where mask = 0)."""
+
+    m: Array  # f32[N,T] mask as float
+    valid: Array  # bool[N,T]
+    delta: Array  # f32[N,T] clipped log-ratio, 0 where masked
+    n: Array  # f32[N] tokens per sequence
+    seq_valid: Array  # f32[N] 1 where n_i > 0
+    inv_n: Array  # f32[N] 1 / max(n_i, 1)
+    num_tokens: Array  # f32[] local sum of mask
+    num_seqs: Array  # f32[] local #{n_i > 0}
+    norm: Normalizer  # denominators used by the loss
+
+
+def _prepare(logp, old_logp, mask, norm: Normalizer | None) -> _Batch:
+    m = mask.astype(jnp.float32)
+    valid = m > 0
+    diff = logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp.astype(jnp.float32))
+    delta = jnp.clip(jnp.where(valid, diff, 0.0), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    n = jnp.sum(m, axis=-1)
+    seq_valid = (n > 0).astype(jnp.float32)
+    num_tokens, num_seqs = jnp.sum(n), jnp.sum(seq_valid)
+    if norm is None:
+        norm = Normalizer(num_tokens, num_seqs)
+    norm = Normalizer(*(jax.lax.stop_gradient(jnp.asarray(x, jnp.float32)) for x in norm))
+    inv_n = 1.0 / jnp.maximum(n, 1.0)
+    return _Batch(m, valid, delta, n, seq_valid, inv_n, num_tokens, num_seqs, norm)
+
+
+def _safe_div(x: Array, d: Array) -> Array:
+    return x / jnp.maximum(d, 1.0)
+
+
+def _aggregate(per_token: Array, b: _Batch, agg: str, norm_len: float) -> Array:
+    """Aggregates per-token losses l (finite everywhere) into a scalar (module doc)."""
+    ml = b.m * per_token
+    if agg == "token-mean":
+        return _safe_div(jnp.sum(ml), b.norm.num_tokens)
+    if agg == "seq-mean-token-mean":
+        return _safe_div(jnp.sum(jnp.sum(ml, axis=-1) * b.inv_n), b.norm.num_seqs)
+    if agg == "seq-mean-token-sum":
+        return _safe_div(jnp.sum(ml), b.norm.num_seqs)
+    if agg == "seq-mean-token-sum-norm":
+        return _safe_div(jnp.sum(ml), b.norm.num_seqs) / norm_len
+    raise AssertionError(agg)  # validated before
+
+
+def _seq_aggregate(per_seq: Array, b: _Batch) -> Array:
+    """Mean of per-sequence losses over sequences with n_i > 0."""
+    return _safe_div(jnp.sum(b.seq_valid * per_seq), b.norm.num_seqs)
+
+
+def _tok_mean(x: Array, b: _Batch) -> Array:
+    """Masked token mean over the arrays passed in (metrics)."""
+    return _safe_div(jnp.sum(b.m * x), b.num_tokens)
+
+
+def _seq_mean(x: Array, b: _Batch) -> Array:
+    return _safe_div(jnp.sum(b.seq_valid * x), b.num_seqs)
+
+
+def _base_metrics(b: _Batch) -> Metrics:
+    """Log-ratio diagnostics of objectives.md, masked; stop-gradient throughout."""
+    delta = jax.lax.stop_gradient(b.delta)  # 0 where masked
+    mean = _tok_mean(delta, b)
+    sq_mean = _tok_mean(delta * delta, b)
+    seq_mean = jnp.sum(b.m * delta, axis=-1) * b.inv_n
+    seq_sq = jnp.sum(b.m * delta * delta, axis=-1) * b.inv_n
+    abs_delta = jnp.abs(delta)
+    return {
+        "num_tokens": b.num_tokens,
+        "num_seqs": b.num_seqs,
+        "ppo_kl": -mean,
+        "logratio_std": jnp.sqrt(jnp.maximum(sq_mean - mean * mean, 0.0)),
+        "logratio_abs_max": jnp.max(abs_delta),  # masked entries are 0
+        "logratio_seq_var": _seq_mean(jnp.maximum(seq_sq - seq_mean * seq_mean, 0.0), b),
+        # F(tau=2): max(r, 1/r) > 2  <=>  |delta| > log 2.
+        "frac_ratio_gt_2": _tok_mean((abs_delta > math.log(2.0)).astype(jnp.float32), b),
+    }
+
+
+def _broadcast_adv(advantages: Array, shape) -> Array:
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    return adv  # [N,1] or [N,T]; size-1 broadcasting keeps equal rank.
+
+
+def _kl_term(logp, ref_logp, b: _Batch, kind: str) -> Array:
+    d = jnp.where(b.valid, jax.lax.stop_gradient(ref_logp.astype(jnp.float32)) - logp.astype(jnp.float32), 0.0)
+    return _kl(d, kind)
+
+
+def _add_kl(loss, metrics, logp, ref_logp, b, hp, agg, norm_len):
+    """Adds kl_coef * agg(k) when kl_coef > 0 (static)."""
+    if hp["kl_coef"] == 0:
+        return loss
+    k = _kl_term(logp, ref_logp, b, hp["kl_estimator"])
+    metrics["kl"] = jax.lax.stop_gradient(_tok_mean(k, b))
+    return loss + hp["kl_coef"] * _aggregate(k, b, agg, norm_len)
+
+
+def _ratio_clip(ratio: Array, adv: Array, eps_low, eps_high, dual_clip):
+    """PPO's clipped ratio with an exactly-zero gradient where the clip binds.
+
+    max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) == -A * r_eff with
+      r_eff = 1+eps_high   if A > 0 and r > 1+eps_high          (clip binds: no gradient)
+              1-eps_low    if A < 0 and r < 1-eps_low           (clip binds: no gradient)
+              c            if A < 0 and r > c (dual clip)      (no gradient)
+              r            otherwise                            (gradient -A r grad log p)
+    Returns (r_eff, clipped_high, clipped_low, dual_clipped) (masks are bool).
+    """
+    hi = (adv > 0) & (ratio > 1.0 + eps_high)
+    lo = (adv < 0) & (ratio < 1.0 - eps_low)
+    r_eff = jnp.where(hi, 1.0 + eps_high, jnp.where(lo, 1.0 - eps_low, ratio))
+    if dual_clip is None:
+        dual = jnp.zeros_like(hi)
+    else:
+        dual = (adv < 0) & (ratio > dual_clip)
+        r_eff = jnp.where(dual, float(dual_clip), r_eff)
+    return r_eff, hi, lo, dual
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------
+# The objectives (validated hyperparameters arrive as the dict `hp`)
+# --------------------------------------------------------------------------------------
+
+
+def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """ppo / grpo / dr_grpo / dapo: l_t = max(-A r_t, -A clip(r_t, 1-eps_low, 1+eps_high))."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = _broadcast_adv(advantages, b.delta.shape)
+    ratio = jnp.exp(b.delta)
+    r_eff, hi, lo, dual = _ratio_clip(ratio, adv, hp["eps_low"], hp["eps_high"], hp["dual_clip"])
+    norm_len = hp["norm_len"] or b.delta.shape[1]
+    loss = _aggregate(-adv * r_eff, b, hp["agg"], norm_len)
+    metrics = _base_metrics(b)
+    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
+    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    metrics["dual_clip_frac"] = _tok_mean(_f32(dual), b)
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    return loss, metrics
+
+
+def _seq_clip_metrics(metrics, b, hi, lo):
+    hi, lo = _f32(hi), _f32(lo)  # f32[N]
+    metrics["seq_clip_frac_low"] = _seq_mean(lo, b)
+    metrics["seq_clip_frac_high"] = _seq_mean(hi, b)
+    metrics["seq_clip_frac"] = _seq_mean(hi + lo, b)
+    # Share of tokens whose gradient the sequence clip removed.
+    metrics["clip_frac_low"] = _safe_div(jnp.sum(lo * b.n), b.num_tokens)
+    metrics["clip_frac_high"] = _safe_div(jnp.sum(hi * b.n), b.num_tokens)
+
+
+def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high)), mean over sequences."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = jax.lax.stop_gradient(_f32(advantages))
+    s = jnp.exp(jnp.sum(b.m * b.delta, axis=-1) * b.inv_n)  # f32[N]
+    s_eff, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
+    loss = _seq_aggregate(-adv * s_eff, b)
+    metrics = _base_metrics(b)
+    _seq_clip_metrics(metrics, b, hi, lo)
+    metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(s), b)
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    return loss, metrics
+
+
+def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """GSPO-token: log s_hat_{i,t} = sg(mean_delta_i) + delta_t - sg(delta_t), token clip."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = _broadcast_adv(advantages, b.delta.shape)
+    sg = jax.lax.stop_gradient
+    mean_delta = jnp.sum(b.m * b.delta, axis=-1, keepdims=True) * b.inv_n[:, None]  # [N,1]
+    # Value s_i at every token; d s_hat / d logp_t = s_hat (through delta_t, which carries
+    # the same [-20, 20] clip as GSPO's mean_delta, so the two gradients agree exactly).
+    s_hat = jnp.exp(sg(mean_delta) + (b.delta - sg(b.delta)))
+    s_eff, hi, lo, _ = _ratio_clip(s_hat, adv, hp["eps_low"], hp["eps_high"], None)
+    norm_len = hp["norm_len"] or b.delta.shape[1]
+    loss = _aggregate(-adv * s_eff, b, hp["agg"], norm_len)
+    metrics = _base_metrics(b)
+    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
+    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    metrics["seq_ratio_mean"] = _seq_mean(sg(jnp.exp(mean_delta[:, 0])), b)
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    return loss, metrics
+
+
+def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """CISPO: l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A_t logp_t; every token keeps a gradient."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = _broadcast_adv(advantages, b.delta.shape)
+    ratio = jax.lax.stop_gradient(jnp.exp(b.delta))
+    hi = ratio > 1.0 + hp["eps_high"]
+    weight = jnp.minimum(ratio, 1.0 + hp["eps_high"])
+    if hp["eps_low"] is None:
+        lo = jnp.zeros_like(hi)
+    else:
+        lo = ratio < 1.0 - hp["eps_low"]
+        weight = jnp.maximum(weight, 1.0 - hp["eps_low"])
+    lp = jnp.where(b.valid, _f32(logp), 0.0)
+    norm_len = hp["norm_len"] or b.delta.shape[1]
+    loss = _aggregate(-(weight * adv) * lp, b, hp["agg"], norm_len)
+    metrics = _base_metrics(b)
+    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
+    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    metrics["is_weight_mean"] = _tok_mean(weight, b)
+    metrics["is_weight_max"] = jnp.max(jnp.where(b.valid, weight, 0.0))
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    return loss, metrics
+
+
+def _geo_ratio(b: _Batch, adv: Array, eps_low, eps_high):
+    """GMPO's sign-dependent log-space clip; returns (sum_t mask*delta*_t / n_i, hi, lo).
+
+    delta*_t = min(delta_t, eps_high) if A >= 0, max(delta_t, -eps_low) if A < 0, written
+    with `where` so the clipped tokens have an exactly-zero gradient.
+    """
+    a = adv[:, None]
+    hi = (a >= 0) & (b.delta > eps_high)
+    lo = (a < 0) & (b.delta < -eps_low)
+    d_star = jnp.where(hi, eps_high, jnp.where(lo, -eps_low, b.delta))
+    return jnp.sum(b.m * d_star, axis=-1) * b.inv_n, hi, lo
+
+
+def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """GMPO: l_i = -A_i exp(mean_t delta*_t), mean over sequences."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = jax.lax.stop_gradient(_f32(advantages))
+    log_g, hi, lo = _geo_ratio(b, adv, hp["eps_low"], hp["eps_high"])
+    g = jnp.exp(log_g)
+    loss = _seq_aggregate(-adv * g, b)
+    metrics = _base_metrics(b)
+    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
+    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(g), b)
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    return loss, metrics
+
+
+def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """RSPO: l_i = -A_i exp(mean_t delta*_t) exp(mean_t log gamma_t), mean over sequences."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = jax.lax.stop_gradient(_f32(advantages))
+    gamma = jax.lax.stop_gradient(_f32(router_shift))
+    log_g, hi, lo = _geo_ratio(b, adv, hp["eps_low"], hp["eps_high"])
+    log_gamma = jnp.where(b.valid, jnp.log(jnp.where(b.valid, gamma, 1.0)), 0.0)
+    big_s = jnp.exp(log_g + jnp.sum(b.m * log_gamma, axis=-1) * b.inv_n)
+    loss = _seq_aggregate(-adv * big_s, b)
+    metrics = _base_metrics(b)
+    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
+    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(big_s), b)
+    metrics["gamma_mean"] = _tok_mean(gamma, b)
+    metrics["gamma_min"] = jnp.min(jnp.where(b.valid, gamma, 1.0))
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    return loss, metrics
+
+
+def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
+    """SAPO: l_t = -A_t (4/tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A > 0 else tau_neg."""
+    b = _prepare(logp, old_logp, mask, norm)
+    adv = _broadcast_adv(advantages, b.delta.shape)
+    ratio = jnp.exp(b.delta)
+    tau = jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"])  # [N,1] or [N,T]
+    p = jax.nn.sigmoid(tau * (ratio - 1.0))
+    norm_len = hp["norm_len"] or b.delta.shape[1]
+    loss = _aggregate(-adv * (4.0 / tau) * p, b, hp["agg"], norm_len)
+    metrics = _base_metrics(b)
+    gate = jax.lax.stop_gradient(4.0 * p * (1.0 - p))  # gradient weight relative to -A r grad logp
+    metrics["sapo_gate_mean"] = _tok_mean(gate, b)
+    metrics["sapo_gate_min"] = jnp.min(jnp.where(b.valid, gate, 1.0))
+    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------
+# Registry, validation
+# --------------------------------------------------------------------------------------
+
+_KL_DEFAULTS = {"kl_coef": 0.0, "kl_estimator": "k3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A registered objective: validates its inputs, then calls the pure implementation.
+
+    Attributes:
+      name: registry name.
+      defaults: accepted hyperparameters and their defaults.
+      sequence_level: one loss per sequence (advantages must be f32[N]).
+      log_space_eps: eps_low / eps_high bound the log-ratio (GMPO, RSPO), not the ratio.
+      needs_router_shift: RSPO.
+      impl: the pure function.
+    """
+
+    name: str
+    defaults: Mapping[str, Any]
+    impl: Callable[..., tuple[Array, Metrics]]
+    sequence_level: bool = False
+    log_space_eps: bool = False
+    needs_router_shift: bool = False
+    doc: str = ""
+
+    def __call__(self, logp, old_logp, advantages, mask, *, ref_logp=None,
+                 router_shift=None, normalizer: Normalizer | None = None, **hyperparameters):
+        hp = self.validate_hyperparameters(hyperparameters)
+        arrays = self._validate_arrays(logp, old_logp, advantages, mask, ref_logp,
+                                       router_shift, normalizer, hp)
+        return self.impl(*arrays, normalizer, hp)
+
+    # -- hyperparameters --------------------------------------------------------------
+    def validate_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
+        """Returns defaults updated by ``hyperparameters``; ValueError on anything wrong."""
+        unknown = sorted(set(hyperparameters) - set(self.defaults))
+        if unknown:
+            raise ValueError(
+                f"{self.name}: unknown hyperparameter(s) {unknown}; accepted: {sorted(self.defaults)}")
+        hp = {**self.defaults, **hyperparameters}
+        for key, value in hp.items():
+            _check_hp(self, key, value)
+        return hp
+
+    # -- arrays -----------------------------------------------------------------------
+    def _validate_arrays(self, logp, old_logp, advantages, mask, ref_logp, router_shift,
+                         norm, hp):
+        name = self.name
+        logp = _as_array(logp, "logp", name)
+        if logp.ndim != 2:
+            raise ValueError(f"{name}: logp must be f32[N,T], got shape {logp.shape}")
+        shape = logp.shape
+        old_logp = _as_array(old_logp, "old_logp", name)
+        mask = _as_array(mask, "mask", name, floating=False)
+        advantages = _as_array(advantages, "advantages", name)
+        for arg, x in (("old_logp", old_logp), ("mask", mask)):
+            if x.shape != shape:
+                raise ValueError(f"{name}: {arg} shape {x.shape} != logp shape {shape}")
+        if self.sequence_level:
+            if advantages.shape != shape[:1]:
+                raise ValueError(f"{name}: advantages must be f32[N] = {shape[:1]} for a "
+                                 f"sequence-level objective, got shape {advantages.shape}")
+        elif advantages.shape not in (shape[:1], shape):
+            raise ValueError(f"{name}: advantages must be f32[N] or f32[N,T] with "
+                             f"(N, T) = {shape}, got shape {advantages.shape}")
+        if ref_logp is not None:
+            ref_logp = _as_array(ref_logp, "ref_logp", name)
+            if ref_logp.shape != shape:
+                raise ValueError(f"{name}: ref_logp shape {ref_logp.shape} != logp shape {shape}")
+        elif hp.get("kl_coef", 0) > 0:
+            raise ValueError(f"{name}: kl_coef={hp['kl_coef']} > 0 needs ref_logp "
+                             "(pass ref_logp, or kl_coef=0.0)")
+        if router_shift is not None:
+            router_shift = _as_array(router_shift, "router_shift", name)
+            if router_shift.shape != shape:
+                raise ValueError(f"{name}: router_shift shape {router_shift.shape} != logp "
+                                 f"shape {shape}")
+        elif self.needs_router_shift:
+            raise ValueError(f"{name}: router_shift (f32[N,T], gspo_jax.routing.router_shift) "
+                             "is required")
+        if norm is not None:
+            if not isinstance(norm, Normalizer):
+                raise ValueError(f"{name}: normalizer must be objectives.Normalizer, got "
+                                 f"{type(norm).__name__}")
+            for field, x in zip(norm._fields, norm):
+                if jnp.shape(x) != ():
+                    raise ValueError(f"{name}: normalizer.{field} must be a scalar, got "
+                                     f"shape {jnp.shape(x)}")
+        return logp, old_logp, advantages, mask, ref_logp, router_shift
+
+
+def _as_array(x, arg: str, name: str, floating: bool = True) -> Array:
+    try:
+        x = jnp.asarray(x)
+    except TypeError as e:
+        raise ValueError(f"{name}: {arg} is not an array: {e}") from None
+    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: {arg} must be floating point, got dtype {x.dtype}")
+    return x
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_hp(obj: Objective, key: str, v) -> None:
+    name = obj.name
+
+    def need(cond, what):
+        if not cond:
+            raise ValueError(f"{name}: {key} {what}, got {v!r}")
+
+    if key in ("eps_low", "eps_high", "dual_clip", "kl_coef", "tau_pos", "tau_neg"):
+        if v is None and (key == "dual_clip" or (key == "eps_low" and name == "cispo")):
+            return
+        need(_is_number(v) and math.isfinite(v), "must be a static finite Python number")
+    if key in ("eps_low", "eps_high"):
+        need(v >= 0, "must be >= 0")
+        if key == "eps_low" and not obj.log_space_eps:
+            need(v < 1, "must be < 1 (the ratio's lower bound 1 - eps_low must stay positive)")
+    elif key == "dual_clip":
+        need(v > 1, "must be None or > 1")
+    elif key == "kl_coef":
+        need(v >= 0, "must be >= 0")
+    elif key in ("tau_pos", "tau_neg"):
+        need(v > 0, "must be > 0")
+    elif key == "kl_estimator":
+        need(v in KL_KINDS, f"must be one of {KL_KINDS}")
+    elif key == "agg":
+        need(v in AGG_MODES, f"must be one of {AGG_MODES}")
+    elif key == "norm_len":
+        if v is not None:
+            need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0,
+                 "must be None or a positive int")
+    else:  # pragma: no cover - every default key is handled above
+        raise AssertionError(key)
+
+
+_REGISTRY: dict[str, Objective] = {}
+
+
+def _register(name, impl, defaults, **flags):
+    _REGISTRY[name] = Objective(name=name, defaults=dict(defaults), impl=impl,
+                                doc=impl.__doc__ or "", **flags)
+
+
+_TOKEN = {"agg": "seq-mean-token-mean", "norm_len": None}
+_register("ppo", _clipped_surrogate, {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None,
+                                      **_KL_DEFAULTS, **_TOKEN, "agg": "token-mean"})
+_register("grpo", _clipped_surrogate, {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None,
+                                       "kl_coef": 0.04, "kl_estimator": "k3", **_TOKEN})
+_register("dr_grpo", _clipped_surrogate, {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None,
+                                          **_KL_DEFAULTS, **_TOKEN,
+                                          "agg": "seq-mean-token-sum-norm"})
+_register("dapo", _clipped_surrogate, {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": None,
+                                       **_KL_DEFAULTS, **_TOKEN, "agg": "token-mean"})
+_register("gspo", _gspo, {"eps_low": 3e-4, "eps_high": 4e-4, **_KL_DEFAULTS},
+          sequence_level=True)
+_register("gspo_token", _gspo_token, {"eps_low": 3e-4, "eps_high": 4e-4, **_KL_DEFAULTS,
+                                      **_TOKEN})
+# eps_high for CISPO is not fixed by the seeds; 0.28 (DAPO's clip-higher bound) is our choice.
+_register("cispo", _cispo, {"eps_low": None, "eps_high": 0.28, **_KL_DEFAULTS, **_TOKEN,
+                            "agg": "token-mean"})
+_register("gmpo", _gmpo, {"eps_low": 0.4, "eps_high": 0.4, **_KL_DEFAULTS},
+          sequence_level=True, log_space_eps=True)
+_register("rspo", _rspo, {"eps_low": 0.4, "eps_high": 0.4, **_KL_DEFAULTS},
+          sequence_level=True, log_space_eps=True, needs_router_shift=True)
+_register("sapo", _sapo, {"tau_pos": 1.0, "tau_neg": 1.05, **_KL_DEFAULTS, **_TOKEN})
+
+_DOCS = {
+    "ppo": "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0.",
+    "grpo": "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04.",
+    "dr_grpo": "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL.",
+    "dapo": "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL.",
+    "gspo": "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
+    "gspo_token": "GSPO-token: s_i with a per-token gradient path, for per-token advantages.",
+    "cispo": "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight.",
+    "gmpo": "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
+    "rspo": ("RSPO: GMPO times the geometric mean of the router shift gamma. gamma multiplies "
+             "outside the sgn(A) power (objectives.md), so routing drift damps the update "
+             "for either sign of A."),
+    "sapo": "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg.",
+}
+
+
+def get(name: str) -> Objective:
+    """Returns the objective registered as ``name`` (see `names`)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"name: unknown objective {name!r}; registered: {names()}")
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """Every registered objective name."""
+    return tuple(_REGISTRY)
+
+
+def describe(name: str) -> str:
+    """One line on what the objective is."""
+    get(name)
+    return _DOCS[name]
+
+
+# --------------------------------------------------------------------------------------
+# Metrics across micro-batches
+# --------------------------------------------------------------------------------------
+
+
+def combine_metrics(stacked: Mapping[str, Array]) -> Metrics:
+    """Merges per-micro-batch metrics into those of the whole mini-batch, exactly.
+
+    Args:
+      stacked: an objective's metrics with a leading micro-batch axis on every value
+        (e.g. the ys of a `lax.scan` over micro-batches), f32[K] each.
+
+    Returns:
+      dict of f32 scalars equal to the metrics of the concatenated micro-batches.
+    """
+    unknown = sorted(set(stacked) - set(METRIC_KINDS))
+    if unknown:
+        raise ValueError(f"stacked: unknown metric(s) {unknown}")
+    for key in ("num_tokens", "num_seqs"):
+        if key not in stacked:
+            raise ValueError(f"stacked: missing {key!r}, needed as the weight")
+    nt, ns = stacked["num_tokens"], stacked["num_seqs"]
+    wt, ws = nt / jnp.maximum(jnp.sum(nt), 1.0), ns / jnp.maximum(jnp.sum(ns), 1.0)
+    out = {}
+    for key, x in stacked.items():
+        kind = METRIC_KINDS[key]
+        if kind == "count":
+            out[key] = jnp.sum(x)
+        elif kind == "token":
+            out[key] = jnp.sum(wt * x)
+        elif kind == "seq":
+            out[key] = jnp.sum(ws * x)
+        elif kind == "max":
+            out[key] = jnp.max(x)
+        elif kind == "min":
+            out[key] = jnp.min(x)
+        else:  # std of delta, pooled: E[delta^2] = std^2 + mean^2, mean = -ppo_kl
+            mean_k = -stacked["ppo_kl"]
+            mean = jnp.sum(wt * mean_k)
+            sq = jnp.sum(wt * (x * x + mean_k * mean_k))
+            out[key] = jnp.sqrt(jnp.maximum(sq - mean * mean, 0.0))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# PPO with a critic
+# --------------------------------------------------------------------------------------
+
+
+def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
+               clip_eps: float | None = 0.2, agg: str = "token-mean",
+               norm_len: int | None = None,
+               normalizer: Normalizer | None = None) -> tuple[Array, Metrics]:
+    r"""PPO's clipped value loss.
+
+    l_t = 1/2 max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2), aggregated
+    like the policy loss (``clip_eps=None``: the unclipped 1/2 (V - R)^2).
+
+    Args:
+      values: f32[N,T] V_phi(s_t) (differentiated).
+      old_values: f32[N,T] the critic's values when the batch was collected.
+      returns: f32[N,T] regression targets (`gspo_jax.advantages.gae`).
+      mask: f32[N,T].
+      clip_eps: eps_v >= 0, or None.
+      agg, norm_len, normalizer: as for the objectives.
+
+    Returns:
+      (loss, metrics) with metrics ``value_clip_frac`` (share of tokens where the clipped
+      term is the larger) and ``value_error`` (masked mean of (V - R)^2).
+    """
+    values = jnp.asarray(values)
+    for arg, x in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+        if jnp.shape(x) != values.shape or values.ndim != 2:
+            raise ValueError(f"value_loss: {arg} shape {jnp.shape(x)} != values shape "
+                             f"{values.shape} (both f32[N,T])")
+    if clip_eps is not None and not (_is_number(clip_eps) and clip_eps >= 0):
+        raise ValueError(f"value_loss: clip_eps must be None or >= 0, got {clip_eps!r}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"value_loss: agg must be one of {AGG_MODES}, got {agg!r}")
+    b = _prepare(jnp.zeros_like(values), jnp.zeros_like(values), jnp.asarray(mask), normalizer)
+    v = jnp.where(b.valid, values.astype(jnp.float32), 0.0)
+    v_old = jax.lax.stop_gradient(jnp.where(b.valid, jnp.asarray(old_values, jnp.float32), 0.0))
+    ret = jax.lax.stop_gradient(jnp.where(b.valid, jnp.asarray(returns, jnp.float32), 0.0))
+    err = (v - ret) ** 2
+    if clip_eps is None:
+        per_tok, clipped = 0.5 * err, jnp.zeros_like(b.valid)
+    else:
+        v_clip = v_old + jnp.clip(v - v_old, -clip_eps, clip_eps)
+        err_clip = (v_clip - ret) ** 2
+        per_tok, clipped = 0.5 * jnp.maximum(err, err_clip), err_clip > err
+    loss = _aggregate(per_tok, b, agg, norm_len or values.shape[1])
+    metrics = {"value_clip_frac": _tok_mean(_f32(clipped), b),
+               "value_error": _tok_mean(jax.lax.stop_gradient(err), b)}
+    return loss, metrics
+
+
+def token_entropy(logits: Array) -> Array:
+    """Entropy of the next-token distribution, f32[..., V] logits -> f32[...]."""
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def entropy_bonus(entropy: Array, mask: Array, *, coef: float = 0.01,
+                  agg: str = "token-mean", norm_len: int | None = None,
+                  normalizer: Normalizer | None = None) -> tuple[Array, Metrics]:
+    """Entropy bonus as a loss term: -coef * agg(H_t).
+
+    Args:
+      entropy: f32[N,T] per-token entropy (`token_entropy`), differentiated.
+      mask: f32[N,T].
+      coef: >= 0.
+      agg, norm_len, normalizer: as for the objectives.
+
+    Returns:
+      (loss, {"entropy": masked token mean of H}).
+    """
+    entropy = jnp.asarray(entropy)
+    if entropy.ndim != 2 or jnp.shape(mask) != entropy.shape:
+        raise ValueError(f"entropy_bonus: entropy {entropy.shape} and mask {jnp.shape(mask)} "
+                         "must both be f32[N,T]")
+    if not (_is_number(coef) and coef >= 0):
+        raise ValueError(f"entropy_bonus: coef must be a number >= 0, got {coef!r}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"entropy_bonus: agg must be one of {AGG_MODES}, got {agg!r}")
+    b = _prepare(jnp.zeros_like(entropy), jnp.zeros_like(entropy), jnp.asarray(mask), normalizer)
+    h = jnp.where(b.valid, entropy.astype(jnp.float32), 0.0)
+    loss = -coef * _aggregate(h, b, agg, norm_len or entropy.shape[1])
+    return loss, {"entropy": _tok_mean(jax.lax.stop_gradient(h), b)}
