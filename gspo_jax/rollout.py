@@ -1,0 +1,617 @@
+"""Rollout: a jit-compiled batched sampler with a KV cache that records what RL needs.
+
+`sample` (or a `Sampler` built once and called every RL step) turns a list of
+prompts into ``len(prompts) * num_samples`` responses, prompt-major (row
+``r = i * num_samples + g`` is sample g of prompt i), and returns a `Rollout`
+that holds, per response token, everything the trainer needs:
+
+* the unmodified policy log-prob ``logp`` (temperature 1, no truncation), which
+  is π_old(o_t | q, o_<t) of every objective in ``objectives.md``;
+* the log-prob under the distribution that actually drew the token
+  (``logp_sampling``: temperature, top-k, top-p applied);
+* the MoE routing record (R3): the top-K experts every MoE layer chose at the
+  forward position that produced the token, and those of the prompt prefill.
+
+How it runs
+-----------
+1. Host side (once per call): prompts are left-padded to a *prompt bucket* P
+   (powers of two, at least ``min_prompt_bucket``), rows are padded to a *batch
+   bucket* B (powers of two, a multiple of the data-parallel shard count), and
+   every array is placed on the device (sharded over the mesh's data axes when
+   a mesh is given).  Only these bucketed shapes reach the compiled function, so
+   a new batch recompiles only when it falls in a new (B, P) bucket.
+2. Device side, one ``jax.jit``-compiled function per (B, P, max_new_tokens,
+   sampling mode): one prefill of the [B, P] prompts into a KV cache, then a
+   ``lax.while_loop`` that samples token t from the last logits, records it and
+   feeds it back through ``model.decode`` (one token per row), until every row
+   has stopped or ``max_new_tokens`` tokens are out.  Nothing returns to the host
+   between tokens.
+
+Sampling (per row, per step, logits ℓ ∈ R^V):
+
+* greedy (``temperature == 0``): o_t = argmax ℓ; ``logp_sampling`` = 0 (log 1).
+* otherwise x = ℓ / temperature, then top-k keeps the k largest x, then top-p
+  keeps the smallest prefix (largest first) of the renormalised distribution
+  whose mass reaches ``top_p``.  The token is drawn from softmax(x) restricted
+  to the kept set, by inverse-CDF sampling with one uniform u_{r,t}.
+
+Randomness: row r = (prompt i, sample g) uses the key
+``fold_in(fold_in(rng, prompt_ids[i]), g)`` and draws all its uniforms from it,
+so a row's sample does not depend on the other rows of the batch, on the
+buckets, or on the prompt's position in the list (pass the same ``prompt_ids``
+to reproduce a prompt's samples in another batch).
+
+Stopping: a row stops after emitting any ``eos_id`` token or the last token of
+any ``stop_sequences`` entry (matched on token ids, inside the response only);
+the stop token(s) belong to the response (mask 1).  A row that emits
+``max_new_tokens`` tokens without stopping is ``truncated``.  Stop *strings*
+are given as token sequences: ``stop_sequences=[tokenizer.encode(s) for s in
+strings]`` (a string that can be tokenised in several ways is matched only in
+the given tokenisation).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count"]
+
+# Number of times the generation function has been traced (= compiled), per
+# static shape bucket.  Tests assert it stays at one per bucket.
+_TRACE_COUNTS: collections.Counter = collections.Counter()
+
+_NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
+
+
+def trace_count(key: Optional[tuple] = None) -> int:
+    """How many times the generation function was traced (compiled).
+
+    Args:
+      key: a bucket ``(B, P, max_new_tokens)``; None sums over all buckets.
+    """
+    if key is None:
+        return sum(_TRACE_COUNTS.values())
+    return sum(v for k, v in _TRACE_COUNTS.items() if k[:3] == tuple(key))
+
+
+@flax.struct.dataclass
+class Rollout:
+    """Sampled responses and the record RL needs, N = len(prompts) * num_samples
+    rows in prompt-major order (row i * num_samples + g is sample g of prompt i).
+
+    T = max_new_tokens, P = the prompt bucket (left padding included),
+    L = number of MoE layers, K = experts per token.
+
+    Attributes:
+      tokens: int32[N, T], the response; ``pad_id`` after the row stopped.
+      mask: f32[N, T], 1.0 on the response tokens (the stop token included),
+        0.0 after.  ``mask[r, t] = t < lengths[r]``.
+      lengths: int32[N], number of response tokens (= mask.sum(-1)).
+      truncated: bool[N], reached T tokens without emitting a stop token.
+      logp: f32[N, T], log π(o_t | q, o_<t) under the *unmodified* policy
+        (temperature 1, no top-k/top-p): log_softmax(logits)[o_t].  This is the
+        π_old log-prob that RL objectives use.  0 where mask is 0.
+      logp_sampling: f32[N, T], the log-prob of o_t under the distribution that
+        drew it (temperature, top-k and top-p applied; 0 for greedy decoding,
+        which draws with probability 1).  0 where mask is 0.
+      experts: int32[N, T, L, K], the R3 routing record: experts[r, t] is the
+        top-K chosen by every MoE layer at the forward position whose output
+        produced o_t, i.e. the input position (P - 1 + t) of the padded sequence
+        ``concat(prompt_tokens, tokens)`` (the last prompt token for t = 0).  It
+        is aligned with logp[r, t].  -1 where mask is 0.
+      prompt_tokens: int32[N, P], the prompts, left-padded with ``pad_id``.
+      prompt_mask: bool[N, P], True on real prompt tokens.
+      prompt_experts: int32[N, P, L, K], the prefill's top-K at every prompt
+        position; -1 on padding.  ``prompt_experts[:, P-1] == experts[:, 0]``.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+    logp: jax.Array
+    logp_sampling: jax.Array
+    experts: jax.Array
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    prompt_experts: jax.Array
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens.shape[0]
+
+    def sequence_tokens(self) -> jax.Array:
+        """int32[N, P+T]: ``concat(prompt_tokens, tokens)``, the full sequence."""
+        return jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
+
+    def sequence_mask(self) -> jax.Array:
+        """bool[N, P+T]: True on real tokens (prompt tokens and response tokens);
+        the attention mask of the full-sequence forward."""
+        return jnp.concatenate([self.prompt_mask, self.mask > 0], axis=1)
+
+    def sequence_positions(self) -> jax.Array:
+        """int32[N, P+T]: the positions the sampler used (0 at the first real
+        prompt token; padding clamped to 0)."""
+        m = self.sequence_mask().astype(jnp.int32)
+        return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
+
+    def replay(self) -> jax.Array:
+        """int32[N, P+T, L, K]: the R3 replay array for a forward over
+        `sequence_tokens()`.
+
+        Position j < P routes prompt token j (``prompt_experts``); position P + t
+        routes response token t, whose routing the sampler recorded when it fed
+        o_t to produce o_{t+1} (``experts[:, t+1]``).  The last response token is
+        never fed during sampling, so its position holds -1 (free routing); no
+        response log-prob depends on it.  The logits at positions P-1 ... P+T-2
+        of that forward give ``logp``.
+        """
+        tail = jnp.full_like(self.experts[:, :1], -1)
+        return jnp.concatenate([self.prompt_experts, self.experts[:, 1:], tail], axis=1)
+
+
+# ----------------------------------------------------------------------------
+# Token sampling (pure, per step).
+
+
+class _Mode(NamedTuple):
+    """The static part of the sampling configuration (decides the graph)."""
+
+    greedy: bool
+    top_k: int  # 0 = no top-k (already reduced to 0 when >= V)
+    use_top_p: bool
+
+
+def _inverse_cdf(x: jax.Array, u: jax.Array) -> jax.Array:
+    """Index drawn from softmax(x) along the last axis, by inverse CDF.
+
+    Args:
+      x: f32[B, C] logits; -inf marks excluded entries (at least one finite).
+      u: f32[B] uniforms in [0, 1).
+
+    Returns:
+      int32[B]: the first j with cdf_j >= (1 - u) · total, which has w_j > 0.
+    """
+    w = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # excluded entries: 0
+    cdf = jnp.cumsum(w, axis=-1)
+    v = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]
+    j = jnp.argmax(cdf >= v, axis=-1).astype(jnp.int32)
+    # Guard against rounding in the scan picking an entry of zero weight.
+    wj = jnp.take_along_axis(w, j[:, None], axis=-1)[:, 0]
+    return jnp.where(wj > 0, j, jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+
+def sample_token(logits: jax.Array, u: jax.Array, *, temperature: Union[float, jax.Array],
+                 top_p: Union[float, jax.Array], top_k: int = 0, greedy: bool = False
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draws one token per row; the sampling step of the decode loop.
+
+    Args:
+      logits: f32[B, V], the policy's next-token logits ℓ.
+      u: f32[B], uniforms in [0, 1) (one per row; the only randomness).
+      temperature: τ > 0 (ignored when greedy).
+      top_p: keep the smallest set of most likely tokens (of the tempered,
+        top-k-restricted distribution) whose probability mass is >= top_p;
+        1.0 keeps all.  Static whether it is used: pass 1.0 to disable it.
+      top_k: static; keep the k most likely tokens (0 or >= V: all).  Ties
+        are broken towards the lower token id.
+      greedy: static; argmax ℓ (temperature, top-k, top-p ignored: the argmax
+        lies in every kept set).
+
+    Returns:
+      (tokens int32[B], logp f32[B] = log_softmax(ℓ)[token] (unmodified policy),
+       logp_sampling f32[B] = log q(token) under the distribution sampled from;
+       0 for greedy).
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    mode = _Mode(bool(greedy), int(top_k) if 0 < int(top_k) < vocab else 0,
+                 not isinstance(top_p, (int, float)) or float(top_p) < 1.0)
+    return _sample_token(logits, u, jnp.float32(1.0) if greedy else temperature,
+                         top_p, mode)
+
+
+def _sample_token(logits, u, temperature, top_p, mode: _Mode):
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    if mode.greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        lps = jnp.zeros(logits.shape[:1], jnp.float32)
+    else:
+        x = logits / jnp.asarray(temperature, jnp.float32)
+        if mode.top_k or mode.use_top_p:
+            # Candidates sorted by decreasing x (lax.top_k is fast on CPU;
+            # argsort over V is ~100x slower there).
+            vals, idx = jax.lax.top_k(x, mode.top_k or x.shape[-1])
+            if mode.use_top_p:
+                p = jax.nn.softmax(vals, axis=-1)
+                # Mass strictly before each entry (exclusive cumsum); entry 0 is
+                # always kept since top_p > 0.
+                before = jnp.concatenate([jnp.zeros_like(before[:, :1]),
+                                          jnp.cumsum(p, axis=-1)[:, :-1]], axis=-1)
+                vals = jnp.where(before < jnp.asarray(top_p, jnp.float32), vals, -jnp.inf)
+            j = _inverse_cdf(vals, u)
+            tok = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+            lps = jnp.take_along_axis(jax.nn.log_softmax(vals, axis=-1), j[:, None], axis=-1)[:, 0]
+        else:
+            tok = _inverse_cdf(x, u)
+            lps = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
+    lp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+    return tok, lp, lps
+
+
+# ----------------------------------------------------------------------------
+# The compiled generation function.
+
+
+class _Spec(NamedTuple):
+    """Static configuration of one compiled generation function (its cache key
+    together with the graphdef and the argument shapes)."""
+
+    max_new_tokens: int
+    mode: _Mode
+    pad_id: int
+    batch_sharding: Optional[NamedSharding]
+
+
+class _Carry(NamedTuple):
+    t: jax.Array  # int32[], the response index being sampled
+    cache: Any  # the model's KVCache
+    logits: jax.Array  # f32[B, V], next-token logits for response token t
+    route: jax.Array  # int32[B, L, K], routing of the position that gave them
+    tokens: jax.Array  # int32[B, T]
+    logp: jax.Array  # f32[B, T]
+    logp_sampling: jax.Array  # f32[B, T]
+    experts: jax.Array  # int32[B, T, L, K]
+    stopped: jax.Array  # bool[B], emitted a stop token
+    lengths: jax.Array  # int32[B]
+    history: jax.Array  # int32[B, M], the last M response tokens (stop matching)
+
+
+def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, sample_ids,
+              live, stop_table, temperature, top_p, spec: _Spec):
+    """Prefill + on-device decode loop; see the module docstring.
+
+    Shapes: prompt_tokens int32[B, P] (left-padded), prompt_mask bool[B, P],
+    prompt_ids / sample_ids int32[B] (the key of each row), live bool[B] (False
+    on batch padding rows), stop_table int32[S, M] (stop sequences right-aligned,
+    -1 = wildcard on the left), temperature / top_p f32[].
+    """
+    batch, plen = prompt_tokens.shape
+    steps = spec.max_new_tokens
+    _TRACE_COUNTS[(batch, plen, steps, spec.mode, spec.pad_id, stop_table.shape,
+                   spec.batch_sharding)] += 1
+    model = nnx.merge(graphdef, state)
+
+    def shard(x):
+        if spec.batch_sharding is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, spec.batch_sharding)
+
+    # One uniform per (row, step), from the row's own key.
+    if spec.mode.greedy:
+        uniforms = jnp.zeros((batch, steps), jnp.float32)
+    else:
+        def row_uniforms(i, g):
+            key = jax.random.fold_in(jax.random.fold_in(rng, i), g)
+            return jax.random.uniform(key, (steps,), jnp.float32)
+        uniforms = shard(jax.vmap(row_uniforms)(prompt_ids, sample_ids))
+
+    # Prefill: positions count real tokens only, so left padding is invisible.
+    mask_i = prompt_mask.astype(jnp.int32)
+    n_prompt = jnp.sum(mask_i, axis=1)
+    positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
+    cache = model.init_cache(batch, plen + steps - 1)
+    logits, aux, cache = model.decode(prompt_tokens, cache, positions=positions,
+                                      attn_mask=prompt_mask)
+    topk = aux.topk_indices.astype(jnp.int32)  # [B, P, L, K]
+    prompt_experts = jnp.where(prompt_mask[:, :, None, None], topk, -1)
+    route_shape = topk.shape[2:]
+
+    carry = _Carry(
+        t=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=logits[:, -1].astype(jnp.float32),
+        route=topk[:, -1],
+        tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),
+        logp=shard(jnp.zeros((batch, steps), jnp.float32)),
+        logp_sampling=shard(jnp.zeros((batch, steps), jnp.float32)),
+        experts=shard(jnp.full((batch, steps) + route_shape, -1, jnp.int32)),
+        stopped=jnp.zeros((batch,), bool),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        history=jnp.full((batch, stop_table.shape[1]), _NO_TOKEN, jnp.int32),
+    )
+
+    def emit(c: _Carry) -> tuple[_Carry, jax.Array]:
+        """Samples response token c.t for every row still running and records it."""
+        active = live & ~c.stopped
+        u = jax.lax.dynamic_index_in_dim(uniforms, c.t, axis=1, keepdims=False)
+        tok, lp, lps = _sample_token(c.logits, u, temperature, top_p, spec.mode)
+        tok = jnp.where(active, tok, spec.pad_id)
+        lp = jnp.where(active, lp, 0.0)
+        lps = jnp.where(active, lps, 0.0)
+        route = jnp.where(active[:, None, None], c.route, -1)
+        history = jnp.concatenate([c.history[:, 1:], tok[:, None]], axis=1)
+        # A stop sequence matches when every non-wildcard entry equals the
+        # history at the same right-aligned offset: [B, S, M] -> [B].
+        match = (stop_table[None] == -1) | (history[:, None, :] == stop_table[None])
+        hit = jnp.any(jnp.all(match, axis=-1), axis=-1)
+        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=c.t, axis=1)
+        c = c._replace(
+            tokens=put(c.tokens, tok), logp=put(c.logp, lp),
+            logp_sampling=put(c.logp_sampling, lps), experts=put(c.experts, route),
+            stopped=c.stopped | (active & hit),
+            lengths=jnp.where(active, c.t + 1, c.lengths),
+            history=history)
+        return c, tok
+
+    def body(c: _Carry) -> _Carry:
+        c, tok = emit(c)
+        logits, aux, cache = model.decode(tok[:, None], c.cache,
+                                          positions=(n_prompt + c.t)[:, None])
+        return c._replace(t=c.t + 1, cache=cache, logits=logits[:, 0].astype(jnp.float32),
+                          route=aux.topk_indices[:, 0].astype(jnp.int32))
+
+    def cond(c: _Carry) -> jax.Array:
+        return (c.t < steps - 1) & jnp.any(live & ~c.stopped)
+
+    c = jax.lax.while_loop(cond, body, carry)
+    c, _ = emit(c)  # the last token needs no forward of its own
+
+    mask = (jnp.arange(steps, dtype=jnp.int32)[None, :] < c.lengths[:, None])
+    out = dict(tokens=c.tokens, mask=mask.astype(jnp.float32), lengths=c.lengths,
+               truncated=~c.stopped, logp=c.logp, logp_sampling=c.logp_sampling,
+               experts=c.experts, prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
+               prompt_experts=prompt_experts)
+    return {k: shard(v) for k, v in out.items()}
+
+
+_generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("spec",))
+
+
+def compile_cache_size() -> int:
+    """Number of executables in the generation function's jit cache."""
+    return _generate_jit._cache_size()
+
+
+# ----------------------------------------------------------------------------
+# Host side: validation, bucketing, placement.
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _token_list(seq, name: str, vocab_size: int) -> list[int]:
+    """A non-empty sequence of token ids in [0, vocab_size), or ValueError."""
+    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
+        raise ValueError(f"{name}: expected a sequence of token ids, got {type(seq).__name__}")
+    arr = np.asarray(seq)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name}: expected a non-empty 1-D sequence of token ids, "
+                         f"got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name}: token ids must be integers, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise ValueError(f"{name}: token id {int(arr[bad][0])} outside [0, vocab_size="
+                         f"{vocab_size})")
+    return arr.astype(np.int32).tolist()
+
+
+class Sampler:
+    """A batched sampler bound to one model structure; split the model once, call
+    it every RL step (passing the latest parameters as ``state=``).
+
+    Compiled functions are cached per (batch bucket, prompt bucket,
+    max_new_tokens, sampling mode, stop-table shape): temperature and top_p are
+    traced values, so changing them does not recompile; greedy-vs-sampling,
+    top_k and whether top-p is on (top_p < 1) are static.
+
+    Args:
+      graphdef, state: ``nnx.split(model)`` of a model with the
+        ``init_cache`` / ``decode`` API of `gspo_jax.models.Transformer`.
+      vocab_size: V, for input validation.
+      mesh: optional device mesh; the batch is sharded over ``data_axes`` and the
+        parameters keep whatever sharding ``state`` has.
+      data_axes: mesh axes the batch is sharded over (default: those of
+        ("data", "fsdp") that the mesh has).
+      min_prompt_bucket: the smallest prompt bucket; buckets are the powers of two
+        from it up.
+      prompt_buckets: explicit increasing prompt buckets instead (a prompt longer
+        than the last raises ValueError).
+    """
+
+    def __init__(self, graphdef, state, *, vocab_size: int, mesh: Optional[Mesh] = None,
+                 data_axes: Optional[Sequence[str]] = None, min_prompt_bucket: int = 16,
+                 prompt_buckets: Optional[Sequence[int]] = None):
+        if not (_is_int(vocab_size) and vocab_size > 0):
+            raise ValueError(f"vocab_size: must be a positive int, got {vocab_size!r}")
+        if not (_is_int(min_prompt_bucket) and min_prompt_bucket > 0):
+            raise ValueError(f"min_prompt_bucket: must be a positive int, got {min_prompt_bucket!r}")
+        if prompt_buckets is not None:
+            pb = list(prompt_buckets)
+            if not pb or not all(_is_int(b) and b > 0 for b in pb) or sorted(set(pb)) != pb:
+                raise ValueError(f"prompt_buckets: must be strictly increasing positive ints, "
+                                 f"got {prompt_buckets!r}")
+            prompt_buckets = tuple(int(b) for b in pb)
+        self.graphdef = graphdef
+        self.state = state
+        self.vocab_size = int(vocab_size)
+        self.min_prompt_bucket = int(min_prompt_bucket)
+        self.prompt_buckets = prompt_buckets
+        self.mesh = mesh
+        if mesh is None:
+            if data_axes is not None:
+                raise ValueError("data_axes: given without a mesh")
+            self.data_axes, self.data_shards, self._sharding = (), 1, None
+        else:
+            if data_axes is None:
+                data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+            data_axes = tuple(data_axes)
+            for a in data_axes:
+                if a not in mesh.axis_names:
+                    raise ValueError(f"data_axes: {a!r} is not an axis of the mesh "
+                                     f"{tuple(mesh.axis_names)}")
+            self.data_axes = data_axes
+            self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
+            self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
+
+    @classmethod
+    def from_model(cls, model: nnx.Module, **kwargs) -> "Sampler":
+        """Splits ``model`` once; kwargs as for the constructor."""
+        graphdef, state = nnx.split(model)
+        return cls(graphdef, state, vocab_size=model.cfg.vocab_size, **kwargs)
+
+    def prompt_bucket(self, length: int) -> int:
+        """The padded prompt length P used for a longest prompt of ``length``."""
+        if self.prompt_buckets is None:
+            return max(self.min_prompt_bucket, _next_pow2(length))
+        for b in self.prompt_buckets:
+            if b >= length:
+                return b
+        raise ValueError(f"prompts: a prompt of {length} tokens is longer than the largest "
+                         f"prompt bucket {self.prompt_buckets[-1]}")
+
+    def batch_bucket(self, rows: int) -> int:
+        """The padded row count B for ``rows`` sequences: a power of two, rounded
+        up to a multiple of the data shard count."""
+        b = _next_pow2(rows)
+        return -(-b // self.data_shards) * self.data_shards
+
+    def __call__(self, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                 max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0,
+                 eos_id: Union[None, int, Sequence[int]] = None,
+                 stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
+                 prompt_ids: Optional[Sequence[int]] = None, state=None) -> Rollout:
+        """Samples ``num_samples`` responses for every prompt.
+
+        Args:
+          prompts: list of token-id lists (each non-empty, ids in [0, V)).
+          num_samples: G, responses per prompt.
+          max_new_tokens: T, the response length bound (and the output width).
+          rng: a JAX PRNG key (typed or raw uint32[2]).
+          temperature: τ >= 0; 0 = greedy.
+          top_p: in (0, 1]; 1 = off.
+          top_k: >= 0; 0 = off.
+          eos_id: a token id or a list of them; emitting one stops the row.
+          stop_sequences: token-id sequences; completing one stops the row.
+          pad_id: the token written at padding (prompt and response).
+          prompt_ids: distinct ints, one per prompt, folded into the row keys
+            (default 0 .. len(prompts) - 1).  The same prompt with the same
+            prompt id and rng gives the same samples in any batch.
+          state: parameters to use instead of ``self.state`` (same structure).
+
+        Returns:
+          a `Rollout` with N = len(prompts) * num_samples rows (device arrays).
+        """
+        V = self.vocab_size
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
+            raise ValueError("prompts: expected a non-empty list of token-id lists")
+        plist = [_token_list(p, f"prompts[{i}]", V) for i, p in enumerate(prompts)]
+        for name, val in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
+            if not (_is_int(val) and val >= 1):
+                raise ValueError(f"{name}: must be an int >= 1, got {val!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                and temperature >= 0):
+            raise ValueError(f"temperature: must be a finite float >= 0, got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p!r}")
+        if not (_is_int(top_k) and top_k >= 0):
+            raise ValueError(f"top_k: must be an int >= 0, got {top_k!r}")
+        if not (_is_int(pad_id) and 0 <= pad_id < V):
+            raise ValueError(f"pad_id: must be a token id in [0, {V}), got {pad_id!r}")
+        if eos_id is None:
+            eos = []
+        elif _is_int(eos_id):
+            eos = _token_list([eos_id], "eos_id", V)
+        else:
+            eos = _token_list(eos_id, "eos_id", V)
+        stops = [[e] for e in eos] + [_token_list(s, f"stop_sequences[{j}]", V)
+                                      for j, s in enumerate(stop_sequences)]
+        n, G = len(plist), int(num_samples)
+        if prompt_ids is None:
+            pids = np.arange(n, dtype=np.int64)
+        else:
+            pids = np.asarray(prompt_ids)
+            if pids.shape != (n,) or not np.issubdtype(pids.dtype, np.integer):
+                raise ValueError(f"prompt_ids: expected {n} ints (one per prompt), got "
+                                 f"{pids.shape} {pids.dtype}")
+            if len(set(pids.tolist())) != n:
+                raise ValueError("prompt_ids: must be distinct (equal ids give equal samples)")
+            if pids.min() < 0 or pids.max() >= 2**31:
+                raise ValueError("prompt_ids: must be in [0, 2**31)")
+        rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+        if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            if rng.shape != (2,) or rng.dtype != jnp.uint32:
+                raise ValueError(f"rng: expected a PRNG key, got {rng.dtype}{list(rng.shape)}")
+            rng = jax.random.wrap_key_data(rng)
+        if rng.shape != ():
+            raise ValueError(f"rng: expected a single key, got shape {rng.shape}")
+
+        # Bucketed, left-padded host arrays.
+        N = n * G
+        P = self.prompt_bucket(max(len(p) for p in plist))
+        B = self.batch_bucket(N)
+        toks = np.full((B, P), pad_id, np.int32)
+        pmask = np.zeros((B, P), bool)
+        for i, p in enumerate(plist):
+            toks[i * G:(i + 1) * G, P - len(p):] = p
+            pmask[i * G:(i + 1) * G, P - len(p):] = True
+        pmask[N:, -1] = True  # batch padding rows: one pad token, discarded
+        row_pid = np.zeros((B,), np.int32)
+        row_pid[:N] = np.repeat(pids, G)
+        row_sid = np.zeros((B,), np.int32)
+        row_sid[:N] = np.tile(np.arange(G), n)
+        live = np.arange(B) < N
+        width = max([len(s) for s in stops], default=1)
+        table = np.full((len(stops), width), -1, np.int32)
+        for j, s in enumerate(stops):
+            table[j, width - len(s):] = s
+
+        mode = _Mode(greedy=temperature == 0,
+                     top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
+                     use_top_p=top_p < 1 and temperature > 0)
+        spec = _Spec(max_new_tokens=int(max_new_tokens), mode=mode, pad_id=int(pad_id),
+                     batch_sharding=self._sharding)
+        put = (lambda x: jax.device_put(x, self._sharding)) if self._sharding else jnp.asarray
+        args = (put(toks), put(pmask), put(row_pid), put(row_sid), put(live))
+        out = _generate_jit(self.graphdef, self.state if state is None else state, rng, *args,
+                            jnp.asarray(table), jnp.float32(temperature if temperature > 0 else 1.0),
+                            jnp.float32(top_p), spec=spec)
+        if N < B:
+            out = {k: v[:N] for k, v in out.items()}
+        return Rollout(**out)
+
+
+def sample(model: nnx.Module, prompts: Sequence[Sequence[int]], *, num_samples: int,
+           max_new_tokens: int, rng: jax.Array, temperature: float = 1.0, top_p: float = 1.0,
+           top_k: int = 0, eos_id: Union[None, int, Sequence[int]] = None,
+           stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
+           prompt_ids: Optional[Sequence[int]] = None, mesh: Optional[Mesh] = None,
+           **sampler_kwargs) -> Rollout:
+    """One-shot sampling: ``Sampler.from_model(model, mesh=mesh, ...)(prompts, ...)``.
+
+    The compiled function is cached across calls by the model's structure
+    (graphdef) and the shape bucket, so repeated calls do not recompile; a
+    training loop should still keep one `Sampler` and pass ``state=`` to avoid
+    re-splitting the model every step.  See `Sampler.__call__` for the arguments
+    and `Rollout` for the outputs.
+    """
+    sampler = Sampler.from_model(model, mesh=mesh, **sampler_kwargs)
+    return sampler(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, rng=rng,
+                   temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id,
+                   stop_sequences=stop_sequences, pad_id=pad_id, prompt_ids=prompt_ids)
