@@ -1,0 +1,24 @@
+"""Decoder-only MoE transformer in Flax NNX, with exposed routing and HF checkpoints.
+
+    from gspo_jax.models import ModelConfig, Transformer
+    model = Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+    logits, aux = model(tokens, positions=None, attn_mask=None, replay=None)
+    logp, entropy, aux = model.token_logprobs(tokens, targets, chunk_size=128)
+    cache = model.init_cache(batch_size, max_len)
+    logits, aux, cache = model.decode(tokens, cache, positions=positions, attn_mask=mask)
+
+Modules: config (ModelConfig), layers (norm, RoPE, attention, MLP), moe (router,
+replay, dispatch backends), transformer (Transformer, RouterAux, KVCache),
+sharding (logical axis rules -> mesh, sharded init), hf (Hugging Face
+checkpoints and tokenizer), safetensors_io (pickle-free tensor files).
+"""
+from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.transformer import KVCache, RouterAux, Transformer
+from gspo_jax.models.sharding import (init_sharded, logical_to_mesh_spec, param_shardings)
+from gspo_jax.models.hf import export_pretrained, from_pretrained, load_tokenizer
+
+__all__ = [
+    "ModelConfig", "Transformer", "RouterAux", "KVCache", "from_pretrained",
+    "export_pretrained", "load_tokenizer", "init_sharded", "param_shardings",
+    "logical_to_mesh_spec",
+]

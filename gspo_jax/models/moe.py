@@ -1,0 +1,206 @@
+"""Mixture-of-Experts feed-forward: f32 router, top-K, replay, three dispatches.
+
+For a token x (row of [N, D]) with router logits z = x W_r (f32, [E]),
+p = softmax(z), top-K experts e_1..e_K and gates w_k = p[e_k] (divided by
+sum_k p[e_k] when `renormalize_topk`), the layer computes
+
+    y = sum_k w_k * SwiGLU_{e_k}(x).
+
+Dispatch backends (same math, tests compare them, values and gradients):
+
+* ``dense``: every expert on every token, combined with a [N, E] gate matrix
+  that is zero off the chosen experts.  O(E) compute; the reference.
+* ``ragged``: the N*K (token, expert) assignments are sorted by expert and fed
+  to ``jax.lax.ragged_dot`` (grouped matmul) with the per-expert group sizes.
+  Dropless.  The right primitive on TPU / GPU; slow on CPU (see
+  /work/shared/design/measurements.md).
+* ``blocked``: the sorted assignments are laid out in fixed-size blocks of
+  `bk` rows, each block holding rows of one expert only (each expert's group is
+  padded to a multiple of bk); a batched matmul runs every block against its
+  expert's weights, gathered per block.  Dropless: the static number of blocks
+  nb = floor((N*K + E*(bk - 1)) / bk) bounds sum_e ceil(c_e / bk) for any
+  expert counts c_e.  Compute follows active (not total) parameters, plus at
+  most E*(bk-1) padding rows.
+
+Routing replay (objectives.md, "Routing replay"): replay int32[N, K], -1 = free.
+A row whose K entries are all >= 0 uses exactly those experts; any other row
+uses the free router's top-K.  Gates are the current router's probabilities at
+the used experts (renormalised as in a free forward), so the router keeps its
+gradient.  The mismatch rate is the share of replayed choices (valid tokens,
+replayed rows) that are not in the free router's top-K.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.layers import make_param
+
+
+class MoEStats(NamedTuple):
+  """Per-layer routing record (one MoE layer).
+
+  router_logits f32[N, E]; topk_indices int32[N, K] (the experts used);
+  topk_weights f32[N, K] (the gates used); expert_load f32[E] (share of the
+  valid tokens' assignments per expert, sums to 1); aux_loss, z_loss,
+  mismatch: f32 scalars.
+  """
+  router_logits: jax.Array
+  topk_indices: jax.Array
+  topk_weights: jax.Array
+  expert_load: jax.Array
+  aux_loss: jax.Array
+  z_loss: jax.Array
+  mismatch: jax.Array
+
+
+def dispatch_dense(x, idx, gates, wg, wu, wd):
+  """Reference: y [N, D] = sum_e C[n, e] SwiGLU_e(x_n), C = scatter of gates."""
+  e = wg.shape[0]
+  combine = jnp.sum(jax.nn.one_hot(idx, e, dtype=gates.dtype) * gates[..., None], axis=1)
+  h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, wg)) * jnp.einsum("nd,edf->enf", x, wu)
+  ye = jnp.einsum("enf,efd->end", h, wd)
+  return jnp.einsum("ne,end->nd", combine.astype(x.dtype), ye)
+
+
+def _sort_assignments(idx):
+  """Flatten [N, K] assignments and sort them by expert (stable)."""
+  flat_e = idx.reshape(-1)
+  order = jnp.argsort(flat_e, stable=True)
+  return flat_e, order
+
+
+def _combine(y_assign, gates, n, k):
+  """y [N, D] = sum_k gates[n, k] * y_assign[n*K + k]."""
+  y = y_assign.reshape(n, k, -1)
+  return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype))
+
+
+def dispatch_ragged(x, idx, gates, wg, wu, wd):
+  """Sort-based dropless dispatch through `jax.lax.ragged_dot`."""
+  n, k = idx.shape
+  e = wg.shape[0]
+  flat_e, order = _sort_assignments(idx)
+  xs = x[order // k]  # [NK, D], grouped by expert
+  sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+  ys = jax.lax.ragged_dot(h, wd, sizes)  # [NK, D], sorted order
+  inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  return _combine(ys[inv], gates, n, k)
+
+
+def block_size_for(num_rows: int, num_experts: int, max_block: int) -> int:
+  """Block rows for the blocked dispatch: max_block, shrunk (to a power of two
+  >= the mean rows per expert) when there are few rows, e.g. decode steps."""
+  mean = -(-num_rows // num_experts)
+  return max(1, min(max_block, 1 << max(0, (mean - 1).bit_length())))
+
+
+def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int):
+  """Sort-based dropless dispatch as a batched matmul over expert blocks."""
+  n, k = idx.shape
+  e, d, _ = wg.shape
+  nk = n * k
+  bk = block_size_for(nk, e, max_block)
+  nb = (nk + e * (bk - 1)) // bk
+  flat_e, order = _sort_assignments(idx)
+  sorted_e = flat_e[order]
+  counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  padded = (counts + bk - 1) // bk * bk
+  pad_end = jnp.cumsum(padded)
+  pad_start = pad_end - padded
+  start = jnp.cumsum(counts) - counts
+  dest = pad_start[sorted_e] + jnp.arange(nk, dtype=jnp.int32) - start[sorted_e]  # row of sorted j
+  row_tok = jnp.full((nb * bk,), n, jnp.int32).at[dest].set((order // k).astype(jnp.int32))
+  xp = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)  # row n = padding
+  xb = xp[row_tok].reshape(nb, bk, d)
+  block_e = jnp.searchsorted(pad_end, jnp.arange(nb, dtype=jnp.int32) * bk, side="right")
+  block_e = jnp.minimum(block_e, e - 1)  # blocks past the end hold padding rows only
+  h = (jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wg[block_e]))
+       * jnp.einsum("bcd,bdf->bcf", xb, wu[block_e]))
+  yb = jnp.einsum("bcf,bfd->bcd", h, wd[block_e]).reshape(nb * bk, d)
+  row_of_assign = jnp.zeros((nk,), jnp.int32).at[order].set(dest)
+  return _combine(yb[row_of_assign], gates, n, k)
+
+
+def route(logits, top_k: int, renormalize: bool, replay=None):
+  """Top-K routing from f32 logits [N, E].
+
+  Returns (idx int32[N, K], gates f32[N, K], probs f32[N, E], free_idx,
+  replayed bool[N]).
+  """
+  probs = jax.nn.softmax(logits, axis=-1)
+  free_w, free_idx = jax.lax.top_k(probs, top_k)
+  free_idx = free_idx.astype(jnp.int32)
+  if replay is None:
+    idx, w = free_idx, free_w
+    replayed = jnp.zeros(logits.shape[:1], bool)
+  else:
+    replayed = jnp.all(replay >= 0, axis=-1)
+    idx = jnp.where(replayed[:, None], replay.astype(jnp.int32), free_idx)
+    w = jnp.take_along_axis(probs, idx, axis=-1)
+  if renormalize:
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+  return idx, w, probs, free_idx, replayed
+
+
+class MoE(nnx.Module):
+  """MoE SwiGLU layer.  router [D, E] (f32 compute), experts gate/up [E, D, F],
+  down [E, F, D]."""
+
+  def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
+    d, f, e, pd = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.jnp_param_dtype
+    self.cfg = cfg
+    self.router = make_param(rngs, stack, (d, e), ("embed", None), pd, std=cfg.init_std)
+    self.gate = make_param(rngs, stack, (e, d, f), ("expert", "embed", "mlp"), pd, std=cfg.init_std)
+    self.up = make_param(rngs, stack, (e, d, f), ("expert", "embed", "mlp"), pd, std=cfg.init_std)
+    self.down = make_param(rngs, stack, (e, f, d), ("expert", "mlp", "embed"), pd, std=cfg.init_std)
+
+  def __call__(self, x, token_mask, replay=None):
+    """x [B, T, D] (compute dtype); token_mask bool[B, T] (False = padding:
+    excluded from losses, load and mismatch); replay int32[B, T, K] or None.
+
+    Returns (y [B, T, D], MoEStats with leading [B, T] on per-token fields).
+    """
+    cfg = self.cfg
+    b, t, d = x.shape
+    n, k, e = b * t, cfg.top_k, cfg.num_experts
+    xf = x.reshape(n, d)
+    logits = xf.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [N, E]
+    rep = None if replay is None else replay.reshape(n, k)
+    idx, gates, probs, free_idx, replayed = route(logits, k, cfg.renormalize_topk, rep)
+
+    dt = x.dtype
+    wg, wu, wd = (self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+    if cfg.moe_backend == "dense":
+      y = dispatch_dense(xf, idx, gates, wg, wu, wd)
+    elif cfg.moe_backend == "ragged":
+      y = dispatch_ragged(xf, idx, gates, wg, wu, wd)
+    else:
+      y = dispatch_blocked(xf, idx, gates, wg, wu, wd, max_block=cfg.moe_block_size)
+
+    m = token_mask.reshape(n).astype(jnp.float32)
+    n_valid = jnp.maximum(jnp.sum(m), 1.0)
+    assign = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1)  # [N, E]
+    load = jnp.einsum("n,ne->e", m, assign) / (n_valid * k)
+    mean_prob = jnp.einsum("n,ne->e", m, probs) / n_valid
+    aux_loss = e * jnp.sum(load * mean_prob)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    z_loss = jnp.sum(m * lse * lse) / n_valid
+    if rep is None:
+      mismatch = jnp.zeros((), jnp.float32)
+    else:
+      hit = jnp.any(rep[:, :, None] == free_idx[:, None, :], axis=-1)  # [N, K]
+      w_rep = m * replayed.astype(jnp.float32)
+      missed = jnp.einsum("n,nk->", w_rep, (~hit).astype(jnp.float32))
+      mismatch = missed / jnp.maximum(k * jnp.sum(w_rep), 1.0)
+    stats = MoEStats(
+        router_logits=logits.reshape(b, t, e),
+        topk_indices=idx.reshape(b, t, k),
+        topk_weights=gates.astype(jnp.float32).reshape(b, t, k),
+        expert_load=load, aux_loss=aux_loss, z_loss=z_loss, mismatch=mismatch)
+    return y.reshape(b, t, d), stats
