@@ -1,0 +1,99 @@
+r"""RSPO's router shift and the MoE routing diagnostics (objectives.md, "Router shift").
+
+Shapes: N sequences, T positions, L MoE layers, E experts, K experts per token.
+
+  topk_router_logp   router log-softmax gathered at given expert indices.
+  router_shift       gamma_{i,t} = max(gamma_min, exp(-(1/L) sum_l (1/K) sum_k
+                     |log p_theta^l(e_k) - log p_old^l(e_k)|)), stop-gradient, with e_k
+                     the experts pi_old's router selected.
+  expert_flip_fraction  per layer, mean over tokens of |topK_old \ topK_theta| / K.
+  token_flip_rate       share of tokens whose top-K set changed in any layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def topk_router_logp(router_logits: Array, topk_idx: Array) -> Array:
+    """Router log-softmax over all experts, gathered at the given experts.
+
+    Args:
+      router_logits: f32[N,T,L,E] router logits.
+      topk_idx: int[N,T,L,K] expert indices in [0, E) (e.g. pi_old's top-K).
+
+    Returns:
+      f32[N,T,L,K] log p^l(e_k).
+    """
+    router_logits, topk_idx = jnp.asarray(router_logits), jnp.asarray(topk_idx)
+    if router_logits.ndim != 4 or topk_idx.ndim != 4 or \
+            router_logits.shape[:3] != topk_idx.shape[:3]:
+        raise ValueError(f"topk_router_logp: router_logits must be f32[N,T,L,E] and topk_idx "
+                         f"int[N,T,L,K] with the same N,T,L; got {router_logits.shape} and "
+                         f"{topk_idx.shape}")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise ValueError(f"topk_router_logp: topk_idx must be integer, got {topk_idx.dtype}")
+    logp = jax.nn.log_softmax(router_logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, topk_idx, axis=-1, mode="clip")
+
+
+def router_shift(old_router_logp_at_old_topk: Array, new_router_logp_at_old_topk: Array, *,
+                 gamma_min: float = 0.5) -> Array:
+    """RSPO's per-token router-shift weight gamma in [gamma_min, 1] (stop-gradient).
+
+    Args:
+      old_router_logp_at_old_topk: f32[N,T,L,K] log p_old^l at pi_old's top-K experts.
+      new_router_logp_at_old_topk: f32[N,T,L,K] log p_theta^l at the same experts.
+      gamma_min: floor in (0, 1]; the paper does not fix it (default 0.5, to be swept).
+
+    Returns:
+      f32[N,T] gamma.
+    """
+    old = jnp.asarray(old_router_logp_at_old_topk)
+    new = jnp.asarray(new_router_logp_at_old_topk)
+    if old.ndim != 4 or new.shape != old.shape:
+        raise ValueError(f"router_shift: old_router_logp_at_old_topk {old.shape} and "
+                         f"new_router_logp_at_old_topk {new.shape} must both be f32[N,T,L,K]")
+    if isinstance(gamma_min, bool) or not isinstance(gamma_min, (int, float)) or \
+            not 0.0 < gamma_min <= 1.0:
+        raise ValueError(f"router_shift: gamma_min must be in (0, 1], got {gamma_min!r}")
+    shift = jnp.mean(jnp.abs(new.astype(jnp.float32) - old.astype(jnp.float32)), axis=(2, 3))
+    return jax.lax.stop_gradient(jnp.maximum(gamma_min, jnp.exp(-shift)))
+
+
+def _missing(old_idx: Array, new_idx: Array, mask: Array, fn: str):
+    old_idx, new_idx, mask = jnp.asarray(old_idx), jnp.asarray(new_idx), jnp.asarray(mask)
+    if old_idx.ndim != 4 or new_idx.shape != old_idx.shape or mask.shape != old_idx.shape[:2]:
+        raise ValueError(f"{fn}: old_idx and new_idx must be int[N,T,L,K] and mask f32[N,T]; "
+                         f"got {old_idx.shape}, {new_idx.shape}, {mask.shape}")
+    # [N,T,L,K]: is old expert k among the new top-K?
+    kept = jnp.any(old_idx[..., :, None] == new_idx[..., None, :], axis=-1)
+    m = mask.astype(jnp.float32)
+    return 1.0 - kept.astype(jnp.float32), m
+
+
+def expert_flip_fraction(old_idx: Array, new_idx: Array, mask: Array) -> Array:
+    """Per layer, the mean over valid tokens of |topK_old minus topK_new| / K.
+
+    Args:
+      old_idx: int[N,T,L,K] experts pi_old selected.
+      new_idx: int[N,T,L,K] experts pi_theta selects.
+      mask: f32[N,T] tokens that count.
+
+    Returns:
+      f32[L]; 0 when no token counts.
+    """
+    missing, m = _missing(old_idx, new_idx, mask, "expert_flip_fraction")
+    per_tok_layer = jnp.mean(missing, axis=-1)  # [N,T,L]
+    total = jnp.einsum("ntl,nt->l", per_tok_layer, m)
+    return total / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def token_flip_rate(old_idx: Array, new_idx: Array, mask: Array) -> Array:
+    """Share of valid tokens whose top-K set changed in at least one layer (f32[])."""
+    missing, m = _missing(old_idx, new_idx, mask, "token_flip_rate")
+    flipped = jnp.max(missing, axis=(2, 3))  # [N,T]
+    return jnp.sum(m * flipped) / jnp.maximum(jnp.sum(m), 1.0)

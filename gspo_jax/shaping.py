@@ -1,0 +1,76 @@
+r"""DAPO's data-side techniques (objectives.md, "DAPO's data-side techniques").
+
+  soft_overlong_penalty  added to the task reward, from the response length L:
+                         0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache if
+                         L_max - L_cache < L <= L_max; -1 if L > L_max.
+  overlong_mask          overlong filtering: every token of a truncated response gets mask 0.
+  dynamic_sampling_keep  keep a group only if its rewards are not all equal.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def soft_overlong_penalty(lengths: Array, *, max_len: int, cache_len: int) -> Array:
+    """DAPO's soft overlong punishment.
+
+    Args:
+      lengths: int or float [N] response lengths in tokens.
+      max_len: L_max, a positive int.
+      cache_len: L_cache, an int in [1, max_len].
+
+    Returns:
+      f32[N] penalty in [-1, 0] to add to the task reward.
+    """
+    for arg, v in (("max_len", max_len), ("cache_len", cache_len)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+            raise ValueError(f"soft_overlong_penalty: {arg} must be a positive int, got {v!r}")
+    if cache_len > max_len:
+        raise ValueError(f"soft_overlong_penalty: cache_len={cache_len} must be <= "
+                         f"max_len={max_len}")
+    lengths = jnp.asarray(lengths)
+    if lengths.ndim != 1:
+        raise ValueError(f"soft_overlong_penalty: lengths must be [N], got shape {lengths.shape}")
+    length = lengths.astype(jnp.float32)
+    start = float(max_len - cache_len)
+    ramp = (start - length) / float(cache_len)
+    return jnp.where(length <= start, 0.0, jnp.where(length <= max_len, ramp, -1.0))
+
+
+def overlong_mask(truncated: Array, mask: Array) -> Array:
+    """Overlong filtering: zeroes the mask of every truncated response.
+
+    Args:
+      truncated: bool[N], True where the response hit the length limit.
+      mask: f32[N,T].
+
+    Returns:
+      f32[N,T] (mask's dtype) with rows of truncated responses set to 0.
+    """
+    truncated, mask = jnp.asarray(truncated), jnp.asarray(mask)
+    if mask.ndim != 2 or truncated.shape != mask.shape[:1]:
+        raise ValueError(f"overlong_mask: truncated must be bool[N] and mask [N,T]; got "
+                         f"truncated {truncated.shape}, mask {mask.shape}")
+    return jnp.where(truncated.astype(bool)[:, None], jnp.zeros((), mask.dtype), mask)
+
+
+def dynamic_sampling_keep(rewards: Array) -> Array:
+    """DAPO's dynamic sampling filter: keep groups whose rewards are not all equal.
+
+    Args:
+      rewards: f32[P,G] rewards of P groups of G samples.
+
+    Returns:
+      bool[P], True for groups to keep (0 < #correct < G for 0/1 rewards).
+    """
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 2:
+        raise ValueError(f"dynamic_sampling_keep: rewards must be f32[P,G], got shape "
+                         f"{rewards.shape}")
+    return jnp.max(rewards, axis=1) != jnp.min(rewards, axis=1)
