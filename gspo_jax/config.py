@@ -77,8 +77,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective = ml_collections.ConfigDict()
     c.objective.name = "gspo"
     c.objective.hparams = ml_collections.ConfigDict()
-    c.objective.hparams.eps_low = 0.003
-    c.objective.hparams.eps_high = 0.004
 
     c.advantage = "group"
     c.gae = ml_collections.ConfigDict(dict(gamma=1.0, lam=0.95, value_clip=0.2, value_coef=0.5))
@@ -93,14 +91,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.dapo.overlong_cache_len = 8
 
     # Updates per rollout (the off-policy regime where MoE instability shows).
-    c.update = ml_collections.ConfigDict()
-    c.update.num_minibatches = 2  # optimizer steps per rollout and epoch
-    c.update.num_epochs = 1
-    c.update.micro_batches = 1  # gradient accumulation inside a mini-batch
-    c.update.routing_replay = "none"
-    c.update.gamma_min = 0.5  # RSPO's floor on the router-shift weight
-    c.update.aux_loss_coef = 0.01
-    c.update.z_loss_coef = 0.001
+    c.updates = ml_collections.ConfigDict()
+    c.updates.num_minibatches = 2  # optimizer steps per rollout and epoch
+    c.updates.num_epochs = 1
+    c.updates.micro_batches = 1  # gradient accumulation inside a mini-batch
+    c.updates.routing_replay = "none"
+    c.updates.gamma_min = 0.5  # RSPO's floor on the router-shift weight
+    c.updates.aux_loss_coef = 0.01
+    c.updates.z_loss_coef = 0.001
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.lr = 2e-4
@@ -152,8 +150,8 @@ def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.checkpoint_every = 1
     c.rollout.prompts_per_step = 4
     c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 8
-    c.update.num_minibatches = 2
+    c.rollout.max_new_tokens = 16
+    c.updates.num_minibatches = 2
     c.model.fields.d_model = 32
     c.model.fields.num_layers = 2
     c.model.fields.num_heads = 2
@@ -213,7 +211,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     if c.objective.name not in objectives.names():
         raise _err("objective.name", f"unknown objective {c.objective.name!r}; known: {objectives.names()}")
     try:
-        objectives.check_hparams(c.objective.name, **dict(c.objective.hparams))
+        objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams))
     except ValueError as e:
         raise _err("objective.hparams", str(e)) from None
 
@@ -253,23 +251,23 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         if int(f.num_heads) % int(f.num_kv_heads):
             raise _err("model.fields.num_kv_heads", f"must divide num_heads={f.num_heads}")
 
-    if c.update.routing_replay not in REPLAY_MODES:
-        raise _err("update.routing_replay", f"unknown mode {c.update.routing_replay!r}; known: {REPLAY_MODES}")
-    if not 0 < c.update.gamma_min <= 1:
-        raise _err("update.gamma_min", f"must be in (0, 1], got {c.update.gamma_min}")
+    if c.updates.routing_replay not in REPLAY_MODES:
+        raise _err("updates.routing_replay", f"unknown mode {c.updates.routing_replay!r}; known: {REPLAY_MODES}")
+    if not 0 < c.updates.gamma_min <= 1:
+        raise _err("updates.gamma_min", f"must be in (0, 1], got {c.updates.gamma_min}")
 
     shape = mesh_shape(c, num_devices)
     batch_shards = shape["data"] * shape["fsdp"]
     n = int(c.rollout.prompts_per_step) * g
-    mb = int(c.update.num_minibatches)
+    mb = int(c.updates.num_minibatches)
     if mb < 1 or n % mb:
         raise _err(
-            "update.num_minibatches",
+            "updates.num_minibatches",
             f"{mb} does not divide the rollout batch prompts_per_step*group_size = {n}",
         )
-    micro = int(c.update.micro_batches)
+    micro = int(c.updates.micro_batches)
     if micro < 1 or (n // mb) % micro:
-        raise _err("update.micro_batches", f"{micro} does not divide the mini-batch of {n // mb} sequences")
+        raise _err("updates.micro_batches", f"{micro} does not divide the mini-batch of {n // mb} sequences")
     if (n // mb // micro) % batch_shards:
         raise _err(
             "mesh",
@@ -278,8 +276,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         )
     if int(c.sft.steps) > 0 and int(c.sft.batch_size) % batch_shards:
         raise _err("sft.batch_size", f"{c.sft.batch_size} is not divisible by data*fsdp = {batch_shards}")
-    if int(c.update.num_epochs) < 1:
-        raise _err("update.num_epochs", "must be >= 1")
+    if int(c.updates.num_epochs) < 1:
+        raise _err("updates.num_epochs", "must be >= 1")
     if c.optimizer.schedule not in SCHEDULES:
         raise _err("optimizer.schedule", f"unknown schedule {c.optimizer.schedule!r}; known: {SCHEDULES}")
     if not c.optimizer.lr > 0:

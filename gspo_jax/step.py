@@ -1,0 +1,293 @@
+"""The pure, jit-compiled pieces of training.
+
+Sequence layout used throughout: a rollout batch holds left-padded prompts
+``prompt_tokens`` int32[N,P] (``prompt_mask``) followed by right-padded responses
+``tokens`` int32[N,T] (``mask``). The model reads ``inputs = concat(prompt,
+response)[:, :-1]`` and predicts ``targets = concat(prompt, response)[:, 1:]``;
+response token t is predicted at input position P-1+t, so every per-token
+array of the losses (log-probs, router records, γ) is the slice
+``[:, P-1:P-1+T]`` of a full-sequence one.
+
+Functions here are module-level and pure. Static pieces (the model's graphdef,
+the optimizer, a :class:`StepConfig`) are bound with ``functools.partial``
+before ``jax.jit``; nothing here reads a config object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gspo_jax import objectives, routing
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a train step changes; a pytree, donated to each step."""
+
+    step: jax.Array  # int32[]: optimizer updates applied or skipped
+    params: Any  # nnx.State of the model (its variables are all nnx.Param)
+    opt_state: Any
+    skipped: jax.Array  # int32[]: updates skipped for a non-finite loss or gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the policy update (hashable; bound before jit)."""
+
+    objective: str
+    hparams: tuple[tuple[str, Any], ...] = ()
+    micro_batches: int = 1
+    gamma_min: float = 0.5
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    @property
+    def hparam_dict(self) -> dict[str, Any]:
+        return dict(self.hparams)
+
+
+# --------------------------------------------------------------------------
+# Optimizer.
+
+
+def make_optimizer(*, lr: float, schedule: str, total_steps: int, warmup_steps: int, end_lr_ratio: float,
+                   weight_decay: float, b1: float, b2: float, grad_clip: float) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then constant/cosine/linear decay, and global-norm clipping."""
+    warmup_steps = max(0, min(warmup_steps, total_steps))
+    decay_steps = max(1, total_steps - warmup_steps)
+    if schedule == "constant":
+        after = optax.constant_schedule(lr)
+    elif schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, decay_steps, alpha=end_lr_ratio)
+    elif schedule == "linear":
+        after = optax.linear_schedule(lr, lr * end_lr_ratio, decay_steps)
+    else:
+        raise ValueError(f"schedule: unknown schedule {schedule!r}")
+    if warmup_steps:
+        sched = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), after], [warmup_steps])
+    else:
+        sched = after
+    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+    return optax.chain(*parts), sched
+
+
+def _apply_update(state: TrainState, grads, loss, optimizer):
+    """Optimizer update that is skipped, parameters and moments untouched, when
+    the loss or the gradient is not finite."""
+    grad_norm = optax.global_norm(grads)
+    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt, state.opt_state),
+        skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+    )
+    norms = {
+        "grad_norm": grad_norm,
+        "update_norm": jnp.where(ok, optax.global_norm(updates), 0.0),
+        "param_norm": optax.global_norm(new_state.params),
+        "skipped_update": jnp.where(ok, 0.0, 1.0),
+        "skipped_total": new_state.skipped,
+    }
+    return new_state, norms
+
+
+def _split_micro(tree, m: int):
+    """[n, ...] -> [m, n/m, ...] on every leaf."""
+    return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), tree)
+
+
+def _accumulate(loss_fn, params, batch, m: int):
+    """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan).
+
+    ``loss_fn`` returns ``(loss, (objective_metrics, other_metrics))``, with the
+    loss of each micro-batch already scaled by the whole mini-batch's
+    denominators, so the sum is the mini-batch loss exactly. Objective metrics
+    are merged exactly (`objectives.combine_metrics`); the others are averaged.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if m == 1:
+        (loss, (obj_m, other_m)), grads = grad_fn(params, batch)
+        return loss, {**obj_m, **other_m}, grads
+
+    def body(carry, mb):
+        loss_acc, grads_acc = carry
+        (loss, metrics), grads = grad_fn(params, mb)
+        return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads), (obj_m, other_m) = jax.lax.scan(
+        body, (jnp.zeros((), jnp.float32), zeros), _split_micro(batch, m))
+    metrics = {**(objectives.combine_metrics(obj_m) if obj_m else {}), **jax.tree.map(lambda x: jnp.mean(x, axis=0), other_m)}
+    return loss, metrics, grads
+
+
+# --------------------------------------------------------------------------
+# Sequences.
+
+
+def sequence_inputs(batch: Batch):
+    """Model inputs for the prompt+response layout (see the module docstring).
+
+    Returns inputs, targets int32[N,P+T-1], positions int32[N,P+T-1] (counted
+    over real tokens, so left padding does not shift them) and attn_mask.
+    """
+    seq = jnp.concatenate([batch["prompt_tokens"], batch["tokens"]], axis=1)
+    valid = jnp.concatenate([batch["prompt_mask"], batch["mask"]], axis=1).astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    return seq[:, :-1], seq[:, 1:], positions[:, :-1], valid[:, :-1]
+
+
+def response_slice(x: jax.Array, prompt_len: int, resp_len: int) -> jax.Array:
+    """The positions that predict the response tokens: [:, P-1 : P-1+T]."""
+    return jax.lax.slice_in_dim(x, prompt_len - 1, prompt_len - 1 + resp_len, axis=1)
+
+
+def _forward(model, batch: Batch, replay):
+    inputs, targets, positions, attn = sequence_inputs(batch)
+    logp, entropy, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn, replay=replay)
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    return response_slice(logp, p, t), response_slice(entropy, p, t), aux
+
+
+def logprob_pass(params, batch: Batch, *, graphdef, replay_key: str | None = None):
+    """Per-token log-probs of the response under ``params`` (no gradient).
+
+    Used for the old policy (recomputed by the training model) and for the
+    reference policy. Also returns the routing record of this forward:
+    ``topk`` int32[N,P+T-1,L,K] over all input positions (the R2 replay), and
+    at the response positions the router log-softmax at those top-K experts
+    (RSPO's old router log-probs) and the top-K themselves.
+    """
+    model = nnx.merge(graphdef, params)
+    replay = batch[replay_key] if replay_key else None
+    logp, entropy, aux = _forward(model, batch, replay)
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    topk_resp = response_slice(aux.topk_indices, p, t)
+    router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), topk_resp)
+    return {
+        "logp": logp,
+        "entropy": entropy,
+        "topk": aux.topk_indices,
+        "topk_resp": topk_resp,
+        "router_logp": router_lp,
+    }
+
+
+# --------------------------------------------------------------------------
+# The policy update.
+
+
+def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
+    """The objective on one (micro-)batch, scaled by whole-mini-batch denominators.
+
+    Returns ``(loss, (objective_metrics, other_metrics))``.
+    """
+    model = nnx.merge(graphdef, params)
+    replay = batch.get("replay")
+    logp, entropy, aux = _forward(model, batch, replay)
+    mask = batch["mask"].astype(jnp.float32)
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+
+    # Routing: the current router's log-probs at the old top-K experts give
+    # RSPO's γ; the current top-K against the old one gives the flip rates.
+    new_router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), batch["old_topk"])
+    gamma = routing.router_shift(batch["old_router_logp"], new_router_lp, gamma_min=cfg.gamma_min)
+    fn = objectives.get(cfg.objective)
+    loss, obj_metrics = fn(
+        logp,
+        batch["old_logp"],
+        batch["advantages"],
+        mask,
+        ref_logp=batch.get("ref_logp"),
+        router_shift=gamma if fn.needs_router_shift else None,
+        normalizer=norm,
+        **cfg.hparam_dict,
+    )
+    if cfg.entropy_coef:
+        bonus, _ = objectives.entropy_bonus(entropy, mask, coef=cfg.entropy_coef, normalizer=norm)
+        loss = loss + bonus
+    # The router losses are means over each micro-batch: 1/m each sums to the mean.
+    loss = loss + aux.loss(cfg.aux_loss_coef, cfg.z_loss_coef) / cfg.micro_batches
+
+    n_tok = jnp.maximum(jnp.sum(mask), 1.0)
+    cur_topk = response_slice(aux.topk_indices, p, t)
+    flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)
+    other = {
+        "entropy": jnp.sum(entropy * mask) / n_tok,
+        "aux_loss": aux.aux_loss,
+        "z_loss": aux.z_loss,
+        "router_shift_mean": jnp.sum(gamma * mask) / n_tok,
+        "router_shift_min": jnp.min(jnp.where(mask > 0, gamma, 1.0)),
+        "expert_flip_frac_layer": flips,
+        "expert_flip_frac": jnp.mean(flips),
+        "token_flip_rate": routing.token_flip_rate(batch["old_topk"], cur_topk, mask),
+    }
+    if replay is not None:
+        other["replay_mismatch_layer"] = aux.replay_mismatch
+        other["replay_mismatch"] = jnp.mean(aux.replay_mismatch)
+    return loss, (obj_metrics, other)
+
+
+def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, cfg: StepConfig):
+    """One optimizer update on a mini-batch, accumulated over micro-batches.
+
+    ``batch`` holds the rollout layout of the module docstring plus
+    ``old_logp``, ``advantages``, ``old_topk``, ``old_router_logp`` and,
+    optionally, ``ref_logp`` and ``replay``. ``rng`` is unused by the current
+    objectives (no dropout) and kept so that stochastic regularisers need no
+    API change.
+    """
+    del rng
+    norm = objectives.normalizer(batch["mask"])
+    loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg, norm=norm)
+    loss, metrics, grads = _accumulate(loss_fn, state.params, batch, cfg.micro_batches)
+    new_state, norms = _apply_update(state, grads, loss, optimizer)
+    return new_state, dict(metrics, loss=loss, **norms)
+
+
+# --------------------------------------------------------------------------
+# Supervised warm start.
+
+
+def sft_loss(params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, aux_loss_coef: float):
+    """Token-mean negative log-likelihood of the response given the prompt."""
+    model = nnx.merge(graphdef, params)
+    logp, entropy, aux = _forward(model, batch, None)
+    mask = batch["mask"].astype(jnp.float32)
+    nll = -jnp.sum(logp * mask) / num_tokens
+    n_tok = jnp.maximum(jnp.sum(mask), 1.0)
+    metrics = {
+        "sft_nll": -jnp.sum(logp * mask) / n_tok,
+        "entropy": jnp.sum(entropy * mask) / n_tok,
+        "aux_loss": aux.aux_loss,
+    }
+    return nll + aux_loss_coef * aux.aux_loss / micro_batches, ({}, metrics)
+
+
+def sft_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, micro_batches: int = 1,
+             aux_loss_coef: float = 0.0):
+    """One supervised update on prompt+reference-response sequences."""
+    del rng
+    num_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+    loss_fn = functools.partial(
+        sft_loss, graphdef=graphdef, num_tokens=num_tokens, micro_batches=micro_batches, aux_loss_coef=aux_loss_coef
+    )
+    loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches)
+    new_state, norms = _apply_update(state, grads, loss, optimizer)
+    return new_state, dict(metrics, loss=loss, **norms)

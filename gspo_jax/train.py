@@ -1,0 +1,606 @@
+"""The RL trainer: the main job.
+
+    python -m gspo_jax.train --config=configs/default.py --workdir=runs/default
+    python -m gspo_jax.train --config=configs/default.py:objective=grpo,smoke \\
+        --config.updates.routing_replay=R3 --workdir=/tmp/run
+
+One RL step (``Trainer.rl_step``):
+
+1. prompts from TFDS (:class:`gspo_jax.data.PromptSource`, a pure function of
+   the data position, so a resumed run sees the same prompts);
+2. rollout: G samples per prompt (:class:`gspo_jax.rollout.Sampler`), with
+   log-probs and the R3 routing record;
+3. rewards (:func:`gspo_jax.rewards.score`), DAPO's soft overlong punishment;
+4. advantages (``vmap`` over groups), DAPO's dynamic sampling (more rollouts
+   until the batch is full, within ``dapo.max_sampling_rounds``) and overlong
+   filtering;
+5. old log-probs recomputed by the training model (with its routing record,
+   the R2 replay), reference log-probs only when ``kl_coef`` is non-zero;
+6. ``num_epochs x num_minibatches`` calls of the one compiled
+   :func:`gspo_jax.step.train_step`, each accumulating ``micro_batches``.
+
+Before RL, a supervised warm start (``sft``) on the data set's reference
+solutions gives a policy that is sometimes right; it is a phase of its own,
+with its own checkpoints. Everything is resumable: each phase restores its
+latest checkpoint (parameters, optimizer state, step; the data position and
+RNG are functions of the step), and ``metrics.jsonl`` is cut back to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax import advantages as adv_lib
+from gspo_jax import config as config_lib
+from gspo_jax import objectives, rewards, shaping, step
+from gspo_jax.checkpoint import PhaseCheckpointer
+from gspo_jax.data import PromptSource
+from gspo_jax.metrics_log import MetricsWriter
+from gspo_jax.models import ModelConfig, Transformer, from_pretrained, init_sharded, param_shardings
+from gspo_jax.rollout import Sampler
+from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
+
+BATCH_AXES = ("data", "fsdp")
+
+
+# --------------------------------------------------------------------------
+# Building blocks.
+
+
+def maybe_initialize_distributed() -> None:
+    """Start multi-host JAX when the environment names a coordinator."""
+    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if addr:
+        jax.distributed.initialize(
+            coordinator_address=addr,
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in os.environ else None,
+            process_id=int(os.environ["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in os.environ else None,
+        )
+
+
+def make_mesh(shape: dict[str, int]) -> Mesh:
+    axes = config_lib.MESH_AXES
+    devices = np.asarray(jax.devices()).reshape(tuple(shape[a] for a in axes))
+    return Mesh(devices, axes)
+
+
+def make_tokenizer(c: ml_collections.ConfigDict):
+    if c.tokenizer == "char":
+        return CharTokenizer(words=(rewards.ANSWER_OPEN, rewards.ANSWER_CLOSE))
+    path = c.tokenizer
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
+    return HFTokenizer.from_dir(path)
+
+
+def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+    fields = dict(c.model.fields)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise config_lib.ConfigError(f"config.model.fields.{unknown[0]}: not a ModelConfig field")
+    if not fields.get("vocab_size"):
+        fields["vocab_size"] = vocab_size
+    elif fields["vocab_size"] < vocab_size:
+        raise config_lib.ConfigError(
+            f"config.model.fields.vocab_size: {fields['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    for k, v in fields.items():
+        if isinstance(v, list):
+            fields[k] = tuple(v)
+    return ModelConfig(**fields)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt text -> ids: the chat template where the tokenizer has one."""
+    if isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode(text)
+    ids = tokenizer.encode(text)
+    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def pad_left(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    toks = np.full((len(seqs), length), pad, np.int32)
+    mask = np.zeros((len(seqs), length), np.float32)
+    for i, s in enumerate(seqs):
+        if len(s):
+            toks[i, length - len(s):] = s
+            mask[i, length - len(s):] = 1
+    return toks, mask
+
+
+def pad_right(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    toks = np.full((len(seqs), length), pad, np.int32)
+    mask = np.zeros((len(seqs), length), np.float32)
+    for i, s in enumerate(seqs):
+        toks[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return toks, mask
+
+
+def _left_pad_to(x: np.ndarray, length: int, value) -> np.ndarray:
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    widths = [(0, 0), (pad, 0)] + [(0, 0)] * (x.ndim - 2)
+    return np.pad(x, widths, constant_values=value)
+
+
+def _mean_metrics(ms: list[dict]) -> dict:
+    out = {}
+    for k in ms[0]:
+        vals = [np.asarray(m[k], np.float64) for m in ms]
+        out[k] = np.max(vals, axis=0) if k.endswith("_max") or k == "skipped_total" else np.mean(vals, axis=0)
+    return out
+
+
+# --------------------------------------------------------------------------
+# The trainer.
+
+
+class Trainer:
+    """Holds the host-side pieces of a run; the math lives in :mod:`gspo_jax.step`."""
+
+    def __init__(self, c: ml_collections.ConfigDict, workdir: str):
+        self.c = c
+        self.workdir = workdir
+        mesh_shape = config_lib.validate(c, jax.device_count())
+        self.mesh = make_mesh(mesh_shape)
+        os.makedirs(workdir, exist_ok=True)
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                json.dump(c.to_dict(), f, indent=2, sort_keys=True, default=str)
+
+        self.tokenizer = make_tokenizer(c)
+        data_dir = c.task.data_dir or os.path.join(workdir, "data")
+        difficulty = None if c.task.name == "gsm8k" else c.task.difficulty
+        gsm8k_files = c.task.get("gsm8k_files") or None
+        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed)
+        if c.task.name == "gsm8k":
+            kw["gsm8k_files"] = gsm8k_files
+        self.train_data = PromptSource(c.task.name, "train", **kw)
+        self.eval_data = PromptSource(c.task.name, "test", shuffle=False, **kw)
+
+        # The policy, created already sharded.
+        if c.model.pretrained:
+            model = from_pretrained(c.model.pretrained, dtype=c.model.fields.get("dtype", "float32"))
+            self.model_cfg = model.cfg
+            graphdef, params = nnx.split(model)
+            params = jax.device_put(params, param_shardings(params, self.mesh, self.model_cfg))
+        else:
+            self.model_cfg = model_config(c, self.tokenizer.vocab_size)
+            model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
+            graphdef, params = nnx.split(model)
+        non_params = nnx.split(model, nnx.Param, ...)[2]
+        if jax.tree.leaves(non_params):
+            raise ValueError("the model holds non-Param variables; the trainer expects parameters only")
+        self.graphdef = graphdef
+        self.sampler = Sampler(graphdef, params, vocab_size=self.model_cfg.vocab_size, mesh=self.mesh)
+        self._init_params = params
+
+        self.step_cfg = step.StepConfig(
+            objective=c.objective.name,
+            hparams=tuple(sorted(dict(c.objective.hparams).items())),
+            micro_batches=int(c.updates.micro_batches),
+            gamma_min=float(c.updates.gamma_min),
+            aux_loss_coef=float(c.updates.aux_loss_coef),
+            z_loss_coef=float(c.updates.z_loss_coef),
+            entropy_coef=float(c.entropy_coef),
+        )
+        self.kl_coef = float(objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams)).get("kl_coef", 0.0))
+
+    # ---- sharding helpers -------------------------------------------------
+
+    def _batch_sharding(self, x) -> NamedSharding:
+        return NamedSharding(self.mesh, P(BATCH_AXES, *([None] * (np.ndim(x) - 1))))
+
+    def _put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.device_put(v, self._batch_sharding(v)) for k, v in batch.items()}
+
+    def _state_shardings(self, state):
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def _new_state(self, params, optimizer) -> step.TrainState:
+        opt_state = jax.jit(optimizer.init)(params)
+        return step.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                               skipped=jnp.zeros((), jnp.int32))
+
+    def _compile(self, fn, state, **static):
+        shardings = self._state_shardings(state)
+        return jax.jit(
+            functools.partial(fn, graphdef=self.graphdef, **static),
+            in_shardings=(shardings, None, None),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+
+    # ---- supervised warm start --------------------------------------------
+
+    def sft_batch(self, position: int) -> dict[str, np.ndarray]:
+        c, tok = self.c, self.tokenizer
+        examples = self.train_data.batch(position, int(c.sft.batch_size))
+        prompts = [encode_prompt(tok, ex.prompt) for ex in examples]
+        T = int(c.rollout.max_new_tokens)
+        responses = []
+        for ex in examples:
+            if ex.reference is None:
+                raise ValueError(f"task {c.task.name!r} example {ex.index} has no reference solution for sft")
+            r = tok.encode(ex.reference) + [tok.eos_id]
+            if len(r) > T:
+                raise config_lib.ConfigError(
+                    f"config.rollout.max_new_tokens: {T} is shorter than a reference solution ({len(r)} tokens)")
+            responses.append(r)
+        p_len = _pow2_at_least(max(len(p) for p in prompts))
+        pt, pm = pad_left(prompts, p_len, tok.pad_id)
+        rt, rm = pad_right(responses, T, tok.pad_id)
+        return {"prompt_tokens": pt, "prompt_mask": pm, "tokens": rt, "mask": rm}
+
+    def run_sft(self, writer_factory) -> Any:
+        c = self.c
+        steps = int(c.sft.steps)
+        ckpt = PhaseCheckpointer(self.workdir, "sft", every=int(c.checkpoint_every),
+                                 keep=c.keep_checkpoints)
+        optimizer, sched = step.make_optimizer(
+            lr=c.sft.lr, schedule="cosine", total_steps=steps, warmup_steps=c.sft.warmup_steps, end_lr_ratio=0.1,
+            weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
+        state = self._new_state(self._init_params, optimizer)
+        start = 0
+        if ckpt.latest_step() is not None:
+            state, meta, start = ckpt.restore(state)
+        writer = writer_factory("sft", start)
+        if start >= steps:
+            ckpt.close()
+            return state.params, writer
+        fn = self._compile(step.sft_step, state, optimizer=optimizer, micro_batches=1,
+                           aux_loss_coef=float(c.updates.aux_loss_coef))
+        bar = _progress(c, steps, start, "sft")
+        base = jax.random.key(c.seed)
+        for i in range(start, steps):
+            t0 = time.perf_counter()
+            batch = self._put_batch(self.sft_batch(i * int(c.sft.batch_size)))
+            state, m = fn(state, batch, jax.random.fold_in(base, i))
+            if (i + 1) % c.log_every == 0 or i + 1 == steps:
+                m = jax.device_get(m)
+                dt = time.perf_counter() - t0
+                m["lr"] = float(sched(i))
+                m["step_time"] = dt
+                m["tokens_per_s"] = float(np.sum(batch["mask"])) / dt
+                writer.write(i + 1, "sft", m)
+                bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
+            bar.update(1)
+            ckpt.save(i + 1, state, {"phase": "sft", "step": i + 1}, force=(i + 1 == steps))
+        bar.close()
+        ckpt.close()
+        return state.params, writer
+
+    # ---- RL ---------------------------------------------------------------
+
+    def _rollout(self, params, examples, rng, *, greedy: bool = False, num_samples: int | None = None):
+        c, tok = self.c, self.tokenizer
+        ids = [encode_prompt(tok, ex.prompt) for ex in examples]
+        g = num_samples or int(c.rollout.group_size)
+        return self.sampler(
+            ids,
+            num_samples=g,
+            max_new_tokens=int(c.rollout.max_new_tokens),
+            rng=rng,
+            temperature=0.0 if greedy else float(c.rollout.temperature),
+            top_p=1.0 if greedy else float(c.rollout.top_p),
+            top_k=0 if greedy else int(c.rollout.top_k),
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+            prompt_ids=[ex.index for ex in examples],
+            state=params,
+        )
+
+    def _texts(self, ro) -> list[str]:
+        toks, mask = np.asarray(ro.tokens), np.asarray(ro.mask)
+        return [self.tokenizer.decode(toks[i][mask[i] > 0].tolist()) for i in range(toks.shape[0])]
+
+    def evaluate(self, params) -> dict[str, float]:
+        """Greedy decoding of the first ``task.eval_size`` held-out prompts."""
+        c = self.c
+        examples = self.eval_data.first(int(c.task.eval_size))
+        ro = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
+        r, comps, _ = rewards.score(c.task.name, self._texts(ro), [ex.meta for ex in examples])
+        return {"eval_reward_mean": float(np.mean(comps["correct"])), "eval_format": float(np.mean(comps["format"]))}
+
+    def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Rollouts, rewards, advantages and DAPO's filters for one RL step.
+
+        Returns the host batch (without old log-probs) and host metrics.
+        """
+        c = self.c
+        n_prompts, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
+        T = int(c.rollout.max_new_tokens)
+        rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        kept: list[dict[str, np.ndarray]] = []
+        n_kept = 0
+        all_rewards, all_correct, all_format, lengths, truncs = [], [], [], [], []
+        fail_counts: dict[str, int] = {}
+        sample_time = 0.0
+        gen_tokens = 0
+        for rnd in range(rounds):
+            # Round r of step s reads prompts at position (s * rounds + r) * n_prompts,
+            # a pure function of the step: resume needs no extra data state.
+            pos = (step_idx * rounds + rnd) * n_prompts
+            examples = self.train_data.batch(pos, n_prompts)
+            t0 = time.perf_counter()
+            ro = self._rollout(params, examples, jax.random.fold_in(rng, rnd))
+            ro = jax.device_get(ro)
+            sample_time += time.perf_counter() - t0
+            texts = self._texts(ro)
+            metas = [ex.meta for ex in examples for _ in range(g)]
+            r, comps, fails = rewards.score(c.task.name, texts, metas, format_weight=float(c.task.format_reward))
+            for k, v in fails.items():
+                fail_counts[k] = fail_counts.get(k, 0) + v
+            length = np.asarray(ro.mask).sum(axis=1)
+            gen_tokens += int(length.sum())
+            if c.dapo.soft_overlong:
+                r = r + np.asarray(shaping.soft_overlong_penalty(
+                    jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)))
+            all_rewards.append(r)
+            all_correct.append(comps["correct"])
+            all_format.append(comps["format"])
+            lengths.append(length)
+            truncs.append(np.asarray(ro.truncated))
+            rg = r.reshape(n_prompts, g)
+            keep = np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(rg))) if c.dapo.dynamic_sampling \
+                else np.ones(n_prompts, bool)
+            rows = np.repeat(keep, g)
+            mask = np.asarray(ro.mask, np.float32)
+            if c.dapo.overlong_filter:
+                mask = np.asarray(shaping.overlong_mask(jnp.asarray(ro.truncated), jnp.asarray(mask)))
+            part = {
+                "prompt_tokens": np.asarray(ro.prompt_tokens),
+                "prompt_mask": np.asarray(ro.prompt_mask, np.float32),
+                "tokens": np.asarray(ro.tokens),
+                "mask": mask,
+                "rewards": r,
+                "rollout_logp": np.asarray(ro.logp),
+                    # R3: the rollout's routing at every input position [0, P+T-1):
+                # the prefill's at prompt positions < P-1, then the decode's.
+                "replay_r3": np.concatenate(
+                    [np.asarray(ro.prompt_experts)[:, :-1], np.asarray(ro.experts)], axis=1),
+            }
+            kept.append({k: v[rows] for k, v in part.items()})
+            n_kept += int(keep.sum())
+            if n_kept >= n_prompts:
+                break
+        bound_hit = c.dapo.dynamic_sampling and n_kept < n_prompts
+
+        # Assemble exactly n_prompts groups; if dynamic sampling fell short, the
+        # missing groups are padding whose mask is 0 (they add nothing).
+        p_len = max(k["prompt_tokens"].shape[1] for k in kept)
+        for k in kept:  # a common prompt bucket across rounds
+            k["prompt_tokens"] = _left_pad_to(k["prompt_tokens"], p_len, self.tokenizer.pad_id)
+            k["prompt_mask"] = _left_pad_to(k["prompt_mask"], p_len, 0)
+            k["replay_r3"] = _left_pad_to(k["replay_r3"], p_len + T - 1, -1)
+        batch = {key: np.concatenate([k[key] for k in kept], axis=0)[: n_prompts * g] for key in kept[0]}
+        short = n_prompts * g - batch["tokens"].shape[0]
+        if short:
+            batch = {key: np.concatenate([v, np.repeat(v[:1], short, axis=0)], axis=0) for key, v in batch.items()}
+            batch["mask"][-short:] = 0
+        rg = batch.pop("rewards").reshape(n_prompts, g)
+        if c.advantage == "group":
+            a = adv_lib.group(jnp.asarray(rg))
+        elif c.advantage == "group_no_std":
+            a = adv_lib.group_no_std(jnp.asarray(rg))
+        elif c.advantage == "rloo":
+            a = adv_lib.rloo(jnp.asarray(rg))
+        else:
+            raise NotImplementedError(f"config.advantage: {c.advantage!r} is not supported by the trainer yet")
+        batch["advantages"] = np.asarray(a, np.float32).reshape(-1)
+
+        r_all = np.concatenate(all_rewards)
+        rg_all = r_all.reshape(-1, g)
+        length = np.concatenate(lengths)
+        info = {
+            "reward_mean": float(r_all.mean()),
+            "reward_std": float(r_all.std()),
+            "reward_correct": float(np.concatenate(all_correct).mean()),
+            "reward_format": float(np.concatenate(all_format).mean()),
+            "zero_std_group_frac": float(np.mean(rg_all.std(axis=1) == 0)),
+            "response_len": float(length.mean()),
+            "truncation_rate": float(np.concatenate(truncs).mean()),
+            "sampling_rounds": len(all_rewards),
+            "dynamic_sampling_bound_hit": float(bound_hit),
+            "sample_time": sample_time,
+            "gen_tokens": gen_tokens,
+        }
+        info.update({f"verifier_{k}": v for k, v in fail_counts.items()})
+        return batch, info
+
+
+def _progress(c, total: int, start: int, desc: str):
+    if c.progress_bar and jax.process_index() == 0:
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+
+    class _Null:
+        def update(self, n): ...
+        def set_postfix(self, **kw): ...
+        def close(self): ...
+
+    return _Null()
+
+
+def _clip_frac(m: dict) -> float:
+    """The objective's clip fraction: sequence-level for GSPO, low+high otherwise."""
+    if "seq_clip_frac" in m:
+        return float(m["seq_clip_frac"])
+    return float(m.get("clip_frac_low", 0.0)) + float(m.get("clip_frac_high", 0.0))
+
+
+def _take(batch: dict[str, jax.Array], idx: np.ndarray) -> dict[str, jax.Array]:
+    return {k: v[idx] for k, v in batch.items()}
+
+
+class RLPhase:
+    """The RL phase of a :class:`Trainer`: compiled functions and the step loop."""
+
+    def __init__(self, trainer: Trainer, params):
+        self.t = trainer
+        c = trainer.c
+        self.updates_per_step = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
+        self.optimizer, self.sched = step.make_optimizer(
+            lr=c.optimizer.lr, schedule=c.optimizer.schedule,
+            total_steps=int(c.total_rl_steps) * self.updates_per_step,
+            warmup_steps=c.optimizer.warmup_steps, end_lr_ratio=c.optimizer.end_lr_ratio,
+            weight_decay=c.optimizer.weight_decay, b1=c.optimizer.b1, b2=c.optimizer.b2,
+            grad_clip=c.optimizer.grad_clip)
+        # The reference policy is where RL starts; copied, as the state is donated.
+        self.ref_params = jax.tree.map(jnp.copy, params) if trainer.kl_coef else None
+        self.state = trainer._new_state(params, self.optimizer)
+        self.train_fn = trainer._compile(step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg)
+        replay = c.updates.routing_replay
+        self.logp_fn = jax.jit(functools.partial(
+            step.logprob_pass, graphdef=trainer.graphdef, replay_key="replay_r3" if replay == "R3" else None))
+
+    def prepare(self, host_batch: dict[str, np.ndarray]) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        """Device batch with old (and reference) log-probs and routing records."""
+        c = self.t.c
+        dev = self.t._put_batch(host_batch)
+        old = self.logp_fn(self.state.params, dev)
+        batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask", "advantages")}
+        batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"])
+        if c.updates.routing_replay == "R2":
+            batch["replay"] = old["topk"]
+        elif c.updates.routing_replay == "R3":
+            batch["replay"] = dev["replay_r3"]
+        if self.ref_params is not None:
+            batch["ref_logp"] = self.logp_fn(self.ref_params, dev)["logp"]
+        mask = dev["mask"]
+        n = jnp.maximum(jnp.sum(mask), 1.0)
+        # How far the recomputed old log-probs are from the sampler's: the
+        # training-inference mismatch that R3 exists to remove.
+        info = {"rollout_logp_abs_diff": float(jnp.sum(jnp.abs(old["logp"] - dev["rollout_logp"]) * mask) / n)}
+        return batch, info
+
+    def step(self, s: int) -> dict[str, Any]:
+        """One RL step: collect, prepare, update. Returns the step's metrics."""
+        t, c = self.t, self.t.c
+        rng = jax.random.fold_in(jax.random.key(c.seed + 1), s)
+        t0 = time.perf_counter()
+        host_batch, info = t.collect(self.state.params, s, rng)
+        t1 = time.perf_counter()
+        batch, pinfo = self.prepare(host_batch)
+        jax.block_until_ready(batch)
+        t2 = time.perf_counter()
+        n = batch["tokens"].shape[0]
+        mb = n // int(c.updates.num_minibatches)
+        perm_key = jax.random.fold_in(rng, 1_000_003)
+        ms = []
+        for epoch in range(int(c.updates.num_epochs)):
+            perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
+            for j in range(int(c.updates.num_minibatches)):
+                idx = perm[j * mb:(j + 1) * mb]
+                mini = {k: jax.device_put(v, t._batch_sharding(v)) for k, v in _take(batch, idx).items()}
+                self.state, m = self.train_fn(self.state, mini, jax.random.fold_in(rng, 7 + len(ms)))
+                ms.append(m)
+        ms = jax.device_get(ms)
+        t3 = time.perf_counter()
+        m = _mean_metrics(ms)
+        m.update(info)
+        m.update(pinfo)
+        m["clip_frac"] = _clip_frac(m)
+        m["lr"] = float(self.sched(int(self.state.step) - 1))
+        step_time = t3 - t0
+        trained_tokens = float(np.sum(host_batch["mask"])) * int(c.updates.num_epochs)
+        m.update(step_time=step_time, rollout_time=t1 - t0, old_logp_time=t2 - t1, update_time=t3 - t2,
+                 tokens_per_s=(info["gen_tokens"] + trained_tokens) / step_time)
+        return m
+
+
+def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+    """Run (or resume) the whole job: supervised warm start, then RL."""
+    trainer = Trainer(c, workdir)
+    writers: dict[str, MetricsWriter] = {}
+
+    rl_ckpt = PhaseCheckpointer(workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints))
+    rl_start = rl_ckpt.latest_step() or 0
+
+    def writer_factory(phase: str, start: int) -> MetricsWriter:
+        if "w" not in writers:
+            # Cut the log back to where this run resumes: the RL checkpoint if
+            # there is one, else the SFT checkpoint.
+            if rl_start:
+                writers["w"] = MetricsWriter(workdir, resume_step=rl_start, resume_phase="rl")
+            else:
+                writers["w"] = MetricsWriter(workdir, resume_step=start, resume_phase=phase)
+        return writers["w"]
+
+    if int(c.sft.steps) > 0:
+        params, writer = trainer.run_sft(writer_factory)
+    else:
+        params, writer = trainer._init_params, writer_factory("rl", rl_start)
+
+    rl = RLPhase(trainer, params)
+    if rl_start:
+        rl.state, _, rl_start = rl_ckpt.restore(rl.state)
+    records = []
+    steps = int(c.total_rl_steps)
+    if rl_start == 0:
+        rec = writer.write(0, "rl", trainer.evaluate(rl.state.params))
+        records.append(rec)
+    bar = _progress(c, steps, rl_start, "rl")
+    for s in range(rl_start, steps):
+        m = rl.step(s)
+        if (s + 1) % int(c.eval_every) == 0 or s + 1 == steps:
+            m.update(trainer.evaluate(rl.state.params))
+        if (s + 1) % int(c.log_every) == 0 or "eval_reward_mean" in m or s + 1 == steps:
+            records.append(writer.write(s + 1, "rl", m))
+        bar.set_postfix(reward=f"{m['reward_mean']:.3f}", clip=f"{m['clip_frac']:.3f}",
+                        flip=f"{m['expert_flip_frac']:.3f}")
+        bar.update(1)
+        rl_ckpt.save(s + 1, rl.state, {"phase": "rl", "step": s + 1}, force=(s + 1 == steps))
+    bar.close()
+    rl_ckpt.close()
+    writer.close()
+    return records
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import flags, logging
+
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    maybe_initialize_distributed()
+    cfg = flags.FLAGS.config
+    if cfg is None:
+        raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
+    run(cfg, flags.FLAGS.workdir)
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True)
+    flags.DEFINE_string("workdir", "runs/default", "Where checkpoints, metrics and TensorBoard events go.")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)
