@@ -1,0 +1,289 @@
+"""Countdown / arithmetic builders, GSM8K through TFDS's builder, and PromptSource."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from gspo_jax import rewards
+from gspo_jax.data import arithmetic, countdown, prompts
+from gspo_jax.data import gsm8k as gsm8k_lib
+from gspo_jax.data.source import PromptIterator, PromptSource
+
+tfds.disable_progress_bar()
+
+SMALL_CD = countdown.CountdownConfig.make(min_count=3, max_count=4, max_number=30,
+                                          max_target=60, train_size=300, test_size=40, seed=3)
+SMALL_AR = arithmetic.ArithmeticConfig.make(min_digits=1, max_digits=3, train_size=200,
+                                            test_size=30, seed=1)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tfds")
+
+
+# ---------------------------------------------------------------------------
+# Countdown generation.
+
+@pytest.mark.parametrize("name", ["easy", "tinyzero", "hard"])
+def test_countdown_configs_solvable(name):
+  cfg = next(c for c in countdown.GspoCountdown.BUILDER_CONFIGS if c.name == name)
+  problems = countdown.generate_split(cfg, "test")[:200]
+  assert len(problems) == 200
+  for p in problems:
+    assert cfg.min_count <= len(p.numbers) <= cfg.max_count
+    assert all(cfg.min_number <= n <= cfg.max_number for n in p.numbers)
+    assert cfg.min_target <= p.target <= cfg.max_target
+    # The reference passes the verifier (an independent parser, exact rationals).
+    v = rewards.verify_countdown(prompts.answer_span(p.solution), p.numbers, p.target)
+    assert v.status == rewards.Status.CORRECT, p
+
+
+def test_countdown_deterministic_and_disjoint():
+  a = countdown.generate_split(SMALL_CD, "train")
+  b = countdown.generate_split(SMALL_CD, "train")
+  assert a == b
+  other = countdown.CountdownConfig.make(**{**_fields(SMALL_CD), "seed": 4})
+  assert countdown.generate_split(other, "train") != a
+  test = countdown.generate_split(SMALL_CD, "test")
+  test_keys = {countdown.problem_key(p.numbers, p.target) for p in test}
+  assert len(test_keys) == len(test) == 40  # distinct test problems
+  assert not test_keys & {countdown.problem_key(p.numbers, p.target) for p in a}
+
+
+def test_countdown_minimal_parentheses():
+  atom = lambda s: (s, 3)
+  assert countdown._format("-", atom("7"), ("3-2", 1)) == ("7-(3-2)", 1)
+  assert countdown._format("+", atom("7"), ("3-2", 1)) == ("7+3-2", 1)
+  assert countdown._format("*", ("1+2", 1), atom("3")) == ("(1+2)*3", 2)
+  assert countdown._format("/", atom("8"), ("2*2", 2)) == ("8/(2*2)", 2)
+  assert countdown._format("*", atom("8"), ("4/2", 2)) == ("8*4/2", 2)
+
+
+def _fields(cfg):
+  return {k: getattr(cfg, k) for k in countdown._COUNTDOWN_FIELDS}
+
+
+def test_countdown_config_errors():
+  with pytest.raises(ValueError, match="unknown field"):
+    countdown.CountdownConfig.make(num_count=3)
+  with pytest.raises(ValueError, match="min_count"):
+    countdown.CountdownConfig.make(min_count=1)
+  with pytest.raises(ValueError, match="operators"):
+    countdown.CountdownConfig.make(operators="+^")
+  with pytest.raises(ValueError, match="min_target > max_target"):
+    countdown.CountdownConfig.make(min_target=10, max_target=5)
+  with pytest.raises(ValueError, match="widen the target range"):
+    countdown.generate_problem(np.random.default_rng(0), num_numbers=3, min_number=1, max_number=2,
+                               min_target=1000, max_target=2000, max_tries=50)
+  with pytest.raises(ValueError, match="split must be"):
+    countdown.generate_split(SMALL_CD, "validation")
+
+
+# ---------------------------------------------------------------------------
+# Arithmetic generation.
+
+def test_arithmetic_answers_and_precedence():
+  assert arithmetic.evaluate_integer_expression([2, 3, 4], ["+", "*"]) == 14
+  assert arithmetic.evaluate_integer_expression([2, 3, 4], ["-", "-"]) == -5
+  cfg = arithmetic.ArithmeticConfig.make(min_digits=1, max_digits=6, min_operands=2,
+                                         max_operands=4, test_size=300, train_size=10)
+  for p in arithmetic.generate_split(cfg, "test"):
+    # The Countdown parser is an independent evaluator of the same grammar.
+    assert rewards.evaluate_expression(p.question, rewards.Limits(max_answer_chars=1000))[0] == int(p.answer)
+    assert rewards.verify_numeric(prompts.answer_span(p.answer), p.answer).correct
+    for operand in p.question.replace("*", " ").replace("+", " ").replace("-", " ").split():
+      assert 1 <= len(operand) <= 6 and (len(operand) == 1 or operand[0] != "0")
+
+
+def test_arithmetic_splits_and_errors():
+  test = arithmetic.generate_split(SMALL_AR, "test")
+  train = arithmetic.generate_split(SMALL_AR, "train")
+  assert len({p.question for p in test}) == 30
+  assert not {p.question for p in test} & {p.question for p in train}
+  assert train == arithmetic.generate_split(SMALL_AR, "train")
+  tiny = arithmetic.ArithmeticConfig.make(min_digits=1, max_digits=1, operators="+", test_size=150)
+  with pytest.raises(ValueError, match="too small"):  # only 100 distinct one-digit sums
+    arithmetic.generate_split(tiny, "test")
+  with pytest.raises(ValueError, match="max_digits"):
+    arithmetic.ArithmeticConfig.make(max_digits=19)
+  with pytest.raises(ValueError, match="operators"):
+    arithmetic.ArithmeticConfig.make(operators="/")
+
+
+# ---------------------------------------------------------------------------
+# TFDS builders.
+
+def test_tfds_countdown_matches_generator(data_dir):
+  builder = countdown.GspoCountdown(data_dir=str(data_dir), config=SMALL_CD)
+  builder.download_and_prepare(file_format="array_record")
+  for split, size in (("train", 300), ("test", 40)):
+    ds = builder.as_data_source(split)
+    assert len(ds) == size
+    got = sorted((tuple(int(x) for x in ds[i]["numbers"]), int(ds[i]["target"]),
+                  ds[i]["solution"].decode()) for i in range(len(ds)))
+    want = sorted((p.numbers, p.target, p.solution) for p in countdown.generate_split(SMALL_CD, split))
+    assert got == want
+
+
+def test_tfds_arithmetic_matches_generator(data_dir):
+  builder = arithmetic.GspoArithmetic(data_dir=str(data_dir), config=SMALL_AR)
+  builder.download_and_prepare(file_format="array_record")
+  ds = builder.as_data_source("test")
+  got = sorted((ds[i]["question"].decode(), ds[i]["answer"].decode()) for i in range(len(ds)))
+  assert got == sorted((p.question, p.answer) for p in arithmetic.generate_split(SMALL_AR, "test"))
+
+
+# ---------------------------------------------------------------------------
+# PromptSource.
+
+@pytest.fixture(scope="module")
+def cd_source(data_dir):
+  return PromptSource("countdown", "train", data_dir=data_dir, config=SMALL_CD, seed=7)
+
+
+def test_source_examples_and_references(cd_source, data_dir):
+  batch = cd_source.batch(0, 16)
+  for ex in batch:
+    assert ex.task == "countdown"
+    assert ex.prompt.startswith(f"Make {ex.meta['target']} from ")
+    assert ex.reference.startswith("<answer>") and ex.reference.endswith("</answer>")
+  r, _, counts = rewards.score("countdown", [e.reference for e in batch], [e.meta for e in batch])
+  np.testing.assert_array_equal(r, 1.0)
+  ar = PromptSource("arithmetic", "test", data_dir=data_dir, config=SMALL_AR, style="instruct")
+  exs = ar.first(30)
+  assert [e.index for e in exs] == list(range(30))
+  assert all("<answer></answer>" in e.prompt for e in exs)
+  r, _, _ = rewards.score("arithmetic", [e.reference for e in exs], [e.meta for e in exs])
+  np.testing.assert_array_equal(r, 1.0)
+
+
+def test_source_order_is_pure_function_of_position(cd_source):
+  n = len(cd_source)
+  assert n == 300
+  whole = [e.index for e in cd_source.batch(0, 50)]
+  parts = [e.index for e in cd_source.batch(0, 20)] + [e.index for e in cd_source.batch(20, 30)]
+  assert whole == parts
+  # Each epoch visits every example exactly once, in a different order per epoch.
+  e0 = cd_source.indices(0, n)
+  e1 = cd_source.indices(n, n)
+  assert sorted(e0) == sorted(e1) == list(range(n))
+  assert not np.array_equal(e0, e1)
+  # A batch across the epoch boundary is the tail of epoch 0 and the head of epoch 1.
+  np.testing.assert_array_equal(cd_source.indices(n - 3, 6), np.concatenate([e0[-3:], e1[:3]]))
+  # The order comes from numpy's legacy RandomState, stable across numpy releases.
+  np.testing.assert_array_equal(e0, np.random.RandomState([7, 0]).permutation(n))
+  with pytest.raises(ValueError, match="batch_size"):
+    cd_source.batch(0, 0)
+  with pytest.raises(ValueError, match="position"):
+    cd_source.batch(-1, 2)
+
+
+def test_iterator_resume_is_exact(cd_source):
+  run = PromptIterator(cd_source)
+  uninterrupted = [[e.index for e in run.next(64)] for _ in range(8)]  # crosses epochs
+  first = PromptIterator(cd_source)
+  for _ in range(3):
+    first.next(64)
+  state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
+  assert state == {"position": 192, "epoch": 0, "index": 192, "seed": 7, "size": 300}
+  resumed = PromptIterator(cd_source)
+  resumed.load_state_dict(state)
+  assert [[e.index for e in resumed.next(64)] for _ in range(5)] == uninterrupted[3:]
+
+
+def test_iterator_state_errors(cd_source):
+  it = PromptIterator(cd_source)
+  good = {"position": 5, "seed": 7, "size": 300}
+  with pytest.raises(ValueError, match="'seed'"):
+    it.load_state_dict({**good, "seed": 8})
+  with pytest.raises(ValueError, match="'size'"):
+    it.load_state_dict({**good, "size": 301})
+  with pytest.raises(ValueError, match="lacks field 'position'"):
+    it.load_state_dict({"seed": 7, "size": 300})
+  with pytest.raises(ValueError, match="disagree"):
+    it.load_state_dict({**good, "epoch": 1, "index": 5})
+
+
+def test_source_argument_errors(data_dir):
+  with pytest.raises(ValueError, match="task must be"):
+    PromptSource("chess", data_dir=data_dir)
+  with pytest.raises(ValueError, match="style must be"):
+    PromptSource("countdown", data_dir=data_dir, config=SMALL_CD, style="verbose")
+  with pytest.raises(ValueError, match="split 'validation'"):
+    PromptSource("countdown", "validation", data_dir=data_dir, config=SMALL_CD)
+  with pytest.raises(ValueError, match="gsm8k_files is only for"):
+    PromptSource("countdown", data_dir=data_dir, config=SMALL_CD, gsm8k_files=data_dir)
+
+
+# ---------------------------------------------------------------------------
+# GSM8K through TFDS's own builder, on files written here.
+
+GSM8K_LINES = [
+    {"question": "Natalia sold clips to 48 friends in April and half as many in May. How many in total?",
+     "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn total 48+24 = <<48+24=72>>72.\n#### 72"},
+    {"question": "A house costs $1,200 more than a car costing $3,000. What does the house cost?",
+     "answer": "3,000 + 1,200 = <<3000+1200=4200>>4,200\n#### 4,200"},
+    {"question": "It is 5 degrees and falls by 8. What is the temperature?",
+     "answer": "5 - 8 = <<5-8=-3>>-3\n#### -3"},
+]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_files(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("gsm8k_files")
+  for k, split in enumerate(gsm8k_lib.SPLITS):
+    lines = GSM8K_LINES[: 3 - (k % 2)]  # test splits get 2 lines, train splits 3
+    (folder / f"{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  return folder
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+  """Any real download attempt fails the test."""
+  from tensorflow_datasets.core.download import downloader
+
+  def refuse(self, url, *args, **kwargs):
+    raise AssertionError(f"network download attempted: {url}")
+
+  monkeypatch.setattr(downloader._Downloader, "download", refuse)
+
+
+def test_gsm8k_builder_from_supplied_files(tmp_path, gsm8k_files, no_network):
+  builder = gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=gsm8k_files)
+  assert type(builder).__module__ == "tensorflow_datasets.text.gsm8k.gsm8k"  # TFDS's own builder
+  assert {s: builder.info.splits[s].num_examples for s in gsm8k_lib.SPLITS} == {
+      "train": 3, "test": 2, "train_socratic": 3, "test_socratic": 2}
+  ds = builder.as_data_source("train")
+  records = sorted((ds[i]["question"].decode(), ds[i]["short_answer"].decode()) for i in range(3))
+  assert records == sorted((x["question"], x["answer"].split("#### ")[1]) for x in GSM8K_LINES)
+
+  source = PromptSource("gsm8k", "train", data_dir=tmp_path / "data", shuffle=False)
+  exs = source.first(3)
+  by_answer = {e.meta["answer"]: e for e in exs}
+  assert sorted(by_answer) == ["-3", "4200", "72"]  # "#### 4,200" -> "4200"
+  ex = by_answer["72"]
+  assert ex.prompt == GSM8K_LINES[0]["question"] + "\n"
+  assert "<<" not in ex.reference and ex.reference.endswith("<answer>72</answer>")
+  r, comps, _ = rewards.score("gsm8k", [e.reference for e in exs], [e.meta for e in exs])
+  np.testing.assert_array_equal(r, 1.0)
+  r, _, counts = rewards.score("gsm8k", ["<answer>$4,200.</answer>", "It is -3", "<answer>71</answer>"],
+                               [by_answer["4200"].meta, by_answer["-3"].meta, by_answer["72"].meta])
+  np.testing.assert_array_equal(r, [1, 0, 0])
+  assert counts["no_answer"] == 1 and counts["wrong_answer"] == 1
+
+
+def test_gsm8k_missing_file(tmp_path, gsm8k_files, no_network):
+  partial = tmp_path / "partial"
+  partial.mkdir()
+  (partial / "train.jsonl").write_text((gsm8k_files / "train.jsonl").read_text())
+  with pytest.raises(ValueError, match="lacks test.jsonl"):
+    gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=partial)
+
+
+def test_gsm8k_without_files_tries_the_network(tmp_path, no_network):
+  # Proves the supplied-files test above ran offline: without the files the
+  # real builder asks the downloader for the openai/grade-school-math URLs.
+  with pytest.raises(AssertionError, match="network download attempted: https://raw"):
+    gsm8k_lib.prepare_gsm8k(tmp_path / "data")
