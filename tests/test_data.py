@@ -26,7 +26,7 @@ def data_dir(tmp_path_factory):
 # ---------------------------------------------------------------------------
 # Countdown generation.
 
-@pytest.mark.parametrize("name", ["easy", "tinyzero", "hard"])
+@pytest.mark.parametrize("name", ["small", "easy", "tinyzero", "hard"])
 def test_countdown_configs_solvable(name):
   cfg = next(c for c in countdown.GspoCountdown.BUILDER_CONFIGS if c.name == name)
   problems = countdown.generate_split(cfg, "test")[:200]

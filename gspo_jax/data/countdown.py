@@ -276,7 +276,8 @@ def generate_split(config: CountdownConfig, split: str) -> list[CountdownProblem
 class GspoCountdown(tfds.core.GeneratorBasedBuilder):
   """TFDS builder for Countdown, generated offline and deterministically.
 
-  Configs ``easy`` (3 numbers in 1..20, target 1..50), ``tinyzero`` (3-4
+  Configs ``small`` (3 numbers in 1..9, target 1..30; about 1,500 distinct
+  problems), ``easy`` (3 numbers in 1..20, target 1..50), ``tinyzero`` (3-4
   numbers in 1..99, target 1..100) and ``hard`` (4 numbers in 1..99, target
   100..999); or pass ``config=CountdownConfig.make(...)``.
 
@@ -287,6 +288,9 @@ class GspoCountdown(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "Initial release."}
   BUILDER_CONFIGS = [
+      CountdownConfig(name="small", description="3 numbers in 1..9, target 1..30",
+                      min_count=3, max_count=3, min_number=1, max_number=9,
+                      min_target=1, max_target=30, test_size=256),
       CountdownConfig(name="easy", description="3 numbers in 1..20, target 1..50",
                       min_count=3, max_count=3, min_number=1, max_number=20,
                       min_target=1, max_target=50),
