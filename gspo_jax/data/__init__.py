@@ -10,6 +10,7 @@
   function of the data position) and :class:`PromptIterator` (a position
   saved and restored as a small dict).
 """
+from gspo_jax.data import _tfds_compat  # noqa: F401  (must precede TFDS use)
 from gspo_jax.data.arithmetic import ArithmeticConfig, GspoArithmetic
 from gspo_jax.data.countdown import CountdownConfig, GspoCountdown
 from gspo_jax.data.gsm8k import prepare_gsm8k, supply_gsm8k_files
