@@ -41,7 +41,7 @@ def make_param(rngs: Optional[nnx.Rngs], stack: Sequence[int], shape: Sequence[i
   else:
     raise ValueError(f"make_param: unknown init {init!r}")
   names = ("layers",) * len(stack) + tuple(names)
-  return nnx.Param(value.astype(dtype), sharding_names=names, eager_sharding=False)
+  return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

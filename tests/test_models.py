@@ -1,0 +1,306 @@
+"""Model core: MoE dispatch backends, replay, token log-probs, KV cache, layer plan."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax.models import ModelConfig, Transformer
+from gspo_jax.models import moe as moe_lib
+from gspo_jax.models.transformer import plan_segments
+
+V = 97
+
+
+def _model(**kw):
+  return Transformer(ModelConfig.tiny(**kw), rngs=nnx.Rngs(0))
+
+
+def _tokens(b=2, t=12, seed=0):
+  return jnp.asarray(np.random.RandomState(seed).randint(0, V, (b, t)), jnp.int32)
+
+
+def _left_pad_mask():
+  mask = np.ones((3, 12), np.int32)
+  mask[0, :4] = 0
+  mask[2, :1] = 0
+  mask = jnp.asarray(mask)
+  pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+  return mask, pos
+
+
+def _max_tree_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ------------------------------------------------------------------ dispatch
+@pytest.mark.parametrize("skew", [False, True])
+def test_dispatch_backends_equal_dense_values_and_grads(skew):
+  rs = np.random.RandomState(1)
+  n, d, f, e, k = 40, 8, 6, 8, 2
+  x = jnp.asarray(rs.randn(n, d), jnp.float32)
+  if skew:  # every token on experts {0, 1}: groups far larger than a block
+    idx = np.stack([np.zeros(n), np.ones(n)], 1).astype(np.int32)
+  else:
+    idx = np.stack([rs.permutation(e)[:k] for _ in range(n)]).astype(np.int32)
+  idx = jnp.asarray(idx)
+  gates = jnp.asarray(rs.rand(n, k), jnp.float32)
+  ws = [jnp.asarray(rs.randn(*s) * 0.3, jnp.float32) for s in [(e, d, f), (e, d, f), (e, f, d)]]
+
+  def loss(fn, x, gates, ws):
+    y = fn(x, idx, gates, *ws)
+    return jnp.sum(jnp.sin(y)), y
+
+  ref_g, ref_y = jax.grad(lambda *a: loss(moe_lib.dispatch_dense, *a), (0, 1, 2), has_aux=True)(
+      x, gates, ws)
+  for fn in [moe_lib.dispatch_ragged,
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=4),
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64)]:
+    g, y = jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True)(x, gates, ws)
+    np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
+    assert _max_tree_diff(g, ref_g) < 1e-5
+
+
+def test_block_size_shrinks_for_few_rows():
+  assert moe_lib.block_size_for(16384 * 2, 8, 64) == 64
+  assert moe_lib.block_size_for(128, 64, 64) == 2  # decode step: 2 rows/expert on average
+  assert moe_lib.block_size_for(3, 64, 64) == 1
+
+
+@pytest.mark.parametrize("backend", ["ragged", "blocked"])
+def test_model_backends_equal_dense(backend):
+  tokens = _tokens()
+  mask, pos = _left_pad_mask()
+  tokens = _tokens(3)
+  ref = _model(moe_backend="dense")
+  other = _model(moe_backend=backend)
+
+  def loss(model):
+    lp, _, aux = model.token_logprobs(tokens, jnp.roll(tokens, -1, 1), positions=pos,
+                                      attn_mask=mask)
+    return jnp.sum(lp * mask) + aux.aux_loss + aux.z_loss, aux
+
+  (l_ref, aux_ref), g_ref = nnx.value_and_grad(loss, has_aux=True)(ref)
+  (l, aux), g = nnx.value_and_grad(loss, has_aux=True)(other)
+  np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+  np.testing.assert_array_equal(aux.topk_indices, aux_ref.topk_indices)
+  assert _max_tree_diff(nnx.state(g), nnx.state(g_ref)) < 1e-5
+  # The router receives gradient through the gates.
+  router_grad = g.segments[1].blocks[0].mlp.router[...]
+  assert float(jnp.max(jnp.abs(router_grad))) > 0
+
+
+# ------------------------------------------------------------------ outputs
+def test_router_aux_shapes_and_hand_values():
+  model = _model()
+  # Zero router weights: uniform probabilities 1/E, so z = logsumexp(0) = log E
+  # and the top-K ties pick experts 0..K-1 -> load 1/K there, aux = 1.
+  for seg in model.segments:
+    for blk in seg.blocks:
+      if blk.is_moe:
+        blk.mlp.router.set_value(jnp.zeros_like(blk.mlp.router[...]))
+  tokens = _tokens()
+  logits, aux = model(tokens)
+  cfg = model.cfg
+  assert logits.shape == (2, 12, V) and logits.dtype == jnp.float32
+  assert aux.router_logits.shape == (2, 12, 3, 8)
+  assert aux.topk_indices.shape == (2, 12, 3, 2) and aux.topk_indices.dtype == jnp.int32
+  np.testing.assert_allclose(aux.z_loss, np.log(8.0) ** 2, rtol=1e-6)
+  np.testing.assert_allclose(aux.aux_loss, 1.0, rtol=1e-6)
+  np.testing.assert_allclose(aux.topk_weights, 0.5, rtol=1e-6)  # renormalised 1/8, 1/8
+  np.testing.assert_allclose(aux.expert_load[:, :2], 0.5)
+  np.testing.assert_allclose(aux.replay_mismatch, 0.0)
+  assert cfg.num_moe_layers == 3
+
+
+def test_padding_tokens_do_not_change_real_tokens():
+  model = _model()
+  mask, pos = _left_pad_mask()
+  t1 = _tokens(3, seed=1)
+  t2 = jnp.where(mask == 0, (t1 + 5) % V, t1)
+  l1, a1 = model(t1, positions=pos, attn_mask=mask)
+  l2, a2 = model(t2, positions=pos, attn_mask=mask)
+  m = np.asarray(mask, bool)
+  np.testing.assert_allclose(np.asarray(l1)[m], np.asarray(l2)[m], atol=1e-6)
+  np.testing.assert_allclose(a1.aux_loss, a2.aux_loss, rtol=1e-6)
+  np.testing.assert_allclose(a1.expert_load, a2.expert_load, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 5, 12, 64])
+def test_token_logprobs_match_full_logits(chunk):
+  model = _model(tie_embeddings=True)
+  tokens = _tokens()
+  targets = jnp.roll(tokens, -1, axis=1)
+  logits, _ = model(tokens)
+  logz = jax.nn.log_softmax(logits)
+  ref_lp = jnp.take_along_axis(logz, targets[..., None], -1)[..., 0]
+  ref_ent = -jnp.sum(jnp.exp(logz) * logz, -1)
+  lp, ent, _ = model.token_logprobs(tokens, targets, chunk_size=chunk)
+  np.testing.assert_allclose(lp, ref_lp, atol=1e-5)
+  np.testing.assert_allclose(ent, ref_ent, atol=1e-5)
+
+  def via_full(m):
+    lg, _ = m(tokens)
+    return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(lg), targets[..., None], -1))
+
+  def via_chunks(m):
+    return jnp.sum(m.token_logprobs(tokens, targets, chunk_size=chunk)[0])
+
+  g1 = nnx.grad(via_full)(model)
+  g2 = nnx.grad(via_chunks)(model)
+  assert _max_tree_diff(nnx.state(g1), nnx.state(g2)) < 1e-5
+
+
+def test_value_head_and_errors():
+  model = _model(value_head=True)
+  h, _ = model.hidden(_tokens())
+  assert model.value(h).shape == (2, 12)
+  with pytest.raises(ValueError, match="value_head"):
+    _model().value(h)
+  with pytest.raises(ValueError, match="replay"):
+    model(_tokens(), replay=jnp.zeros((2, 12, 2, 2), jnp.int32))
+  with pytest.raises(ValueError, match="replay"):
+    model(_tokens(), replay=jnp.full((2, 12, 3, 2), 8, jnp.int32))
+  with pytest.raises(ValueError, match="attn_mask"):
+    model(_tokens(), attn_mask=jnp.ones((2, 11), jnp.int32))
+  with pytest.raises(ValueError, match="targets"):
+    model.token_logprobs(_tokens(), jnp.full((2, 12), V, jnp.int32))
+
+
+def test_config_validation_names_the_field():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    ModelConfig.tiny(num_kv_heads=3)
+  with pytest.raises(ValueError, match="top_k"):
+    ModelConfig.tiny(top_k=9)
+  with pytest.raises(ValueError, match="moe_backend"):
+    ModelConfig.tiny(moe_backend="capacity")
+  with pytest.raises(ValueError, match="axis_rules"):
+    ModelConfig.tiny(axis_rules=(("embed", "model"),))
+
+
+# ------------------------------------------------------------------ replay
+def test_replay_own_choices_equals_free_forward():
+  model = _model()
+  tokens = _tokens()
+  logits, aux = model(tokens)
+  logits2, aux2 = model(tokens, replay=aux.topk_indices)
+  np.testing.assert_allclose(logits2, logits, atol=1e-6)
+  np.testing.assert_array_equal(aux2.topk_indices, aux.topk_indices)
+  np.testing.assert_allclose(aux2.replay_mismatch, 0.0)
+  # All -1: free.
+  logits3, aux3 = model(tokens, replay=jnp.full_like(aux.topk_indices, -1))
+  np.testing.assert_allclose(logits3, logits, atol=1e-6)
+
+
+def test_replay_other_experts_changes_output_and_router_gets_gradient():
+  model = _model()
+  tokens = _tokens()
+  _, aux = model(tokens)
+  e = model.cfg.num_experts
+  other = (aux.topk_indices + 3) % e  # mostly, not always, outside the free top-K
+  # Replay only layer 0 of the MoE layers (other layers free: -1).
+  replay = jnp.full_like(aux.topk_indices, -1).at[:, :, 0].set(other[:, :, 0])
+  logits_r, aux_r = model(tokens, replay=replay)
+  logits, _ = model(tokens)
+  assert float(jnp.max(jnp.abs(logits_r - logits))) > 1e-3
+  np.testing.assert_array_equal(aux_r.topk_indices[:, :, 0], other[:, :, 0])
+  own = np.asarray(aux.topk_indices[:, :, 0]).reshape(-1, 2)
+  forced = np.asarray(other[:, :, 0]).reshape(-1, 2)
+  expected = np.mean([[f not in o for f in fr] for o, fr in zip(own, forced)])
+  assert expected > 0.5
+  np.testing.assert_allclose(aux_r.replay_mismatch[0], expected, rtol=1e-6)
+  np.testing.assert_allclose(aux_r.replay_mismatch[1:], 0.0)
+
+  def loss(m):
+    lg, _ = m(tokens, replay=replay)
+    return jnp.sum(jax.nn.log_softmax(lg)[..., 0])
+
+  g = nnx.grad(loss)(model)
+  assert float(jnp.max(jnp.abs(g.segments[1].blocks[0].mlp.router[...][0]))) > 0
+
+
+# ------------------------------------------------------------------ layers
+def test_plan_segments():
+  D, M = False, True
+  assert plan_segments((D, M, M, M)) == [((D,), 1), ((M,), 3)]
+  assert plan_segments((D, M) * 3) == [((D, M), 3)]
+  assert plan_segments((M, M, D, M, M)) == [((M,), 2), ((D,), 1), ((M,), 2)]
+  assert plan_segments((D,) * 4) == [((D,), 4)]
+
+
+def test_moe_layer_spec_matches_qwen_rules():
+  cfg = ModelConfig.tiny(num_layers=6, first_dense_layers=0, moe_every=2, dense_layers=(3,))
+  assert cfg.layer_kinds == (False, True, False, False, False, True)
+
+
+@pytest.mark.parametrize("overrides", [dict(scan_layers=False), dict(remat_policy="full"),
+                                       dict(remat_policy="dots")])
+def test_scan_unrolled_and_remat_agree(overrides):
+  tokens = _tokens()
+  base = _model(first_dense_layers=0, moe_every=2)
+
+  def loss(m):
+    lg, aux = m(tokens)
+    return jnp.mean(jax.nn.log_softmax(lg)[..., 3]) + aux.z_loss
+
+  l0, g0 = nnx.value_and_grad(loss)(base)
+  other = _model(first_dense_layers=0, moe_every=2, **overrides)
+  l1, g1 = nnx.value_and_grad(loss)(other)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  assert _max_tree_diff(nnx.state(g0), nnx.state(g1)) < 1e-6
+
+
+def test_bf16_compute_with_f32_params():
+  tokens = _tokens()
+  m32 = _model()
+  m16 = _model(dtype="bfloat16")
+  assert m16.embed[...].dtype == jnp.float32
+  l32, _ = m32(tokens)
+  l16, _ = m16(tokens)
+  assert l16.dtype == jnp.float32
+  # bf16 rounding only: logits of this tiny model are O(0.1).
+  assert float(jnp.max(jnp.abs(l16 - l32))) < 2e-2
+
+
+# ------------------------------------------------------------------ KV cache
+@pytest.mark.parametrize("backend", ["blocked", "dense"])
+def test_kv_cache_decode_equals_full_forward_left_padded(backend):
+  model = _model(moe_backend=backend)
+  mask, pos = _left_pad_mask()
+  tokens = _tokens(3, seed=2)
+  logits, aux = model(tokens, positions=pos, attn_mask=mask)
+  prompt = 7
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def prefill(state, toks, p, m):
+    mdl = nnx.merge(graphdef, state)
+    return mdl.decode(toks, mdl.init_cache(3, 16), positions=p, attn_mask=m)
+
+  @jax.jit
+  def steps(state, cache, toks, p):
+    mdl = nnx.merge(graphdef, state)
+
+    def body(cache, xs):
+      tok, pp = xs
+      lg, ax, cache = mdl.decode(tok[:, None], cache, positions=pp[:, None])
+      return cache, (lg[:, 0], ax.topk_indices[:, 0])
+    return jax.lax.scan(body, cache, (toks.T, p.T))
+
+  l0, a0, cache = prefill(state, tokens[:, :prompt], pos[:, :prompt], mask[:, :prompt])
+  cache, (l1, idx1) = steps(state, cache, tokens[:, prompt:], pos[:, prompt:])
+  got = jnp.concatenate([l0, l1.swapaxes(0, 1)], axis=1)
+  got_idx = jnp.concatenate([a0.topk_indices, idx1.swapaxes(0, 1)], axis=1)
+  m = np.asarray(mask, bool)
+  np.testing.assert_allclose(np.asarray(got)[m], np.asarray(logits)[m], atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(got_idx)[m], np.asarray(aux.topk_indices)[m])
+  assert int(cache.index) == 12
+  np.testing.assert_array_equal(cache.valid[:, :12], m)
+  assert not bool(jnp.any(cache.valid[:, 12:]))
+
+
+def test_decode_rejects_overflow():
+  model = _model()
+  cache = model.init_cache(2, 4)
+  with pytest.raises(ValueError, match="max_len"):
+    model.decode(_tokens(2, 5), cache, positions=jnp.zeros((2, 5), jnp.int32))
