@@ -235,7 +235,7 @@ def _sample_token(logits, u, temperature, top_p, mode: _Mode):
                 p = jax.nn.softmax(vals, axis=-1)
                 # Mass strictly before each entry (exclusive cumsum); entry 0 is
                 # always kept since top_p > 0.
-                before = jnp.concatenate([jnp.zeros_like(before[:, :1]),
+                before = jnp.concatenate([jnp.zeros_like(p[:, :1]),
                                           jnp.cumsum(p, axis=-1)[:, :-1]], axis=-1)
                 vals = jnp.where(before < jnp.asarray(top_p, jnp.float32), vals, -jnp.inf)
             j = _inverse_cdf(vals, u)

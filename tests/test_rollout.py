@@ -1,0 +1,355 @@
+"""Tests of gspo_jax.rollout: the sampler against the full teacher-forced forward.
+
+The reference for every recorded quantity is the model's plain full forward
+(no KV cache) over the sampled sequence: KV-cache decoding, left padding,
+bucketing and batch composition must not change a log-prob or a routing choice.
+Expected values never come from JAX's RNG: distributions are checked with a
+chi-square test (fixed significance), sets and log-probs against numpy.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+from jax.sharding import Mesh
+
+from gspo_jax import rollout
+from gspo_jax.models import ModelConfig, Transformer
+
+T = 8  # max_new_tokens shared by most tests (one compile per bucket)
+PROMPTS = [[1, 2, 3], list(range(4, 21)), [7, 8, 9, 10, 11, 12, 13, 14, 15]]  # 3, 17, 9 tokens
+
+
+def _cfg(**kw):
+    # 3 layers: one dense, two MoE (L = 2, K = 2, E = 8); init_std large enough
+    # that next-token distributions and routing are far from uniform.
+    return ModelConfig.tiny(num_layers=3, init_std=0.3, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(_cfg(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+    return rollout.Sampler.from_model(model)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_forward(graphdef, state, tokens, positions, mask):
+    logits, aux = nnx.merge(graphdef, state)(tokens, positions=positions, attn_mask=mask)
+    return jax.nn.log_softmax(logits, axis=-1), aux.topk_indices
+
+
+def _forward(sampler, tokens, positions, mask, rows=16, length=40):
+    """Full forward (no cache), padded to one [rows, length] shape so that every
+    test shares one compile.  Returns (log-softmax f64[N, L, V], top-K [N, L, L', K])."""
+    n, t = tokens.shape
+    pad = ((0, rows - n), (0, length - t))
+    lp, topk = _jit_forward(sampler.graphdef, sampler.state, np.pad(np.asarray(tokens), pad),
+                            np.pad(np.asarray(positions), pad), np.pad(np.asarray(mask), pad))
+    return np.asarray(lp[:n, :t], np.float64), np.asarray(topk[:n, :t])
+
+
+def _teacher_forced(sampler, r, **kw):
+    """Full-forward log-probs f64[N, T, V] predicting response token t, the
+    top-K int[N, T, L, K] at those positions, and the prompt's int[N, P, L, K]."""
+    logp_all, topk = _forward(sampler, r.sequence_tokens(), r.sequence_positions(),
+                              r.sequence_mask(), **kw)
+    P, T_ = r.prompt_tokens.shape[1], r.tokens.shape[1]
+    return logp_all[:, P - 1:P - 1 + T_], topk[:, P - 1:P - 1 + T_], topk[:, :P]
+
+
+def _check_record(sampler, r):
+    """The recorded logp / experts equal the teacher-forced forward's."""
+    lp_all, topk, ptopk = _teacher_forced(sampler, r)
+    tokens, mask = np.asarray(r.tokens), np.asarray(r.mask)
+    lp = np.take_along_axis(lp_all, tokens[..., None], -1)[..., 0]
+    diff = np.where(mask > 0, np.abs(lp - np.asarray(r.logp)), 0.0)
+    assert diff.max() <= 1e-5, diff.max()
+    m4 = (mask > 0)[..., None, None]
+    np.testing.assert_array_equal(np.where(m4, topk, -1), np.asarray(r.experts))
+    pm4 = np.asarray(r.prompt_mask)[..., None, None]
+    np.testing.assert_array_equal(np.where(pm4, ptopk, -1), np.asarray(r.prompt_experts))
+    # After the stop: padding everywhere.
+    assert np.all(np.asarray(r.logp)[mask == 0] == 0)
+    assert np.all(np.asarray(r.experts)[mask == 0] == -1)
+    return lp_all
+
+
+# ---------------------------------------------------------------------------
+# sample_token on hand-made logits: uniforms from numpy, sets from numpy.
+
+
+def _np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _draw(logits_row, n, seed, **kw):
+    u = np.random.RandomState(seed).uniform(size=n).astype(np.float32)
+    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
+    tok, lp, lps = rollout.sample_token(logits, jnp.asarray(u), **kw)
+    return np.asarray(tok), np.asarray(lp), np.asarray(lps)
+
+
+def _chi2_pvalue(tokens, probs):
+    support = probs > 0
+    counts = np.bincount(tokens, minlength=len(probs))
+    assert counts[~support].sum() == 0, "sampled a token of probability 0"
+    return scipy.stats.chisquare(counts[support], probs[support] * len(tokens)).pvalue
+
+
+LOGITS = np.array([2.0, -1.0, 0.5, 1.5, -3.0, 0.0, 1.0, -0.5, 2.5, -2.0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sample_token_matches_tempered_distribution(temperature):
+    tok, lp, lps = _draw(LOGITS, 20000, seed=0, temperature=temperature, top_p=1.0)
+    q = np.exp(_np_log_softmax(LOGITS / temperature))
+    assert _chi2_pvalue(tok, q) > 1e-3
+    np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[tok], atol=1e-6)
+    np.testing.assert_allclose(lps, np.log(q)[tok], atol=1e-5)
+
+
+def test_sample_token_top_k_never_leaves_its_set():
+    tok, lp, lps = _draw(LOGITS, 5000, seed=1, temperature=1.0, top_p=1.0, top_k=3)
+    keep = np.argsort(-LOGITS)[:3]  # tokens 8, 0, 3
+    assert set(tok.tolist()) == set(keep.tolist())  # all of the set, nothing else
+    q = np.zeros_like(LOGITS)
+    q[keep] = np.exp(_np_log_softmax(LOGITS[keep]))
+    assert _chi2_pvalue(tok, q) > 1e-3
+    np.testing.assert_allclose(lps, np.log(q[tok]), atol=1e-5)
+    np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[tok], atol=1e-6)  # unmodified
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.8, 0.95])
+def test_sample_token_top_p_never_leaves_its_set(top_p):
+    tok, _, lps = _draw(LOGITS, 5000, seed=2, temperature=1.0, top_p=top_p)
+    p = np.exp(_np_log_softmax(LOGITS))
+    order = np.argsort(-p)
+    before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+    keep = order[before < top_p]  # smallest prefix with mass >= top_p
+    assert p[keep].sum() >= top_p and p[keep].sum() - p[keep[-1]] < top_p
+    assert set(tok.tolist()) == set(keep.tolist())
+    q = np.zeros_like(p)
+    q[keep] = p[keep] / p[keep].sum()
+    assert _chi2_pvalue(tok, q) > 1e-3
+    np.testing.assert_allclose(lps, np.log(q[tok]), atol=1e-5)
+
+
+def test_sample_token_top_k_then_top_p_and_greedy():
+    # top_k=4 keeps {8, 0, 3, 6}; renormalised, top_p=0.6 keeps {8, 0}.
+    tok, _, _ = _draw(LOGITS, 2000, seed=3, temperature=1.0, top_p=0.6, top_k=4)
+    q = np.exp(_np_log_softmax(LOGITS[[8, 0, 3, 6]]))
+    assert q[0] < 0.6 <= q[0] + q[1]
+    assert set(tok.tolist()) == {8, 0}
+    tok, lp, lps = _draw(LOGITS, 4, seed=4, temperature=1.0, top_p=1.0, greedy=True)
+    assert np.all(tok == 8) and np.all(lps == 0)
+    np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[8], atol=1e-6)
+
+
+def test_sample_token_masked_logits_never_sampled():
+    # A -inf logit (probability 0) is never drawn, even with u at the ends of [0, 1).
+    logits = np.array([-np.inf, 0.0, -np.inf, 1.0, -np.inf], np.float32)
+    u = np.array([0.0, 1e-9, 0.5, 1 - 2**-24, 0.999999], np.float32)
+    tok, _, _ = rollout.sample_token(jnp.broadcast_to(jnp.asarray(logits), (5, 5)),
+                                     jnp.asarray(u), temperature=1.0, top_p=1.0)
+    assert set(np.asarray(tok).tolist()) <= {1, 3}
+
+
+# ---------------------------------------------------------------------------
+# The sampler against the model's full forward.
+
+
+def test_logp_and_experts_match_teacher_forced_forward(sampler):
+    r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
+    assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
+    assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 32, 2, 2)
+    assert r.prompt_tokens.shape == (9, 32)  # longest prompt 17 -> bucket 32
+    _check_record(sampler, r)
+    # Layout: prompt-major rows, left-padded prompts.
+    for i, p in enumerate(PROMPTS):
+        for g in range(3):
+            np.testing.assert_array_equal(np.asarray(r.prompt_tokens[3 * i + g, -len(p):]), p)
+            assert int(r.prompt_mask[3 * i + g].sum()) == len(p)
+    # The R3 replay array reproduces the same log-probs when forced.
+    lp, _, aux = nnx.merge(sampler.graphdef, sampler.state).token_logprobs(
+        r.sequence_tokens(), jnp.roll(r.sequence_tokens(), -1, axis=1),
+        positions=r.sequence_positions(), attn_mask=r.sequence_mask(), replay=r.replay())
+    P = r.prompt_tokens.shape[1]
+    np.testing.assert_allclose(np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0), r.logp, atol=1e-5)
+    assert float(jnp.max(aux.replay_mismatch)) == 0.0
+
+
+def test_truncated_sampling_records_unmodified_and_sampling_logp(sampler):
+    temperature, top_p, top_k = 0.7, 0.9, 20
+    r = sampler(PROMPTS, num_samples=2, max_new_tokens=T, rng=jax.random.key(1),
+                temperature=temperature, top_p=top_p, top_k=top_k)
+    lp_all = _check_record(sampler, r)  # logp is the unmodified policy's
+    tokens = np.asarray(r.tokens)
+    # Recompute the kept set and sampling log-prob in numpy (float64).
+    x = lp_all / temperature
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :top_k]
+    xs = np.take_along_axis(x, order, -1)
+    q = np.exp(_np_log_softmax(xs))
+    before = np.concatenate([np.zeros_like(q[..., :1]), np.cumsum(q, -1)[..., :-1]], -1)
+    kept = before < top_p
+    pos = np.argmax(order == tokens[..., None], -1)
+    assert np.all((order == tokens[..., None]).any(-1) & np.take_along_axis(kept, pos[..., None], -1)[..., 0])
+    ls = _np_log_softmax(np.where(kept, xs, -np.inf))
+    want = np.take_along_axis(ls, pos[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(r.logp_sampling), want, atol=1e-5)
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
+    r = sampler(PROMPTS, num_samples=1, max_new_tokens=T, rng=jax.random.key(0), temperature=0.0)
+    assert np.all(np.asarray(r.logp_sampling) == 0) and np.all(np.asarray(r.truncated))
+    _check_record(sampler, r)
+    # Reference: grow each sequence one token at a time with the full forward
+    # (fixed length buffer, right-padded, so it compiles once).
+    for i, p in enumerate(PROMPTS):
+        n = len(p) + T
+        seq = np.zeros((1, n), np.int32)
+        seq[0, :len(p)] = p
+        pos = np.arange(n, dtype=np.int32)[None]
+        for t in range(T):
+            m = (np.arange(n) < len(p) + t)[None]
+            logp_all, _ = _forward(sampler, seq, pos, m)
+            seq[0, len(p) + t] = int(np.argmax(logp_all[0, len(p) + t - 1]))
+        np.testing.assert_array_equal(np.asarray(r.tokens[i]), seq[0, len(p):])
+
+
+def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
+    kw = dict(num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
+    mixed = sampler(PROMPTS, **kw)
+    for i, p in enumerate(PROMPTS):
+        alone = sampler([p], prompt_ids=[i], **kw)  # bucket P = 16 or 32, B = 4
+        rows = slice(3 * i, 3 * i + 3)
+        np.testing.assert_array_equal(np.asarray(alone.tokens), np.asarray(mixed.tokens[rows]))
+        np.testing.assert_array_equal(np.asarray(alone.mask), np.asarray(mixed.mask[rows]))
+        np.testing.assert_array_equal(np.asarray(alone.experts), np.asarray(mixed.experts[rows]))
+        np.testing.assert_allclose(np.asarray(alone.logp), np.asarray(mixed.logp[rows]), atol=1e-5)
+        P = alone.prompt_tokens.shape[1]
+        np.testing.assert_array_equal(np.asarray(alone.prompt_experts),
+                                      np.asarray(mixed.prompt_experts[rows, -P:]))
+    # Samples of one prompt differ from each other; a new key gives new samples.
+    assert len({tuple(x) for x in np.asarray(mixed.tokens[:3]).tolist()}) > 1
+    again = sampler(PROMPTS, **kw)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(mixed.tokens))
+    other = sampler(PROMPTS, **{**kw, "rng": jax.random.key(1)})
+    assert np.any(np.asarray(other.tokens) != np.asarray(mixed.tokens))
+
+
+def _first_stop(row, stops):
+    """Reference stop rule: the response length of `row` under `stops` (token
+    sequences matched inside the response), or None if none completes."""
+    for t in range(len(row)):
+        for s in stops:
+            if t + 1 >= len(s) and list(row[t + 1 - len(s):t + 1]) == list(s):
+                return t + 1
+    return None
+
+
+def test_stop_on_eos_and_stop_sequences(sampler):
+    kw = dict(num_samples=1, max_new_tokens=T, rng=jax.random.key(0), temperature=0.0)
+    free = np.asarray(sampler(PROMPTS, **kw).tokens)  # greedy: the same prefix with stops
+    # EOS = prompt 0's greedy token at step 3; a two-token stop sequence from
+    # prompt 1's steps 4-5; a three-token one that never completes early.
+    eos = int(free[0, 3])
+    seq = [int(free[1, 4]), int(free[1, 5])]
+    never = [int(free[2, 1]), int(free[2, 0]), int(free[2, 1])]
+    r = sampler(PROMPTS, eos_id=eos, stop_sequences=[seq, never], **kw)
+    stopped = 0
+    for i in range(len(PROMPTS)):
+        n = _first_stop(free[i], [[eos], seq, never])
+        stopped += n is not None
+        assert bool(r.truncated[i]) == (n is None)
+        n = T if n is None else n
+        assert int(r.lengths[i]) == n
+        np.testing.assert_array_equal(np.asarray(r.tokens[i, :n]), free[i, :n])
+        assert np.all(np.asarray(r.tokens[i, n:]) == 0)  # pad_id after the stop
+        np.testing.assert_array_equal(np.asarray(r.mask[i]), np.arange(T) < n)
+    assert stopped >= 2 and int(r.lengths[0]) <= 4 and int(r.lengths[1]) <= 6
+    _check_record(sampler, r)
+
+
+def test_compile_count_is_one_per_bucket(sampler):
+    kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh buckets
+    before, size0 = rollout.trace_count(), rollout.compile_cache_size()
+    # Different prompts, lengths, temperatures and top_p values in one bucket
+    # (B = 2, P = 16; top-p on): one compile.
+    for prompts, temperature, top_p in (([[1, 2]], 1.0, 0.9), ([[7] * 16], 0.5, 0.5),
+                                        ([[9]], 0.8, 0.95)):
+        sampler(prompts, temperature=temperature, top_p=top_p, **kw)
+    assert rollout.trace_count((2, 16, 5)) == 1
+    sampler([[1] * 20], temperature=0.7, top_p=0.8, **kw)  # P = 32: a new bucket
+    sampler([[2] * 30], temperature=0.9, top_p=0.5, **kw)
+    assert rollout.trace_count((2, 32, 5)) == 1
+    assert rollout.trace_count() - before == 2
+    assert rollout.compile_cache_size() - size0 == 2
+
+
+def test_sharded_batch_equals_single_device(model, sampler):
+    devices = np.array(jax.devices()[:8])
+    if devices.size < 8:
+        pytest.skip("needs 8 (fake) devices")
+    # Batch over 'data' (4), parameters sharded by the model's rules over 'tensor' (2).
+    mesh = Mesh(devices.reshape(4, 2), ("data", "tensor"))
+    from gspo_jax.models import param_shardings
+    state = jax.device_put(sampler.state, param_shardings(sampler.state, mesh, model.cfg))
+    sharded = rollout.Sampler(sampler.graphdef, state, vocab_size=model.cfg.vocab_size, mesh=mesh)
+    assert sharded.data_axes == ("data",) and sharded.batch_bucket(9) == 16
+    prompts = PROMPTS + [[5, 6]]
+    kw = dict(num_samples=4, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)  # N = B = 16
+    a, b = sharded(prompts, **kw), sampler(prompts, **kw)
+    assert a.tokens.sharding.spec[0] in ("data", ("data",))
+    assert a.experts.sharding.spec[0] in ("data", ("data",))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.experts), np.asarray(b.experts))
+    np.testing.assert_array_equal(np.asarray(a.prompt_experts), np.asarray(b.prompt_experts))
+    np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sampling_matches_model_distribution_chi_square():
+    # Tiny vocabulary; 4096 first tokens of one prompt against the model's
+    # softmax; then the second token's conditional given the most common first.
+    cfg = _cfg(vocab_size=8)
+    m = Transformer(cfg, rngs=nnx.Rngs(1))
+    s = rollout.Sampler.from_model(m)
+    prompt = [3, 1, 4, 1, 5]
+    r = s([prompt], num_samples=4096, max_new_tokens=2, rng=jax.random.key(42))
+    lp_all, _, _ = _teacher_forced(s, r, rows=4096, length=18)
+    tok = np.asarray(r.tokens)
+    p0 = np.exp(lp_all[0, 0])
+    assert p0.max() < 0.9  # a non-trivial distribution
+    assert _chi2_pvalue(tok[:, 0], p0 / p0.sum()) > 1e-3
+    a = np.bincount(tok[:, 0]).argmax()
+    rows = tok[:, 0] == a
+    p1 = np.exp(lp_all[np.flatnonzero(rows)[0], 1])
+    assert _chi2_pvalue(tok[rows, 1], p1 / p1.sum()) > 1e-3
+
+
+def test_bad_arguments_raise(sampler):
+    kw = dict(num_samples=2, max_new_tokens=4, rng=jax.random.key(0))
+    V = sampler.vocab_size
+    for bad, field in [(dict(prompts=[]), "prompts"), (dict(prompts=[[]]), "prompts\\[0\\]"),
+                       (dict(prompts=[[1, V]]), "prompts\\[0\\]"),
+                       (dict(prompts=["abc"]), "prompts\\[0\\]"),
+                       (dict(num_samples=0), "num_samples"), (dict(max_new_tokens=0), "max_new_tokens"),
+                       (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                       (dict(top_k=-1), "top_k"), (dict(eos_id=V), "eos_id"),
+                       (dict(stop_sequences=[[]]), "stop_sequences\\[0\\]"),
+                       (dict(pad_id=-1), "pad_id"), (dict(prompt_ids=[0, 0]), "prompt_ids"),
+                       (dict(rng=jnp.zeros((3,), jnp.int32)), "rng")]:
+        args = {**kw, "prompts": [[1, 2], [3]], **bad}
+        with pytest.raises(ValueError, match=field):
+            sampler(args.pop("prompts"), **args)
+    with pytest.raises(ValueError, match="prompt bucket"):
+        rollout.Sampler(sampler.graphdef, sampler.state, vocab_size=V,
+                        prompt_buckets=(4, 8))([[1] * 9], **kw)
