@@ -261,45 +261,139 @@ def _seq_mean(x: Array, b: _Batch) -> Array:
     return _safe_div(jnp.sum(b.seq_valid * x), b.num_seqs)
 
 
-def _base_metrics(b: _Batch) -> Metrics:
-    """Log-ratio diagnostics of objectives.md, masked; stop-gradient throughout."""
-    delta = jax.lax.stop_gradient(b.delta)  # 0 where masked
-    mean = _tok_mean(delta, b)
-    sq_mean = _tok_mean(delta * delta, b)
-    seq_mean = jnp.sum(b.m * delta, axis=-1) * b.inv_n
-    seq_sq = jnp.sum(b.m * delta * delta, axis=-1) * b.inv_n
-    abs_delta = jnp.abs(delta)
-    return {
+# Metrics are computed in one pass over blocks of rows (`lax.map`), so that the
+# intermediates of all of them stay in cache: XLA:CPU neither fuses sibling
+# reductions nor keeps a shared producer live between them, and separate full-size
+# reductions cost several times the loss itself at N x T = 512 x 2048.
+_BLOCK_ELEMENTS = 16384
+_LN2 = math.log(2.0)
+
+# A token statistic: (reduction, per-token f32 values, value used where mask = 0).
+#   "mean": masked token mean (sum of mask * x over the tokens, / num_tokens);
+#   "max" / "min": over valid tokens; the neutral value stands in for masked ones.
+TokenStats = dict[str, tuple[str, Array, float]]
+
+
+def _block_rows(n: int, t: int) -> int:
+    """The largest divisor of n whose block of rows holds <= _BLOCK_ELEMENTS elements."""
+    best = 1
+    for rows in range(1, n + 1):
+        if n % rows == 0 and rows * t <= _BLOCK_ELEMENTS:
+            best = rows
+    return best
+
+
+def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
+                   stats_fn: Callable[..., TokenStats]) -> Metrics:
+    """Log-ratio diagnostics plus the objective's own token statistics, masked.
+
+    Args:
+      b: the prepared batch (for the counts).
+      logp, old_logp, mask: f32[N,T] (gradient stopped here).
+      inputs: further arrays with leading dim N (advantages, router shift, ...).
+      stats_fn: (delta, logp, valid, inputs) of one block of rows -> TokenStats.
+
+    Returns:
+      the common metrics (objectives.md, "Diagnostics") and those of stats_fn.
+    """
+    sg = jax.lax.stop_gradient
+    n, t = logp.shape
+    rows = _block_rows(n, t)
+
+    def block(xs):
+        lp, old, m, extra = xs
+        valid = m > 0
+        d = jnp.clip(jnp.where(valid, lp - old, 0.0), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+        ad = jnp.abs(d)
+        stats = {"_s1": ("mean", d, 0.0), "_s2": ("mean", d * d, 0.0),
+                 # F(tau=2): max(r, 1/r) > 2  <=>  |delta| > log 2.
+                 "frac_ratio_gt_2": ("mean", (ad > _LN2).astype(jnp.float32), 0.0),
+                 "logratio_abs_max": ("max", ad, 0.0)}
+        stats.update(stats_fn(d, lp, valid, extra))
+        kinds.update({key: v[0] for key, v in stats.items()})
+        out = {}
+        for key, (kind, x, neutral) in stats.items():
+            if kind == "mean":
+                out[key] = jnp.sum(m * x, axis=-1)
+            elif kind == "max":
+                out[key] = jnp.max(jnp.where(valid, x, neutral), axis=-1)
+            else:
+                out[key] = jnp.min(jnp.where(valid, x, neutral), axis=-1)
+        return out
+
+    def split(x):
+        return x.reshape(n // rows, rows, *x.shape[1:])
+
+    xs = (sg(_f32(logp)), sg(_f32(old_logp)), _f32(mask),
+          {k: sg(_f32(v)) for k, v in inputs.items()})
+    kinds: dict[str, str] = {}  # filled while `block` is traced
+    if rows == n:  # one block: no loop (and no re-tracing of a scan body when not jitted)
+        per_row = block(xs)
+    else:
+        per_row = jax.lax.map(block, jax.tree.map(split, xs))
+        per_row = {k: v.reshape(n) for k, v in per_row.items()}
+
+    mean = _safe_div(jnp.sum(per_row["_s1"]), b.num_tokens)
+    sq_mean = _safe_div(jnp.sum(per_row["_s2"]), b.num_tokens)
+    seq_mean, seq_sq = per_row["_s1"] * b.inv_n, per_row["_s2"] * b.inv_n
+    metrics = {
         "num_tokens": b.num_tokens,
         "num_seqs": b.num_seqs,
         "ppo_kl": -mean,
         "logratio_std": jnp.sqrt(jnp.maximum(sq_mean - mean * mean, 0.0)),
-        "logratio_abs_max": jnp.max(abs_delta),  # masked entries are 0
         "logratio_seq_var": _seq_mean(jnp.maximum(seq_sq - seq_mean * seq_mean, 0.0), b),
-        # F(tau=2): max(r, 1/r) > 2  <=>  |delta| > log 2.
-        "frac_ratio_gt_2": _tok_mean((abs_delta > math.log(2.0)).astype(jnp.float32), b),
     }
+    for key, x in per_row.items():
+        if key.startswith("_"):
+            continue
+        kind = kinds[key]
+        if kind == "mean":
+            metrics[key] = _safe_div(jnp.sum(x), b.num_tokens)
+        elif kind == "max":
+            metrics[key] = jnp.max(x)
+        else:
+            metrics[key] = jnp.min(x)
+    return metrics
 
 
-def _broadcast_adv(advantages: Array, shape) -> Array:
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
-    if adv.ndim == 1:
-        adv = adv[:, None]
-    return adv  # [N,1] or [N,T]; size-1 broadcasting keeps equal rank.
+def _adv2d(advantages: Array) -> Array:
+    """Stop-gradient f32 advantages as [N,1] (from [N]) or [N,T]: equal rank with [N,T]."""
+    adv = jax.lax.stop_gradient(_f32(advantages))
+    return adv[:, None] if adv.ndim == 1 else adv
 
 
-def _kl_term(logp, ref_logp, b: _Batch, kind: str) -> Array:
-    d = jnp.where(b.valid, jax.lax.stop_gradient(ref_logp.astype(jnp.float32)) - logp.astype(jnp.float32), 0.0)
+def _kl_values(logp, ref_logp, valid, kind: str) -> Array:
+    d = jnp.where(valid, jax.lax.stop_gradient(_f32(ref_logp)) - _f32(logp), 0.0)
     return _kl(d, kind)
 
 
-def _add_kl(loss, metrics, logp, ref_logp, b, hp, agg, norm_len):
-    """Adds kl_coef * agg(k) when kl_coef > 0 (static)."""
+def _with_kl(stats_fn, hp):
+    """Adds the token-mean of the KL estimator ("kl") to a block statistics function."""
     if hp["kl_coef"] == 0:
-        return loss
-    k = _kl_term(logp, ref_logp, b, hp["kl_estimator"])
-    metrics["kl"] = jax.lax.stop_gradient(_tok_mean(k, b))
-    return loss + hp["kl_coef"] * _aggregate(k, b, agg, norm_len)
+        return stats_fn
+
+    def fn(d, lp, valid, x):
+        out = stats_fn(d, lp, valid, x)
+        out["kl"] = ("mean", _kl_values(lp, x["ref"], valid, hp["kl_estimator"]), 0.0)
+        return out
+
+    return fn
+
+
+def _kl_loss(logp, ref_logp, b: _Batch, hp, agg: str, norm_len) -> Array:
+    """kl_coef * agg(k) (0.0 when kl_coef = 0, a static choice)."""
+    if hp["kl_coef"] == 0:
+        return 0.0
+    return hp["kl_coef"] * _aggregate(_kl_values(logp, ref_logp, b.valid, hp["kl_estimator"]),
+                                      b, agg, norm_len)
+
+
+def _metric_inputs(advantages, ref_logp, hp, **more) -> dict:
+    out = {"adv": advantages if advantages.ndim == 2 else advantages[:, None]}
+    if hp["kl_coef"] != 0:
+        out["ref"] = ref_logp
+    out.update(more)
+    return out
 
 
 def _ratio_clip(ratio: Array, adv: Array, eps_low, eps_high, dual_clip):
@@ -324,7 +418,7 @@ def _ratio_clip(ratio: Array, adv: Array, eps_low, eps_high, dual_clip):
 
 
 def _f32(x):
-    return x.astype(jnp.float32)
+    return jnp.asarray(x).astype(jnp.float32)
 
 
 # --------------------------------------------------------------------------------------
@@ -335,112 +429,143 @@ def _f32(x):
 def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """ppo / grpo / dr_grpo / dapo: l_t = max(-A r_t, -A clip(r_t, 1-eps_low, 1+eps_high))."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _broadcast_adv(advantages, b.delta.shape)
-    ratio = jnp.exp(b.delta)
-    r_eff, hi, lo, dual = _ratio_clip(ratio, adv, hp["eps_low"], hp["eps_high"], hp["dual_clip"])
+    adv = _adv2d(advantages)
+    r_eff, _, _, _ = _ratio_clip(jnp.exp(b.delta), adv, hp["eps_low"], hp["eps_high"],
+                                 hp["dual_clip"])
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _aggregate(-adv * r_eff, b, hp["agg"], norm_len)
-    metrics = _base_metrics(b)
-    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
-    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
-    metrics["dual_clip_frac"] = _tok_mean(_f32(dual), b)
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+
+    def stats(d, lp, valid, x):
+        _, hi, lo, dual = _ratio_clip(jnp.exp(d), x["adv"], hp["eps_low"], hp["eps_high"],
+                                      hp["dual_clip"])
+        return {"clip_frac_low": ("mean", _f32(lo), 0.0),
+                "clip_frac_high": ("mean", _f32(hi), 0.0),
+                "dual_clip_frac": ("mean", _f32(dual), 0.0)}
+
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+                             _with_kl(stats, hp))
     return loss, metrics
 
 
-def _seq_clip_metrics(metrics, b, hi, lo):
-    hi, lo = _f32(hi), _f32(lo)  # f32[N]
-    metrics["seq_clip_frac_low"] = _seq_mean(lo, b)
-    metrics["seq_clip_frac_high"] = _seq_mean(hi, b)
-    metrics["seq_clip_frac"] = _seq_mean(hi + lo, b)
-    # Share of tokens whose gradient the sequence clip removed.
-    metrics["clip_frac_low"] = _safe_div(jnp.sum(lo * b.n), b.num_tokens)
-    metrics["clip_frac_high"] = _safe_div(jnp.sum(hi * b.n), b.num_tokens)
+def _seq_mean_delta(b: _Batch) -> Array:
+    """f32[N] mean_delta_i = sum_t mask * delta / max(n_i, 1)."""
+    return jnp.sum(b.m * b.delta, axis=-1) * b.inv_n
 
 
 def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high)), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
-    s = jnp.exp(jnp.sum(b.m * b.delta, axis=-1) * b.inv_n)  # f32[N]
+    s = jnp.exp(_seq_mean_delta(b))  # f32[N]
     s_eff, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
     loss = _seq_aggregate(-adv * s_eff, b)
-    metrics = _base_metrics(b)
-    _seq_clip_metrics(metrics, b, hi, lo)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+                             _with_kl(lambda *a: {}, hp))
+    hi, lo = _f32(hi), _f32(lo)  # f32[N], per sequence
+    metrics["seq_clip_frac_low"] = _seq_mean(lo, b)
+    metrics["seq_clip_frac_high"] = _seq_mean(hi, b)
+    metrics["seq_clip_frac"] = _seq_mean(hi + lo, b)
+    # Share of tokens whose gradient the sequence clip removed.
+    metrics["clip_frac_low"] = _safe_div(jnp.sum(lo * b.n), b.num_tokens)
+    metrics["clip_frac_high"] = _safe_div(jnp.sum(hi * b.n), b.num_tokens)
     metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(s), b)
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
     return loss, metrics
 
 
 def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GSPO-token: log s_hat_{i,t} = sg(mean_delta_i) + delta_t - sg(delta_t), token clip."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _broadcast_adv(advantages, b.delta.shape)
+    adv = _adv2d(advantages)
     sg = jax.lax.stop_gradient
-    mean_delta = jnp.sum(b.m * b.delta, axis=-1, keepdims=True) * b.inv_n[:, None]  # [N,1]
+    mean_delta = _seq_mean_delta(b)
     # Value s_i at every token; d s_hat / d logp_t = s_hat (through delta_t, which carries
     # the same [-20, 20] clip as GSPO's mean_delta, so the two gradients agree exactly).
-    s_hat = jnp.exp(sg(mean_delta) + (b.delta - sg(b.delta)))
-    s_eff, hi, lo, _ = _ratio_clip(s_hat, adv, hp["eps_low"], hp["eps_high"], None)
+    s_hat = jnp.exp(sg(mean_delta)[:, None] + (b.delta - sg(b.delta)))
+    s_eff, _, _, _ = _ratio_clip(s_hat, adv, hp["eps_low"], hp["eps_high"], None)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _aggregate(-adv * s_eff, b, hp["agg"], norm_len)
-    metrics = _base_metrics(b)
-    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
-    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
-    metrics["seq_ratio_mean"] = _seq_mean(sg(jnp.exp(mean_delta[:, 0])), b)
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+    s = sg(jnp.exp(mean_delta))
+
+    def stats(d, lp, valid, x):
+        _, hi, lo, _ = _ratio_clip(x["s"], x["adv"], hp["eps_low"], hp["eps_high"], None)
+        return {"clip_frac_low": ("mean", _f32(lo), 0.0),
+                "clip_frac_high": ("mean", _f32(hi), 0.0)}
+
+    metrics = _token_metrics(b, logp, old_logp, mask,
+                             _metric_inputs(advantages, ref_logp, hp, s=s[:, None]),
+                             _with_kl(stats, hp))
+    metrics["seq_ratio_mean"] = _seq_mean(s, b)
     return loss, metrics
+
+
+def _cispo_weight(ratio: Array, hp) -> tuple[Array, Array, Array]:
+    """clip(r, 1-eps_low, 1+eps_high) (no lower bound for eps_low=None), hi, lo."""
+    hi = ratio > 1.0 + hp["eps_high"]
+    weight = jnp.minimum(ratio, 1.0 + hp["eps_high"])
+    if hp["eps_low"] is None:
+        return weight, hi, jnp.zeros_like(hi)
+    return jnp.maximum(weight, 1.0 - hp["eps_low"]), hi, ratio < 1.0 - hp["eps_low"]
 
 
 def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """CISPO: l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A_t logp_t; every token keeps a gradient."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _broadcast_adv(advantages, b.delta.shape)
-    ratio = jax.lax.stop_gradient(jnp.exp(b.delta))
-    hi = ratio > 1.0 + hp["eps_high"]
-    weight = jnp.minimum(ratio, 1.0 + hp["eps_high"])
-    if hp["eps_low"] is None:
-        lo = jnp.zeros_like(hi)
-    else:
-        lo = ratio < 1.0 - hp["eps_low"]
-        weight = jnp.maximum(weight, 1.0 - hp["eps_low"])
+    adv = _adv2d(advantages)
+    weight, _, _ = _cispo_weight(jax.lax.stop_gradient(jnp.exp(b.delta)), hp)
     lp = jnp.where(b.valid, _f32(logp), 0.0)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _aggregate(-(weight * adv) * lp, b, hp["agg"], norm_len)
-    metrics = _base_metrics(b)
-    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
-    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
-    metrics["is_weight_mean"] = _tok_mean(weight, b)
-    metrics["is_weight_max"] = jnp.max(jnp.where(b.valid, weight, 0.0))
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+
+    def stats(d, lp, valid, x):
+        w, hi, lo = _cispo_weight(jnp.exp(d), hp)
+        return {"clip_frac_low": ("mean", _f32(lo), 0.0),
+                "clip_frac_high": ("mean", _f32(hi), 0.0),
+                "is_weight_mean": ("mean", w, 0.0),
+                "is_weight_max": ("max", w, 0.0)}
+
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+                             _with_kl(stats, hp))
     return loss, metrics
 
 
-def _geo_ratio(b: _Batch, adv: Array, eps_low, eps_high):
-    """GMPO's sign-dependent log-space clip; returns (sum_t mask*delta*_t / n_i, hi, lo).
+def _geo_clip(delta: Array, adv: Array, eps_low, eps_high):
+    """GMPO's sign-dependent log-space clip: (delta*, clipped_high, clipped_low).
 
     delta*_t = min(delta_t, eps_high) if A >= 0, max(delta_t, -eps_low) if A < 0, written
     with `where` so the clipped tokens have an exactly-zero gradient.
     """
-    a = adv[:, None]
-    hi = (a >= 0) & (b.delta > eps_high)
-    lo = (a < 0) & (b.delta < -eps_low)
-    d_star = jnp.where(hi, eps_high, jnp.where(lo, -eps_low, b.delta))
-    return jnp.sum(b.m * d_star, axis=-1) * b.inv_n, hi, lo
+    hi = (adv >= 0) & (delta > eps_high)
+    lo = (adv < 0) & (delta < -eps_low)
+    return jnp.where(hi, eps_high, jnp.where(lo, -eps_low, delta)), hi, lo
+
+
+def _geo_stats(hp):
+    def stats(d, lp, valid, x):
+        _, hi, lo = _geo_clip(d, x["adv"], hp["eps_low"], hp["eps_high"])
+        out = {"clip_frac_low": ("mean", _f32(lo), 0.0),
+               "clip_frac_high": ("mean", _f32(hi), 0.0)}
+        if "gamma" in x:
+            out["gamma_mean"] = ("mean", x["gamma"], 0.0)
+            out["gamma_min"] = ("min", x["gamma"], 1.0)
+        return out
+    return _with_kl(stats, hp)
 
 
 def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GMPO: l_i = -A_i exp(mean_t delta*_t), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
-    log_g, hi, lo = _geo_ratio(b, adv, hp["eps_low"], hp["eps_high"])
-    g = jnp.exp(log_g)
+    d_star, _, _ = _geo_clip(b.delta, adv[:, None], hp["eps_low"], hp["eps_high"])
+    g = jnp.exp(jnp.sum(b.m * d_star, axis=-1) * b.inv_n)
     loss = _seq_aggregate(-adv * g, b)
-    metrics = _base_metrics(b)
-    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
-    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+                             _geo_stats(hp))
     metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(g), b)
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
     return loss, metrics
 
 
@@ -449,37 +574,44 @@ def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
     gamma = jax.lax.stop_gradient(_f32(router_shift))
-    log_g, hi, lo = _geo_ratio(b, adv, hp["eps_low"], hp["eps_high"])
-    log_gamma = jnp.where(b.valid, jnp.log(jnp.where(b.valid, gamma, 1.0)), 0.0)
-    big_s = jnp.exp(log_g + jnp.sum(b.m * log_gamma, axis=-1) * b.inv_n)
+    d_star, _, _ = _geo_clip(b.delta, adv[:, None], hp["eps_low"], hp["eps_high"])
+    log_gamma = jnp.log(jnp.where(b.valid, gamma, 1.0))  # 0 where masked
+    big_s = jnp.exp(jnp.sum(b.m * (d_star + log_gamma), axis=-1) * b.inv_n)
     loss = _seq_aggregate(-adv * big_s, b)
-    metrics = _base_metrics(b)
-    metrics["clip_frac_low"] = _tok_mean(_f32(lo), b)
-    metrics["clip_frac_high"] = _tok_mean(_f32(hi), b)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    metrics = _token_metrics(b, logp, old_logp, mask,
+                             _metric_inputs(advantages, ref_logp, hp, gamma=gamma),
+                             _geo_stats(hp))
     metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(big_s), b)
-    metrics["gamma_mean"] = _tok_mean(gamma, b)
-    metrics["gamma_min"] = jnp.min(jnp.where(b.valid, gamma, 1.0))
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
     return loss, metrics
+
+
+def _sapo_gate(ratio: Array, adv: Array, hp):
+    """(tau, p) with tau = tau_pos where A > 0 else tau_neg, p = sigmoid(tau (r - 1))."""
+    tau = jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"])
+    return tau, jax.nn.sigmoid(tau * (ratio - 1.0))
 
 
 def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """SAPO: l_t = -A_t (4/tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A > 0 else tau_neg."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _broadcast_adv(advantages, b.delta.shape)
-    ratio = jnp.exp(b.delta)
-    tau = jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"])  # [N,1] or [N,T]
-    p = jax.nn.sigmoid(tau * (ratio - 1.0))
+    adv = _adv2d(advantages)
+    tau, p = _sapo_gate(jnp.exp(b.delta), adv, hp)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _aggregate(-adv * (4.0 / tau) * p, b, hp["agg"], norm_len)
-    metrics = _base_metrics(b)
-    gate = jax.lax.stop_gradient(4.0 * p * (1.0 - p))  # gradient weight relative to -A r grad logp
-    metrics["sapo_gate_mean"] = _tok_mean(gate, b)
-    metrics["sapo_gate_min"] = jnp.min(jnp.where(b.valid, gate, 1.0))
-    loss = _add_kl(loss, metrics, logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+
+    def stats(d, lp, valid, x):
+        _, q = _sapo_gate(jnp.exp(d), x["adv"], hp)
+        gate = 4.0 * q * (1.0 - q)  # gradient weight relative to -A r grad logp
+        return {"sapo_gate_mean": ("mean", gate, 0.0), "sapo_gate_min": ("min", gate, 1.0)}
+
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+                             _with_kl(stats, hp))
     return loss, metrics
 
 
+# --------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------
 # Registry, validation
 # --------------------------------------------------------------------------------------
