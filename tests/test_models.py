@@ -1,4 +1,6 @@
 """Model core: MoE dispatch backends, replay, token log-probs, KV cache, layer plan."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,22 @@ def _left_pad_mask():
   return mask, pos
 
 
+def _fwd(model, method="__call__", *args, **kw):
+  """Jitted `getattr(model, method)(*args, **kw)` (eager op-by-op is slow)."""
+  graphdef, state = nnx.split(model)
+  static = {k: v for k, v in kw.items() if v is None or isinstance(v, int)}
+  arrays = {k: v for k, v in kw.items() if k not in static}
+  f = jax.jit(lambda st, a, k: getattr(nnx.merge(graphdef, st), method)(*a, **k, **static))
+  return f(state, args, arrays)
+
+
+def _value_and_grad(model, loss, has_aux=False):
+  """Jitted value_and_grad of loss(model) w.r.t. the model's state."""
+  graphdef, state = nnx.split(model)
+  f = jax.jit(jax.value_and_grad(lambda st: loss(nnx.merge(graphdef, st)), has_aux=has_aux))
+  return f(state)
+
+
 def _max_tree_diff(a, b):
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
@@ -51,12 +69,12 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
     y = fn(x, idx, gates, *ws)
     return jnp.sum(jnp.sin(y)), y
 
-  ref_g, ref_y = jax.grad(lambda *a: loss(moe_lib.dispatch_dense, *a), (0, 1, 2), has_aux=True)(
+  ref_g, ref_y = jax.jit(jax.grad(lambda *a: loss(moe_lib.dispatch_dense, *a), (0, 1, 2), has_aux=True))(
       x, gates, ws)
   for fn in [moe_lib.dispatch_ragged,
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=4),
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64)]:
-    g, y = jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True)(x, gates, ws)
+    g, y = jax.jit(jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True))(x, gates, ws)
     np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
     assert _max_tree_diff(g, ref_g) < 1e-5
 
@@ -67,26 +85,30 @@ def test_block_size_shrinks_for_few_rows():
   assert moe_lib.block_size_for(3, 64, 64) == 1
 
 
-@pytest.mark.parametrize("backend", ["ragged", "blocked"])
-def test_model_backends_equal_dense(backend):
-  tokens = _tokens()
+@functools.lru_cache(maxsize=None)
+def _backend_loss_and_grad(backend):
+  """Loss (masked token log-probs + router losses) and its gradient, per backend."""
   mask, pos = _left_pad_mask()
   tokens = _tokens(3)
-  ref = _model(moe_backend="dense")
-  other = _model(moe_backend=backend)
 
   def loss(model):
     lp, _, aux = model.token_logprobs(tokens, jnp.roll(tokens, -1, 1), positions=pos,
                                       attn_mask=mask)
     return jnp.sum(lp * mask) + aux.aux_loss + aux.z_loss, aux
 
-  (l_ref, aux_ref), g_ref = nnx.value_and_grad(loss, has_aux=True)(ref)
-  (l, aux), g = nnx.value_and_grad(loss, has_aux=True)(other)
+  return _value_and_grad(_model(moe_backend=backend), loss, has_aux=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ragged", "blocked"])
+def test_model_backends_equal_dense(backend):
+  (l_ref, aux_ref), g_ref = _backend_loss_and_grad("dense")
+  (l, aux), g = _backend_loss_and_grad(backend)
   np.testing.assert_allclose(l, l_ref, rtol=1e-5)
   np.testing.assert_array_equal(aux.topk_indices, aux_ref.topk_indices)
-  assert _max_tree_diff(nnx.state(g), nnx.state(g_ref)) < 1e-5
+  assert _max_tree_diff(g, g_ref) < 1e-5
   # The router receives gradient through the gates.
-  router_grad = g.segments[1].blocks[0].mlp.router[...]
+  router_grad = g["segments"][1]["blocks"][0]["mlp"]["router"][...]
   assert float(jnp.max(jnp.abs(router_grad))) > 0
 
 
@@ -100,7 +122,7 @@ def test_router_aux_shapes_and_hand_values():
       if blk.is_moe:
         blk.mlp.router.set_value(jnp.zeros_like(blk.mlp.router[...]))
   tokens = _tokens()
-  logits, aux = model(tokens)
+  logits, aux = _fwd(model, "__call__", tokens)
   cfg = model.cfg
   assert logits.shape == (2, 12, V) and logits.dtype == jnp.float32
   assert aux.router_logits.shape == (2, 12, 3, 8)
@@ -118,26 +140,28 @@ def test_padding_tokens_do_not_change_real_tokens():
   mask, pos = _left_pad_mask()
   t1 = _tokens(3, seed=1)
   t2 = jnp.where(mask == 0, (t1 + 5) % V, t1)
-  l1, a1 = model(t1, positions=pos, attn_mask=mask)
-  l2, a2 = model(t2, positions=pos, attn_mask=mask)
+  l1, a1 = _fwd(model, "__call__", t1, positions=pos, attn_mask=mask)
+  l2, a2 = _fwd(model, "__call__", t2, positions=pos, attn_mask=mask)
   m = np.asarray(mask, bool)
   np.testing.assert_allclose(np.asarray(l1)[m], np.asarray(l2)[m], atol=1e-6)
   np.testing.assert_allclose(a1.aux_loss, a2.aux_loss, rtol=1e-6)
   np.testing.assert_allclose(a1.expert_load, a2.expert_load, rtol=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [None, 5, 12, 64])
+@pytest.mark.parametrize("chunk", [None, 5, 64])
 def test_token_logprobs_match_full_logits(chunk):
   model = _model(tie_embeddings=True)
   tokens = _tokens()
   targets = jnp.roll(tokens, -1, axis=1)
-  logits, _ = model(tokens)
+  logits, _ = _fwd(model, "__call__", tokens)
   logz = jax.nn.log_softmax(logits)
   ref_lp = jnp.take_along_axis(logz, targets[..., None], -1)[..., 0]
   ref_ent = -jnp.sum(jnp.exp(logz) * logz, -1)
-  lp, ent, _ = model.token_logprobs(tokens, targets, chunk_size=chunk)
+  lp, ent, _ = _fwd(model, "token_logprobs", tokens, targets, chunk_size=chunk)
   np.testing.assert_allclose(lp, ref_lp, atol=1e-5)
   np.testing.assert_allclose(ent, ref_ent, atol=1e-5)
+  if chunk != 5:
+    return  # gradients: checked once, with a chunk that does not divide T
 
   def via_full(m):
     lg, _ = m(tokens)
@@ -146,14 +170,14 @@ def test_token_logprobs_match_full_logits(chunk):
   def via_chunks(m):
     return jnp.sum(m.token_logprobs(tokens, targets, chunk_size=chunk)[0])
 
-  g1 = nnx.grad(via_full)(model)
-  g2 = nnx.grad(via_chunks)(model)
-  assert _max_tree_diff(nnx.state(g1), nnx.state(g2)) < 1e-5
+  _, g1 = _value_and_grad(model, via_full)
+  _, g2 = _value_and_grad(model, via_chunks)
+  assert _max_tree_diff(g1, g2) < 1e-5
 
 
 def test_value_head_and_errors():
   model = _model(value_head=True)
-  h, _ = model.hidden(_tokens())
+  h, _ = _fwd(model, "hidden", _tokens())
   assert model.value(h).shape == (2, 12)
   with pytest.raises(ValueError, match="value_head"):
     _model().value(h)
@@ -182,26 +206,25 @@ def test_config_validation_names_the_field():
 def test_replay_own_choices_equals_free_forward():
   model = _model()
   tokens = _tokens()
-  logits, aux = model(tokens)
-  logits2, aux2 = model(tokens, replay=aux.topk_indices)
+  logits, aux = _fwd(model, "__call__", tokens)
+  logits2, aux2 = _fwd(model, "__call__", tokens, replay=aux.topk_indices)
   np.testing.assert_allclose(logits2, logits, atol=1e-6)
   np.testing.assert_array_equal(aux2.topk_indices, aux.topk_indices)
   np.testing.assert_allclose(aux2.replay_mismatch, 0.0)
   # All -1: free.
-  logits3, aux3 = model(tokens, replay=jnp.full_like(aux.topk_indices, -1))
+  logits3, aux3 = _fwd(model, "__call__", tokens, replay=jnp.full_like(aux.topk_indices, -1))
   np.testing.assert_allclose(logits3, logits, atol=1e-6)
 
 
 def test_replay_other_experts_changes_output_and_router_gets_gradient():
   model = _model()
   tokens = _tokens()
-  _, aux = model(tokens)
+  logits, aux = _fwd(model, "__call__", tokens)
   e = model.cfg.num_experts
   other = (aux.topk_indices + 3) % e  # mostly, not always, outside the free top-K
   # Replay only layer 0 of the MoE layers (other layers free: -1).
   replay = jnp.full_like(aux.topk_indices, -1).at[:, :, 0].set(other[:, :, 0])
-  logits_r, aux_r = model(tokens, replay=replay)
-  logits, _ = model(tokens)
+  logits_r, aux_r = _fwd(model, "__call__", tokens, replay=replay)
   assert float(jnp.max(jnp.abs(logits_r - logits))) > 1e-3
   np.testing.assert_array_equal(aux_r.topk_indices[:, :, 0], other[:, :, 0])
   own = np.asarray(aux.topk_indices[:, :, 0]).reshape(-1, 2)
@@ -215,8 +238,8 @@ def test_replay_other_experts_changes_output_and_router_gets_gradient():
     lg, _ = m(tokens, replay=replay)
     return jnp.sum(jax.nn.log_softmax(lg)[..., 0])
 
-  g = nnx.grad(loss)(model)
-  assert float(jnp.max(jnp.abs(g.segments[1].blocks[0].mlp.router[...][0]))) > 0
+  _, g = _value_and_grad(model, loss)
+  assert float(jnp.max(jnp.abs(g["segments"][1]["blocks"][0]["mlp"]["router"][...][0]))) > 0
 
 
 # ------------------------------------------------------------------ layers
@@ -233,21 +256,20 @@ def test_moe_layer_spec_matches_qwen_rules():
   assert cfg.layer_kinds == (False, True, False, False, False, True)
 
 
-@pytest.mark.parametrize("overrides", [dict(scan_layers=False), dict(remat_policy="full"),
-                                       dict(remat_policy="dots")])
-def test_scan_unrolled_and_remat_agree(overrides):
+@pytest.mark.slow
+def test_scan_unrolled_and_remat_agree():
   tokens = _tokens()
-  base = _model(first_dense_layers=0, moe_every=2)
+  kw = dict(num_layers=4, first_dense_layers=0, moe_every=2)  # plan: (D, M) x 2
 
   def loss(m):
     lg, aux = m(tokens)
     return jnp.mean(jax.nn.log_softmax(lg)[..., 3]) + aux.z_loss
 
-  l0, g0 = nnx.value_and_grad(loss)(base)
-  other = _model(first_dense_layers=0, moe_every=2, **overrides)
-  l1, g1 = nnx.value_and_grad(loss)(other)
-  np.testing.assert_allclose(l1, l0, rtol=1e-6)
-  assert _max_tree_diff(nnx.state(g0), nnx.state(g1)) < 1e-6
+  l0, g0 = _value_and_grad(_model(**kw), loss)
+  for overrides in [dict(scan_layers=False, remat_policy="dots"), dict(remat_policy="full")]:
+    l1, g1 = _value_and_grad(_model(**kw, **overrides), loss)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)  # f32 reassociation only (~5e-7 seen)
+    assert _max_tree_diff(g0, g1) < 1e-6
 
 
 def test_bf16_compute_with_f32_params():
@@ -255,8 +277,8 @@ def test_bf16_compute_with_f32_params():
   m32 = _model()
   m16 = _model(dtype="bfloat16")
   assert m16.embed[...].dtype == jnp.float32
-  l32, _ = m32(tokens)
-  l16, _ = m16(tokens)
+  l32, _ = _fwd(m32, "__call__", tokens)
+  l16, _ = _fwd(m16, "__call__", tokens)
   assert l16.dtype == jnp.float32
   # bf16 rounding only: logits of this tiny model are O(0.1).
   assert float(jnp.max(jnp.abs(l16 - l32))) < 2e-2
@@ -268,7 +290,7 @@ def test_kv_cache_decode_equals_full_forward_left_padded(backend):
   model = _model(moe_backend=backend)
   mask, pos = _left_pad_mask()
   tokens = _tokens(3, seed=2)
-  logits, aux = model(tokens, positions=pos, attn_mask=mask)
+  logits, aux = _fwd(model, "__call__", tokens, positions=pos, attn_mask=mask)
   prompt = 7
   graphdef, state = nnx.split(model)
 
