@@ -45,9 +45,9 @@ Stopping: a row stops after emitting any ``eos_id`` token or the last token of
 any ``stop_sequences`` entry (matched on token ids, inside the response only);
 the stop token(s) belong to the response (mask 1).  A row that emits
 ``max_new_tokens`` tokens without stopping is ``truncated``.  Stop *strings*
-are given as token sequences: ``stop_sequences=[tokenizer.encode(s) for s in
-strings]`` (a string that can be tokenised in several ways is matched only in
-the given tokenisation).
+(``stop_strings=`` with ``tokenizer=``) become the token sequences
+``tokenizer.encode(s)``; a string that can be tokenised in several ways is
+matched only in that tokenisation (exact for the character tokenizer).
 """
 from __future__ import annotations
 
@@ -495,7 +495,8 @@ class Sampler:
                  max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0,
                  eos_id: Union[None, int, Sequence[int]] = None,
-                 stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
+                 stop_sequences: Sequence[Sequence[int]] = (),
+                 stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
                  prompt_ids: Optional[Sequence[int]] = None, state=None) -> Rollout:
         """Samples ``num_samples`` responses for every prompt.
 
@@ -509,6 +510,9 @@ class Sampler:
           top_k: >= 0; 0 = off.
           eos_id: a token id or a list of them; emitting one stops the row.
           stop_sequences: token-id sequences; completing one stops the row.
+          stop_strings: strings, added to ``stop_sequences`` as
+            ``tokenizer.encode(s)`` (matched in that tokenisation only).
+          tokenizer: a `gspo_jax.tokenizers.Tokenizer`; needed by stop_strings.
           pad_id: the token written at padding (prompt and response).
           prompt_ids: distinct ints, one per prompt, folded into the row keys
             (default 0 .. len(prompts) - 1).  The same prompt with the same
@@ -525,10 +529,10 @@ class Sampler:
         for name, val in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
             if not (_is_int(val) and val >= 1):
                 raise ValueError(f"{name}: must be an int >= 1, got {val!r}")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-                and temperature >= 0):
+        if not (isinstance(temperature, (int, float, np.integer, np.floating))
+                and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature: must be a finite float >= 0, got {temperature!r}")
-        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        if not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0 < top_p <= 1):
             raise ValueError(f"top_p: must be in (0, 1], got {top_p!r}")
         if not (_is_int(top_k) and top_k >= 0):
             raise ValueError(f"top_k: must be an int >= 0, got {top_k!r}")
@@ -542,6 +546,14 @@ class Sampler:
             eos = _token_list(eos_id, "eos_id", V)
         stops = [[e] for e in eos] + [_token_list(s, f"stop_sequences[{j}]", V)
                                       for j, s in enumerate(stop_sequences)]
+        if isinstance(stop_strings, str):
+            raise ValueError("stop_strings: expected a list of strings, got one string")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings: need a tokenizer= to encode them")
+        for j, text in enumerate(stop_strings):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop_strings[{j}]: expected a non-empty string, got {text!r}")
+            stops.append(_token_list(tokenizer.encode(text), f"stop_strings[{j}] (encoded)", V))
         n, G = len(plist), int(num_samples)
         if prompt_ids is None:
             pids = np.arange(n, dtype=np.int64)
@@ -600,7 +612,8 @@ class Sampler:
 def sample(model: nnx.Module, prompts: Sequence[Sequence[int]], *, num_samples: int,
            max_new_tokens: int, rng: jax.Array, temperature: float = 1.0, top_p: float = 1.0,
            top_k: int = 0, eos_id: Union[None, int, Sequence[int]] = None,
-           stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
+           stop_sequences: Sequence[Sequence[int]] = (), stop_strings: Sequence[str] = (),
+           tokenizer=None, pad_id: int = 0,
            prompt_ids: Optional[Sequence[int]] = None, mesh: Optional[Mesh] = None,
            **sampler_kwargs) -> Rollout:
     """One-shot sampling: ``Sampler.from_model(model, mesh=mesh, ...)(prompts, ...)``.
@@ -614,4 +627,5 @@ def sample(model: nnx.Module, prompts: Sequence[Sequence[int]], *, num_samples: 
     sampler = Sampler.from_model(model, mesh=mesh, **sampler_kwargs)
     return sampler(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, rng=rng,
                    temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id,
-                   stop_sequences=stop_sequences, pad_id=pad_id, prompt_ids=prompt_ids)
+                   stop_sequences=stop_sequences, stop_strings=stop_strings,
+                   tokenizer=tokenizer, pad_id=pad_id, prompt_ids=prompt_ids)

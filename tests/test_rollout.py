@@ -276,6 +276,22 @@ def test_stop_on_eos_and_stop_sequences(sampler):
         np.testing.assert_array_equal(np.asarray(r.mask[i]), np.arange(T) < n)
     assert stopped >= 2 and int(r.lengths[0]) <= 4 and int(r.lengths[1]) <= 6
     _check_record(sampler, r)
+    # The same stop given as a string through a tokenizer: the same rollout.
+    r2 = sampler(PROMPTS, eos_id=eos, stop_sequences=[never], tokenizer=_Letters(),
+                 stop_strings=[_Letters.text(seq)], **kw)
+    np.testing.assert_array_equal(np.asarray(r2.tokens), np.asarray(r.tokens))
+    np.testing.assert_array_equal(np.asarray(r2.lengths), np.asarray(r.lengths))
+
+
+class _Letters:
+    """A stand-in tokenizer: token id i <-> the character chr(0x100 + i)."""
+
+    @staticmethod
+    def text(ids):
+        return "".join(chr(0x100 + int(i)) for i in ids)
+
+    def encode(self, text):
+        return [ord(c) - 0x100 for c in text]
 
 
 def test_compile_count_is_one_per_bucket(sampler):
@@ -346,6 +362,8 @@ def test_bad_arguments_raise(sampler):
                        (dict(top_k=-1), "top_k"), (dict(eos_id=V), "eos_id"),
                        (dict(stop_sequences=[[]]), "stop_sequences\\[0\\]"),
                        (dict(pad_id=-1), "pad_id"), (dict(prompt_ids=[0, 0]), "prompt_ids"),
+                       (dict(stop_strings=["ab"]), "tokenizer"),
+                       (dict(stop_strings=[""], tokenizer=_Letters()), "stop_strings\\[0\\]"),
                        (dict(rng=jnp.zeros((3,), jnp.int32)), "rng")]:
         args = {**kw, "prompts": [[1, 2], [3]], **bad}
         with pytest.raises(ValueError, match=field):
