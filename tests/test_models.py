@@ -72,8 +72,9 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
   ref_g, ref_y = jax.jit(jax.grad(lambda *a: loss(moe_lib.dispatch_dense, *a), (0, 1, 2), has_aux=True))(
       x, gates, ws)
   for fn in [moe_lib.dispatch_ragged,
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=4),
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64)]:
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64),  # small-batch rule
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4),
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=64)]:
     g, y = jax.jit(jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True))(x, gates, ws)
     np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
     assert _max_tree_diff(g, ref_g) < 1e-5
@@ -81,7 +82,8 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
 
 def test_block_size_shrinks_for_few_rows():
   assert moe_lib.block_size_for(16384 * 2, 8, 64) == 64
-  assert moe_lib.block_size_for(128, 64, 64) == 2  # decode step: 2 rows/expert on average
+  assert moe_lib.block_size_for(8192, 64, 64) == 32  # padding 64 * 31 <= 8192 / 4
+  assert moe_lib.block_size_for(128, 64, 64) == 1  # decode step
   assert moe_lib.block_size_for(3, 64, 64) == 1
 
 

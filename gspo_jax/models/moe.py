@@ -94,18 +94,27 @@ def dispatch_ragged(x, idx, gates, wg, wu, wd):
 
 
 def block_size_for(num_rows: int, num_experts: int, max_block: int) -> int:
-  """Block rows for the blocked dispatch: max_block, shrunk (to a power of two
-  >= the mean rows per expert) when there are few rows, e.g. decode steps."""
-  mean = -(-num_rows // num_experts)
-  return max(1, min(max_block, 1 << max(0, (mean - 1).bit_length())))
+  """Rows per block of the blocked dispatch.
+
+  The largest power of two bk <= max_block whose worst-case padding
+  E * (bk - 1) is at most a quarter of the N*K real rows (at least 1): big
+  blocks for training-sized batches, down to per-row blocks for decode steps.
+  """
+  bk = 1
+  while 2 * bk <= max_block and num_experts * (2 * bk - 1) * 4 <= num_rows:
+    bk *= 2
+  return bk
 
 
-def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int):
-  """Sort-based dropless dispatch as a batched matmul over expert blocks."""
+def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int, block_size: int | None = None):
+  """Sort-based dropless dispatch as a batched matmul over expert blocks.
+
+  block_size: rows per block (default `block_size_for(N*K, E, max_block)`).
+  """
   n, k = idx.shape
   e, d, _ = wg.shape
   nk = n * k
-  bk = block_size_for(nk, e, max_block)
+  bk = block_size or block_size_for(nk, e, max_block)
   nb = (nk + e * (bk - 1)) // bk
   flat_e, order = _sort_assignments(idx)
   sorted_e = flat_e[order]
