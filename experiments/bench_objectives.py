@@ -1,15 +1,19 @@
-"""Times every objective, jitted forward + backward (with its metrics), at N x T.
+"""Times every objective, jitted forward + backward, at N x T (default 512 x 2048).
 
 Baseline: a plain masked mean of logp, sum(mask * logp) / sum(mask), forward +
-backward at the same shape. Each timing is the median of --runs calls after
---warmup calls, each ended by block_until_ready.
+backward at the same shape. Each objective is timed two ways:
 
-    python experiments/bench_objectives.py                 # N=512, T=2048
-    python experiments/bench_objectives.py --n 64 --t 256  # quick
+  * with its metrics returned (what a step that logs pays);
+  * with the metrics dropped inside jit (XLA then removes their computation).
 
-Prints a markdown table: ms per call and the ratio to the baseline, with the metrics
-returned (what a logging step pays) and with them dropped inside jit (XLA then
-removes their computation).
+The three functions (baseline, objective with metrics, objective without) are
+called in turn, --runs rounds after --warmup rounds, each call ended by
+block_until_ready, so load from other processes falls on all three alike. The
+table gives the median (and the minimum) per call and the ratio of medians to the
+baseline timed in the same rounds.
+
+    PYTHONPATH=. python experiments/bench_objectives.py                 # N=512, T=2048
+    PYTHONPATH=. python experiments/bench_objectives.py --n 64 --t 256  # quick
 """
 
 from __future__ import annotations
@@ -38,15 +42,23 @@ def make_inputs(n: int, t: int, seed: int = 0):
                                                 gamma=gamma).items()}
 
 
-def time_fn(fn, args, warmup: int, runs: int) -> float:
+def time_interleaved(calls, warmup: int, runs: int):
+    """calls: list of (fn, args). Returns per call (median ms, min ms)."""
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
     for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for k, (fn, args) in enumerate(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[k].append(time.perf_counter() - t0)
+    return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
+
+
+def time_fn(fn, args, warmup: int, runs: int) -> float:
+    """Median ms of one function (for ad-hoc use)."""
+    return time_interleaved([(fn, args)], warmup, runs)[0][0]
 
 
 def main():
@@ -54,7 +66,7 @@ def main():
     p.add_argument("--n", type=int, default=512)
     p.add_argument("--t", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--runs", type=int, default=15)
+    p.add_argument("--runs", type=int, default=21)
     p.add_argument("--kl", action="store_true", help="add a k3 KL term (kl_coef=0.04) to all")
     args = p.parse_args()
 
@@ -62,10 +74,16 @@ def main():
 
     @jax.jit
     def baseline(logp, mask):
-        return jax.value_and_grad(lambda lp: jnp.sum(mask * lp) / jnp.maximum(jnp.sum(mask), 1.0))(logp)
+        return jax.value_and_grad(
+            lambda lp: jnp.sum(mask * lp) / jnp.maximum(jnp.sum(mask), 1.0))(logp)
 
-    base_ms = time_fn(baseline, (x["logp"], x["mask"]), args.warmup, args.runs)
-    rows = [("masked mean of logp (baseline)", base_ms, base_ms)]
+    dev = jax.devices()[0]
+    print(f"N={args.n}, T={args.t}, {dev.platform}, jax {jax.__version__}, "
+          f"kl={'k3, kl_coef=0.04' if args.kl else 'off'}, {args.runs} interleaved rounds "
+          f"after {args.warmup} warm-up; ms per call, median (min)\n")
+    print("| objective | baseline ms | fwd+bwd+metrics ms | ratio | fwd+bwd, metrics dropped, ms"
+          " | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name in objectives.names():
         fn = objectives.get(name)
         kw = {"kl_coef": 0.04 if args.kl else 0.0}
@@ -76,19 +94,13 @@ def main():
 
         inputs = (x["logp"], x["old"], x["adv"], x["mask"], x["ref"], x["gamma"])
         with_metrics = jax.jit(jax.value_and_grad(loss, has_aux=True))
-        # Metrics dropped inside jit: XLA removes their computation (steps that do not log).
         loss_only = jax.jit(jax.value_and_grad(lambda *a, loss=loss: loss(*a)[0]))
-        rows.append((name, time_fn(with_metrics, inputs, args.warmup, args.runs),
-                     time_fn(loss_only, inputs, args.warmup, args.runs)))
+        (b, bmin), (w, wmin), (l, lmin) = time_interleaved(
+            [(baseline, (x["logp"], x["mask"])), (with_metrics, inputs), (loss_only, inputs)],
+            args.warmup, args.runs)
+        print(f"| {name} | {b:.2f} ({bmin:.2f}) | {w:.2f} ({wmin:.2f}) | {w / b:.2f} | "
+              f"{l:.2f} ({lmin:.2f}) | {l / b:.2f} |", flush=True)
 
-    dev = jax.devices()[0]
-    print(f"N={args.n}, T={args.t}, {dev.platform} ({dev.device_kind}), jax {jax.__version__}, "
-          f"kl={'k3' if args.kl else 'off'}, median of {args.runs} after {args.warmup} warm-up\n")
-    print("| objective | fwd+bwd+metrics ms | ratio | fwd+bwd (metrics dropped) ms | ratio |")
-    print("|---|---:|---:|---:|---:|")
-    for name, ms, ms_loss in rows:
-        print(f"| {name} | {ms:.2f} | {ms / base_ms:.2f} | {ms_loss:.2f} | "
-              f"{ms_loss / base_ms:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -265,7 +265,7 @@ def _seq_mean(x: Array, b: _Batch) -> Array:
 # intermediates of all of them stay in cache: XLA:CPU neither fuses sibling
 # reductions nor keeps a shared producer live between them, and separate full-size
 # reductions cost several times the loss itself at N x T = 512 x 2048.
-_BLOCK_ELEMENTS = 65536
+_BLOCK_ELEMENTS = 16384
 _LN2 = math.log(2.0)
 
 # A token statistic: (reduction, per-token f32 values, value used where mask = 0).

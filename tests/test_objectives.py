@@ -700,3 +700,24 @@ def test_entropy_bonus():
     loss, m = O.entropy_bonus(h, jnp.array([[1.0, 0.0]]), coef=0.1)
     np.testing.assert_allclose(loss, -0.1 * math.log(2), rtol=1e-6)
     np.testing.assert_allclose(m["entropy"], math.log(2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo_token", "cispo", "rspo", "sapo"])
+def test_blocked_metrics_pass_equals_single_block(name, monkeypatch):
+    # 8 x 4096 tokens: the metrics pass runs over 2 blocks of 4 rows (lax.map); compare
+    # with one block holding everything.
+    rs = np.random.RandomState(5)
+    n, t = 8, 4096
+    old = jnp.asarray(rs.normal(-1, 0.5, (n, t)), jnp.float32)
+    lp = old + jnp.asarray(rs.normal(0, 0.4, (n, t)), jnp.float32)
+    mask = jnp.asarray(rs.rand(n, t) > 0.2, jnp.float32)
+    adv = jnp.asarray(rs.normal(0, 1, n), jnp.float32)
+    kw = dict(extra_kwargs(name, (n, t), gamma=rs.uniform(0.5, 1, (n, t)).astype(np.float32)),
+              ref_logp=old, kl_coef=0.1)
+    assert O._block_rows(n, t) == 4
+    blocked = jax.jit(lambda *a: O.get(name)(*a, **kw))(lp, old, adv, mask)
+    monkeypatch.setattr(O, "_BLOCK_ELEMENTS", n * t)
+    single = jax.jit(lambda *a: O.get(name)(*a, **kw))(lp, old, adv, mask)
+    np.testing.assert_allclose(blocked[0], single[0], rtol=1e-6)
+    for k in single[1]:
+        np.testing.assert_allclose(blocked[1][k], single[1][k], rtol=1e-5, atol=1e-7, err_msg=k)
