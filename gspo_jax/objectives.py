@@ -343,6 +343,11 @@ def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
         "logratio_std": jnp.sqrt(jnp.maximum(sq_mean - mean * mean, 0.0)),
         "logratio_seq_var": _seq_mean(jnp.maximum(seq_sq - seq_mean * seq_mean, 0.0), b),
     }
+    if "_clipped" in per_row:  # see _clip_stats: low side where A < 0, high side elsewhere
+        neg = inputs["adv"][:, 0] < 0
+        clipped = per_row["_clipped"]
+        metrics["clip_frac_low"] = _safe_div(jnp.sum(jnp.where(neg, clipped, 0.0)), b.num_tokens)
+        metrics["clip_frac_high"] = _safe_div(jnp.sum(jnp.where(neg, 0.0, clipped)), b.num_tokens)
     for key, x in per_row.items():
         if key.startswith("_"):
             continue
@@ -354,6 +359,14 @@ def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
         else:
             metrics[key] = jnp.min(x)
     return metrics
+
+
+def _clip_stats(hi: Array, lo: Array, adv: Array) -> TokenStats:
+    """Token clip fractions. With one advantage per row (adv [rows,1]) only one side can
+    clip in a row, so one reduction serves both; `_token_metrics` splits it by sign."""
+    if adv.shape[-1] == 1:
+        return {"_clipped": ("mean", _f32(hi | lo), 0.0)}
+    return {"clip_frac_low": ("mean", _f32(lo), 0.0), "clip_frac_high": ("mean", _f32(hi), 0.0)}
 
 
 def _adv2d(advantages: Array) -> Array:
@@ -442,14 +455,14 @@ def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift,
         a = x["adv"]
         hi = (a > 0) & (d > math.log1p(hp["eps_high"]))
         lo = (a < 0) & (d < math.log1p(-hp["eps_low"]))
-        dual = jnp.zeros_like(hi) if hp["dual_clip"] is None else \
-            (a < 0) & (d > math.log(hp["dual_clip"]))
-        return {"clip_frac_low": ("mean", _f32(lo), 0.0),
-                "clip_frac_high": ("mean", _f32(hi), 0.0),
-                "dual_clip_frac": ("mean", _f32(dual), 0.0)}
+        out = _clip_stats(hi, lo, a)
+        if hp["dual_clip"] is not None:  # else the metric is 0 (set in _token_metrics)
+            out["dual_clip_frac"] = ("mean", _f32((a < 0) & (d > math.log(hp["dual_clip"]))), 0.0)
+        return out
 
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
                              _with_kl(stats, hp))
+    metrics.setdefault("dual_clip_frac", jnp.zeros((), jnp.float32))
     return loss, metrics
 
 
@@ -498,8 +511,7 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
         a, s = x["adv"], x["s"]
         hi = (a > 0) & (s > 1.0 + hp["eps_high"])
         lo = (a < 0) & (s < 1.0 - hp["eps_low"])
-        return {"clip_frac_low": ("mean", _f32(lo), 0.0),
-                "clip_frac_high": ("mean", _f32(hi), 0.0)}
+        return _clip_stats(hi, lo, a)
 
     metrics = _token_metrics(b, logp, old_logp, mask,
                              _metric_inputs(advantages, ref_logp, hp, s=s[:, None]),
@@ -553,8 +565,7 @@ def _geo_clip(delta: Array, adv: Array, eps_low, eps_high):
 def _geo_stats(hp):
     def stats(d, lp, valid, x):
         _, hi, lo = _geo_clip(d, x["adv"], hp["eps_low"], hp["eps_high"])
-        out = {"clip_frac_low": ("mean", _f32(lo), 0.0),
-               "clip_frac_high": ("mean", _f32(hi), 0.0)}
+        out = _clip_stats(hi, lo, x["adv"])
         if "gamma" in x:
             out["gamma_mean"] = ("mean", x["gamma"], 0.0)
             out["gamma_min"] = ("min", x["gamma"], 1.0)
