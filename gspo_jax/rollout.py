@@ -27,6 +27,11 @@ How it runs
    has stopped or ``max_new_tokens`` tokens are out.  Nothing returns to the host
    between tokens.
 
+Known costs: the prefill runs once per row, i.e. G times per prompt (sharing one
+prefill across a prompt's G samples would save (G-1)/G of it), and it computes
+logits at all P prompt positions although only the last is used.  The decode
+step's cost is the model's (`Transformer.decode`); see experiments/rollout.md.
+
 Sampling (per row, per step, logits ℓ ∈ R^V):
 
 * greedy (``temperature == 0``): o_t = argmax ℓ; ``logp_sampling`` = 0 (log 1).
@@ -63,7 +68,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count"]
+__all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count", "compile_cache_size"]
 
 # Number of times the generation function has been traced (= compiled), per
 # static shape bucket.  Tests assert it stays at one per bucket.

@@ -224,6 +224,7 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
         np.testing.assert_array_equal(np.asarray(r.tokens[i]), seq[0, len(p):])
 
 
+@pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
     kw = dict(num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
     mixed = sampler(PROMPTS, **kw)
@@ -294,6 +295,7 @@ class _Letters:
         return [ord(c) - 0x100 for c in text]
 
 
+@pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_compile_count_is_one_per_bucket(sampler):
     kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh buckets
     before, size0 = rollout.trace_count(), rollout.compile_cache_size()
@@ -310,6 +312,7 @@ def test_compile_count_is_one_per_bucket(sampler):
     assert rollout.compile_cache_size() - size0 == 2
 
 
+@pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_sharded_batch_equals_single_device(model, sampler):
     devices = np.array(jax.devices()[:8])
     if devices.size < 8:
