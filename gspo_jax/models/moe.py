@@ -97,11 +97,12 @@ def block_size_for(num_rows: int, num_experts: int, max_block: int) -> int:
   """Rows per block of the blocked dispatch.
 
   The largest power of two bk <= max_block whose worst-case padding
-  E * (bk - 1) is at most a quarter of the N*K real rows (at least 1): big
-  blocks for training-sized batches, down to per-row blocks for decode steps.
+  E * (bk - 1) is at most half the N*K real rows (at least 1): big blocks for
+  training-sized batches (few blocks, so little per-block weight gathering),
+  down to per-row blocks for decode steps.
   """
   bk = 1
-  while 2 * bk <= max_block and num_experts * (2 * bk - 1) * 4 <= num_rows:
+  while 2 * bk <= max_block and num_experts * (2 * bk - 1) * 2 <= num_rows:
     bk *= 2
   return bk
 
