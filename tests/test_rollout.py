@@ -166,8 +166,14 @@ def test_sample_token_masked_logits_never_sampled():
 # The sampler against the model's full forward.
 
 
-def test_logp_and_experts_match_teacher_forced_forward(sampler):
+def test_logp_and_experts_match_teacher_forced_forward(model, sampler):
     r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
+    # The one-shot `sample` re-splits the model but reuses the compiled function.
+    traced = rollout.trace_count()
+    r1 = rollout.sample(model, PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0),
+                        eos_id=5)
+    assert rollout.trace_count() == traced
+    np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r.tokens))
     assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
     assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 32, 2, 2)
     assert r.prompt_tokens.shape == (9, 32)  # longest prompt 17 -> bucket 32
