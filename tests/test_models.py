@@ -84,7 +84,7 @@ def test_block_size_shrinks_for_few_rows():
   assert moe_lib.block_size_for(16384 * 2, 8, 64) == 64
   assert moe_lib.block_size_for(8192, 64, 64) == 64  # padding 64 * 63 <= 8192 / 2
   assert moe_lib.block_size_for(4096, 64, 64) == 32
-  assert moe_lib.block_size_for(128, 64, 64) == 1  # decode step
+  assert moe_lib.block_size_for(128, 64, 64) == 2  # decode step: padding 64 <= 128 / 2
   assert moe_lib.block_size_for(3, 64, 64) == 1
 
 
