@@ -233,18 +233,32 @@ def _safe_div(x: Array, d: Array) -> Array:
     return x / jnp.maximum(d, 1.0)
 
 
-def _aggregate(per_token: Array, b: _Batch, agg: str, norm_len: float) -> Array:
-    """Aggregates per-token losses l (finite everywhere) into a scalar (module doc)."""
-    ml = b.m * per_token
+def _aggregate(per_token: Array, b: _Batch, agg: str, norm_len: float,
+               row_weight: Array | None = None) -> Array:
+    """Aggregates per-token losses l (finite everywhere) into a scalar (module doc).
+
+    With ``row_weight`` (f32[N]) the per-token loss is row_weight_i * per_token; the
+    weight is applied to row sums, so XLA does not materialise its [N,T] broadcast.
+    """
+    rows = jnp.sum(b.m * per_token, axis=-1)  # f32[N]
+    if row_weight is not None:
+        rows = row_weight * rows
     if agg == "token-mean":
-        return _safe_div(jnp.sum(ml), b.norm.num_tokens)
+        return _safe_div(jnp.sum(rows), b.norm.num_tokens)
     if agg == "seq-mean-token-mean":
-        return _safe_div(jnp.sum(jnp.sum(ml, axis=-1) * b.inv_n), b.norm.num_seqs)
+        return _safe_div(jnp.sum(rows * b.inv_n), b.norm.num_seqs)
     if agg == "seq-mean-token-sum":
-        return _safe_div(jnp.sum(ml), b.norm.num_seqs)
+        return _safe_div(jnp.sum(rows), b.norm.num_seqs)
     if agg == "seq-mean-token-sum-norm":
-        return _safe_div(jnp.sum(ml), b.norm.num_seqs) / norm_len
+        return _safe_div(jnp.sum(rows), b.norm.num_seqs) / norm_len
     raise AssertionError(agg)  # validated before
+
+
+def _aggregate_adv(x: Array, adv: Array, b: _Batch, agg: str, norm_len: float) -> Array:
+    """Aggregates l_t = -A x_t; adv is [N,1] (per sequence) or [N,T]."""
+    if adv.shape[1] == 1:
+        return _aggregate(x, b, agg, norm_len, row_weight=-adv[:, 0])
+    return _aggregate(-adv * x, b, agg, norm_len)
 
 
 def _seq_aggregate(per_seq: Array, b: _Batch) -> Array:
@@ -446,7 +460,7 @@ def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift,
     r_eff, _, _, _ = _ratio_clip(jnp.exp(b.delta), adv, hp["eps_low"], hp["eps_high"],
                                  hp["dual_clip"])
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate(-adv * r_eff, b, hp["agg"], norm_len)
+    loss = _aggregate_adv(r_eff, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
@@ -503,7 +517,7 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
     s_hat = jnp.exp(sg(mean_delta)[:, None] + (b.delta - sg(b.delta)))
     s_eff, _, _, _ = _ratio_clip(s_hat, adv, hp["eps_low"], hp["eps_high"], None)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate(-adv * s_eff, b, hp["agg"], norm_len)
+    loss = _aggregate_adv(s_eff, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
     s = sg(jnp.exp(mean_delta))
 
@@ -536,7 +550,7 @@ def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     weight, _, _ = _cispo_weight(jax.lax.stop_gradient(jnp.exp(b.delta)), hp)
     lp = jnp.where(b.valid, _f32(logp), 0.0)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate(-(weight * adv) * lp, b, hp["agg"], norm_len)
+    loss = _aggregate_adv(weight * lp, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
@@ -616,7 +630,7 @@ def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     adv = _adv2d(advantages)
     tau, p = _sapo_gate(jnp.exp(b.delta), adv, hp)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate(-adv * (4.0 / tau) * p, b, hp["agg"], norm_len)
+    loss = _aggregate_adv((4.0 / tau) * p, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
