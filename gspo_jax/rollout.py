@@ -15,21 +15,22 @@ that holds, per response token, everything the trainer needs:
 How it runs
 -----------
 1. Host side (once per call): prompts are left-padded to a *prompt bucket* P
-   (powers of two, at least ``min_prompt_bucket``), rows are padded to a *batch
-   bucket* B (powers of two, a multiple of the data-parallel shard count), and
+   (powers of two, at least ``min_prompt_bucket``), the prompt list is padded to
+   a *batch bucket* b (a power of two, or a multiple of one, so that the
+   B = b * G rows divide over the data-parallel shards), and
    every array is placed on the device (sharded over the mesh's data axes when
    a mesh is given).  Only these bucketed shapes reach the compiled function, so
    a new batch recompiles only when it falls in a new (B, P) bucket.
 2. Device side, one ``jax.jit``-compiled function per (B, P, max_new_tokens,
-   sampling mode): one prefill of the [B, P] prompts into a KV cache, then a
+   G, sampling mode): one prefill of the [b, P] prompts into a KV cache, then a
    ``lax.while_loop`` that samples token t from the last logits, records it and
    feeds it back through ``model.decode`` (one token per row), until every row
    has stopped or ``max_new_tokens`` tokens are out.  Nothing returns to the host
    between tokens.
 
-Known costs: the prefill runs once per row, i.e. G times per prompt (sharing one
-prefill across a prompt's G samples would save (G-1)/G of it), and it computes
-logits at all P prompt positions although only the last is used.  The decode
+The prefill runs once per prompt, on [b, P], and its KV cache is copied to the
+prompt's G rows.  Known cost: it computes logits at all P prompt positions
+although only the last is used.  The decode
 step's cost is the model's (`Transformer.decode`); see experiments/rollout.md.
 
 Sampling (per row, per step, logits ℓ ∈ R^V):
@@ -57,6 +58,7 @@ matched only in that tokenisation (exact for the character tokenizer).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence, Union
@@ -262,9 +264,11 @@ class _Spec(NamedTuple):
     together with the graphdef and the argument shapes)."""
 
     max_new_tokens: int
+    num_samples: int  # G: each prompt's prefill is shared by its G rows
     mode: _Mode
     pad_id: int
-    batch_sharding: Optional[NamedSharding]
+    batch_sharding: Optional[NamedSharding]  # of [rows, ...] arrays
+    cache_sharding: Optional[NamedSharding]  # of the cache's [layers, rows, ...] k / v
 
 
 class _Carry(NamedTuple):
@@ -281,25 +285,40 @@ class _Carry(NamedTuple):
     history: jax.Array  # int32[B, M], the last M response tokens (stop matching)
 
 
-def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, sample_ids,
-              live, stop_table, temperature, top_p, spec: _Spec):
+def _repeat_rows(cache, g: int):
+    """The KV cache of [b] prompts -> that of [b * g] rows (each prompt g times,
+    consecutively).  Written against `gspo_jax.models.KVCache`'s fields."""
+    names = tuple(f.name for f in dataclasses.fields(cache))
+    if names != ("k", "v", "valid", "index"):
+        raise ValueError(f"cache: expected a KVCache with fields (k, v, valid, index), got {names}")
+    return cache.replace(k=jnp.repeat(cache.k, g, axis=1), v=jnp.repeat(cache.v, g, axis=1),
+                         valid=jnp.repeat(cache.valid, g, axis=0))
+
+
+def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live, stop_table,
+              temperature, top_p, spec: _Spec):
     """Prefill + on-device decode loop; see the module docstring.
 
-    Shapes: prompt_tokens int32[B, P] (left-padded), prompt_mask bool[B, P],
-    prompt_ids / sample_ids int32[B] (the key of each row), live bool[B] (False
-    on batch padding rows), stop_table int32[S, M] (stop sequences right-aligned,
-    -1 = wildcard on the left), temperature / top_p f32[].
+    Shapes, with b prompts (bucketed) and B = b * G rows: prompt_tokens
+    int32[b, P] (left-padded), prompt_mask bool[b, P], prompt_ids int32[b] (the
+    keys), live bool[B] (False on padding rows), stop_table int32[S, M] (stop
+    sequences right-aligned, -1 = wildcard on the left), temperature / top_p f32[].
     """
-    batch, plen = prompt_tokens.shape
+    nb, plen = prompt_tokens.shape
+    G = spec.num_samples
+    batch = nb * G
     steps = spec.max_new_tokens
-    _TRACE_COUNTS[(batch, plen, steps, spec.mode, spec.pad_id, stop_table.shape,
+    _TRACE_COUNTS[(batch, plen, steps, G, spec.mode, spec.pad_id, stop_table.shape,
                    spec.batch_sharding)] += 1
     model = nnx.merge(graphdef, state)
 
-    def shard(x):
-        if spec.batch_sharding is None:
+    def shard(x, sharding=spec.batch_sharding):
+        if sharding is None:
             return x
-        return jax.lax.with_sharding_constraint(x, spec.batch_sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def rows(x):  # [b, ...] per prompt -> [B, ...] per row, prompt-major
+        return shard(jnp.repeat(x, G, axis=0))
 
     # One uniform per (row, step), from the row's own key.
     if spec.mode.greedy:
@@ -308,23 +327,29 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, samp
         def row_uniforms(i, g):
             key = jax.random.fold_in(jax.random.fold_in(rng, i), g)
             return jax.random.uniform(key, (steps,), jnp.float32)
-        uniforms = shard(jax.vmap(row_uniforms)(prompt_ids, sample_ids))
+        sample_ids = jnp.tile(jnp.arange(G, dtype=jnp.int32), nb)
+        uniforms = shard(jax.vmap(row_uniforms)(rows(prompt_ids), sample_ids))
 
-    # Prefill: positions count real tokens only, so left padding is invisible.
+    # Prefill, once per prompt; positions count real tokens only, so left
+    # padding is invisible.  Then each prompt's cache is copied to its G rows.
     mask_i = prompt_mask.astype(jnp.int32)
-    n_prompt = jnp.sum(mask_i, axis=1)
     positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
-    cache = model.init_cache(batch, plen + steps - 1)
+    cache = model.init_cache(nb, plen + steps - 1)
     logits, aux, cache = model.decode(prompt_tokens, cache, positions=positions,
                                       attn_mask=prompt_mask)
-    topk = aux.topk_indices.astype(jnp.int32)  # [B, P, L, K]
+    cache = _repeat_rows(cache, G)
+    cache = cache.replace(k=shard(cache.k, spec.cache_sharding),
+                          v=shard(cache.v, spec.cache_sharding), valid=shard(cache.valid))
+    topk = rows(aux.topk_indices.astype(jnp.int32))  # [B, P, L, K]
+    prompt_mask = rows(prompt_mask)
+    n_prompt = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
     prompt_experts = jnp.where(prompt_mask[:, :, None, None], topk, -1)
     route_shape = topk.shape[2:]
 
     carry = _Carry(
         t=jnp.zeros((), jnp.int32),
         cache=cache,
-        logits=logits[:, -1].astype(jnp.float32),
+        logits=rows(logits[:, -1].astype(jnp.float32)),
         route=topk[:, -1],
         tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),
         logp=shard(jnp.zeros((batch, steps), jnp.float32)),
@@ -374,7 +399,7 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, samp
     mask = (jnp.arange(steps, dtype=jnp.int32)[None, :] < c.lengths[:, None])
     out = dict(tokens=c.tokens, mask=mask.astype(jnp.float32), lengths=c.lengths,
                truncated=~c.stopped, logp=c.logp, logp_sampling=c.logp_sampling,
-               experts=c.experts, prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
+               experts=c.experts, prompt_tokens=rows(prompt_tokens), prompt_mask=prompt_mask,
                prompt_experts=prompt_experts)
     return {k: shard(v) for k, v in out.items()}
 
@@ -461,7 +486,8 @@ class Sampler:
         if mesh is None:
             if data_axes is not None:
                 raise ValueError("data_axes: given without a mesh")
-            self.data_axes, self.data_shards, self._sharding = (), 1, None
+            self.data_axes, self.data_shards = (), 1
+            self._sharding = self._cache_sharding = None
         else:
             if data_axes is None:
                 data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
@@ -473,6 +499,7 @@ class Sampler:
             self.data_axes = data_axes
             self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
             self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
+            self._cache_sharding = NamedSharding(mesh, PartitionSpec(None, data_axes or None))
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> "Sampler":
@@ -490,11 +517,15 @@ class Sampler:
         raise ValueError(f"prompts: a prompt of {length} tokens is longer than the largest "
                          f"prompt bucket {self.prompt_buckets[-1]}")
 
-    def batch_bucket(self, rows: int) -> int:
-        """The padded row count B for ``rows`` sequences: a power of two, rounded
-        up to a multiple of the data shard count."""
-        b = _next_pow2(rows)
-        return -(-b // self.data_shards) * self.data_shards
+    def batch_bucket(self, num_prompts: int, num_samples: int) -> int:
+        """The padded prompt count b (rows B = b * num_samples): the smallest
+        multiple of next_pow2(num_prompts) that makes B a multiple of the data
+        shard count."""
+        step = _next_pow2(num_prompts)
+        b = step
+        while (b * num_samples) % self.data_shards:
+            b += step
+        return b
 
     def __call__(self, prompts: Sequence[Sequence[int]], *, num_samples: int,
                  max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
@@ -582,17 +613,16 @@ class Sampler:
         # Bucketed, left-padded host arrays.
         N = n * G
         P = self.prompt_bucket(max(len(p) for p in plist))
-        B = self.batch_bucket(N)
-        toks = np.full((B, P), pad_id, np.int32)
-        pmask = np.zeros((B, P), bool)
+        nb = self.batch_bucket(n, G)
+        B = nb * G
+        toks = np.full((nb, P), pad_id, np.int32)
+        pmask = np.zeros((nb, P), bool)
         for i, p in enumerate(plist):
-            toks[i * G:(i + 1) * G, P - len(p):] = p
-            pmask[i * G:(i + 1) * G, P - len(p):] = True
-        pmask[N:, -1] = True  # batch padding rows: one pad token, discarded
-        row_pid = np.zeros((B,), np.int32)
-        row_pid[:N] = np.repeat(pids, G)
-        row_sid = np.zeros((B,), np.int32)
-        row_sid[:N] = np.tile(np.arange(G), n)
+            toks[i, P - len(p):] = p
+            pmask[i, P - len(p):] = True
+        pmask[n:, -1] = True  # padding prompts: one pad token, discarded
+        pid = np.zeros((nb,), np.int32)
+        pid[:n] = pids
         live = np.arange(B) < N
         width = max([len(s) for s in stops], default=1)
         table = np.full((len(stops), width), -1, np.int32)
@@ -602,10 +632,17 @@ class Sampler:
         mode = _Mode(greedy=temperature == 0,
                      top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
                      use_top_p=top_p < 1 and temperature > 0)
-        spec = _Spec(max_new_tokens=int(max_new_tokens), mode=mode, pad_id=int(pad_id),
-                     batch_sharding=self._sharding)
-        put = (lambda x: jax.device_put(x, self._sharding)) if self._sharding else jnp.asarray
-        args = (put(toks), put(pmask), put(row_pid), put(row_sid), put(live))
+        spec = _Spec(max_new_tokens=int(max_new_tokens), num_samples=G, mode=mode,
+                     pad_id=int(pad_id), batch_sharding=self._sharding,
+                     cache_sharding=self._cache_sharding)
+        if self._sharding is None:
+            put = put_prompts = jnp.asarray
+        else:
+            put = functools.partial(jax.device_put, device=self._sharding)
+            # The prefill batch is sharded too where it divides evenly.
+            put_prompts = put if nb % self.data_shards == 0 else functools.partial(
+                jax.device_put, device=NamedSharding(self.mesh, PartitionSpec()))
+        args = (put_prompts(toks), put_prompts(pmask), put_prompts(pid), put(live))
         out = _generate_jit(self.graphdef, self.state if state is None else state, rng, *args,
                             jnp.asarray(table), jnp.float32(temperature if temperature > 0 else 1.0),
                             jnp.float32(top_p), spec=spec)

@@ -328,16 +328,20 @@ def test_sharded_batch_equals_single_device(model, sampler):
     from gspo_jax.models import param_shardings
     state = jax.device_put(sampler.state, param_shardings(sampler.state, mesh, model.cfg))
     sharded = rollout.Sampler(sampler.graphdef, state, vocab_size=model.cfg.vocab_size, mesh=mesh)
-    assert sharded.data_axes == ("data",) and sharded.batch_bucket(9) == 16
-    prompts = PROMPTS + [[5, 6]]
-    kw = dict(num_samples=4, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)  # N = B = 16
-    a, b = sharded(prompts, **kw), sampler(prompts, **kw)
-    assert a.tokens.sharding.spec[0] in ("data", ("data",))
-    assert a.experts.sharding.spec[0] in ("data", ("data",))
-    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-    np.testing.assert_array_equal(np.asarray(a.experts), np.asarray(b.experts))
-    np.testing.assert_array_equal(np.asarray(a.prompt_experts), np.asarray(b.prompt_experts))
-    np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
+    assert sharded.data_axes == ("data",)
+    # Prompt buckets b such that the b * G rows divide over the 4 data shards.
+    assert [sharded.batch_bucket(n, g) for n, g in ((3, 3), (1, 2), (1, 1), (5, 3))] == [4, 2, 4, 8]
+    kw = dict(num_samples=4, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
+    # 4 prompts x 4 = 16 rows: no padding rows, the prefill batch sharded too;
+    # 1 prompt x 4: the prefill replicated, the 4 rows sharded.
+    for prompts in (PROMPTS + [[5, 6]], PROMPTS[:1]):
+        a, b = sharded(prompts, **kw), sampler(prompts, **kw)
+        assert a.tokens.sharding.spec[0] in ("data", ("data",))
+        assert a.experts.sharding.spec[0] in ("data", ("data",))
+        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+        np.testing.assert_array_equal(np.asarray(a.experts), np.asarray(b.experts))
+        np.testing.assert_array_equal(np.asarray(a.prompt_experts), np.asarray(b.prompt_experts))
+        np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
 
 
 @pytest.mark.slow
