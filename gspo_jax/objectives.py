@@ -512,14 +512,19 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
     adv = _adv2d(advantages)
     sg = jax.lax.stop_gradient
     mean_delta = _seq_mean_delta(b)
-    # Value s_i at every token; d s_hat / d logp_t = s_hat (through delta_t, which carries
-    # the same [-20, 20] clip as GSPO's mean_delta, so the two gradients agree exactly).
-    s_hat = jnp.exp(sg(mean_delta)[:, None] + (b.delta - sg(b.delta)))
+    # s_hat = exp(sg(mean_delta_i) + delta_t - sg(delta_t)) has value s_i at every token and
+    # d s_hat / d logp_t = s_i (through delta_t, which carries the same [-20, 20] clip as
+    # GSPO's mean_delta, so the two gradients agree exactly). It is evaluated as
+    # sg(s_i) * (1 + delta_t - sg(delta_t)): the same value and the same gradient, without
+    # a per-token exp (only second derivatives differ, and those of s_hat are not the
+    # loss's anyway).
+    s_row = sg(jnp.exp(mean_delta))[:, None]  # [N,1]
+    s_hat = s_row * (1.0 + (b.delta - sg(b.delta)))
     s_eff, _, _, _ = _ratio_clip(s_hat, adv, hp["eps_low"], hp["eps_high"], None)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _aggregate_adv(s_eff, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
-    s = sg(jnp.exp(mean_delta))
+    s = s_row[:, 0]
 
     def stats(d, lp, valid, x):
         a, s = x["adv"], x["s"]
