@@ -17,8 +17,8 @@ the JAX sampler is reported separately.  transformers is timed with 1 torch
 thread and with torch's default, and the faster is kept (on a shared CPU its
 OpenMP threads can be 10x slower than one thread).
 
-    python experiments/bench_rollout.py                       # batch 1, 16, 64
-    python experiments/bench_rollout.py --batch-sizes=64 --repeats=5
+    PYTHONPATH=. python experiments/bench_rollout.py            # batch 1, 16, 64
+    PYTHONPATH=. python experiments/bench_rollout.py --batch-sizes=64 --repeats=5
 """
 from __future__ import annotations
 
