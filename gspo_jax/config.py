@@ -38,14 +38,24 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.name = "countdown"
     c.task.difficulty = "easy"
     c.task.data_dir = ""  # "" = <workdir>/data
-    c.task.eval_size = 64  # held-out prompts scored every eval_every steps
+    c.task.style = "compact"  # prompt style: "compact" (character models) or "instruct" (chat models)
+    c.task.gsm8k_files = ""  # folder with GSM8K's jsonl files where TFDS cannot download them
+    c.task.eval_size = 128  # held-out prompts scored every eval_every steps
+    c.task.eval_samples = 4  # samples per held-out prompt (plus one greedy)
     c.task.format_reward = 0.0  # weight of the optional format reward
 
     c.tokenizer = "char"  # "char" or a checkpoint directory holding tokenizer.json
 
-    # The policy. Fields are ModelConfig's; vocab_size 0 = the tokenizer's.
+    # The policy.
     c.model = ml_collections.ConfigDict()
     c.model.pretrained = ""  # a Hugging Face checkpoint directory, or "" to init
+    # Runtime settings, for an initialised and a loaded model alike.
+    c.model.dtype = "float32"  # compute dtype
+    c.model.param_dtype = "float32"
+    c.model.moe_backend = "blocked"  # 'blocked' (CPU), 'ragged' (TPU/GPU grouped matmul), 'dense'
+    c.model.scan_layers = True
+    c.model.remat_policy = "none"
+    # Architecture of an initialised model (ModelConfig fields); vocab_size 0 = the tokenizer's.
     c.model.fields = ml_collections.ConfigDict(
         dict(
             vocab_size=0,
@@ -146,6 +156,7 @@ def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sft.steps = 2
     c.sft.batch_size = 8
     c.task.eval_size = 8
+    c.task.eval_samples = 2
     c.eval_every = 2
     c.checkpoint_every = 1
     c.rollout.prompts_per_step = 4
@@ -217,6 +228,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
 
     if c.task.name not in TASKS:
         raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
+    if c.task.style not in ("compact", "instruct"):
+        raise _err("task.style", f"unknown prompt style {c.task.style!r}; known: compact, instruct")
     if c.advantage not in ADVANTAGES:
         raise _err("advantage", f"unknown advantage estimator {c.advantage!r}; known: {ADVANTAGES}")
     if c.advantage == "gae" and c.objective.name != "ppo":
@@ -237,12 +250,19 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         raise _err("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
     if int(c.rollout.top_k) < 0:
         raise _err("rollout.top_k", f"must be >= 0, got {c.rollout.top_k}")
+    for field in ("eval_size", "eval_samples"):
+        if int(c.task[field]) < 1:
+            raise _err(f"task.{field}", f"must be >= 1, got {c.task[field]}")
     if int(c.dapo.max_sampling_rounds) < 1:
         raise _err("dapo.max_sampling_rounds", "must be >= 1")
     if c.dapo.soft_overlong and not 0 < int(c.dapo.overlong_cache_len) < int(c.rollout.max_new_tokens):
         raise _err("dapo.overlong_cache_len", "must be in (0, rollout.max_new_tokens)")
 
     f = c.model.fields
+    if c.model.moe_backend not in ("blocked", "ragged", "dense"):
+        raise _err("model.moe_backend", f"unknown backend {c.model.moe_backend!r}; known: blocked, ragged, dense")
+    if c.model.pretrained and c.tokenizer == "char":
+        raise _err("tokenizer", "a pretrained model needs its own tokenizer: set it to the checkpoint directory")
     if not c.model.pretrained:
         if int(f.top_k) > int(f.num_experts):
             raise _err("model.fields.top_k", f"top_k={f.top_k} exceeds num_experts={f.num_experts}")

@@ -50,7 +50,7 @@ from gspo_jax import objectives, rewards, shaping, step
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
 from gspo_jax.metrics_log import MetricsWriter
-from gspo_jax.models import ModelConfig, Transformer, from_pretrained, init_sharded, param_shardings
+from gspo_jax.models import ModelConfig, from_pretrained, init_sharded
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
@@ -87,8 +87,14 @@ def make_tokenizer(c: ml_collections.ConfigDict):
     return HFTokenizer.from_dir(path)
 
 
+RUNTIME_FIELDS = ("dtype", "param_dtype", "moe_backend", "scan_layers", "remat_policy")
+
+
 def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     fields = dict(c.model.fields)
+    fields.update({k: c.model[k] for k in RUNTIME_FIELDS})
+    if c.advantage == "gae":
+        fields["value_head"] = True
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -172,19 +178,18 @@ class Trainer:
         self.tokenizer = make_tokenizer(c)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
         difficulty = None if c.task.name == "gsm8k" else c.task.difficulty
-        gsm8k_files = c.task.get("gsm8k_files") or None
-        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed)
+        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
         if c.task.name == "gsm8k":
-            kw["gsm8k_files"] = gsm8k_files
+            kw["gsm8k_files"] = c.task.gsm8k_files or None
         self.train_data = PromptSource(c.task.name, "train", **kw)
         self.eval_data = PromptSource(c.task.name, "test", shuffle=False, **kw)
 
         # The policy, created already sharded.
         if c.model.pretrained:
-            model = from_pretrained(c.model.pretrained, dtype=c.model.fields.get("dtype", "float32"))
+            model = from_pretrained(c.model.pretrained, mesh=self.mesh, value_head=c.advantage == "gae",
+                                    **{k: c.model[k] for k in RUNTIME_FIELDS})
             self.model_cfg = model.cfg
             graphdef, params = nnx.split(model)
-            params = jax.device_put(params, param_shardings(params, self.mesh, self.model_cfg))
         else:
             self.model_cfg = model_config(c, self.tokenizer.vocab_size)
             model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
@@ -316,12 +321,23 @@ class Trainer:
         return [self.tokenizer.decode(toks[i][mask[i] > 0].tolist()) for i in range(toks.shape[0])]
 
     def evaluate(self, params) -> dict[str, float]:
-        """Greedy decoding of the first ``task.eval_size`` held-out prompts."""
+        """Held-out reward on the first ``task.eval_size`` test prompts.
+
+        ``eval_reward_mean`` is the mean reward of ``task.eval_samples`` samples
+        per prompt at the rollout's sampling settings: the RL objective itself,
+        on prompts never trained on. ``eval_greedy_reward`` is greedy decoding's.
+        Both use fixed keys, so every evaluation sees the same randomness.
+        """
         c = self.c
         examples = self.eval_data.first(int(c.task.eval_size))
+        k = int(c.task.eval_samples)
+        metas = [ex.meta for ex in examples for _ in range(k)]
+        ro = self._rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
+        _, sampled, _ = rewards.score(c.task.name, self._texts(ro), metas)
         ro = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
-        r, comps, _ = rewards.score(c.task.name, self._texts(ro), [ex.meta for ex in examples])
-        return {"eval_reward_mean": float(np.mean(comps["correct"])), "eval_format": float(np.mean(comps["format"]))}
+        _, greedy, _ = rewards.score(c.task.name, self._texts(ro), [ex.meta for ex in examples])
+        return {"eval_reward_mean": float(np.mean(sampled["correct"])),
+                "eval_greedy_reward": float(np.mean(greedy["correct"]))}
 
     def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Rollouts, rewards, advantages and DAPO's filters for one RL step.

@@ -1,0 +1,57 @@
+r"""GSM8K with a Qwen3-MoE checkpoint (Qwen3-30B-A3B's architecture), for GPUs and TPUs.
+
+    python -m gspo_jax.train \
+        --config=configs/qwen3_moe_gsm8k.py:ckpt=/path/to/Qwen3-30B-A3B,gsm8k_files=/path/to/gsm8k \
+        --workdir=runs/qwen3_gsm8k
+
+The checkpoint directory holds config.json, *.safetensors and tokenizer.json
+(with the chat template in tokenizer_config.json); it is loaded with
+``gspo_jax.models.from_pretrained``. ``gsm8k_files`` is a folder with the GSM8K
+jsonl files where TFDS cannot download them (omit it where it can).
+
+Arguments: ``ckpt`` (required), ``gsm8k_files``, ``objective`` (default gspo,
+with the paper's clip range for long responses), ``replay`` (none | R2 | R3),
+``smoke``. The mesh shards parameters over fsdp (all devices) and experts over
+``expert``; change ``--config.mesh.*`` for a pod, e.g. data=4, fsdp=-1, expert=8.
+"""
+
+from gspo_jax import config as config_lib
+
+PAPER_EPS = {"gspo": dict(eps_low=3e-4, eps_high=4e-4), "gspo_token": dict(eps_low=3e-4, eps_high=4e-4)}
+
+
+def get_config(arg: str | None = None):
+    args = config_lib.parse_arg(arg)
+    c = config_lib.base_config()
+    c.task.name = "gsm8k"
+    c.task.difficulty = ""
+    c.task.gsm8k_files = args.get("gsm8k_files", "")
+    c.task.style = "instruct"
+    c.task.eval_size = 256
+    c.task.format_reward = 0.1
+    c.model.pretrained = args.get("ckpt", "")
+    c.tokenizer = c.model.pretrained  # tokenizer.json beside the weights
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.moe_backend = "ragged"  # grouped matmul on GPU/TPU
+    c.model.remat_policy = "dots"
+    c.mesh = dict(data=1, fsdp=-1, expert=1, tensor=1)
+
+    c.objective.name = args.get("objective", "gspo")
+    c.objective.hparams = PAPER_EPS.get(c.objective.name, {})
+    c.updates.routing_replay = args.get("replay", "none")
+    c.rollout.prompts_per_step = 64
+    c.rollout.group_size = 8
+    c.rollout.max_new_tokens = 1024
+    c.updates.num_minibatches = 4
+    c.updates.micro_batches = 4
+    c.optimizer.lr = 1e-6
+    c.optimizer.warmup_steps = 10
+    c.optimizer.weight_decay = 0.01
+    c.sft.steps = 0  # the checkpoint is already an instruction model
+    c.total_rl_steps = 500
+    c.eval_every = 20
+    c.checkpoint_every = 20
+    if args.get("smoke"):
+        config_lib.apply_smoke(c)
+    return c
