@@ -163,6 +163,7 @@ def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.group_size = 4
     c.rollout.max_new_tokens = 16
     c.updates.num_minibatches = 2
+    c.updates.micro_batches = 1
     c.model.fields.d_model = 32
     c.model.fields.num_layers = 2
     c.model.fields.num_heads = 2

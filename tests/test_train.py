@@ -200,3 +200,34 @@ def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path):
     _assert_same_metrics(a, b, rtol=0, atol=0, steps=[1, 2, 3, 4])
     lines = [json.loads(l) for l in open(cut / "metrics.jsonl")]
     assert len([l for l in lines if l["phase"] == "rl"]) == 5, "resume must not duplicate log lines"
+
+
+@pytest.mark.parametrize(
+    "module, arg",
+    [
+        ("default", ""),
+        ("grpo", "variant=grpo"),
+        ("grpo", "variant=dr_grpo"),
+        ("grpo", "variant=dapo"),
+        ("gspo", "variant=gspo_token,eps=paper"),
+        ("cispo", ""),
+        ("gmpo_rspo", "variant=gmpo"),
+        ("gmpo_rspo", "gamma_min=0.3,replay=R2"),
+        ("sapo", ""),
+        ("qwen3_moe_gsm8k", "ckpt=/ckpt"),
+    ],
+)
+def test_config_files_validate(module, arg):
+    import importlib
+
+    mod = importlib.import_module(f"configs.{module}")
+    for a in (arg, f"{arg},smoke" if arg else "smoke"):
+        c = mod.get_config(a)
+        config_lib.validate(c, num_devices=8)
+
+
+def test_config_file_rejects_unknown_variant():
+    from configs import grpo
+
+    with pytest.raises(config_lib.ConfigError, match="variant"):
+        grpo.get_config("variant=grpo2")
