@@ -151,7 +151,7 @@ def test_padding_tokens_do_not_change_real_tokens():
   np.testing.assert_allclose(a1.expert_load, a2.expert_load, rtol=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [None, 5, 64])
+@pytest.mark.parametrize("chunk", [None, pytest.param(5, marks=pytest.mark.slow), 64])
 def test_token_logprobs_match_full_logits(chunk):
   model = _model(tie_embeddings=True)
   tokens = _tokens()
@@ -219,6 +219,7 @@ def test_replay_own_choices_equals_free_forward():
   np.testing.assert_allclose(logits3, logits, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_replay_other_experts_changes_output_and_router_gets_gradient():
   model = _model()
   tokens = _tokens()
