@@ -392,10 +392,8 @@ class Trainer:
                 "mask": mask,
                 "rewards": r,
                 "rollout_logp": np.asarray(ro.logp),
-                    # R3: the rollout's routing at every input position [0, P+T-1):
-                # the prefill's at prompt positions < P-1, then the decode's.
-                "replay_r3": np.concatenate(
-                    [np.asarray(ro.prompt_experts)[:, :-1], np.asarray(ro.experts)], axis=1),
+                    # R3: the rollout's routing at every input position [0, P+T-1).
+                "replay_r3": np.asarray(ro.replay())[:, :-1],
             }
             kept.append({k: v[rows] for k, v in part.items()})
             n_kept += int(keep.sum())

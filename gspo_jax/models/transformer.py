@@ -315,6 +315,12 @@ class Transformer(nnx.Module):
         raise ValueError(f"targets: entries must be in [0, {self.cfg.vocab_size}), "
                          f"got range [{tg.min()}, {tg.max()}]")
     h, aux = self.hidden(tokens, positions=positions, attn_mask=attn_mask, replay=replay)
+    lp, ent = self.logprobs_from_hidden(h, targets, chunk_size=chunk_size)
+    return lp, ent, aux
+
+  def logprobs_from_hidden(self, h, targets, *, chunk_size=None):
+    """`token_logprobs` from final hidden states h [B, T, D] (for callers that
+    also need h, e.g. the value head): (logp f32[B, T], entropy f32[B, T])."""
     b, t, d = h.shape
     c = chunk_size or self.cfg.logits_chunk_size or t
     if c <= 0:
@@ -339,7 +345,7 @@ class Transformer(nnx.Module):
     _, (lp, ent) = jax.lax.scan(lambda _, xs: (None, chunk(*xs)), None, (hp, tp))
     lp = lp.swapaxes(0, 1).reshape(b, nc * c)[:, :t]
     ent = ent.swapaxes(0, 1).reshape(b, nc * c)[:, :t]
-    return lp, ent, aux
+    return lp, ent
 
   def value(self, h: jax.Array) -> jax.Array:
     """Value head: f32[B, T] = h @ w + b (requires cfg.value_head)."""
