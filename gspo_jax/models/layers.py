@@ -119,13 +119,25 @@ class Attention(nnx.Module):
   def __call__(self, x, cos, sin, mask, cache=None):
     """Self-attention of x [B, T, D].
 
-    cos/sin f32[B, T, hd] at the tokens' positions.  Without `cache`, keys are
-    the T tokens themselves and mask is bool[B, T, T].  With cache = (k, v,
-    index) (k, v [B, S, KV, hd] in compute dtype, index int32 scalar), the new
-    keys/values are written at slots [index, index + T), attention runs over
-    all S slots with mask bool[B, T, S], and the updated (k, v) is returned.
+    cos/sin f32[B, T, hd] at the tokens' positions; mask bool[B, T, T] over the
+    T tokens themselves (query t may see token s).
 
-    Returns (out [B, T, D], (k, v) of the keys attended to).
+    With cache = (k_cache, v_cache, cache_mask) (k_cache, v_cache [B, KV, S, hd]
+    holding earlier tokens, in the cache's dtype; cache_mask bool[B, T, S]),
+    the queries attend to the S cached slots and the T new tokens at once: one
+    softmax over the S + T scores,
+
+        out_t = sum_s p_ts v_s (cached) + sum_u p_tu v_u (new),
+        p_t = softmax([q_t . k_s / sqrt(hd)]_s ++ [q_t . k_u / sqrt(hd)]_u),
+
+    which equals attention over a cache into which the new keys had been
+    written first.  The cache is only read here: the caller writes the
+    returned new keys/values into it (once for all layers), so a decode step
+    never copies the cache.  The new keys/values are rounded to the cache's
+    dtype before use, as if read back from it.
+
+    Returns (out [B, T, D], (k, v) [B, KV, T, hd] of the T new tokens, in the
+    cache's dtype when a cache is given, else in x's dtype).
     """
     cfg = self.cfg
     dt = x.dtype
@@ -142,20 +154,33 @@ class Attention(nnx.Module):
       k = self.k_norm(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    k = k.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
+    v = v.swapaxes(1, 2)
     if cache is not None:
-      k_cache, v_cache, index = cache
-      k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, index, 0, 0))
-      v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, index, 0, 0))
+      k_cache, v_cache, cache_mask = cache
+      k = k.astype(k_cache.dtype)
+      v = v.astype(v_cache.dtype)
     kvh = cfg.num_kv_heads
     g = cfg.num_heads // kvh
-    qg = q.reshape(b, t, kvh, g, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dt),
-                        preferred_element_type=jnp.float32)
-    scores = scores * (cfg.head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt))
-    out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    qg = q.reshape(b, t, kvh, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
+    scale = cfg.head_dim ** -0.5
+
+    def scores(keys, m):  # keys [B, KV, S', hd], m bool[B, T, S'] -> f32[B, KV, G, T, S']
+      s = jnp.einsum("bkgth,bksh->bkgts", qg, keys.astype(dt),
+                     preferred_element_type=jnp.float32) * scale
+      return jnp.where(m[:, None, None, :, :], s, NEG_INF)
+
+    def mix(p, values):  # p [B, KV, G, T, S'], values [B, KV, S', hd] -> [B, KV, G, T, hd]
+      return jnp.einsum("bkgts,bksh->bkgth", p.astype(dt), values.astype(dt))
+
+    if cache is None:
+      out = mix(jax.nn.softmax(scores(k, mask), axis=-1), v)
+    else:
+      s_len = k_cache.shape[2]
+      p = jax.nn.softmax(jnp.concatenate([scores(k_cache, cache_mask), scores(k, mask)], axis=-1),
+                         axis=-1)
+      out = mix(p[..., :s_len], v_cache) + mix(p[..., s_len:], v)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
     return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
 
 

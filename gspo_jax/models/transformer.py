@@ -61,9 +61,20 @@ class RouterAux:
 
 @struct.dataclass
 class KVCache:
-  """Decoding state.  k, v: [num_layers, B, S, KV, hd] (compute dtype);
-  valid: bool[B, S] (slot holds a real token); index: int32[] (next slot to
-  write).  Static shapes: a carry of lax.while_loop / scan."""
+  """Decoding state.
+
+  Attributes:
+    k, v: [num_layers, B, KV, S, hd] (compute dtype unless `init_cache` was
+      given another): slot s of every layer, per KV head, contiguous over
+      slots so attention reads a layer's [B, KV, S, hd] block as it is.
+    valid: bool[B, S], slot holds a real token.
+    index: int32[], next slot to write.
+
+  Static shapes: a carry of lax.while_loop / scan.  A `decode` call reads the
+  cache and writes the new tokens' keys/values of all layers with one
+  `dynamic_update_slice` per array, which XLA performs in place when the
+  cache is a loop carry or a donated argument.
+  """
   k: jax.Array
   v: jax.Array
   valid: jax.Array
@@ -176,20 +187,19 @@ class Transformer(nnx.Module):
     token_mask = (jnp.ones((b, t), bool) if attn_mask is None else attn_mask.astype(bool))
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    slots = jnp.arange(t, dtype=jnp.int32)
+    mask = attention_mask(slots, slots, token_mask)  # [B, T, T] among the T tokens
     if cache is None:
-      slots = jnp.arange(t, dtype=jnp.int32)
-      mask = attention_mask(slots, slots, token_mask)
-      index = None
+      kc = vc = cache_mask = None
     else:
-      index = cache.index
-      valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, index))
-      mask = attention_mask(index + jnp.arange(t, dtype=jnp.int32),
-                            jnp.arange(valid.shape[1], dtype=jnp.int32), valid)
+      # Every cached slot is earlier than every new token: it is visible iff
+      # it holds a real token.  The new tokens' keys go to [index, index + T).
+      kc, vc = cache.k, cache.v
+      cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
+      valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
     rep_l = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 2, 0)  # [L,B,T,K]
-    kc = None if cache is None else cache.k
-    vc = None if cache is None else cache.v
 
-    all_stats, layer0, moe0 = [], 0, 0
+    all_stats, new_kv, layer0, moe0 = [], [], 0, 0
     for seg in self.segments:
       u, n = len(seg.unit), seg.repeats
       m = sum(seg.unit)
@@ -198,39 +208,42 @@ class Transformer(nnx.Module):
         rep_seg = rep_l[moe0:moe0 + n * m].reshape((n, m) + rep_l.shape[1:])
       gdef, state = nnx.split(seg.blocks)
 
-      def body(carry, xs, gdef=gdef, layer0=layer0, u=u):
-        x, kc, vc = carry
+      def body(x, xs, gdef=gdef, layer0=layer0, u=u):
         st, i, rep = xs
         blocks = nnx.merge(gdef, st)
-        stats, jm = [], 0
+        stats, kvs, jm = [], [], 0
         for j, blk in enumerate(blocks):
-          layer = layer0 + i * u + j
-          c = None if kc is None else (kc[layer], vc[layer], index)
+          c = None
+          if kc is not None:  # read-only view of this layer's cache [B, KV, S, hd]
+            layer = layer0 + i * u + j
+            c = (jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False),
+                 jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False), cache_mask)
           r = None if (rep is None or not blk.is_moe) else rep[jm]
-          x, s, (k, v) = blk(x, cos, sin, mask, token_mask, r, c)
-          if kc is not None:
-            kc = kc.at[layer].set(k)
-            vc = vc.at[layer].set(v)
+          x, s, kv = blk(x, cos, sin, mask, token_mask, r, c)
+          kvs.append(kv)
           if s is not None:
             stats.append(s)
             jm += 1
-        out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-        return (x, kc, vc), out
+        stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs) if xs else None
+        return x, (stack(stats), stack(kvs) if kc is not None else None)
 
       if cfg.remat_policy != "none":
         body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=False)
       steps = jnp.arange(n, dtype=jnp.int32)
       if cfg.scan_layers:
-        (x, kc, vc), stats = jax.lax.scan(body, (x, kc, vc), (state, steps, rep_seg))
+        x, (stats, kvs) = jax.lax.scan(body, x, (state, steps, rep_seg))
       else:
         outs = []
         for i in range(n):
           xs = jax.tree.map(lambda a: a[i], (state, steps, rep_seg))
-          (x, kc, vc), o = body((x, kc, vc), xs)
+          x, o = body(x, xs)
           outs.append(o)
-        stats = None if m == 0 else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        stats, kvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs else (None, None)
+      flat = lambda a, k: a.reshape((n * k,) + a.shape[2:])  # [n, k, ...] -> [n * k, ...]
       if m:
-        all_stats.append(jax.tree.map(lambda a: a.reshape((n * m,) + a.shape[2:]), stats))
+        all_stats.append(jax.tree.map(lambda a: flat(a, m), stats))
+      if kc is not None:
+        new_kv.append(jax.tree.map(lambda a: flat(a, u), kvs))
       layer0 += n * u
       moe0 += n * m
 
@@ -238,7 +251,13 @@ class Transformer(nnx.Module):
     aux = self._router_aux(all_stats, b, t)
     new_cache = None
     if cache is not None:
-      new_cache = KVCache(k=kc, v=vc, valid=valid, index=cache.index + t)
+      # One in-place write of all layers' new keys/values: [L, B, KV, T, hd]
+      # at slots [index, index + T).
+      k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))
+      at = (0, 0, 0, cache.index, 0)
+      new_cache = KVCache(k=jax.lax.dynamic_update_slice(kc, k_new, at),
+                          v=jax.lax.dynamic_update_slice(vc, v_new, at),
+                          valid=valid, index=cache.index + t)
     return h, aux, new_cache
 
   def _router_aux(self, all_stats, b, t) -> RouterAux:
@@ -359,23 +378,39 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if batch_size <= 0 or max_len <= 0:
       raise ValueError(f"init_cache: batch_size and max_len must be > 0, got {batch_size}, {max_len}")
-    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     dt = jnp.dtype(dtype) if dtype is not None else cfg.jnp_dtype
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
                    valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
 
-  def decode(self, tokens, cache: KVCache, *, positions, attn_mask=None, replay=None):
+  def decode(self, tokens, cache: KVCache, *, positions, attn_mask=None, replay=None,
+             last_only: bool = False):
     """Write tokens [B, T'] at cache slots [index, index + T') and attend causally
     to all valid slots.  T' = prompt length for prefill, 1 for a step.
+
+    Args:
+      tokens: int32[B, T'].
+      cache: KVCache of batch B (from `init_cache`).
+      positions: int32[B, T'] RoPE positions.
+      attn_mask: [B, T'], 1 = real token (default all 1).
+      replay: int32[B, T', L, K] experts to force (see `__call__`).
+      last_only: return the logits of the last position only (what a sampler
+        needs after a prefill): the [B, T', V] projection is skipped.
 
     The caller keeps index + T' <= max_len (not checkable under jit:
     `dynamic_update_slice` would clamp the write).
 
-    Returns: (logits f32[B, T', V], RouterAux, updated KVCache).
+    Returns: (logits f32[B, T', V] (f32[B, 1, V] with last_only), RouterAux
+    over all T' tokens, updated KVCache).
     """
     b, t = tokens.shape
     if tuple(cache.valid.shape[:1]) != (b,):
       raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
+    want = (self.cfg.num_layers, b, self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim)
+    for name in ("k", "v"):
+      if tuple(getattr(cache, name).shape) != want:
+        raise ValueError(f"cache.{name}: expected shape [L, B, KV, S, hd] = {want}, "
+                         f"got {tuple(getattr(cache, name).shape)}")
     if t > cache.valid.shape[1]:
       raise ValueError(f"tokens: length {t} exceeds the cache's max_len {cache.valid.shape[1]}")
     if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.valid.shape[1]:
@@ -384,6 +419,8 @@ class Transformer(nnx.Module):
     if positions is None:
       raise ValueError("positions: decode needs explicit positions int32[B, T']")
     h, aux, cache = self._run(tokens, positions, attn_mask, replay, cache)
+    if last_only:
+      h = h[:, -1:]
     return self.logits(h), aux, cache
 
   def router_loss(self, aux: RouterAux) -> jax.Array:
