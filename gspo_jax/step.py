@@ -51,6 +51,9 @@ class StepConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     entropy_coef: float = 0.0
+    # PPO with a critic: the value head's clipped regression loss.
+    value_coef: float = 0.0  # 0 = no critic
+    value_clip: float | None = 0.2
 
     @property
     def hparam_dict(self) -> dict[str, Any]:
@@ -158,35 +161,49 @@ def response_slice(x: jax.Array, prompt_len: int, resp_len: int) -> jax.Array:
     return jax.lax.slice_in_dim(x, prompt_len - 1, prompt_len - 1 + resp_len, axis=1)
 
 
-def _forward(model, batch: Batch, replay):
+def _forward(model, batch: Batch, replay, *, values: bool = False):
+    """Response log-probs, entropies (and critic values V(s_t)) of one forward.
+
+    Returns (logp, entropy, values or None, aux); per-token arrays f32[N,T].
+    """
     inputs, targets, positions, attn = sequence_inputs(batch)
-    logp, entropy, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn, replay=replay)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    return response_slice(logp, p, t), response_slice(entropy, p, t), aux
+    if values:
+        h, aux = model.hidden(inputs, positions=positions, attn_mask=attn, replay=replay)
+        logp, entropy = model.logprobs_from_hidden(h, targets)
+        v = response_slice(model.value(h), p, t)
+    else:
+        logp, entropy, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn, replay=replay)
+        v = None
+    return response_slice(logp, p, t), response_slice(entropy, p, t), v, aux
 
 
-def logprob_pass(params, batch: Batch, *, graphdef, replay_key: str | None = None):
+def logprob_pass(params, batch: Batch, *, graphdef, replay_key: str | None = None, values: bool = False):
     """Per-token log-probs of the response under ``params`` (no gradient).
 
     Used for the old policy (recomputed by the training model) and for the
     reference policy. Also returns the routing record of this forward:
     ``topk`` int32[N,P+T-1,L,K] over all input positions (the R2 replay), and
     at the response positions the router log-softmax at those top-K experts
-    (RSPO's old router log-probs) and the top-K themselves.
+    (RSPO's old router log-probs) and the top-K themselves; with ``values``,
+    the critic's V(s_t) too.
     """
     model = nnx.merge(graphdef, params)
     replay = batch[replay_key] if replay_key else None
-    logp, entropy, aux = _forward(model, batch, replay)
+    logp, entropy, v, aux = _forward(model, batch, replay, values=values)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
     topk_resp = response_slice(aux.topk_indices, p, t)
     router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), topk_resp)
-    return {
+    out = {
         "logp": logp,
         "entropy": entropy,
         "topk": aux.topk_indices,
         "topk_resp": topk_resp,
         "router_logp": router_lp,
     }
+    if values:
+        out["values"] = v
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -200,7 +217,8 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
     """
     model = nnx.merge(graphdef, params)
     replay = batch.get("replay")
-    logp, entropy, aux = _forward(model, batch, replay)
+    critic = cfg.value_coef > 0
+    logp, entropy, values, aux = _forward(model, batch, replay, values=critic)
     mask = batch["mask"].astype(jnp.float32)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
 
@@ -222,6 +240,12 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
     if cfg.entropy_coef:
         bonus, _ = objectives.entropy_bonus(entropy, mask, coef=cfg.entropy_coef, normalizer=norm)
         loss = loss + bonus
+    value_metrics = {}
+    if critic:
+        vloss, value_metrics = objectives.value_loss(
+            values, batch["old_values"], batch["returns"], mask, clip_eps=cfg.value_clip, normalizer=norm)
+        loss = loss + cfg.value_coef * vloss
+        value_metrics = dict(value_metrics, value_loss=vloss)
     # The router losses are means over each micro-batch: 1/m each sums to the mean.
     loss = loss + aux.loss(cfg.aux_loss_coef, cfg.z_loss_coef) / cfg.micro_batches
 
@@ -238,6 +262,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
         "expert_flip_frac": jnp.mean(flips),
         "token_flip_rate": routing.token_flip_rate(batch["old_topk"], cur_topk, mask),
     }
+    other.update(value_metrics)
     if replay is not None:
         other["replay_mismatch_layer"] = aux.replay_mismatch
         other["replay_mismatch"] = jnp.mean(aux.replay_mismatch)
@@ -268,7 +293,7 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, opt
 def sft_loss(params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, aux_loss_coef: float):
     """Token-mean negative log-likelihood of the response given the prompt."""
     model = nnx.merge(graphdef, params)
-    logp, entropy, aux = _forward(model, batch, None)
+    logp, entropy, _, aux = _forward(model, batch, None)
     mask = batch["mask"].astype(jnp.float32)
     nll = -jnp.sum(logp * mask) / num_tokens
     n_tok = jnp.maximum(jnp.sum(mask), 1.0)

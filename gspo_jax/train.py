@@ -209,6 +209,8 @@ class Trainer:
             aux_loss_coef=float(c.updates.aux_loss_coef),
             z_loss_coef=float(c.updates.z_loss_coef),
             entropy_coef=float(c.entropy_coef),
+            value_coef=float(c.gae.value_coef) if c.advantage == "gae" else 0.0,
+            value_clip=float(c.gae.value_clip),
         )
         self.kl_coef = float(objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams)).get("kl_coef", 0.0))
 
@@ -420,8 +422,9 @@ class Trainer:
             a = adv_lib.group_no_std(jnp.asarray(rg))
         elif c.advantage == "rloo":
             a = adv_lib.rloo(jnp.asarray(rg))
-        else:
-            raise NotImplementedError(f"config.advantage: {c.advantage!r} is not supported by the trainer yet")
+        else:  # gae: needs the critic's values, computed with the old log-probs
+            a = jnp.zeros_like(jnp.asarray(rg))
+            batch["seq_rewards"] = rg.reshape(-1).astype(np.float32)
         batch["advantages"] = np.asarray(a, np.float32).reshape(-1)
 
         r_all = np.concatenate(all_rewards)
@@ -465,6 +468,15 @@ def _clip_frac(m: dict) -> float:
     return float(m.get("clip_frac_low", 0.0)) + float(m.get("clip_frac_high", 0.0))
 
 
+def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
+    """GAE over response tokens with the sequence reward on its last token."""
+    mask = mask.astype(jnp.float32)
+    last = jnp.sum(mask, axis=1).astype(jnp.int32) - 1  # -1 for an empty response: no reward
+    t = jnp.arange(mask.shape[1])[None, :]
+    token_rewards = jnp.where(t == last[:, None], seq_rewards[:, None], 0.0) * mask
+    return adv_lib.gae(token_rewards, values, mask, gamma=gamma, lam=lam)
+
+
 def _take(batch: dict[str, jax.Array], idx: np.ndarray) -> dict[str, jax.Array]:
     return {k: v[idx] for k, v in batch.items()}
 
@@ -487,8 +499,11 @@ class RLPhase:
         self.state = trainer._new_state(params, self.optimizer)
         self.train_fn = trainer._compile(step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg)
         replay = c.updates.routing_replay
+        self.critic = c.advantage == "gae"
         self.logp_fn = jax.jit(functools.partial(
-            step.logprob_pass, graphdef=trainer.graphdef, replay_key="replay_r3" if replay == "R3" else None))
+            step.logprob_pass, graphdef=trainer.graphdef, replay_key="replay_r3" if replay == "R3" else None,
+            values=self.critic))
+        self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam)))
 
     def prepare(self, host_batch: dict[str, np.ndarray]) -> tuple[dict[str, jax.Array], dict[str, float]]:
         """Device batch with old (and reference) log-probs and routing records."""
@@ -501,6 +516,9 @@ class RLPhase:
             batch["replay"] = old["topk"]
         elif c.updates.routing_replay == "R3":
             batch["replay"] = dev["replay_r3"]
+        if self.critic:
+            batch["advantages"], batch["returns"] = self.gae_fn(dev["seq_rewards"], old["values"], dev["mask"])
+            batch["old_values"] = old["values"]
         if self.ref_params is not None:
             batch["ref_logp"] = self.logp_fn(self.ref_params, dev)["logp"]
         mask = dev["mask"]

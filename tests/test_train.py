@@ -158,6 +158,23 @@ def test_smoke_every_objective_and_replay_mode(objective, replay, data_dir, tmp_
 
 
 @pytest.mark.slow
+def test_smoke_ppo_with_critic(data_dir, tmp_path):
+    """PPO with a value head and GAE advantages through the whole loop."""
+    from configs import ppo
+
+    from gspo_jax import train
+
+    c = ppo.get_config("smoke")
+    c.task.data_dir = data_dir
+    records = train.run(c, str(tmp_path))
+    last = [r for r in records if r["phase"] == "rl"][-1]
+    assert last["step"] == 2
+    for key in ("value_loss", "value_error", "value_clip_frac"):
+        assert np.isfinite(last[key]), key
+    assert last["value_loss"] > 0
+
+
+@pytest.mark.slow
 def test_sharded_run_matches_single_device(data_dir, tmp_path):
     """(data=2, fsdp=2, expert=2) on 8 fake devices == one device, per metric."""
     cfg = "--config=configs/default.py:smoke"
@@ -215,6 +232,7 @@ def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path):
         ("gmpo_rspo", "gamma_min=0.3,replay=R2"),
         ("sapo", ""),
         ("qwen3_moe_gsm8k", "ckpt=/ckpt"),
+        ("ppo", ""),
     ],
 )
 def test_config_files_validate(module, arg):
