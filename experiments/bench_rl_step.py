@@ -1,0 +1,98 @@
+"""Benchmark of a full RL step (rollout, old log-probs, update) at the default config.
+
+    python experiments/bench_rl_step.py                 # default config, 5 timed steps
+    python experiments/bench_rl_step.py --steps 10 --arg objective=grpo
+
+Reports the share of step time in rollout (sampling, rewards, advantages),
+old log-probs and the update, and the update's achieved FLOP/s against this
+machine's dense f32 matmul FLOP/s measured in the same run. The update's FLOPs
+come from XLA's cost analysis of the compiled train step. The policy is the
+config's freshly initialised model (no warm start): its responses run to
+max_new_tokens more often than a trained policy's, so rollout time is an upper
+bound for the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs import default as default_config  # noqa: E402
+
+from gspo_jax import train  # noqa: E402
+
+
+def matmul_peak(n: int = 2048, reps: int = 10) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--arg", default="", help="config argument, e.g. objective=grpo")
+    ap.add_argument("--data_dir", default="")
+    args = ap.parse_args(argv)
+
+    c = default_config.get_config(args.arg)
+    c.sft.steps = 0
+    c.progress_bar = False
+    c.total_rl_steps = args.steps + 1
+    work = tempfile.mkdtemp(prefix="bench_rl_")
+    if args.data_dir:
+        c.task.data_dir = args.data_dir
+    trainer = train.Trainer(c, work)
+    rl = train.RLPhase(trainer, trainer._init_params)
+
+    rl.step(0)  # compiles everything
+    ms = [rl.step(s) for s in range(1, args.steps + 1)]
+
+    # FLOPs of one update (one mini-batch) from XLA's cost analysis.
+    host, _ = trainer.collect(rl.state.params, 0, jax.random.key(0))
+    batch, _ = rl.prepare(host)
+    mb = batch["tokens"].shape[0] // int(c.updates.num_minibatches)
+    mini = {k: v[:mb] for k, v in batch.items()}
+    compiled = rl.train_fn.lower(rl.state, mini, jax.random.key(0)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops_per_update = float(cost["flops"])
+    peak = matmul_peak()
+
+    def mean(k):
+        return float(np.mean([m[k] for m in ms]))
+
+    step_t, roll_t, old_t, upd_t = mean("step_time"), mean("rollout_time"), mean("old_logp_time"), mean("update_time")
+    updates = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
+    achieved = flops_per_update * updates / upd_t
+    print(f"config: configs/default.py:{args.arg}  prompts={c.rollout.prompts_per_step} G={c.rollout.group_size} "
+          f"max_new_tokens={c.rollout.max_new_tokens} updates/step={updates} devices={jax.device_count()}")
+    print(f"mean over {args.steps} steps after one warm-up step; response length {mean('response_len'):.1f}")
+    print("| part | seconds | share |")
+    print("|---|---:|---:|")
+    for name, t in (("rollout (sample + rewards + advantages)", roll_t), ("old log-probs", old_t), ("update", upd_t)):
+        print(f"| {name} | {t:.3f} | {t / step_t:.0%} |")
+    print(f"| whole step | {step_t:.3f} | 100% |")
+    print()
+    print(f"update: {flops_per_update / 1e9:.2f} GFLOP per mini-batch (XLA cost analysis), "
+          f"{achieved / 1e9:.1f} GFLOP/s achieved; dense f32 matmul peak in this run {peak / 1e9:.1f} GFLOP/s "
+          f"-> {achieved / peak:.1%} of peak")
+    print(f"tokens/s (generated + trained): {mean('tokens_per_s'):.0f}")
+
+
+if __name__ == "__main__":
+    main()
