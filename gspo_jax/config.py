@@ -31,12 +31,12 @@ def base_config() -> ml_collections.ConfigDict:
     """The defaults every experiment family starts from: a tiny MoE on CPU."""
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.total_rl_steps = 120
+    c.total_rl_steps = 60
 
     # Prompts.
     c.task = ml_collections.ConfigDict()
     c.task.name = "countdown"
-    c.task.difficulty = "easy"
+    c.task.difficulty = "small"  # 3 numbers in 1..9, target 1..30
     c.task.data_dir = ""  # "" = <workdir>/data
     c.task.style = "compact"  # prompt style: "compact" (character models) or "instruct" (chat models)
     c.task.gsm8k_files = ""  # folder with GSM8K's jsonl files where TFDS cannot download them
@@ -76,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Rollout.
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.prompts_per_step = 16
+    c.rollout.prompts_per_step = 64
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 24
     c.rollout.temperature = 1.0
@@ -122,7 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Supervised warm start on generated solutions (0 steps = skip).
     c.sft = ml_collections.ConfigDict()
-    c.sft.steps = 400
+    c.sft.steps = 300
     c.sft.batch_size = 64
     c.sft.lr = 3e-3
     c.sft.warmup_steps = 20
