@@ -29,9 +29,9 @@ How it runs
    between tokens.
 
 The prefill runs once per prompt, on [b, P], and its KV cache is copied to the
-prompt's G rows.  Known cost: it computes logits at all P prompt positions
-although only the last is used.  The decode
-step's cost is the model's (`Transformer.decode`); see experiments/rollout.md.
+prompt's G rows; it projects only the last prompt position to logits
+(``decode(..., last_only=True)``).  The decode step's cost is the model's
+(`Transformer.decode`); see experiments/rollout.md.
 
 Sampling (per row, per step, logits ℓ ∈ R^V):
 
@@ -268,7 +268,6 @@ class _Spec(NamedTuple):
     mode: _Mode
     pad_id: int
     batch_sharding: Optional[NamedSharding]  # of [rows, ...] arrays
-    cache_sharding: Optional[NamedSharding]  # of the cache's [layers, rows, ...] k / v
 
 
 class _Carry(NamedTuple):
@@ -291,8 +290,9 @@ def _repeat_rows(cache, g: int):
     names = tuple(f.name for f in dataclasses.fields(cache))
     if names != ("k", "v", "valid", "index"):
         raise ValueError(f"cache: expected a KVCache with fields (k, v, valid, index), got {names}")
-    return cache.replace(k=jnp.repeat(cache.k, g, axis=1), v=jnp.repeat(cache.v, g, axis=1),
-                         valid=jnp.repeat(cache.valid, g, axis=0))
+    rep = lambda a: jnp.repeat(a, g, axis=0)  # per-layer k, v [b, KV, S, hd]; valid [b, S]
+    return cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
+                         valid=rep(cache.valid))
 
 
 def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live, stop_table,
@@ -336,10 +336,10 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
     positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
     cache = model.init_cache(nb, plen + steps - 1)
     logits, aux, cache = model.decode(prompt_tokens, cache, positions=positions,
-                                      attn_mask=prompt_mask)
+                                      attn_mask=prompt_mask, last_only=True)
     cache = _repeat_rows(cache, G)
-    cache = cache.replace(k=shard(cache.k, spec.cache_sharding),
-                          v=shard(cache.v, spec.cache_sharding), valid=shard(cache.valid))
+    cache = cache.replace(k=jax.tree.map(shard, cache.k), v=jax.tree.map(shard, cache.v),
+                          valid=shard(cache.valid))  # every cache array is [rows, ...]
     topk = rows(aux.topk_indices.astype(jnp.int32))  # [B, P, L, K]
     prompt_mask = rows(prompt_mask)
     n_prompt = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
@@ -349,7 +349,7 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
     carry = _Carry(
         t=jnp.zeros((), jnp.int32),
         cache=cache,
-        logits=rows(logits[:, -1].astype(jnp.float32)),
+        logits=rows(logits[:, 0].astype(jnp.float32)),
         route=topk[:, -1],
         tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),
         logp=shard(jnp.zeros((batch, steps), jnp.float32)),
@@ -487,7 +487,7 @@ class Sampler:
             if data_axes is not None:
                 raise ValueError("data_axes: given without a mesh")
             self.data_axes, self.data_shards = (), 1
-            self._sharding = self._cache_sharding = None
+            self._sharding = None
         else:
             if data_axes is None:
                 data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
@@ -499,7 +499,6 @@ class Sampler:
             self.data_axes = data_axes
             self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
             self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
-            self._cache_sharding = NamedSharding(mesh, PartitionSpec(None, data_axes or None))
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> "Sampler":
@@ -633,8 +632,7 @@ class Sampler:
                      top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
                      use_top_p=top_p < 1 and temperature > 0)
         spec = _Spec(max_new_tokens=int(max_new_tokens), num_samples=G, mode=mode,
-                     pad_id=int(pad_id), batch_sharding=self._sharding,
-                     cache_sharding=self._cache_sharding)
+                     pad_id=int(pad_id), batch_sharding=self._sharding)
         if self._sharding is None:
             put = put_prompts = jnp.asarray
         else:

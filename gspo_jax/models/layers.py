@@ -10,6 +10,7 @@ G = H / KV query heads per KV head, hd head_dim, F MLP width.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -122,18 +123,22 @@ class Attention(nnx.Module):
     cos/sin f32[B, T, hd] at the tokens' positions; mask bool[B, T, T] over the
     T tokens themselves (query t may see token s).
 
-    With cache = (k_cache, v_cache, cache_mask) (k_cache, v_cache [B, KV, S, hd]
-    holding earlier tokens, in the cache's dtype; cache_mask bool[B, T, S]),
-    the queries attend to the S cached slots and the T new tokens at once: one
-    softmax over the S + T scores,
+    With cache = (k_layers, v_layers, layer, cache_mask): the KV cache of every
+    layer (sequences of [B, KV, S, hd] arrays holding earlier tokens, in the
+    cache's dtype), this layer's index (a Python int, or an int32 scalar inside
+    a scan over layers) and cache_mask bool[B, T, S].  The queries attend to
+    the S cached slots and the T new tokens at once, one softmax over S + T
+    scores:
 
+        p_t = softmax([q_t . k_s / sqrt(hd)]_{s < S} ++ [q_t . k_u / sqrt(hd)]_{u < T}),
         out_t = sum_s p_ts v_s (cached) + sum_u p_tu v_u (new),
-        p_t = softmax([q_t . k_s / sqrt(hd)]_s ++ [q_t . k_u / sqrt(hd)]_u),
 
     which equals attention over a cache into which the new keys had been
-    written first.  The cache is only read here: the caller writes the
-    returned new keys/values into it (once for all layers), so a decode step
-    never copies the cache.  The new keys/values are rounded to the cache's
+    written first.  The cache is only read here; the caller writes the returned
+    new keys/values into it.  A traced `layer` selects the layer's arrays with
+    `lax.switch` around the attention itself, so each branch reads its layer's
+    buffer where it lies (a dynamic slice of a stacked cache would copy the
+    whole layer every token).  The new keys/values are rounded to the cache's
     dtype before use, as if read back from it.
 
     Returns (out [B, T, D], (k, v) [B, KV, T, hd] of the T new tokens, in the
@@ -156,10 +161,6 @@ class Attention(nnx.Module):
     k = apply_rope(k, cos, sin)
     k = k.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
     v = v.swapaxes(1, 2)
-    if cache is not None:
-      k_cache, v_cache, cache_mask = cache
-      k = k.astype(k_cache.dtype)
-      v = v.astype(v_cache.dtype)
     kvh = cfg.num_kv_heads
     g = cfg.num_heads // kvh
     qg = q.reshape(b, t, kvh, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
@@ -176,10 +177,20 @@ class Attention(nnx.Module):
     if cache is None:
       out = mix(jax.nn.softmax(scores(k, mask), axis=-1), v)
     else:
-      s_len = k_cache.shape[2]
-      p = jax.nn.softmax(jnp.concatenate([scores(k_cache, cache_mask), scores(k, mask)], axis=-1),
-                         axis=-1)
-      out = mix(p[..., :s_len], v_cache) + mix(p[..., s_len:], v)
+      k_layers, v_layers, layer, cache_mask = cache
+      k = k.astype(k_layers[0].dtype)
+      v = v.astype(v_layers[0].dtype)
+      s_new = scores(k, mask)
+
+      def attend(j):  # attention of this layer's queries over layer j's cache + the new tokens
+        kc, vc = k_layers[j], v_layers[j]
+        p = jax.nn.softmax(jnp.concatenate([scores(kc, cache_mask), s_new], axis=-1), axis=-1)
+        return mix(p[..., :kc.shape[2]], vc) + mix(p[..., kc.shape[2]:], v)
+
+      if isinstance(layer, int):
+        out = attend(layer)
+      else:
+        out = jax.lax.switch(layer, [functools.partial(attend, j) for j in range(len(k_layers))])
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
     return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
 

@@ -64,16 +64,18 @@ class KVCache:
   """Decoding state.
 
   Attributes:
-    k, v: [num_layers, B, KV, S, hd] (compute dtype unless `init_cache` was
-      given another): slot s of every layer, per KV head, contiguous over
-      slots so attention reads a layer's [B, KV, S, hd] block as it is.
+    k, v: tuples of num_layers arrays [B, KV, S, hd] (compute dtype unless
+      `init_cache` was given another), one buffer per layer, contiguous over
+      slots per KV head.
     valid: bool[B, S], slot holds a real token.
     index: int32[], next slot to write.
 
-  Static shapes: a carry of lax.while_loop / scan.  A `decode` call reads the
-  cache and writes the new tokens' keys/values of all layers with one
-  `dynamic_update_slice` per array, which XLA performs in place when the
-  cache is a loop carry or a donated argument.
+  Static shapes: a carry of lax.while_loop / scan.  One buffer per layer, not
+  one stacked [L, ...] array: the layer scan reads layer l's buffer in place
+  (`lax.switch` over the layers), where a dynamic slice of a stacked array
+  copies the layer every token.  A `decode` call writes the new tokens'
+  keys/values with one `dynamic_update_slice` per buffer, which XLA performs in
+  place when the cache is a loop carry or a donated argument.
   """
   k: jax.Array
   v: jax.Array
@@ -194,7 +196,7 @@ class Transformer(nnx.Module):
     else:
       # Every cached slot is earlier than every new token: it is visible iff
       # it holds a real token.  The new tokens' keys go to [index, index + T).
-      kc, vc = cache.k, cache.v
+      kc, vc = tuple(cache.k), tuple(cache.v)
       cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
       valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
     rep_l = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 2, 0)  # [L,B,T,K]
@@ -214,10 +216,8 @@ class Transformer(nnx.Module):
         stats, kvs, jm = [], [], 0
         for j, blk in enumerate(blocks):
           c = None
-          if kc is not None:  # read-only view of this layer's cache [B, KV, S, hd]
-            layer = layer0 + i * u + j
-            c = (jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False),
-                 jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False), cache_mask)
+          if kc is not None:  # all layers' caches (read only) and this layer's index
+            c = (kc, vc, layer0 + i * u + j, cache_mask)
           r = None if (rep is None or not blk.is_moe) else rep[jm]
           x, s, kv = blk(x, cos, sin, mask, token_mask, r, c)
           kvs.append(kv)
@@ -235,8 +235,8 @@ class Transformer(nnx.Module):
       else:
         outs = []
         for i in range(n):
-          xs = jax.tree.map(lambda a: a[i], (state, steps, rep_seg))
-          x, o = body(x, xs)
+          st, rep = jax.tree.map(lambda a: a[i], (state, rep_seg))
+          x, o = body(x, (st, i, rep))  # a Python int i: static layer indices
           outs.append(o)
         stats, kvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs else (None, None)
       flat = lambda a, k: a.reshape((n * k,) + a.shape[2:])  # [n, k, ...] -> [n * k, ...]
@@ -251,13 +251,14 @@ class Transformer(nnx.Module):
     aux = self._router_aux(all_stats, b, t)
     new_cache = None
     if cache is not None:
-      # One in-place write of all layers' new keys/values: [L, B, KV, T, hd]
-      # at slots [index, index + T).
-      k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))
-      at = (0, 0, 0, cache.index, 0)
-      new_cache = KVCache(k=jax.lax.dynamic_update_slice(kc, k_new, at),
-                          v=jax.lax.dynamic_update_slice(vc, v_new, at),
-                          valid=valid, index=cache.index + t)
+      # Each layer's new keys/values [B, KV, T, hd] go to slots
+      # [index, index + T) of its buffer, in place.
+      k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # [L, B, KV, T, hd]
+      at = (0, 0, cache.index, 0)
+      write = lambda bufs, new: tuple(jax.lax.dynamic_update_slice(buf, new[j], at)
+                                      for j, buf in enumerate(bufs))
+      new_cache = KVCache(k=write(kc, k_new), v=write(vc, v_new), valid=valid,
+                          index=cache.index + t)
     return h, aux, new_cache
 
   def _router_aux(self, all_stats, b, t) -> RouterAux:
@@ -378,9 +379,10 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if batch_size <= 0 or max_len <= 0:
       raise ValueError(f"init_cache: batch_size and max_len must be > 0, got {batch_size}, {max_len}")
-    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     dt = jnp.dtype(dtype) if dtype is not None else cfg.jnp_dtype
-    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros(), v=zeros(),
                    valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
 
   def decode(self, tokens, cache: KVCache, *, positions, attn_mask=None, replay=None,
@@ -406,11 +408,12 @@ class Transformer(nnx.Module):
     b, t = tokens.shape
     if tuple(cache.valid.shape[:1]) != (b,):
       raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
-    want = (self.cfg.num_layers, b, self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim)
+    want = (b, self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim)
     for name in ("k", "v"):
-      if tuple(getattr(cache, name).shape) != want:
-        raise ValueError(f"cache.{name}: expected shape [L, B, KV, S, hd] = {want}, "
-                         f"got {tuple(getattr(cache, name).shape)}")
+      got = [tuple(a.shape) for a in getattr(cache, name)]
+      if got != [want] * self.cfg.num_layers:
+        raise ValueError(f"cache.{name}: expected {self.cfg.num_layers} arrays [B, KV, S, hd] = "
+                         f"{want}, got shapes {got}")
     if t > cache.valid.shape[1]:
       raise ValueError(f"tokens: length {t} exceeds the cache's max_len {cache.valid.shape[1]}")
     if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.valid.shape[1]:
