@@ -18,28 +18,15 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default as default_config  # noqa: E402
+from experiments.bench_model import matmul_peak  # noqa: E402
 
 from gspo_jax import train  # noqa: E402
-
-
-def matmul_peak(n: int = 2048, reps: int = 10) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def main(argv=None):
