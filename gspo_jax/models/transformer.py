@@ -410,7 +410,9 @@ class Transformer(nnx.Module):
       raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
     want = (b, self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim)
     for name in ("k", "v"):
-      got = [tuple(a.shape) for a in getattr(cache, name)]
+      bufs = getattr(cache, name)
+      got = ([tuple(a.shape) for a in bufs] if isinstance(bufs, (tuple, list))
+             else tuple(bufs.shape))
       if got != [want] * self.cfg.num_layers:
         raise ValueError(f"cache.{name}: expected {self.cfg.num_layers} arrays [B, KV, S, hd] = "
                          f"{want}, got shapes {got}")

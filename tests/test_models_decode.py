@@ -1,0 +1,88 @@
+"""KV-cache decoding paths of `Transformer.decode` beyond the scanned default:
+unrolled and rematerialised layer stacks, `last_only`, cache validation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax.models import ModelConfig, Transformer
+
+V = 97
+
+
+def _model(**kw):
+  return Transformer(ModelConfig.tiny(**kw), rngs=nnx.Rngs(0))
+
+
+def _inputs():
+  rs = np.random.RandomState(3)
+  tokens = jnp.asarray(rs.randint(0, V, (2, 9)), jnp.int32)
+  mask = np.ones((2, 9), np.int32)
+  mask[1, :3] = 0  # left padding
+  pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+  return tokens, jnp.asarray(mask), jnp.asarray(pos)
+
+
+def _decode_all(model, tokens, mask, pos, prompt, *, last_only=False):
+  """Prefill `prompt` tokens, then one token per step: (prefill logits,
+  step logits [B, T - prompt, V], final cache)."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state):
+    mdl = nnx.merge(graphdef, state)
+    cache = mdl.init_cache(tokens.shape[0], tokens.shape[1] + 2)
+    l0, _, cache = mdl.decode(tokens[:, :prompt], cache, positions=pos[:, :prompt],
+                              attn_mask=mask[:, :prompt], last_only=last_only)
+
+    def body(cache, xs):
+      tok, p = xs
+      lg, _, cache = mdl.decode(tok[:, None], cache, positions=p[:, None])
+      return cache, lg[:, 0]
+    cache, ls = jax.lax.scan(body, cache, (tokens[:, prompt:].T, pos[:, prompt:].T))
+    return l0, ls.swapaxes(0, 1), cache
+  return run(state)
+
+
+@pytest.mark.parametrize("overrides", [dict(scan_layers=False), dict(remat_policy="full")],
+                         ids=["unrolled", "remat"])
+def test_decode_equals_full_forward(overrides):
+  # Unrolled layers index the per-layer caches with Python ints, scanned ones
+  # through lax.switch; a wrong layer's cache would change every logit.
+  model = _model(**overrides)
+  tokens, mask, pos = _inputs()
+  want, _ = jax.jit(lambda t, p, m: model(t, positions=p, attn_mask=m))(tokens, pos, mask)
+  l0, ls, cache = _decode_all(model, tokens, mask, pos, prompt=5)
+  got = np.concatenate([np.asarray(l0), np.asarray(ls)], axis=1)
+  m = np.asarray(mask, bool)
+  np.testing.assert_allclose(got[m], np.asarray(want)[m], atol=1e-5)
+  assert int(cache.index) == 9
+  np.testing.assert_array_equal(np.asarray(cache.valid[:, :9]), m)
+
+
+def test_last_only_is_the_last_column():
+  model = _model()
+  tokens, mask, pos = _inputs()
+  l_all, ls_all, c_all = _decode_all(model, tokens, mask, pos, prompt=6)
+  l_last, ls_last, c_last = _decode_all(model, tokens, mask, pos, prompt=6, last_only=True)
+  assert l_last.shape == (2, 1, V)
+  np.testing.assert_array_equal(np.asarray(l_last[:, 0]), np.asarray(l_all[:, -1]))
+  np.testing.assert_array_equal(np.asarray(ls_last), np.asarray(ls_all))
+  for a, b in zip(jax.tree.leaves(c_last), jax.tree.leaves(c_all)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cache_layout_is_checked():
+  model = _model()
+  cache = model.init_cache(2, 8)
+  cfg = model.cfg
+  assert len(cache.k) == len(cache.v) == cfg.num_layers
+  assert cache.k[0].shape == (2, cfg.num_kv_heads, 8, cfg.head_dim)
+  toks = jnp.zeros((2, 1), jnp.int32)
+  pos = jnp.zeros((2, 1), jnp.int32)
+  stacked = cache.replace(k=jnp.stack(cache.k))  # the old [L, B, KV, S, hd] layout
+  with pytest.raises(ValueError, match=r"cache\.k"):
+    model.decode(toks, stacked, positions=pos)
+  with pytest.raises(ValueError, match=r"cache\.v"):
+    model.decode(toks, cache.replace(v=cache.v[:-1]), positions=pos)
