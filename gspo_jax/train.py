@@ -226,9 +226,20 @@ class Trainer:
         return jax.tree.map(lambda x: x.sharding, state)
 
     def _new_state(self, params, optimizer) -> step.TrainState:
+        """A fresh state whose every leaf lives on the mesh: parameters (and the
+        optimizer moments that follow them) sharded, scalars replicated."""
         opt_state = jax.jit(optimizer.init)(params)
-        return step.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                               skipped=jnp.zeros((), jnp.int32))
+        state = step.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                                skipped=jnp.zeros((), jnp.int32))
+        replicated = NamedSharding(self.mesh, P())
+
+        def on_mesh(x):
+            sh = x.sharding
+            if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
+                return x
+            return jax.device_put(x, replicated)
+
+        return jax.tree.map(on_mesh, state)
 
     def _compile(self, fn, state, **static):
         shardings = self._state_shardings(state)

@@ -93,8 +93,9 @@ def _run_subprocess(workdir, args, devices, *, data_dir, wait=True):
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}", f"--config.task.data_dir={data_dir}",
-           "--config.progress_bar=False"] + list(args)
+    # absl wants --config=... before any --config.<field>=... override.
+    cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}"] + list(args) + [
+        f"--config.task.data_dir={data_dir}", "--config.progress_bar=False"]
     if wait:
         out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-4000:]
@@ -142,6 +143,7 @@ def test_smoke_every_objective_and_replay_mode(objective, replay, data_dir, tmp_
     c.progress_bar = False
     if objective == "grpo":
         c.updates.micro_batches = 2  # gradient accumulation through the full loop
+        c.mesh.data, c.mesh.expert = 2, -1  # micro-batches of 4 over 2 batch shards; experts over 4
     records = train.run(c, str(tmp_path))
     rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0]
     assert [r["step"] for r in rl] == [1, 2]

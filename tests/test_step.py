@@ -1,0 +1,108 @@
+"""The pure train step: learning direction, exact micro-batch accumulation,
+skipping non-finite updates."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gspo_jax import step
+from gspo_jax.models import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
+                  moe_d_ff=16, num_experts=4, top_k=2)
+N, P, T = 8, 4, 5
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rs = np.random.RandomState(0)
+    prompt_mask = np.ones((N, P), np.float32)
+    prompt_mask[::2, :2] = 0  # left padding on half the rows
+    mask = np.ones((N, T), np.float32)
+    mask[1, 3:] = 0
+    mask[5, 1:] = 0
+    batch = {
+        "prompt_tokens": jnp.asarray(rs.randint(3, 24, (N, P)), jnp.int32),
+        "prompt_mask": jnp.asarray(prompt_mask),
+        "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
+        "mask": jnp.asarray(mask),
+    }
+    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    batch.update(
+        old_logp=old["logp"] + jnp.asarray(rs.normal(0, 0.05, (N, T)), jnp.float32),  # slightly off-policy
+        old_topk=old["topk_resp"],
+        old_router_logp=old["router_logp"],
+        ref_logp=old["logp"] - 0.1,  # GRPO's default KL term needs it
+        advantages=jnp.asarray(rs.normal(size=N), jnp.float32),
+    )
+    return graphdef, params, batch
+
+
+def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coefs=(0.0, 0.0)):
+    graphdef, params, base = setup
+    batch = base if batch is None else batch
+    # Plain SGD: the update is linear in the gradient, so comparing parameters
+    # compares gradients (Adam's g/sqrt(v) would amplify rounding where g ~ 0).
+    opt = optax.sgd(lr)
+    state = step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), jnp.zeros((), jnp.int32))
+    cfg = step.StepConfig(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
+                          z_loss_coef=router_coefs[1])
+    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, cfg=cfg))
+    return fn(state, batch, jax.random.key(0))
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo", "rspo", "cispo"])
+def test_micro_batches_equal_whole_mini_batch(setup, objective):
+    """Splitting into 2 and 4 micro-batches gives the same loss, gradient norm
+    and update (a per-micro-batch denominator would change all three).
+
+    The router's load-balancing loss is a product of two means over a batch's
+    tokens, so it is computed per micro-batch (as everywhere) and is not part
+    of this identity: its coefficients are 0 here."""
+    s1, m1 = _run(setup, objective, 1)
+    for micro in (2, 4):
+        s2, m2 = _run(setup, objective, micro)
+        np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(m2["num_tokens"], m1["num_tokens"])
+
+
+def test_update_raises_log_prob_of_positive_advantage(setup):
+    """One sample with A > 0, the rest A < 0: after a few steps its sequence
+    log-prob rises and the others fall (a sign error would do the opposite)."""
+    graphdef, params, batch = setup
+    adv = np.full(N, -1.0 / (N - 1), np.float32)
+    adv[0] = 1.0
+    b = dict(batch, advantages=jnp.asarray(adv), old_logp=step.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    opt, _ = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
+                                 weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0)
+    cfg = step.StepConfig(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
+    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, cfg=cfg))
+    state = step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), jnp.zeros((), jnp.int32))
+    for _ in range(3):
+        state, _ = fn(state, b, jax.random.key(0))
+    new = step.logprob_pass(state.params, b, graphdef=graphdef)["logp"]
+    d = np.sum((np.asarray(new) - np.asarray(b["old_logp"])) * np.asarray(b["mask"]), axis=1)
+    assert d[0] > 0.1 and np.all(d[1:] < 0), d
+
+
+def test_non_finite_loss_skips_update(setup):
+    graphdef, params, batch = setup
+    bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))
+    state, m = _run(setup, "grpo", 1, batch=bad, router_coefs=(0.01, 0.001))
+    assert not np.isfinite(m["loss"])
+    assert int(state.skipped) == 1 and float(m["skipped_update"]) == 1.0 and float(m["update_norm"]) == 0.0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    # The optimizer moments are untouched too, so the next good step is unaffected.
+    s_good, _ = _run(setup, "grpo", 1)
+    assert int(s_good.skipped) == 0
