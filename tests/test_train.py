@@ -202,7 +202,8 @@ def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path):
     deadline = time.time() + 600
     killed_after = None
     while time.time() < deadline and proc.poll() is None:
-        steps = [int(d) for d in os.listdir(ckpt)] if ckpt.is_dir() else []
+        # Finished checkpoints only (orbax writes into "<step>.orbax-checkpoint-tmp" first).
+        steps = [int(d) for d in os.listdir(ckpt) if d.isdigit()] if ckpt.is_dir() else []
         steps = [s for s in steps if (ckpt / str(s) / "_CHECKPOINT_METADATA").exists()]
         if steps and max(steps) >= 2:
             proc.send_signal(signal.SIGKILL)
