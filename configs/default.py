@@ -8,7 +8,7 @@ advantages, two mini-batch updates per rollout (the off-policy regime).
 
 Arguments (comma-separated): ``objective=<name>`` picks any registered
 objective with its own defaults; ``smoke`` shrinks everything to two steps.
-Any field can be overridden: ``--config.update.routing_replay=R3``.
+Any field can be overridden: ``--config.updates.routing_replay=R3``.
 """
 
 from gspo_jax import config as config_lib

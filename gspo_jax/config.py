@@ -132,6 +132,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 20
     c.keep_checkpoints = 3
     c.progress_bar = True
+    # Persistent XLA compilation cache: a restarted or resumed job (and every
+    # later job with the same programs) loads its executables instead of
+    # compiling them again.  "" turns it off; a JAX_COMPILATION_CACHE_DIR set in
+    # the environment takes precedence.
+    c.compilation_cache_dir = "~/.cache/gspo_jax/xla"
     return c
 
 

@@ -574,8 +574,26 @@ class RLPhase:
         return m
 
 
+def enable_compilation_cache(path: str) -> str | None:
+    """Turn on JAX's persistent compilation cache at `path` (every program,
+    however fast it compiled), unless the environment already names a cache
+    directory.  Returns the directory in use (None when off)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not path:
+        return current or None
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()  # pick up the directory even after earlier compiles
+    return path
+
+
 def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     """Run (or resume) the whole job: supervised warm start, then RL."""
+    enable_compilation_cache(str(c.get("compilation_cache_dir", "")))
     trainer = Trainer(c, workdir)
     writers: dict[str, MetricsWriter] = {}
 

@@ -3,11 +3,19 @@
 * Rank promotion raises, so silently broadcasting f32[N] against f32[N,T]
   fails loudly.
 * 8 fake CPU devices, for the sharding tests; must be set before JAX starts.
+* One persistent XLA compilation cache for the session, its xdist workers and
+  the trainer subprocesses they start: the trainer tests run the same programs
+  (SFT step, sampler, log-prob pass) many times, and each is compiled once.
+  Only compile time changes: an executable loaded from the cache is the one the
+  compiler produced for the same program.
 """
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gspo_jax_tests_xla_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 
