@@ -42,11 +42,13 @@ def main():
   ap.add_argument("--prompt", type=int, default=16)
   ap.add_argument("--steps", type=int, default=32)
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--moe-backend", default="blocked", choices=["blocked", "ragged", "dense", "auto"])
+  ap.add_argument("--unrolled", action="store_true", help="scan_layers=False")
   args = ap.parse_args()
 
   with tempfile.TemporaryDirectory() as ckpt:
     make_checkpoint(ckpt)
-    model = from_pretrained(ckpt)
+    model = from_pretrained(ckpt, moe_backend=args.moe_backend, scan_layers=not args.unrolled)
   B, P, n = args.batch, args.prompt, args.steps
   rs = np.random.RandomState(0)
   prompt = jnp.asarray(rs.randint(1, model.cfg.vocab_size, size=(B, P)), jnp.int32)
@@ -65,7 +67,8 @@ def main():
       return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
     return jax.lax.fori_loop(0, n, body, (tok, cache))
 
-  print(json.dumps(dict(jax=jax.__version__, batch=B, prompt=P, steps=n,
+  print(json.dumps(dict(jax=jax.__version__, batch=B, prompt=P, steps=n, moe_backend=args.moe_backend,
+                        scan_layers=not args.unrolled,
                         load_avg=os.getloadavg())))
   for S in [int(s) for s in args.slots.split(",")]:
     if S < P + n:

@@ -290,7 +290,7 @@ def _repeat_rows(cache, g: int):
     names = tuple(f.name for f in dataclasses.fields(cache))
     if names != ("k", "v", "valid", "index"):
         raise ValueError(f"cache: expected a KVCache with fields (k, v, valid, index), got {names}")
-    rep = lambda a: jnp.repeat(a, g, axis=0)  # per-layer k, v [b, KV, S, hd]; valid [b, S]
+    rep = lambda a: jnp.repeat(a, g, axis=0)  # per-layer k, v [b, ...]; valid [b, S]
     return cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
                          valid=rep(cache.valid))
 

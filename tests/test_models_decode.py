@@ -78,11 +78,15 @@ def test_cache_layout_is_checked():
   cache = model.init_cache(2, 8)
   cfg = model.cfg
   assert len(cache.k) == len(cache.v) == cfg.num_layers
-  assert cache.k[0].shape == (2, cfg.num_kv_heads, 8, cfg.head_dim)
+  assert cache.k[0].shape == (2, cfg.num_kv_heads, cfg.head_dim, 8)  # keys transposed
+  assert cache.v[0].shape == (2, cfg.num_kv_heads, 8, cfg.head_dim)
   toks = jnp.zeros((2, 1), jnp.int32)
   pos = jnp.zeros((2, 1), jnp.int32)
-  stacked = cache.replace(k=jnp.stack(cache.k))  # the old [L, B, KV, S, hd] layout
+  stacked = cache.replace(k=jnp.stack(cache.k))  # a stacked [L, ...] array
   with pytest.raises(ValueError, match=r"cache\.k"):
     model.decode(toks, stacked, positions=pos)
+  untransposed = cache.replace(k=cache.v)  # keys in the values' [B, KV, S, hd] layout
+  with pytest.raises(ValueError, match=r"cache\.k: expected .* \[B, KV, hd, S\]"):
+    model.decode(toks, untransposed, positions=pos)
   with pytest.raises(ValueError, match=r"cache\.v"):
     model.decode(toks, cache.replace(v=cache.v[:-1]), positions=pos)

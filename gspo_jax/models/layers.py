@@ -124,8 +124,8 @@ class Attention(nnx.Module):
     T tokens themselves (query t may see token s).
 
     With cache = (k_layers, v_layers, layer, cache_mask): the KV cache of every
-    layer (sequences of [B, KV, S, hd] arrays holding earlier tokens, in the
-    cache's dtype), this layer's index (a Python int, or an int32 scalar inside
+    layer (sequences of arrays holding earlier tokens, in the cache's dtype:
+    keys [B, KV, hd, S], values [B, KV, S, hd]), this layer's index (a Python int, or an int32 scalar inside
     a scan over layers) and cache_mask bool[B, T, S].  The queries attend to
     the S cached slots and the T new tokens at once, one softmax over S + T
     scores:
@@ -141,8 +141,14 @@ class Attention(nnx.Module):
     whole layer every token).  The new keys/values are rounded to the cache's
     dtype before use, as if read back from it.
 
-    Returns (out [B, T, D], (k, v) [B, KV, T, hd] of the T new tokens, in the
-    cache's dtype when a cache is given, else in x's dtype).
+    Keys are cached transposed, [hd, S] per KV head, so that the scores of a
+    decode step are a plain [G, hd] x [hd, S] product per (row, KV head); with
+    [S, hd] keys XLA:CPU ran that product about 3x slower than the [G, S] x
+    [S, hd] value product (experiments/rollout.md).
+
+    Returns (out [B, T, D], (k, v) of the T new tokens: with a cache, keys
+    [B, KV, hd, T] and values [B, KV, T, hd] in the cache's dtype; without one,
+    both [B, KV, T, hd] in x's dtype).
     """
     cfg = self.cfg
     dt = x.dtype
@@ -166,9 +172,10 @@ class Attention(nnx.Module):
     qg = q.reshape(b, t, kvh, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
     scale = cfg.head_dim ** -0.5
 
-    def scores(keys, m):  # keys [B, KV, S', hd], m bool[B, T, S'] -> f32[B, KV, G, T, S']
-      s = jnp.einsum("bkgth,bksh->bkgts", qg, keys.astype(dt),
-                     preferred_element_type=jnp.float32) * scale
+    def scores(keys, m, spec="bkgth,bksh->bkgts"):
+      # keys [B, KV, S', hd] (or [B, KV, hd, S'] with spec "...,bkhs->..."),
+      # m bool[B, T, S'] -> f32[B, KV, G, T, S']
+      s = jnp.einsum(spec, qg, keys.astype(dt), preferred_element_type=jnp.float32) * scale
       return jnp.where(m[:, None, None, :, :], s, NEG_INF)
 
     def mix(p, values):  # p [B, KV, G, T, S'], values [B, KV, S', hd] -> [B, KV, G, T, hd]
@@ -183,14 +190,16 @@ class Attention(nnx.Module):
       s_new = scores(k, mask)
 
       def attend(j):  # attention of this layer's queries over layer j's cache + the new tokens
-        kc, vc = k_layers[j], v_layers[j]
-        p = jax.nn.softmax(jnp.concatenate([scores(kc, cache_mask), s_new], axis=-1), axis=-1)
-        return mix(p[..., :kc.shape[2]], vc) + mix(p[..., kc.shape[2]:], v)
+        kc, vc = k_layers[j], v_layers[j]  # [B, KV, hd, S], [B, KV, S, hd]
+        s_cached = scores(kc, cache_mask, "bkgth,bkhs->bkgts")
+        p = jax.nn.softmax(jnp.concatenate([s_cached, s_new], axis=-1), axis=-1)
+        return mix(p[..., :vc.shape[2]], vc) + mix(p[..., vc.shape[2]:], v)
 
       if isinstance(layer, int):
         out = attend(layer)
       else:
         out = jax.lax.switch(layer, [functools.partial(attend, j) for j in range(len(k_layers))])
+      k = k.swapaxes(2, 3)  # [B, KV, hd, T]: the cached keys' layout
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
     return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
 

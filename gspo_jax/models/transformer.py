@@ -64,9 +64,11 @@ class KVCache:
   """Decoding state.
 
   Attributes:
-    k, v: tuples of num_layers arrays [B, KV, S, hd] (compute dtype unless
-      `init_cache` was given another), one buffer per layer, contiguous over
-      slots per KV head.
+    k: tuple of num_layers arrays [B, KV, hd, S] (keys transposed: the scores
+      of a decode step are then a plain [G, hd] x [hd, S] product).
+    v: tuple of num_layers arrays [B, KV, S, hd].
+      Both in the compute dtype unless `init_cache` was given another; one
+      buffer per layer.
     valid: bool[B, S], slot holds a real token.
     index: int32[], next slot to write.
 
@@ -251,13 +253,13 @@ class Transformer(nnx.Module):
     aux = self._router_aux(all_stats, b, t)
     new_cache = None
     if cache is not None:
-      # Each layer's new keys/values [B, KV, T, hd] go to slots
-      # [index, index + T) of its buffer, in place.
-      k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # [L, B, KV, T, hd]
-      at = (0, 0, cache.index, 0)
-      write = lambda bufs, new: tuple(jax.lax.dynamic_update_slice(buf, new[j], at)
-                                      for j, buf in enumerate(bufs))
-      new_cache = KVCache(k=write(kc, k_new), v=write(vc, v_new), valid=valid,
+      # Each layer's new keys [B, KV, hd, T] / values [B, KV, T, hd] go to
+      # slots [index, index + T) of its buffers, in place.
+      k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # leading L
+      write = lambda bufs, new, at: tuple(jax.lax.dynamic_update_slice(buf, new[j], at)
+                                          for j, buf in enumerate(bufs))
+      new_cache = KVCache(k=write(kc, k_new, (0, 0, 0, cache.index)),
+                          v=write(vc, v_new, (0, 0, cache.index, 0)), valid=valid,
                           index=cache.index + t)
     return h, aux, new_cache
 
@@ -379,10 +381,11 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if batch_size <= 0 or max_len <= 0:
       raise ValueError(f"init_cache: batch_size and max_len must be > 0, got {batch_size}, {max_len}")
-    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    v_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    k_shape = (batch_size, cfg.num_kv_heads, cfg.head_dim, max_len)
     dt = jnp.dtype(dtype) if dtype is not None else cfg.jnp_dtype
-    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    return KVCache(k=zeros(), v=zeros(),
+    zeros = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros(k_shape), v=zeros(v_shape),
                    valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
 
   def decode(self, tokens, cache: KVCache, *, positions, attn_mask=None, replay=None,
@@ -408,13 +411,14 @@ class Transformer(nnx.Module):
     b, t = tokens.shape
     if tuple(cache.valid.shape[:1]) != (b,):
       raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
-    want = (b, self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim)
-    for name in ("k", "v"):
+    kv, s_len, hd = self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim
+    layouts = {"k": ("[B, KV, hd, S]", (b, kv, hd, s_len)), "v": ("[B, KV, S, hd]", (b, kv, s_len, hd))}
+    for name, (layout, want) in layouts.items():
       bufs = getattr(cache, name)
       got = ([tuple(a.shape) for a in bufs] if isinstance(bufs, (tuple, list))
              else tuple(bufs.shape))
       if got != [want] * self.cfg.num_layers:
-        raise ValueError(f"cache.{name}: expected {self.cfg.num_layers} arrays [B, KV, S, hd] = "
+        raise ValueError(f"cache.{name}: expected {self.cfg.num_layers} arrays {layout} = "
                          f"{want}, got shapes {got}")
     if t > cache.valid.shape[1]:
       raise ValueError(f"tokens: length {t} exceeds the cache's max_len {cache.valid.shape[1]}")
