@@ -12,12 +12,15 @@ on the same CPU, in the same process, with the same left-padded prompts, at
 temperature 1 without truncation, and exactly `--max-new-tokens` tokens per row
 (no EOS; transformers gets min_new_tokens = max_new_tokens).  Throughput is
 generated tokens (rows x new tokens) per second of wall time, the best of
-`--repeats` timed calls after one warm-up call; the warm-up (compile) time of
-the JAX sampler is reported separately.  transformers is timed with 1 torch
-thread and with torch's default, and the faster is kept (on a shared CPU its
-OpenMP threads can be 10x slower than one thread).
+`--repeats` timed calls after one warm-up call each; the warm-up (compile) time
+of the JAX sampler is reported separately.  The timed calls are interleaved
+(JAX, then transformers) round by round, so that load from other processes on
+a shared CPU falls on both; the ratio of the medians is reported beside the
+ratio of the bests.  transformers is timed with 1 torch thread and with
+torch's default, and the faster is kept (on a shared CPU its OpenMP threads
+can be 10x slower than one thread).
 
-    PYTHONPATH=. python experiments/bench_rollout.py            # batch 1, 16, 64
+    PYTHONPATH=. python experiments/bench_rollout.py            # batch 1, 16, 64; 5 rounds
     PYTHONPATH=. python experiments/bench_rollout.py --batch-sizes=64 --repeats=5
 """
 from __future__ import annotations
@@ -68,24 +71,11 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def timed(fn, repeats: int) -> tuple[float, list[float]]:
-    """(warm-up seconds, timed seconds of each repeat)."""
-    t0 = time.perf_counter()
-    fn(0)
-    warm = time.perf_counter() - t0
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(i + 1)
-        times.append(time.perf_counter() - t0)
-    return warm, times
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
     args = ap.parse_args()
     T = args.max_new_tokens
@@ -130,13 +120,27 @@ def main():
                                   min_new_tokens=T, use_cache=True)
             assert out.shape == (B, ids.shape[1] + T), out.shape
 
-        jw, jt = timed(run_jax, args.repeats)
+        # Interleaved rounds (JAX, then transformers at each thread count) so
+        # that load from other processes on the shared CPU falls on both alike.
         # torch's OpenMP threads spin-wait and collapse when the CPU is shared:
-        # time transformers with 1 thread and with its default, keep the faster.
-        hf_runs = {}
-        for threads in sorted({1, default_threads}):
+        # transformers runs with 1 thread and with its default, the faster kept.
+        t0 = time.perf_counter()
+        run_jax(0)
+        jw = time.perf_counter() - t0
+        thread_counts = sorted({1, default_threads})
+        for threads in thread_counts:
             torch.set_num_threads(threads)
-            hf_runs[threads] = timed(run_hf, args.repeats)[1]
+            run_hf(0)
+        jt, hf_runs = [], {t: [] for t in thread_counts}
+        for i in range(args.repeats):
+            t0 = time.perf_counter()
+            run_jax(i + 1)
+            jt.append(time.perf_counter() - t0)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                t0 = time.perf_counter()
+                run_hf(i + 1)
+                hf_runs[threads].append(time.perf_counter() - t0)
         torch.set_num_threads(default_threads)
         hf_threads = min(hf_runs, key=lambda k: min(hf_runs[k]))
         ht = hf_runs[hf_threads]
@@ -145,15 +149,16 @@ def main():
                    hf_best_s=min(ht), hf_median_s=statistics.median(ht), hf_threads=hf_threads,
                    hf_best_s_by_threads={k: min(v) for k, v in hf_runs.items()})
         row["ratio"] = row["jax_tok_s"] / row["hf_tok_s"]
+        row["ratio_of_medians"] = row["hf_median_s"] / row["jax_median_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print("\n| batch | gspo_jax tok/s | transformers tok/s (threads) | ratio "
-          "| gspo_jax compile + first call (s) |")
-    print("|---:|---:|---:|---:|---:|")
+    print("\n| batch | gspo_jax tok/s | transformers tok/s (threads) | ratio (best) "
+          "| ratio (medians) | gspo_jax compile + first call (s) |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch']} | {r['jax_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} ({r['hf_threads']}) "
-              f"| {r['ratio']:.2f}x | {r['jax_warmup_s']:.1f} |")
+              f"| {r['ratio']:.2f}x | {r['ratio_of_medians']:.2f}x | {r['jax_warmup_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows), f, indent=1)

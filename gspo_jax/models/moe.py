@@ -107,34 +107,67 @@ def block_size_for(num_rows: int, num_experts: int, max_block: int) -> int:
   return bk
 
 
-def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int, block_size: int | None = None):
+# Up to this many (token, expert) assignments, the blocked dispatch ranks each
+# assignment within its expert by an [NK, NK] comparison instead of a sort:
+# decode steps (NK = batch * K) then run no sort and no scatter of the
+# permutation; above it the comparison's O(NK^2) work would dominate.
+COMPARE_RANK_MAX_ROWS = 512
+
+
+def _rank_within_expert(flat_e, e: int, method: str):
+  """rank[j] = #{i < j : flat_e[i] == flat_e[j]}: the stable position of
+  assignment j among its expert's assignments (int32[NK])."""
+  nk = flat_e.shape[0]
+  if method == "compare":
+    j = jnp.arange(nk, dtype=jnp.int32)
+    earlier_same = (flat_e[None, :] == flat_e[:, None]) & (j[None, :] < j[:, None])  # [j, i]
+    return jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
+  order = jnp.argsort(flat_e, stable=True)
+  sorted_e = flat_e[order]
+  counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  start = jnp.cumsum(counts) - counts
+  rank_sorted = jnp.arange(nk, dtype=jnp.int32) - start[sorted_e]
+  return jnp.zeros((nk,), jnp.int32).at[order].set(rank_sorted)
+
+
+def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int, block_size: int | None = None,
+                     rank: str | None = None):
   """Sort-based dropless dispatch as a batched matmul over expert blocks.
 
   block_size: rows per block (default `block_size_for(N*K, E, max_block)`).
+  rank: how assignments are ordered within an expert, 'compare' ([NK, NK]
+    comparison) or 'sort' (stable argsort); default 'compare' up to
+    COMPARE_RANK_MAX_ROWS assignments.  Same result either way.
   """
   n, k = idx.shape
   e, d, _ = wg.shape
   nk = n * k
   bk = block_size or block_size_for(nk, e, max_block)
   nb = (nk + e * (bk - 1)) // bk
-  flat_e, order = _sort_assignments(idx)
-  sorted_e = flat_e[order]
+  if rank is None:
+    rank = "compare" if nk <= COMPARE_RANK_MAX_ROWS else "sort"
+  if rank not in ("compare", "sort"):
+    raise ValueError(f"rank: expected 'compare' or 'sort', got {rank!r}")
+  flat_e = idx.reshape(-1).astype(jnp.int32)
   counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
   padded = (counts + bk - 1) // bk * bk
   pad_end = jnp.cumsum(padded)
   pad_start = pad_end - padded
-  start = jnp.cumsum(counts) - counts
-  dest = pad_start[sorted_e] + jnp.arange(nk, dtype=jnp.int32) - start[sorted_e]  # row of sorted j
-  row_tok = jnp.full((nb * bk,), n, jnp.int32).at[dest].set((order // k).astype(jnp.int32))
+  # Row of the padded block layout that assignment j (= token j // K) fills.
+  dest = pad_start[flat_e] + _rank_within_expert(flat_e, e, rank)
+  row_tok = jnp.full((nb * bk,), n, jnp.int32).at[dest].set(
+      jnp.arange(nk, dtype=jnp.int32) // k, unique_indices=True)
   xp = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)  # row n = padding
   xb = xp[row_tok].reshape(nb, bk, d)
-  block_e = jnp.searchsorted(pad_end, jnp.arange(nb, dtype=jnp.int32) * bk, side="right")
-  block_e = jnp.minimum(block_e, e - 1)  # blocks past the end hold padding rows only
+  # Expert of each block: the number of experts whose padded range ends at or
+  # before the block's first row (blocks past the end hold padding only).
+  block_start = jnp.arange(nb, dtype=jnp.int32) * bk
+  block_e = jnp.sum(pad_end[None, :] <= block_start[:, None], axis=1, dtype=jnp.int32)
+  block_e = jnp.minimum(block_e, e - 1)
   h = (jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wg[block_e]))
        * jnp.einsum("bcd,bdf->bcf", xb, wu[block_e]))
   yb = jnp.einsum("bcf,bfd->bcd", h, wd[block_e]).reshape(nb * bk, d)
-  row_of_assign = jnp.zeros((nk,), jnp.int32).at[order].set(dest)
-  return _combine(yb[row_of_assign], gates, n, k)
+  return _combine(yb[dest], gates, n, k)
 
 
 def route(logits, top_k: int, renormalize: bool, replay=None):
