@@ -76,6 +76,7 @@ advantages and returns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Callable, Mapping, NamedTuple
@@ -548,14 +549,33 @@ def _cispo_weight(ratio: Array, hp) -> tuple[Array, Array, Array]:
     return jnp.maximum(weight, 1.0 - hp["eps_low"]), hi, ratio < 1.0 - hp["eps_low"]
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _cispo_term(delta: Array, logp: Array, valid: Array, eps_low, eps_high) -> Array:
+    """sg(clip(e^delta, 1-eps_low, 1+eps_high)) * logp, 0 where not valid.
+
+    The weight is a constant (stop-gradient), so the tangent is weight * d logp; the
+    custom JVP forms the weight once, in the pass that forms the value.
+    """
+    w, _, _ = _cispo_weight(jnp.exp(delta), {"eps_low": eps_low, "eps_high": eps_high})
+    return jnp.where(valid, w * logp, 0.0)
+
+
+@_cispo_term.defjvp
+def _cispo_term_jvp(eps_low, eps_high, primals, tangents):
+    delta, logp, valid = primals
+    _, d_logp, _ = tangents
+    w, _, _ = _cispo_weight(jnp.exp(delta), {"eps_low": eps_low, "eps_high": eps_high})
+    w = jax.lax.stop_gradient(jnp.where(valid, w, 0.0))  # constant at every order
+    return w * jnp.where(valid, logp, 0.0), w * d_logp
+
+
 def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """CISPO: l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A_t logp_t; every token keeps a gradient."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
-    weight, _, _ = _cispo_weight(jax.lax.stop_gradient(jnp.exp(b.delta)), hp)
-    lp = jnp.where(b.valid, _f32(logp), 0.0)
+    term = _cispo_term(b.delta, _f32(logp), b.valid, hp["eps_low"], hp["eps_high"])
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate_adv(weight * lp, adv, b, hp["agg"], norm_len)
+    loss = _aggregate_adv(term, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
@@ -612,8 +632,10 @@ def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     adv = jax.lax.stop_gradient(_f32(advantages))
     gamma = jax.lax.stop_gradient(_f32(router_shift))
     d_star, _, _ = _geo_clip(b.delta, adv[:, None], hp["eps_low"], hp["eps_high"])
-    log_gamma = jnp.log(jnp.where(b.valid, gamma, 1.0))  # 0 where masked
-    big_s = jnp.exp(jnp.sum(b.m * (d_star + log_gamma), axis=-1) * b.inv_n)
+    # Two row sums: the log-gamma one carries no gradient, so it is its own reduction
+    # and XLA does not keep an [N,T] log-gamma array for the backward pass.
+    log_gamma_rows = jnp.sum(jnp.log(jnp.where(b.valid, gamma, 1.0)), axis=-1)  # log 1 = 0 off the mask
+    big_s = jnp.exp((jnp.sum(b.m * d_star, axis=-1) + log_gamma_rows) * b.inv_n)
     loss = _seq_aggregate(-adv * big_s, b)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
     metrics = _token_metrics(b, logp, old_logp, mask,
@@ -629,13 +651,37 @@ def _sapo_gate(ratio: Array, adv: Array, hp):
     return tau, jax.nn.sigmoid(tau * (ratio - 1.0))
 
 
+@jax.custom_jvp
+def _sapo_sigmoid(delta: Array, tau: Array) -> Array:
+    """p = sigmoid(tau (e^delta - 1)), differentiated in delta only (tau is a constant).
+
+    The derivative tau p (1 - p) e^delta is formed in the same elementwise pass as p
+    (a custom JVP), so reverse mode keeps one [N,T] coefficient instead of
+    re-deriving it from stored e^delta and p in separate passes.
+    """
+    return jax.nn.sigmoid(tau * (jnp.exp(delta) - 1.0))
+
+
+@_sapo_sigmoid.defjvp
+def _sapo_sigmoid_jvp(primals, tangents):
+    delta, tau = primals
+    d_delta, _ = tangents
+    r = jnp.exp(delta)
+    p = jax.nn.sigmoid(tau * (r - 1.0))
+    return p, (tau * p * (1.0 - p) * r) * d_delta
+
+
 def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """SAPO: l_t = -A_t (4/tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A > 0 else tau_neg."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
-    tau, p = _sapo_gate(jnp.exp(b.delta), adv, hp)
+    tau = jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"])  # [N,1] or [N,T], a constant
+    p = _sapo_sigmoid(b.delta, tau)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate_adv((4.0 / tau) * p, adv, b, hp["agg"], norm_len)
+    if adv.shape[1] == 1:  # 4/tau is per sequence: weight the row sums
+        loss = _aggregate(p, b, hp["agg"], norm_len, row_weight=-adv[:, 0] * (4.0 / tau[:, 0]))
+    else:
+        loss = _aggregate_adv((4.0 / tau) * p, adv, b, hp["agg"], norm_len)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
