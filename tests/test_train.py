@@ -129,12 +129,16 @@ def data_dir(tmp_path_factory):
 REQUIRED = {"step", "phase", "reward_mean", "entropy", "grad_norm", "clip_frac", "expert_flip_frac", "tokens_per_s"}
 
 
+# The whole loop for each code path of the trainer: the default objective,
+# gradient accumulation over a mesh, DAPO's data shaping, R2 and R3 replay, RSPO's
+# router shift (PPO's critic has its own test below). Every objective's train
+# step is exercised in tests/test_step.py; the loop around it is the same.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "objective, replay",
-    [(name, "none") for name in objectives.names()] + [("gspo", "R2"), ("grpo", "R3"), ("rspo", "R3")],
+    [("gspo", "none"), ("grpo", "none"), ("dapo", "none"), ("gspo", "R2"), ("rspo", "R3")],
 )
-def test_smoke_every_objective_and_replay_mode(objective, replay, data_dir, tmp_path):
+def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_path):
     from gspo_jax import train
 
     c = default_config.get_config(f"objective={objective},smoke")
@@ -252,3 +256,13 @@ def test_config_file_rejects_unknown_variant():
 
     with pytest.raises(config_lib.ConfigError, match="variant"):
         grpo.get_config("variant=grpo2")
+
+
+def test_compilation_cache_directory_from_environment_wins(tmp_path):
+    from gspo_jax import train
+
+    current = jax.config.jax_compilation_cache_dir  # set by conftest's environment
+    assert current
+    assert train.enable_compilation_cache(str(tmp_path / "other")) == current
+    assert jax.config.jax_compilation_cache_dir == current
+    assert not (tmp_path / "other").exists()
