@@ -582,7 +582,12 @@ def enable_compilation_cache(path: str) -> str | None:
     if current or not path:
         return current or None
     path = os.path.expanduser(path)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a read-only home must not stop a run; it only compiles every time
+        print(f"config.compilation_cache_dir: cannot create {path!r} ({e}); running without "
+              "the persistent compilation cache", flush=True)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     from jax.experimental.compilation_cache import compilation_cache

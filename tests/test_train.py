@@ -266,3 +266,18 @@ def test_compilation_cache_directory_from_environment_wins(tmp_path):
     assert train.enable_compilation_cache(str(tmp_path / "other")) == current
     assert jax.config.jax_compilation_cache_dir == current
     assert not (tmp_path / "other").exists()
+
+
+def test_compilation_cache_directory_that_cannot_be_made_is_skipped(tmp_path, capsys):
+    from gspo_jax import train
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    current = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert train.enable_compilation_cache(str(blocker / "xla")) is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", current)
+    assert "config.compilation_cache_dir" in capsys.readouterr().out
