@@ -255,16 +255,96 @@ def _aggregate(per_token: Array, b: _Batch, agg: str, norm_len: float,
     raise AssertionError(agg)  # validated before
 
 
-def _aggregate_adv(x: Array, adv: Array, b: _Batch, agg: str, norm_len: float) -> Array:
-    """Aggregates l_t = -A x_t; adv is [N,1] (per sequence) or [N,T]."""
+def _agg_weight(b: _Batch, agg: str, norm_len: float) -> Array:
+    """f32[N]: the weight of row i's token sum in the aggregated loss (module doc)."""
+    if agg == "token-mean":
+        return jnp.broadcast_to(1.0 / jnp.maximum(b.norm.num_tokens, 1.0), b.n.shape)
+    inv_seqs = 1.0 / jnp.maximum(b.norm.num_seqs, 1.0)
+    if agg == "seq-mean-token-mean":
+        return b.inv_n * inv_seqs
+    if agg == "seq-mean-token-sum":
+        return jnp.broadcast_to(inv_seqs, b.n.shape)
+    if agg == "seq-mean-token-sum-norm":
+        return jnp.broadcast_to(inv_seqs / norm_len, b.n.shape)
+    raise AssertionError(agg)  # validated before
+
+
+# The loss of every objective has the form
+#
+#     loss = sum_i w_i * outer_i( sum_t v_{i,t} ),     (v, g) = terms(logp, old_logp, mask, aux),
+#
+# with g = dv/dlogp formed by `terms` itself, outer an elementwise function of the row
+# sums (identity for token-level objectives; exp and the sequence clip for GSPO, GMPO
+# and RSPO) and w a constant per row (aggregation weight, advantage). `_fused_loss`
+# is a custom JVP whose tangent is sum_{i,t} w_i outer_i' g_{i,t} dlogp_{i,t}: the
+# coefficient w_i outer_i' g is formed beside the value, so reverse mode returns it
+# as the gradient (the cotangent 1 of the scalar loss folds away) instead of
+# re-deriving it from stored ratios in further passes. On XLA:CPU the token-level
+# losses compile to one elementwise pass that writes one [N,T] array, one row sum and
+# the gradient pass. Everything in ``aux`` and ``w`` is a constant (stop-gradient), as
+# is ``old_logp``. Higher derivatives follow from differentiating `terms`' g, which
+# is written with ordinary differentiable operations.
+
+
+def _identity_outer(rows: Array, aux: dict) -> Array:
+    del aux
+    return rows
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _fused_loss(terms, outer, logp, old_logp, mask, aux, row_weight):
+    v, _ = terms(logp, old_logp, mask, aux)
+    return jnp.sum(row_weight * outer(jnp.sum(v, axis=-1), aux))
+
+
+@_fused_loss.defjvp
+def _fused_loss_jvp(terms, outer, primals, tangents):
+    logp, old_logp, mask, aux, row_weight = primals
+    d_logp = tangents[0]
+    v, g = terms(logp, old_logp, mask, aux)
+    rows = jnp.sum(v, axis=-1)
+    if outer is _identity_outer:
+        value, coef = jnp.sum(row_weight * rows), row_weight
+    else:
+        out, d_out = jax.jvp(lambda x: outer(x, aux), (rows,), (jnp.ones_like(rows),))
+        value, coef = jnp.sum(row_weight * out), row_weight * d_out
+    return value, jnp.sum((coef[:, None] * g) * d_logp)
+
+
+def _token_loss(terms, logp, old_logp, b: _Batch, aux: dict, agg: str, norm_len: float,
+                adv: Array) -> Array:
+    """Token-level loss sum_{i,t} agg-weight * l_t with l_t = -A v_t (A per sequence or token).
+
+    ``terms`` returns (v, dv/dlogp) without the advantage; a per-sequence advantage
+    multiplies the row weight, a per-token one is applied inside (under ``aux["adv"]``).
+    """
+    w = _agg_weight(b, agg, norm_len)
     if adv.shape[1] == 1:
-        return _aggregate(x, b, agg, norm_len, row_weight=-adv[:, 0])
-    return _aggregate(-adv * x, b, agg, norm_len)
+        w = -adv[:, 0] * w
+    else:
+        inner = terms
+
+        def terms(lp, old, m, x, inner=inner):
+            v, g = inner(lp, old, m, x)
+            return -x["adv"] * v, -x["adv"] * g
+    return _fused_loss(terms, _identity_outer, _f32(logp), _f32(old_logp), b.m,
+                       {**aux, "adv": adv}, w)
 
 
-def _seq_aggregate(per_seq: Array, b: _Batch) -> Array:
-    """Mean of per-sequence losses over sequences with n_i > 0."""
-    return _safe_div(jnp.sum(b.seq_valid * per_seq), b.norm.num_seqs)
+def _seq_loss(terms, outer, logp, old_logp, b: _Batch, aux: dict, adv: Array) -> Array:
+    """Sequence-level loss: mean over sequences with n_i > 0 of -A_i outer_i(sum_t v)."""
+    w = -adv * b.seq_valid / jnp.maximum(b.norm.num_seqs, 1.0)
+    return _fused_loss(terms, outer, _f32(logp), _f32(old_logp), b.m,
+                       {**aux, "adv": adv[:, None], "inv_n": b.inv_n}, w)
+
+
+def _log_ratio(lp, old, m):
+    """(delta, inside): the masked log-ratio clipped to +-LOG_RATIO_CLIP, and where its
+    derivative is 1 (valid and strictly inside the clip)."""
+    diff = lp - old
+    valid = m > 0
+    delta = jnp.clip(jnp.where(valid, diff, 0.0), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    return delta, valid & (jnp.abs(diff) < LOG_RATIO_CLIP)
 
 
 def _tok_mean(x: Array, b: _Batch) -> Array:
@@ -454,14 +534,43 @@ def _f32(x):
 # --------------------------------------------------------------------------------------
 
 
+def _clip_terms(hp, seq_ratio: bool):
+    """(v, g) of the clipped surrogate, v = mask * r_eff (module doc of `_ratio_clip`).
+
+    The ratio is r_t = exp(delta_t), or for GSPO-token s_hat_{i,t} (value s_i,
+    derivative s_i: ``aux["s"]`` holds sg(s_i) as [N,1]). g = mask * dr/dlogp where the
+    clip does not bind, 0 where it does. Both come from one array q = mask * (r where
+    the token keeps its gradient, -r_eff where it does not): v = |q|, g = max(q, 0)
+    (r > 0), so XLA keeps a single [N,T] intermediate between the value's row sum and
+    the gradient.
+    """
+    sg = jax.lax.stop_gradient
+
+    def terms(lp, old, m, aux):
+        a = aux["adv"]
+        delta, inside = _log_ratio(lp, old, m)
+        if seq_ratio:
+            # s_hat = exp(sg(mean_delta_i) + delta_t - sg(delta_t)), evaluated as
+            # sg(s_i) * (1 + delta_t - sg(delta_t)): the same value and first derivative
+            # without a per-token exp.
+            ratio = aux["s"] * (1.0 + (delta - sg(delta)))
+        else:
+            ratio = jnp.exp(delta)
+        r_eff, hi, lo, dual = _ratio_clip(ratio, a, hp["eps_low"], hp["eps_high"],
+                                          hp["dual_clip"])
+        q = m * jnp.where(inside & ~(hi | lo | dual), ratio, -r_eff)
+        return jnp.abs(q), jnp.maximum(q, 0.0)
+
+    return terms
+
+
 def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """ppo / grpo / dr_grpo / dapo: l_t = max(-A r_t, -A clip(r_t, 1-eps_low, 1+eps_high))."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
-    r_eff, _, _, _ = _ratio_clip(jnp.exp(b.delta), adv, hp["eps_low"], hp["eps_high"],
-                                 hp["dual_clip"])
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate_adv(r_eff, adv, b, hp["agg"], norm_len)
+    loss = _token_loss(_clip_terms(hp, seq_ratio=False), logp, old_logp, b, {}, hp["agg"],
+                       norm_len, adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
@@ -486,14 +595,28 @@ def _seq_mean_delta(b: _Batch) -> Array:
     return jnp.sum(b.m * b.delta, axis=-1) * b.inv_n
 
 
+def _delta_terms(lp, old, m, aux):
+    """v = mask * delta, g = mask where delta's clip does not bind (GSPO's row sums)."""
+    delta, inside = _log_ratio(lp, old, m)
+    return m * delta, jnp.where(inside, m, 0.0)
+
+
+def _gspo_outer(hp):
+    """Row sum of mask * delta -> GSPO's clipped s_i (elementwise over rows)."""
+    def outer(rows, aux):
+        s = jnp.exp(rows * aux["inv_n"])
+        return _ratio_clip(s, aux["adv"][:, 0], hp["eps_low"], hp["eps_high"], None)[0]
+    return outer
+
+
 def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high)), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
-    s = jnp.exp(_seq_mean_delta(b))  # f32[N]
-    s_eff, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
-    loss = _seq_aggregate(-adv * s_eff, b)
+    loss = _seq_loss(_delta_terms, _gspo_outer(hp), logp, old_logp, b, {}, adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    s = jnp.exp(_seq_mean_delta(b))  # f32[N], for the metrics
+    _, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
                              _with_kl(lambda *a: {}, hp))
     hi, lo = _f32(hi), _f32(lo)  # f32[N], per sequence
@@ -511,21 +634,14 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
     """GSPO-token: log s_hat_{i,t} = sg(mean_delta_i) + delta_t - sg(delta_t), token clip."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
-    sg = jax.lax.stop_gradient
-    mean_delta = _seq_mean_delta(b)
-    # s_hat = exp(sg(mean_delta_i) + delta_t - sg(delta_t)) has value s_i at every token and
-    # d s_hat / d logp_t = s_i (through delta_t, which carries the same [-20, 20] clip as
-    # GSPO's mean_delta, so the two gradients agree exactly). It is evaluated as
-    # sg(s_i) * (1 + delta_t - sg(delta_t)): the same value and the same gradient, without
-    # a per-token exp (only second derivatives differ, and those of s_hat are not the
-    # loss's anyway).
-    s_row = sg(jnp.exp(mean_delta))[:, None]  # [N,1]
-    s_hat = s_row * (1.0 + (b.delta - sg(b.delta)))
-    s_eff, _, _, _ = _ratio_clip(s_hat, adv, hp["eps_low"], hp["eps_high"], None)
+    # s_hat has value s_i at every token and d s_hat / d logp_t = s_i (through delta_t,
+    # which carries the same [-20, 20] clip as GSPO's mean_delta, so the two gradients
+    # agree exactly); see `_clip_terms`.
+    s = jax.lax.stop_gradient(jnp.exp(_seq_mean_delta(b)))  # f32[N]
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate_adv(s_eff, adv, b, hp["agg"], norm_len)
+    loss = _token_loss(_clip_terms({**hp, "dual_clip": None}, seq_ratio=True), logp, old_logp,
+                       b, {"s": s[:, None]}, hp["agg"], norm_len, adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
-    s = s_row[:, 0]
 
     def stats(d, lp, valid, x):
         a, s = x["adv"], x["s"]
@@ -549,33 +665,23 @@ def _cispo_weight(ratio: Array, hp) -> tuple[Array, Array, Array]:
     return jnp.maximum(weight, 1.0 - hp["eps_low"]), hi, ratio < 1.0 - hp["eps_low"]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _cispo_term(delta: Array, logp: Array, valid: Array, eps_low, eps_high) -> Array:
-    """sg(clip(e^delta, 1-eps_low, 1+eps_high)) * logp, 0 where not valid.
-
-    The weight is a constant (stop-gradient), so the tangent is weight * d logp; the
-    custom JVP forms the weight once, in the pass that forms the value.
-    """
-    w, _, _ = _cispo_weight(jnp.exp(delta), {"eps_low": eps_low, "eps_high": eps_high})
-    return jnp.where(valid, w * logp, 0.0)
-
-
-@_cispo_term.defjvp
-def _cispo_term_jvp(eps_low, eps_high, primals, tangents):
-    delta, logp, valid = primals
-    _, d_logp, _ = tangents
-    w, _, _ = _cispo_weight(jnp.exp(delta), {"eps_low": eps_low, "eps_high": eps_high})
-    w = jax.lax.stop_gradient(jnp.where(valid, w, 0.0))  # constant at every order
-    return w * jnp.where(valid, logp, 0.0), w * d_logp
+def _cispo_terms(hp):
+    """v = mask * sg(clip(r)) * logp, g = mask * sg(clip(r)): every valid token keeps a
+    gradient, weighted by the clipped IS ratio (a constant at every order)."""
+    def terms(lp, old, m, aux):
+        delta, _ = _log_ratio(lp, old, m)
+        w = jnp.where(m > 0, m * _cispo_weight(jnp.exp(delta), hp)[0], 0.0)
+        w = jax.lax.stop_gradient(w)
+        return w * jnp.where(m > 0, lp, 0.0), w
+    return terms
 
 
 def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """CISPO: l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A_t logp_t; every token keeps a gradient."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
-    term = _cispo_term(b.delta, _f32(logp), b.valid, hp["eps_low"], hp["eps_high"])
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _aggregate_adv(term, adv, b, hp["agg"], norm_len)
+    loss = _token_loss(_cispo_terms(hp), logp, old_logp, b, {}, hp["agg"], norm_len, adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
@@ -612,17 +718,40 @@ def _geo_stats(hp):
     return _with_kl(stats, hp)
 
 
+def _geo_terms(hp):
+    """v = mask * delta*_t (+ log gamma_t for RSPO, no gradient), g = mask where the
+    log-space clip does not bind."""
+    def terms(lp, old, m, aux):
+        delta, inside = _log_ratio(lp, old, m)
+        d_star, hi, lo = _geo_clip(delta, aux["adv"], hp["eps_low"], hp["eps_high"])
+        v = m * d_star
+        if "gamma" in aux:  # log 1 = 0 off the mask
+            v = v + jnp.log(jnp.where(m > 0, aux["gamma"], 1.0))
+        return v, jnp.where(inside & ~(hi | lo), m, 0.0)
+    return terms
+
+
+def _geo_outer(rows, aux):
+    """Row sum -> exp(row sum / n_i): GMPO's g_i, RSPO's S_i."""
+    return jnp.exp(rows * aux["inv_n"])
+
+
+def _geo_seq_ratio_mean(hp, logp, old_logp, b: _Batch, aux: dict) -> Array:
+    """Mean over sequences of GMPO's g_i / RSPO's S_i (the same row sums as the loss's,
+    which XLA computes once)."""
+    v, _ = _geo_terms(hp)(jax.lax.stop_gradient(_f32(logp)), _f32(old_logp), b.m, aux)
+    return _seq_mean(_geo_outer(jnp.sum(v, axis=-1), {"inv_n": b.inv_n}), b)
+
+
 def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GMPO: l_i = -A_i exp(mean_t delta*_t), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
-    d_star, _, _ = _geo_clip(b.delta, adv[:, None], hp["eps_low"], hp["eps_high"])
-    g = jnp.exp(jnp.sum(b.m * d_star, axis=-1) * b.inv_n)
-    loss = _seq_aggregate(-adv * g, b)
+    loss = _seq_loss(_geo_terms(hp), _geo_outer, logp, old_logp, b, {}, adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
                              _geo_stats(hp))
-    metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(g), b)
+    metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b, {"adv": adv[:, None]})
     return loss, metrics
 
 
@@ -631,17 +760,13 @@ def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
     gamma = jax.lax.stop_gradient(_f32(router_shift))
-    d_star, _, _ = _geo_clip(b.delta, adv[:, None], hp["eps_low"], hp["eps_high"])
-    # Two row sums: the log-gamma one carries no gradient, so it is its own reduction
-    # and XLA does not keep an [N,T] log-gamma array for the backward pass.
-    log_gamma_rows = jnp.sum(jnp.log(jnp.where(b.valid, gamma, 1.0)), axis=-1)  # log 1 = 0 off the mask
-    big_s = jnp.exp((jnp.sum(b.m * d_star, axis=-1) + log_gamma_rows) * b.inv_n)
-    loss = _seq_aggregate(-adv * big_s, b)
+    loss = _seq_loss(_geo_terms(hp), _geo_outer, logp, old_logp, b, {"gamma": gamma}, adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
     metrics = _token_metrics(b, logp, old_logp, mask,
                              _metric_inputs(advantages, ref_logp, hp, gamma=gamma),
                              _geo_stats(hp))
-    metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(big_s), b)
+    metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b,
+                                                    {"adv": adv[:, None], "gamma": gamma})
     return loss, metrics
 
 
@@ -651,37 +776,35 @@ def _sapo_gate(ratio: Array, adv: Array, hp):
     return tau, jax.nn.sigmoid(tau * (ratio - 1.0))
 
 
-@jax.custom_jvp
-def _sapo_sigmoid(delta: Array, tau: Array) -> Array:
-    """p = sigmoid(tau (e^delta - 1)), differentiated in delta only (tau is a constant).
+def _sapo_terms(hp, per_token: bool):
+    """v = mask * p, g = mask * tau p (1 - p) r (dp/dlogp), p = sigmoid(tau (r - 1)).
 
-    The derivative tau p (1 - p) e^delta is formed in the same elementwise pass as p
-    (a custom JVP), so reverse mode keeps one [N,T] coefficient instead of
-    re-deriving it from stored e^delta and p in separate passes.
+    With per-token advantages the 4/tau factor is applied here; with one advantage per
+    sequence it is a row weight (see `_sapo`).
     """
-    return jax.nn.sigmoid(tau * (jnp.exp(delta) - 1.0))
-
-
-@_sapo_sigmoid.defjvp
-def _sapo_sigmoid_jvp(primals, tangents):
-    delta, tau = primals
-    d_delta, _ = tangents
-    r = jnp.exp(delta)
-    p = jax.nn.sigmoid(tau * (r - 1.0))
-    return p, (tau * p * (1.0 - p) * r) * d_delta
+    def terms(lp, old, m, aux):
+        delta, inside = _log_ratio(lp, old, m)
+        r = jnp.exp(delta)
+        tau, p = _sapo_gate(r, aux["adv"], hp)
+        v, g = m * p, jnp.where(inside, m * (tau * p * (1.0 - p) * r), 0.0)
+        if per_token:
+            v, g = (4.0 / tau) * v, (4.0 / tau) * g
+        return v, g
+    return terms
 
 
 def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """SAPO: l_t = -A_t (4/tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A > 0 else tau_neg."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
-    tau = jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"])  # [N,1] or [N,T], a constant
-    p = _sapo_sigmoid(b.delta, tau)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    if adv.shape[1] == 1:  # 4/tau is per sequence: weight the row sums
-        loss = _aggregate(p, b, hp["agg"], norm_len, row_weight=-adv[:, 0] * (4.0 / tau[:, 0]))
-    else:
-        loss = _aggregate_adv((4.0 / tau) * p, adv, b, hp["agg"], norm_len)
+    per_token = adv.shape[1] != 1
+    if per_token:
+        weighted_adv = adv
+    else:  # 4/tau is one number per sequence: it joins the advantage in the row weight
+        weighted_adv = adv * (4.0 / jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"]))
+    # (4/tau > 0 keeps the sign of A, which picks tau inside the terms.)
+    loss = _token_loss(_sapo_terms(hp, per_token), logp, old_logp, b, {}, hp["agg"], norm_len, weighted_adv)
     loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
 
     def stats(d, lp, valid, x):
@@ -694,7 +817,6 @@ def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     return loss, metrics
 
 
-# --------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------
 # Registry, validation
 # --------------------------------------------------------------------------------------
