@@ -47,13 +47,22 @@ so a row's sample does not depend on the other rows of the batch, on the
 buckets, or on the prompt's position in the list (pass the same ``prompt_ids``
 to reproduce a prompt's samples in another batch).
 
-Stopping: a row stops after emitting any ``eos_id`` token or the last token of
-any ``stop_sequences`` entry (matched on token ids, inside the response only);
-the stop token(s) belong to the response (mask 1).  A row that emits
-``max_new_tokens`` tokens without stopping is ``truncated``.  Stop *strings*
-(``stop_strings=`` with ``tokenizer=``) become the token sequences
-``tokenizer.encode(s)``; a string that can be tokenised in several ways is
-matched only in that tokenisation (exact for the character tokenizer).
+Stopping: a row stops after emitting any ``eos_id`` token, the last token of
+any ``stop_sequences`` entry (matched on token ids), or a token whose text
+completes any ``stop_strings`` entry (matched on the decoded text, in any
+tokenisation), inside the response only; the stop token(s) belong to the
+response (mask 1).  A row that emits ``max_new_tokens`` tokens without stopping
+is ``truncated``.
+
+Stop strings are matched on device, on the UTF-8 bytes of the response text
+(``tokenizer.token_bytes()``: each token's bytes in the decoded text, empty for
+special tokens).  With m the longest stop string's length in bytes, each row
+carries the last m - 1 bytes of its text; a new token of bytes b completes a stop
+string s when s occurs inside b (a per-token flag computed on the host) or when
+s ends within the first m - 1 bytes of b and begins in the carried bytes (a
+comparison of m - 1 windows of the carried bytes followed by b's first m - 1
+bytes).  So a stop string is found however the model spelt it: split across
+tokens, inside one long token, or as part of a UTF-8 character's bytes.
 """
 from __future__ import annotations
 
@@ -77,6 +86,70 @@ __all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count", "compi
 _TRACE_COUNTS: collections.Counter = collections.Counter()
 
 _NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
+
+
+class _TextStops(NamedTuple):
+    """Stop strings as byte patterns, and the per-token byte tables that match
+    them on the decoded text (see the module docstring).  m = the longest stop
+    string in bytes, M = m - 1 (0 when every stop string is one byte)."""
+
+    table: jax.Array  # int32[S, m]: stop strings' bytes right-aligned, -1 = wildcard on the left
+    head: jax.Array  # uint8[V, M]: a token's first min(n, M) bytes (then 0s)
+    tail: jax.Array  # uint8[V, M]: a token's last M bytes (where n >= M)
+    length: jax.Array  # int32[V]: n, the token's length in bytes
+    inside: jax.Array  # bool[V]: some stop string occurs inside the token's bytes
+
+
+def _text_stops(token_bytes: Sequence[bytes], stops: Sequence[bytes], vocab_size: int
+                ) -> _TextStops:
+    """Host-side tables of `_TextStops` for byte strings ``stops`` (non-empty)."""
+    m = max(len(s) for s in stops)
+    M = m - 1
+    tb = list(token_bytes[:vocab_size]) + [b""] * max(0, vocab_size - len(token_bytes))
+    table = np.full((len(stops), m), -1, np.int32)
+    for j, s in enumerate(stops):
+        table[j, m - len(s):] = list(s)
+    head = np.zeros((vocab_size, M), np.uint8)
+    tail = np.zeros((vocab_size, M), np.uint8)
+    length = np.zeros((vocab_size,), np.int32)
+    inside = np.zeros((vocab_size,), bool)
+    for v, b in enumerate(tb):
+        n = len(b)
+        if not n:
+            continue
+        length[v] = n
+        inside[v] = any(s in b for s in stops)
+        if M:
+            head[v, :min(n, M)] = list(b[:M])
+            if n >= M:
+                tail[v] = list(b[n - M:])
+    return _TextStops(jnp.asarray(table), jnp.asarray(head), jnp.asarray(tail),
+                      jnp.asarray(length), jnp.asarray(inside))
+
+
+def _text_stop_step(ts: _TextStops, text: jax.Array, tok: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Appends token ``tok`` int32[B] to the carried text bytes ``text``
+    int32[B, M] (``_NO_TOKEN`` before the response's first byte).
+
+    Returns (bool[B]: the token completes a stop string, the new int32[B, M]:
+    the last M bytes of the text after it)."""
+    hit = ts.inside[tok]
+    M = ts.head.shape[1]
+    if M == 0:  # every stop string is one byte: inside a token or nowhere
+        return hit, text
+    n = ts.length[tok][:, None]
+    head = ts.head[tok].astype(jnp.int32)
+    # c = the carried bytes followed by the token's first M bytes; a stop string
+    # ending at byte j < n of the token is the window c[:, j : j + M + 1].
+    c = jnp.concatenate([text, head], axis=1)  # [B, 2M]
+    windows = jnp.stack([c[:, j:j + M + 1] for j in range(M)], axis=1)  # [B, M, m]
+    match = (ts.table[None, None] == -1) | (windows[:, :, None, :] == ts.table[None, None])
+    ends = jnp.all(match, axis=-1) & (jnp.arange(M)[None, :, None] < n[:, :, None])  # [B, M, S]
+    hit = hit | jnp.any(ends, axis=(1, 2))
+    # The last M bytes: c[:, n : n + M] when n < M, else the token's own tail.
+    shifted = jnp.take_along_axis(c, jnp.minimum(n + jnp.arange(M)[None, :], 2 * M - 1), axis=1)
+    return hit, jnp.where(n >= M, ts.tail[tok].astype(jnp.int32), shifted)
 
 
 def trace_count(key: Optional[tuple] = None) -> int:
@@ -282,6 +355,7 @@ class _Carry(NamedTuple):
     stopped: jax.Array  # bool[B], emitted a stop token
     lengths: jax.Array  # int32[B]
     history: jax.Array  # int32[B, M], the last M response tokens (stop matching)
+    text: jax.Array  # int32[B, M'], the last M' bytes of the response text (stop strings)
 
 
 def _repeat_rows(cache, g: int):
@@ -296,19 +370,21 @@ def _repeat_rows(cache, g: int):
 
 
 def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live, stop_table,
-              temperature, top_p, spec: _Spec):
+              text_stops: Optional[_TextStops], temperature, top_p, spec: _Spec):
     """Prefill + on-device decode loop; see the module docstring.
 
     Shapes, with b prompts (bucketed) and B = b * G rows: prompt_tokens
     int32[b, P] (left-padded), prompt_mask bool[b, P], prompt_ids int32[b] (the
     keys), live bool[B] (False on padding rows), stop_table int32[S, M] (stop
-    sequences right-aligned, -1 = wildcard on the left), temperature / top_p f32[].
+    sequences right-aligned, -1 = wildcard on the left), text_stops the stop
+    strings' tables or None, temperature / top_p f32[].
     """
     nb, plen = prompt_tokens.shape
     G = spec.num_samples
     batch = nb * G
     steps = spec.max_new_tokens
     _TRACE_COUNTS[(batch, plen, steps, G, spec.mode, spec.pad_id, stop_table.shape,
+                   None if text_stops is None else text_stops.table.shape,
                    spec.batch_sharding)] += 1
     model = nnx.merge(graphdef, state)
 
@@ -358,6 +434,8 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
         stopped=jnp.zeros((batch,), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
         history=jnp.full((batch, stop_table.shape[1]), _NO_TOKEN, jnp.int32),
+        text=jnp.full((batch, 0 if text_stops is None else text_stops.head.shape[1]),
+                      _NO_TOKEN, jnp.int32),
     )
 
     def emit(c: _Carry) -> tuple[_Carry, jax.Array]:
@@ -374,13 +452,18 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
         # history at the same right-aligned offset: [B, S, M] -> [B].
         match = (stop_table[None] == -1) | (history[:, None, :] == stop_table[None])
         hit = jnp.any(jnp.all(match, axis=-1), axis=-1)
+        text = c.text
+        if text_stops is not None:
+            text_hit, new_text = _text_stop_step(text_stops, text, tok)
+            hit = hit | text_hit
+            text = jnp.where(active[:, None], new_text, text)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=c.t, axis=1)
         c = c._replace(
             tokens=put(c.tokens, tok), logp=put(c.logp, lp),
             logp_sampling=put(c.logp_sampling, lps), experts=put(c.experts, route),
             stopped=c.stopped | (active & hit),
             lengths=jnp.where(active, c.t + 1, c.lengths),
-            history=history)
+            history=history, text=text)
         return c, tok
 
     def body(c: _Carry) -> _Carry:
@@ -446,7 +529,7 @@ class Sampler:
     it every RL step (passing the latest parameters as ``state=``).
 
     Compiled functions are cached per (batch bucket, prompt bucket,
-    max_new_tokens, sampling mode, stop-table shape): temperature and top_p are
+    max_new_tokens, sampling mode, stop-table shapes): temperature and top_p are
     traced values, so changing them does not recompile; greedy-vs-sampling,
     top_k and whether top-p is on (top_p < 1) are static.
 
@@ -483,6 +566,7 @@ class Sampler:
         self.min_prompt_bucket = int(min_prompt_bucket)
         self.prompt_buckets = prompt_buckets
         self.mesh = mesh
+        self._text_stops_cache = None
         if mesh is None:
             if data_axes is not None:
                 raise ValueError("data_axes: given without a mesh")
@@ -499,6 +583,26 @@ class Sampler:
             self.data_axes = data_axes
             self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
             self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
+
+    def _text_stops(self, stop_strings: tuple[str, ...], tokenizer) -> _TextStops:
+        """The device tables for ``stop_strings``; the last ones are kept, since
+        a training loop passes the same strings and tokenizer every step."""
+        if tokenizer is None:
+            raise ValueError("stop_strings: need a tokenizer= (its token_bytes()) to match them")
+        if not callable(getattr(tokenizer, "token_bytes", None)):
+            raise ValueError(f"tokenizer: {type(tokenizer).__name__} has no token_bytes(), "
+                             "which stop_strings need")
+        key = (stop_strings, id(tokenizer))
+        cached = self._text_stops_cache
+        if cached is not None and cached[0] == key and cached[1] is tokenizer:
+            return cached[2]
+        token_bytes = tokenizer.token_bytes()
+        if not all(isinstance(b, bytes) for b in token_bytes):
+            raise ValueError("tokenizer: token_bytes() must return one bytes object per token id")
+        tables = _text_stops(token_bytes, [t.encode("utf-8") for t in stop_strings],
+                             self.vocab_size)
+        self._text_stops_cache = (key, tokenizer, tables)
+        return tables
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> "Sampler":
@@ -545,9 +649,10 @@ class Sampler:
           top_k: >= 0; 0 = off.
           eos_id: a token id or a list of them; emitting one stops the row.
           stop_sequences: token-id sequences; completing one stops the row.
-          stop_strings: strings, added to ``stop_sequences`` as
-            ``tokenizer.encode(s)`` (matched in that tokenisation only).
-          tokenizer: a `gspo_jax.tokenizers.Tokenizer`; needed by stop_strings.
+          stop_strings: strings; the row stops at the token that completes one
+            in the decoded response text, however it is tokenised.
+          tokenizer: a `gspo_jax.tokenizers.Tokenizer` (its ``token_bytes()``);
+            needed by stop_strings.
           pad_id: the token written at padding (prompt and response).
           prompt_ids: distinct ints, one per prompt, folded into the row keys
             (default 0 .. len(prompts) - 1).  The same prompt with the same
@@ -583,12 +688,10 @@ class Sampler:
                                       for j, s in enumerate(stop_sequences)]
         if isinstance(stop_strings, str):
             raise ValueError("stop_strings: expected a list of strings, got one string")
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop_strings: need a tokenizer= to encode them")
         for j, text in enumerate(stop_strings):
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop_strings[{j}]: expected a non-empty string, got {text!r}")
-            stops.append(_token_list(tokenizer.encode(text), f"stop_strings[{j}] (encoded)", V))
+        text_stops = self._text_stops(tuple(stop_strings), tokenizer) if stop_strings else None
         n, G = len(plist), int(num_samples)
         if prompt_ids is None:
             pids = np.arange(n, dtype=np.int64)
@@ -642,7 +745,8 @@ class Sampler:
                 jax.device_put, device=NamedSharding(self.mesh, PartitionSpec()))
         args = (put_prompts(toks), put_prompts(pmask), put_prompts(pid), put(live))
         out = _generate_jit(self.graphdef, self.state if state is None else state, rng, *args,
-                            jnp.asarray(table), jnp.float32(temperature if temperature > 0 else 1.0),
+                            jnp.asarray(table), text_stops,
+                            jnp.float32(temperature if temperature > 0 else 1.0),
                             jnp.float32(top_p), spec=spec)
         if N < B:
             out = {k: v[:N] for k, v in out.items()}

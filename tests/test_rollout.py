@@ -300,6 +300,60 @@ class _Letters:
     def encode(self, text):
         return [ord(c) - 0x100 for c in text]
 
+    def token_bytes(self):
+        return [self.text([i]).encode("utf-8") for i in range(97)]
+
+
+class _Pieces:
+    """A stand-in tokenizer whose tokens are byte strings: 1-4 of 'a', 'b', 'c'
+    by default, id 0 special (no text), and the given overrides."""
+
+    def __init__(self, vocab_size, overrides):
+        rs = np.random.RandomState(0)
+        self._bytes = [b""] + [bytes(rs.choice(list(b"abc"), size=rs.randint(1, 5)).tolist())
+                               for _ in range(vocab_size - 1)]
+        for i, b in overrides.items():
+            self._bytes[i] = b
+
+    def token_bytes(self):
+        return list(self._bytes)
+
+
+def _first_text_stop(row, stops, token_bytes):
+    """Reference: the response length of `row` under stop strings (the first t
+    whose decoded text, as bytes, contains one), or None."""
+    for t in range(len(row)):
+        text = b"".join(token_bytes[int(x)] for x in row[:t + 1])
+        if any(s.encode("utf-8") in text for s in stops):
+            return t + 1
+    return None
+
+
+def test_stop_strings_match_decoded_text_across_tokens(sampler):
+    kw = dict(num_samples=1, max_new_tokens=T, rng=jax.random.key(0), temperature=0.0)
+    free = np.asarray(sampler(PROMPTS, **kw).tokens)
+    # Give the greedy tokens text such that the stop strings are completed:
+    # row 0 by 'é' split over two tokens' bytes (C3 | A9, as byte-level BPE
+    # splits it), row 1 inside one token ('qr' in 'pqrs'), row 2 over three
+    # tokens ('mno' = 'klm' + 'n' + 'op'); 'zzzz' never.
+    spots = {(0, 3): b"wxy\xc3", (0, 4): b"\xa9z", (1, 3): b"pqrs", (2, 3): b"klm", (2, 4): b"n",
+             (2, 5): b"op"}
+    ids = [int(free[i, t]) for i, t in spots]
+    assert len(set(ids)) == len(ids), free  # precondition: distinct tokens
+    tok = _Pieces(sampler.vocab_size, {int(free[i, t]): b for (i, t), b in spots.items()})
+    for stops, want in ((["é", "qr", "mno", "zzzz"], [5, 4, 6]), (["r", "k"], [None, 4, 4])):
+        r = sampler(PROMPTS, stop_strings=stops, tokenizer=tok, **kw)
+        for i in range(len(PROMPTS)):
+            n = _first_text_stop(free[i], stops, tok.token_bytes())
+            assert n == want[i], (stops, i, n)
+            assert bool(r.truncated[i]) == (n is None)
+            n = T if n is None else n
+            assert int(r.lengths[i]) == n, (stops, i)
+            np.testing.assert_array_equal(np.asarray(r.tokens[i, :n]), free[i, :n])
+            assert np.all(np.asarray(r.tokens[i, n:]) == 0)
+    with pytest.raises(ValueError, match="token_bytes"):
+        sampler(PROMPTS, stop_strings=["mno"], tokenizer=object(), **kw)
+
 
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_compile_count_is_one_per_bucket(sampler):

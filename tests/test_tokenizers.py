@@ -56,6 +56,15 @@ def test_char_specials_and_errors():
     gtok.CharTokenizer(words=("x",))
 
 
+def test_char_token_bytes_concatenate_to_the_decoded_text():
+  tok = gtok.CharTokenizer(words=("<answer>", "</answer>"))
+  tb = tok.token_bytes()
+  assert len(tb) == tok.vocab_size and tb[:4] == [b""] * 4
+  assert tb[tok.token_to_id("</answer>")] == b"</answer>"
+  ids = [tok.bos_id] + tok.encode("x <answer>(3+5)*2</answer>\n") + [tok.eos_id, tok.pad_id]
+  assert b"".join(tb[i] for i in ids).decode("utf-8") == tok.decode(ids)
+
+
 def test_load_tokenizer_char():
   tok = gtok.load_tokenizer("char")
   assert tok.encode("<answer>") == [tok.token_to_id("<answer>")]
@@ -140,6 +149,26 @@ def test_hf_matches_transformers(hf_dir):
   for gen in (True, False):
     assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == ref.apply_chat_template(
         MESSAGES, add_generation_prompt=gen, tokenize=False)
+
+
+def test_hf_token_bytes_concatenate_to_the_decoded_text(hf_dir):
+  from tokenizers import Tokenizer
+  raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+  raw.add_tokens(["<think>"])  # an added token that is not special: decoded as its text
+  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+  tok = gtok.HFTokenizer(raw, config)
+  tb = tok.token_bytes()
+  assert len(tb) == tok.vocab_size
+  assert tb[tok.eos_id] == tb[tok.pad_id] == tb[tok.token_to_id("<|im_start|>")] == b""
+  assert tb[tok.token_to_id("<think>")] == b"<think>"
+  texts = CORPUS + [MESSAGES[1]["content"], "<|im_start|>日本 wörds<think>\n\n é<|im_end|>"]
+  for text in texts:
+    ids = tok.encode(text)
+    assert b"".join(tb[i] for i in ids).decode("utf-8") == tok.decode(ids), text
+  # Characters unseen in training are split into byte tokens: parts of a UTF-8
+  # character, exact in token_bytes (decode([id]) alone would give U+FFFD).
+  ids = tok.encode("日")
+  assert len(ids) == 3 and [tb[i] for i in ids] == [bytes([b]) for b in "日".encode("utf-8")]
 
 
 def test_hf_chat_template_file_and_sandbox(tmp_path, hf_dir):
