@@ -171,6 +171,51 @@ def test_hf_token_bytes_concatenate_to_the_decoded_text(hf_dir):
   assert len(ids) == 3 and [tb[i] for i in ids] == [bytes([b]) for b in "日".encode("utf-8")]
 
 
+# A template in the style of Qwen3's: a namespace, loop variables, message
+# attributes and the enable_thinking keyword.
+QWEN_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(system=false) %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}{%- set ns.system = true %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content | trim + '<|im_end|>' }}"
+    "{%- if not loop.last %}{{- '\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '\n<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
+
+
+def test_hf_chat_template_keywords_match_transformers(tmp_path, hf_dir):
+  transformers = pytest.importorskip("transformers")
+  (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+  config["chat_template"] = QWEN_STYLE_TEMPLATE
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  tok = gtok.HFTokenizer.from_dir(tmp_path)
+  ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+  for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+    got = tok.apply_chat_template(MESSAGES, **kwargs)
+    assert got == ref.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False,
+                                          **kwargs)
+    assert got.endswith("</think>\n\n") == (kwargs.get("enable_thinking") is False)
+
+
+def test_train_prompts_use_the_chat_template_where_there_is_one(tmp_path, hf_dir):
+  from gspo_jax.train import encode_prompt
+  text = "Make 16 from 3 5 2."
+  tok = gtok.HFTokenizer.from_dir(hf_dir)
+  ids = encode_prompt(tok, text)
+  assert ids == tok.encode("<|im_start|>user\nMake 16 from 3 5 2.<|im_end|>\n<|im_start|>assistant\n")
+  assert ids[0] == tok.token_to_id("<|im_start|>")
+  # No template: the text itself (after BOS where the tokenizer has one).
+  (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  plain = gtok.HFTokenizer.from_dir(tmp_path)
+  assert encode_prompt(plain, text) == plain.encode(text)
+  char = gtok.CharTokenizer()
+  assert encode_prompt(char, text) == [char.bos_id] + char.encode(text)
+
+
 def test_hf_chat_template_file_and_sandbox(tmp_path, hf_dir):
   (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
