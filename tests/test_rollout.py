@@ -359,15 +359,17 @@ def test_stop_strings_match_decoded_text_across_tokens(sampler):
 def test_compile_count_is_one_per_bucket(sampler):
     kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh buckets
     before, size0 = rollout.trace_count(), rollout.compile_cache_size()
-    # Different prompts, lengths, temperatures and top_p values in one bucket
-    # (B = 2, P = 16; top-p on): one compile.
-    for prompts, temperature, top_p in (([[1, 2]], 1.0, 0.9), ([[7] * 16], 0.5, 0.5),
-                                        ([[9]], 0.8, 0.95)):
-        sampler(prompts, temperature=temperature, top_p=top_p, **kw)
+    # Different prompts, lengths, temperatures, top_p values, EOS ids and keys in
+    # one bucket (B = 2, P = 16; top-p on): one compile.
+    for i, (prompts, temperature, top_p) in enumerate((([[1, 2]], 1.0, 0.9), ([[7] * 16], 0.5, 0.5),
+                                                       ([[9]], 0.8, 0.95))):
+        sampler(prompts, temperature=temperature, top_p=top_p, eos_id=5 + i,
+                **{**kw, "rng": jax.random.key(i)})
     assert rollout.trace_count((2, 16, 5)) == 1
-    sampler([[1] * 20], temperature=0.7, top_p=0.8, **kw)  # P = 32: a new bucket
-    sampler([[2] * 30], temperature=0.9, top_p=0.5, **kw)
-    assert rollout.trace_count((2, 32, 5)) == 1
+    # P = 32 and 3 or 4 prompts: one new bucket (b = 4 prompts, B = 8 rows).
+    sampler([[1] * 20, [2] * 3, [3]], temperature=0.7, top_p=0.8, eos_id=5, **kw)
+    sampler([[2] * 30, [4], [5] * 17, [6] * 2], temperature=0.9, top_p=0.5, eos_id=9, **kw)
+    assert rollout.trace_count((8, 32, 5)) == 1
     assert rollout.trace_count() - before == 2
     assert rollout.compile_cache_size() - size0 == 2
 
