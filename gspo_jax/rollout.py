@@ -662,6 +662,32 @@ class Sampler:
         Returns:
           a `Rollout` with N = len(prompts) * num_samples rows (device arrays).
         """
+        args, spec, n_rows = self._prepare(
+            prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, rng=rng,
+            temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id,
+            stop_sequences=stop_sequences, stop_strings=stop_strings, tokenizer=tokenizer,
+            pad_id=pad_id, prompt_ids=prompt_ids, state=state)
+        out = _generate_jit(*args, spec=spec)
+        if n_rows < out["tokens"].shape[0]:
+            out = {k: v[:n_rows] for k, v in out.items()}
+        return Rollout(**out)
+
+    def lower(self, prompts: Sequence[Sequence[int]], **kwargs) -> jax.stages.Lowered:
+        """The generation function lowered for a call with these arguments (as
+        for `__call__`), without compiling or running it: its program
+        (``.as_text()``) and cost analysis, for inspection."""
+        args, spec, _ = self._prepare(prompts, **kwargs)
+        return _generate_jit.lower(*args, spec=spec)
+
+    def _prepare(self, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                 max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0,
+                 eos_id: Union[None, int, Sequence[int]] = None,
+                 stop_sequences: Sequence[Sequence[int]] = (),
+                 stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
+                 prompt_ids: Optional[Sequence[int]] = None, state=None):
+        """Validates the arguments of `__call__` and builds the compiled
+        function's arguments: (positional args, spec, number of real rows)."""
         V = self.vocab_size
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
             raise ValueError("prompts: expected a non-empty list of token-id lists")
@@ -743,14 +769,10 @@ class Sampler:
             # The prefill batch is sharded too where it divides evenly.
             put_prompts = put if nb % self.data_shards == 0 else functools.partial(
                 jax.device_put, device=NamedSharding(self.mesh, PartitionSpec()))
-        args = (put_prompts(toks), put_prompts(pmask), put_prompts(pid), put(live))
-        out = _generate_jit(self.graphdef, self.state if state is None else state, rng, *args,
-                            jnp.asarray(table), text_stops,
-                            jnp.float32(temperature if temperature > 0 else 1.0),
-                            jnp.float32(top_p), spec=spec)
-        if N < B:
-            out = {k: v[:N] for k, v in out.items()}
-        return Rollout(**out)
+        args = (self.graphdef, self.state if state is None else state, rng, put_prompts(toks),
+                put_prompts(pmask), put_prompts(pid), put(live), jnp.asarray(table), text_stops,
+                jnp.float32(temperature if temperature > 0 else 1.0), jnp.float32(top_p))
+        return args, spec, N
 
 
 def sample(model: nnx.Module, prompts: Sequence[Sequence[int]], *, num_samples: int,

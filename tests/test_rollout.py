@@ -6,7 +6,9 @@ bucketing and batch composition must not change a log-prob or a routing choice.
 Expected values never come from JAX's RNG: distributions are checked with a
 chi-square test (fixed significance), sets and log-probs against numpy.
 """
+import collections
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -372,6 +374,20 @@ def test_compile_count_is_one_per_bucket(sampler):
     assert rollout.trace_count((8, 32, 5)) == 1
     assert rollout.trace_count() - before == 2
     assert rollout.compile_cache_size() - size0 == 2
+
+
+def test_decode_loop_is_one_device_program(sampler):
+    # The lowered program is the same, op for op, for 3 and 40 new tokens: the
+    # decode loop is a device while loop (not unrolled per token), with no host
+    # callback inside.
+    def ops(steps):
+        text = sampler.lower(PROMPTS, num_samples=2, max_new_tokens=steps, rng=jax.random.key(0),
+                             eos_id=5, top_p=0.9).as_text()
+        assert "callback" not in text and "custom_call" not in text
+        return collections.Counter(re.findall(r"stablehlo\.\w+|call @\w+", text))
+
+    short, long = ops(3), ops(40)
+    assert short == long and short["stablehlo.while"] >= 1
 
 
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
