@@ -248,8 +248,9 @@ def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
                                       np.asarray(mixed.prompt_experts[rows, -P:]))
     # Samples of one prompt differ from each other; a new key gives new samples.
     assert len({tuple(x) for x in np.asarray(mixed.tokens[:3]).tolist()}) > 1
-    again = sampler(PROMPTS, **kw)
-    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(mixed.tokens))
+    again = sampler(PROMPTS, **kw)  # the same key: the same rollout, every field bit for bit
+    for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(mixed), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     other = sampler(PROMPTS, **{**kw, "rng": jax.random.key(1)})
     assert np.any(np.asarray(other.tokens) != np.asarray(mixed.tokens))
 
@@ -391,16 +392,22 @@ def test_decode_loop_is_one_device_program(sampler):
 
 
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
-def test_sharded_batch_equals_single_device(model, sampler):
+@pytest.mark.parametrize("axes,shape", [(("data", "tensor"), (4, 2)),
+                                        (("data", "fsdp", "expert"), (2, 2, 2))])
+def test_sharded_batch_equals_single_device(model, sampler, axes, shape):
     devices = np.array(jax.devices()[:8])
     if devices.size < 8:
         pytest.skip("needs 8 (fake) devices")
-    # Batch over 'data' (4), parameters sharded by the model's rules over 'tensor' (2).
-    mesh = Mesh(devices.reshape(4, 2), ("data", "tensor"))
+    # Batch over the data axes ('data' = 4, or 'data' x 'fsdp' = 2 x 2), the
+    # parameters sharded by the model's rules over the other axes.
+    mesh = Mesh(devices.reshape(shape), axes)
     from gspo_jax.models import param_shardings
     state = jax.device_put(sampler.state, param_shardings(sampler.state, mesh, model.cfg))
     sharded = rollout.Sampler(sampler.graphdef, state, vocab_size=model.cfg.vocab_size, mesh=mesh)
-    assert sharded.data_axes == ("data",)
+    data_axes = tuple(a for a in axes if a in ("data", "fsdp"))
+    assert sharded.data_axes == data_axes and sharded.data_shards == 4
+    assert any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
+               for x in jax.tree.leaves(state))  # some parameters are sharded
     # Prompt buckets b such that the b * G rows divide over the 4 data shards.
     assert [sharded.batch_bucket(n, g) for n, g in ((3, 3), (1, 2), (1, 1), (5, 3))] == [4, 2, 4, 8]
     kw = dict(num_samples=4, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
@@ -408,8 +415,9 @@ def test_sharded_batch_equals_single_device(model, sampler):
     # 1 prompt x 4: the prefill replicated, the 4 rows sharded.
     for prompts in (PROMPTS + [[5, 6]], PROMPTS[:1]):
         a, b = sharded(prompts, **kw), sampler(prompts, **kw)
-        assert a.tokens.sharding.spec[0] in ("data", ("data",))
-        assert a.experts.sharding.spec[0] in ("data", ("data",))
+        for x in (a.tokens, a.logp, a.experts):
+            spec0 = x.sharding.spec[0]
+            assert (spec0 if isinstance(spec0, tuple) else (spec0,)) == data_axes, x.sharding
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
         np.testing.assert_array_equal(np.asarray(a.experts), np.asarray(b.experts))
         np.testing.assert_array_equal(np.asarray(a.prompt_experts), np.asarray(b.prompt_experts))
