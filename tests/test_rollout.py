@@ -178,6 +178,9 @@ def test_logp_and_experts_match_teacher_forced_forward(model, sampler):
     np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r.tokens))
     assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
     assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 32, 2, 2)
+    assert r.experts.dtype == jnp.int32 and r.truncated.shape == (9,) and r.truncated.dtype == bool
+    for x in (r.mask, r.logp, r.logp_sampling):
+        assert x.shape == (9, T) and x.dtype == jnp.float32
     assert r.prompt_tokens.shape == (9, 32)  # longest prompt 17 -> bucket 32
     _check_record(sampler, r)
     # Layout: prompt-major rows, left-padded prompts.
