@@ -18,10 +18,11 @@ Arrays (``../shared/design/objectives.md`` is the exact specification):
   ``old_logp``      f32[N,T]  the same under pi_old (treated as a constant).
   ``advantages``    f32[N] (one per sequence) or f32[N,T] (per token; token-level
                     objectives only). f32[N] is broadcast over T explicitly.
-  ``mask``          f32[N,T]  1 on response tokens that count, 0 elsewhere.
+  ``mask``          f32[N,T]  1 on response tokens that count, 0 elsewhere (or bool).
   ``ref_logp``      f32[N,T]  log pi_ref, required when ``kl_coef > 0``.
-  ``router_shift``  f32[N,T]  RSPO's gamma in (0, 1] (`gspo_jax.routing.router_shift`);
-                    required by ``rspo``, ignored by the others.
+  ``router_shift``  f32[N,T]  RSPO's gamma in (0, 1] on valid tokens and >= 0 on
+                    padding (`gspo_jax.routing.router_shift` gives [gamma_min, 1]
+                    everywhere); required by ``rspo``, ignored by the others.
 
 ``loss`` is the scalar that is minimised (L = -J). ``metrics`` is a flat dict of
 f32 scalars (see `METRIC_KINDS`). Hyperparameters are keyword-only and static
@@ -725,8 +726,11 @@ def _geo_terms(hp):
         delta, inside = _log_ratio(lp, old, m)
         d_star, hi, lo = _geo_clip(delta, aux["adv"], hp["eps_low"], hp["eps_high"])
         v = m * d_star
-        if "gamma" in aux:  # log 1 = 0 off the mask
-            v = v + jnp.log(jnp.where(m > 0, aux["gamma"], 1.0))
+        if "gamma" in aux:
+            # mask * log gamma, with gamma + (1 - mask) = 1 off the mask so that padding
+            # needs only gamma >= 0 there (mask is 0/1). Written without a select, XLA:CPU
+            # evaluates the log inside the row sum instead of storing an [N,T] array.
+            v = v + m * jnp.log(aux["gamma"] + (1.0 - m))
         return v, jnp.where(inside & ~(hi | lo), m, 0.0)
     return terms
 

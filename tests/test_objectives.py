@@ -223,6 +223,21 @@ def test_rspo_hand_value():
     np.testing.assert_allclose(m["gamma_min"], 0.5)  # padding's 0.1 / 0.2 ignored
 
 
+def test_rspo_ignores_gamma_on_padding_even_zero():
+    """gamma is read only on valid tokens: 0 or 1 on padding gives the same loss, metrics
+    and gradient (no log 0 leaks in)."""
+    lp, old, adv, mask = hand_batch()
+    pad = np.asarray(MASK) == 0
+    out = []
+    for fill in (0.0, 1.0):
+        gamma = jnp.asarray(np.where(pad, fill, GAMMA).astype(np.float32))
+        loss, m = O.get("rspo")(lp, old, adv, mask, router_shift=gamma)
+        out.append((loss, m["seq_ratio_mean"], grad_of("rspo", lp, old, adv, mask, router_shift=gamma)))
+    for a, b in zip(*out):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_array_equal(a, b)
+
+
 def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
