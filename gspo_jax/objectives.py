@@ -235,25 +235,9 @@ def _safe_div(x: Array, d: Array) -> Array:
     return x / jnp.maximum(d, 1.0)
 
 
-def _aggregate(per_token: Array, b: _Batch, agg: str, norm_len: float,
-               row_weight: Array | None = None) -> Array:
-    """Aggregates per-token losses l (finite everywhere) into a scalar (module doc).
-
-    With ``row_weight`` (f32[N]) the per-token loss is row_weight_i * per_token; the
-    weight is applied to row sums, so XLA does not materialise its [N,T] broadcast.
-    """
-    rows = jnp.sum(b.m * per_token, axis=-1)  # f32[N]
-    if row_weight is not None:
-        rows = row_weight * rows
-    if agg == "token-mean":
-        return _safe_div(jnp.sum(rows), b.norm.num_tokens)
-    if agg == "seq-mean-token-mean":
-        return _safe_div(jnp.sum(rows * b.inv_n), b.norm.num_seqs)
-    if agg == "seq-mean-token-sum":
-        return _safe_div(jnp.sum(rows), b.norm.num_seqs)
-    if agg == "seq-mean-token-sum-norm":
-        return _safe_div(jnp.sum(rows), b.norm.num_seqs) / norm_len
-    raise AssertionError(agg)  # validated before
+def _aggregate(per_token: Array, b: _Batch, agg: str, norm_len: float) -> Array:
+    """Aggregates per-token losses l (finite everywhere) into a scalar (module doc)."""
+    return jnp.sum(_agg_weight(b, agg, norm_len) * jnp.sum(b.m * per_token, axis=-1))
 
 
 def _agg_weight(b: _Batch, agg: str, norm_len: float) -> Array:
@@ -270,73 +254,116 @@ def _agg_weight(b: _Batch, agg: str, norm_len: float) -> Array:
     raise AssertionError(agg)  # validated before
 
 
-# The loss of every objective has the form
+# The loss of every objective is a sum of parts (the policy term, and the KL term when
+# kl_coef > 0), each of the form
 #
-#     loss = sum_i w_i * outer_i( sum_t v_{i,t} ),     (v, g) = terms(logp, old_logp, mask, aux),
+#     sum_i w_i * outer_i( sum_t v_{i,t} ),     (v, g) = terms(logp, old_logp, mask, aux),
 #
 # with g = dv/dlogp formed by `terms` itself, outer an elementwise function of the row
-# sums (identity for token-level objectives; exp and the sequence clip for GSPO, GMPO
-# and RSPO) and w a constant per row (aggregation weight, advantage). `_fused_loss`
-# is a custom JVP whose tangent is sum_{i,t} w_i outer_i' g_{i,t} dlogp_{i,t}: the
-# coefficient w_i outer_i' g is formed beside the value, so reverse mode returns it
-# as the gradient (the cotangent 1 of the scalar loss folds away) instead of
-# re-deriving it from stored ratios in further passes. On XLA:CPU the token-level
-# losses compile to one elementwise pass that writes one [N,T] array, one row sum and
-# the gradient pass. Everything in ``aux`` and ``w`` is a constant (stop-gradient), as
-# is ``old_logp``. Higher derivatives follow from differentiating `terms`' g, which
-# is written with ordinary differentiable operations.
+# sums (identity for token-level terms; exp and the sequence clip for GSPO, GMPO and
+# RSPO) and w a constant per row (aggregation weight, advantage). `_fused_loss` is a
+# custom JVP whose tangent is sum_{i,t} (sum_parts w_i outer_i' g_{i,t}) dlogp_{i,t}:
+# the coefficient is formed beside the value, so reverse mode returns it as the
+# gradient (the cotangent 1 of the scalar loss folds away) instead of re-deriving it
+# from stored ratios in further passes, and the parts share one gradient pass. On
+# XLA:CPU a clipped surrogate compiles to one elementwise pass that writes one [N,T]
+# array, its row sum and the gradient pass. Everything in ``aux`` and ``w`` is a
+# constant (stop-gradient), as is ``old_logp``. Higher derivatives follow from
+# differentiating `terms`' g, which is written with ordinary differentiable operations.
 
 
-def _identity_outer(rows: Array, aux: dict) -> Array:
-    del aux
-    return rows
+class _Part(NamedTuple):
+    terms: Callable  # (logp, old_logp, mask, aux) -> (v, dv/dlogp), f32[N,T] each
+    outer: Callable | None  # (row sums f32[N], aux) -> f32[N], elementwise; None: identity
+    weight: Array  # f32[N] row weights (constant)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _fused_loss(terms, outer, logp, old_logp, mask, aux, row_weight):
-    v, _ = terms(logp, old_logp, mask, aux)
-    return jnp.sum(row_weight * outer(jnp.sum(v, axis=-1), aux))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _fused_loss(fns, logp, old_logp, mask, aux, weights):
+    total = 0.0
+    for (terms, outer), w in zip(fns, weights):
+        rows = jnp.sum(terms(logp, old_logp, mask, aux)[0], axis=-1)
+        total = total + jnp.sum(w * (rows if outer is None else outer(rows, aux)))
+    return total
 
 
 @_fused_loss.defjvp
-def _fused_loss_jvp(terms, outer, primals, tangents):
-    logp, old_logp, mask, aux, row_weight = primals
-    d_logp = tangents[0]
-    v, g = terms(logp, old_logp, mask, aux)
-    rows = jnp.sum(v, axis=-1)
-    if outer is _identity_outer:
-        value, coef = jnp.sum(row_weight * rows), row_weight
-    else:
-        out, d_out = jax.jvp(lambda x: outer(x, aux), (rows,), (jnp.ones_like(rows),))
-        value, coef = jnp.sum(row_weight * out), row_weight * d_out
-    return value, jnp.sum((coef[:, None] * g) * d_logp)
+def _fused_loss_jvp(fns, primals, tangents):
+    logp, old_logp, mask, aux, weights = primals
+    value, coef_g = 0.0, 0.0
+    for (terms, outer), w in zip(fns, weights):
+        v, g = terms(logp, old_logp, mask, aux)
+        rows = jnp.sum(v, axis=-1)
+        if outer is None:
+            out, coef = rows, w
+        else:
+            out, d_out = jax.jvp(lambda x, outer=outer: outer(x, aux), (rows,),
+                                 (jnp.ones_like(rows),))
+            coef = w * d_out
+        value = value + jnp.sum(w * out)
+        coef_g = coef_g + coef[:, None] * g
+    return value, jnp.sum(coef_g * tangents[0])
 
 
-def _token_loss(terms, logp, old_logp, b: _Batch, aux: dict, agg: str, norm_len: float,
-                adv: Array) -> Array:
-    """Token-level loss sum_{i,t} agg-weight * l_t with l_t = -A v_t (A per sequence or token).
+def _loss(logp, old_logp, b: _Batch, aux: dict, parts: list[_Part]) -> Array:
+    """The scalar loss sum of ``parts`` (see above); ``aux`` gains ``inv_n``."""
+    fns = tuple((p.terms, p.outer) for p in parts)
+    return _fused_loss(fns, _f32(logp), _f32(old_logp), b.m, {**aux, "inv_n": b.inv_n},
+                       tuple(p.weight for p in parts))
+
+
+def _token_part(terms, b: _Batch, agg: str, norm_len: float, adv: Array) -> _Part:
+    """Token-level term sum_{i,t} agg-weight * l_t with l_t = -A v_t (A per sequence or token).
 
     ``terms`` returns (v, dv/dlogp) without the advantage; a per-sequence advantage
-    multiplies the row weight, a per-token one is applied inside (under ``aux["adv"]``).
+    multiplies the row weight, a per-token one is applied inside (``aux["adv"]`` must be
+    ``adv``).
     """
     w = _agg_weight(b, agg, norm_len)
     if adv.shape[1] == 1:
-        w = -adv[:, 0] * w
-    else:
-        inner = terms
+        return _Part(terms, None, -adv[:, 0] * w)
 
-        def terms(lp, old, m, x, inner=inner):
-            v, g = inner(lp, old, m, x)
-            return -x["adv"] * v, -x["adv"] * g
-    return _fused_loss(terms, _identity_outer, _f32(logp), _f32(old_logp), b.m,
-                       {**aux, "adv": adv}, w)
+    def signed(lp, old, m, x):
+        v, g = terms(lp, old, m, x)
+        return -x["adv"] * v, -x["adv"] * g
+
+    return _Part(signed, None, w)
 
 
-def _seq_loss(terms, outer, logp, old_logp, b: _Batch, aux: dict, adv: Array) -> Array:
-    """Sequence-level loss: mean over sequences with n_i > 0 of -A_i outer_i(sum_t v)."""
-    w = -adv * b.seq_valid / jnp.maximum(b.norm.num_seqs, 1.0)
-    return _fused_loss(terms, outer, _f32(logp), _f32(old_logp), b.m,
-                       {**aux, "adv": adv[:, None], "inv_n": b.inv_n}, w)
+def _seq_part(terms, outer, b: _Batch, adv: Array) -> _Part:
+    """Sequence-level term: mean over sequences with n_i > 0 of -A_i outer_i(sum_t v)."""
+    return _Part(terms, outer, -adv * b.seq_valid / jnp.maximum(b.norm.num_seqs, 1.0))
+
+
+def _kl_terms(kind: str):
+    """v = mask * k(ref - logp), g = dv/dlogp (`kl`; ``aux["ref"]``)."""
+    def terms(lp, old, m, aux):
+        d = jnp.where(m > 0, aux["ref"] - lp, 0.0)
+        if kind == "k1":
+            k, dk = -d, jnp.ones_like(d)
+        elif kind == "k2":
+            k, dk = 0.5 * d * d, -d
+        else:
+            e = jnp.exp(d)
+            k, dk = e - d - 1.0, 1.0 - e
+        return m * k, m * dk
+    return terms
+
+
+def _kl_parts(hp, b: _Batch, agg: str, norm_len: float) -> list[_Part]:
+    """kl_coef * agg(k) as a loss part, or none when kl_coef = 0 (a static choice)."""
+    if hp["kl_coef"] == 0:
+        return []
+    return [_Part(_kl_terms(hp["kl_estimator"]), None,
+                  hp["kl_coef"] * _agg_weight(b, agg, norm_len))]
+
+
+def _loss_aux(adv: Array, ref_logp, hp, **more) -> dict:
+    """aux for `_loss`: advantages as [N,1] / [N,T], ref_logp when the KL term is on."""
+    aux = {"adv": adv, **more}
+    if hp["kl_coef"] != 0:
+        aux["ref"] = jax.lax.stop_gradient(_f32(ref_logp))
+    return aux
 
 
 def _log_ratio(lp, old, m):
@@ -489,14 +516,6 @@ def _with_kl(stats_fn, hp):
     return fn
 
 
-def _kl_loss(logp, ref_logp, b: _Batch, hp, agg: str, norm_len) -> Array:
-    """kl_coef * agg(k) (0.0 when kl_coef = 0, a static choice)."""
-    if hp["kl_coef"] == 0:
-        return 0.0
-    return hp["kl_coef"] * _aggregate(_kl_values(logp, ref_logp, b.valid, hp["kl_estimator"]),
-                                      b, agg, norm_len)
-
-
 def _metric_inputs(advantages, ref_logp, hp, **more) -> dict:
     out = {"adv": advantages if advantages.ndim == 2 else advantages[:, None]}
     if hp["kl_coef"] != 0:
@@ -570,9 +589,9 @@ def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift,
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _token_loss(_clip_terms(hp, seq_ratio=False), logp, old_logp, b, {}, hp["agg"],
-                       norm_len, adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = _loss(logp, old_logp, b, _loss_aux(adv, ref_logp, hp),
+                 [_token_part(_clip_terms(hp, seq_ratio=False), b, hp["agg"], norm_len, adv),
+                  *_kl_parts(hp, b, hp["agg"], norm_len)])
 
     def stats(d, lp, valid, x):
         # The clip conditions in log space (no exp in the metrics pass); they can differ
@@ -614,8 +633,9 @@ def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high)), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
-    loss = _seq_loss(_delta_terms, _gspo_outer(hp), logp, old_logp, b, {}, adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp),
+                 [_seq_part(_delta_terms, _gspo_outer(hp), b, adv),
+                  *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
     s = jnp.exp(_seq_mean_delta(b))  # f32[N], for the metrics
     _, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
@@ -640,9 +660,10 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
     # agree exactly); see `_clip_terms`.
     s = jax.lax.stop_gradient(jnp.exp(_seq_mean_delta(b)))  # f32[N]
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _token_loss(_clip_terms({**hp, "dual_clip": None}, seq_ratio=True), logp, old_logp,
-                       b, {"s": s[:, None]}, hp["agg"], norm_len, adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+    terms = _clip_terms({**hp, "dual_clip": None}, seq_ratio=True)
+    loss = _loss(logp, old_logp, b, _loss_aux(adv, ref_logp, hp, s=s[:, None]),
+                 [_token_part(terms, b, hp["agg"], norm_len, adv),
+                  *_kl_parts(hp, b, hp["agg"], norm_len)])
 
     def stats(d, lp, valid, x):
         a, s = x["adv"], x["s"]
@@ -682,8 +703,9 @@ def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     b = _prepare(logp, old_logp, mask, norm)
     adv = _adv2d(advantages)
     norm_len = hp["norm_len"] or b.delta.shape[1]
-    loss = _token_loss(_cispo_terms(hp), logp, old_logp, b, {}, hp["agg"], norm_len, adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = _loss(logp, old_logp, b, _loss_aux(adv, ref_logp, hp),
+                 [_token_part(_cispo_terms(hp), b, hp["agg"], norm_len, adv),
+                  *_kl_parts(hp, b, hp["agg"], norm_len)])
 
     def stats(d, lp, valid, x):
         w, hi, lo = _cispo_weight(jnp.exp(d), hp)
@@ -751,8 +773,9 @@ def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GMPO: l_i = -A_i exp(mean_t delta*_t), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
-    loss = _seq_loss(_geo_terms(hp), _geo_outer, logp, old_logp, b, {}, adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp),
+                 [_seq_part(_geo_terms(hp), _geo_outer, b, adv),
+                  *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
                              _geo_stats(hp))
     metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b, {"adv": adv[:, None]})
@@ -764,8 +787,9 @@ def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     b = _prepare(logp, old_logp, mask, norm)
     adv = jax.lax.stop_gradient(_f32(advantages))
     gamma = jax.lax.stop_gradient(_f32(router_shift))
-    loss = _seq_loss(_geo_terms(hp), _geo_outer, logp, old_logp, b, {"gamma": gamma}, adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, "seq-mean-token-mean", 1.0)
+    loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp, gamma=gamma),
+                 [_seq_part(_geo_terms(hp), _geo_outer, b, adv),
+                  *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
     metrics = _token_metrics(b, logp, old_logp, mask,
                              _metric_inputs(advantages, ref_logp, hp, gamma=gamma),
                              _geo_stats(hp))
@@ -812,8 +836,9 @@ def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     else:  # 4/tau is one number per sequence: it joins the advantage in the row weight
         weighted_adv = adv * (4.0 / jnp.where(adv > 0, hp["tau_pos"], hp["tau_neg"]))
     # (4/tau > 0 keeps the sign of A, which picks tau inside the terms.)
-    loss = _token_loss(_sapo_terms(hp, per_token), logp, old_logp, b, {}, hp["agg"], norm_len, weighted_adv)
-    loss = loss + _kl_loss(logp, ref_logp, b, hp, hp["agg"], norm_len)
+    loss = _loss(logp, old_logp, b, _loss_aux(weighted_adv, ref_logp, hp),
+                 [_token_part(_sapo_terms(hp, per_token), b, hp["agg"], norm_len, weighted_adv),
+                  *_kl_parts(hp, b, hp["agg"], norm_len)])
 
     def stats(d, lp, valid, x):
         _, q = _sapo_gate(jnp.exp(d), x["adv"], hp)

@@ -136,6 +136,45 @@ def test_grpo_kl_k3_hand_value():
     np.testing.assert_allclose(m["kl"], k3, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name,agg", [("grpo", "seq-mean-token-mean"), ("dapo", "token-mean"),
+                                      ("dr_grpo", "seq-mean-token-sum-norm"),
+                                      ("gspo", "seq-mean-token-mean"), ("rspo", "seq-mean-token-mean"),
+                                      ("sapo", "seq-mean-token-sum")])
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_term_value_and_gradient_equal_the_plain_formula(name, agg, kind):
+    """The KL part shares the policy term's gradient pass; it must add exactly
+    kl_coef * agg(k(ref - logp)) and its autodiff gradient, for every estimator."""
+    lp, old, adv, mask = hand_batch()
+    ref = old + jnp.asarray(np.random.RandomState(3).normal(0, 0.4, lp.shape).astype(np.float32))
+    coef = 0.3
+    kw = dict(extra_kwargs(name, lp.shape), ref_logp=ref)
+    if name not in ("gspo", "rspo"):
+        kw["agg"] = agg
+    kw.pop("kl_coef", None)
+    fn = O.get(name)
+    m = np.asarray(MASK)
+    n = m.sum(1)
+    seqs = max((n > 0).sum(), 1)
+    weights = {"token-mean": np.full(3, 1 / m.sum()),
+               "seq-mean-token-mean": 1 / np.maximum(n, 1) / seqs,
+               "seq-mean-token-sum": np.full(3, 1 / seqs),
+               "seq-mean-token-sum-norm": np.full(3, 1 / (seqs * lp.shape[1]))}[agg]
+
+    def plain_kl(lp_):
+        k = jnp.where(mask > 0, O.kl(lp_, ref, kind), 0.0)
+        return jnp.sum(jnp.asarray(weights, jnp.float32) * jnp.sum(mask * k, axis=-1))
+
+    def with_kl(lp_):
+        return fn(lp_, old, adv, mask, kl_coef=coef, kl_estimator=kind, **kw)[0]
+
+    def without(lp_):
+        return fn(lp_, old, adv, mask, kl_coef=0.0, kl_estimator=kind, **kw)[0]
+
+    np.testing.assert_allclose(with_kl(lp) - without(lp), coef * plain_kl(lp), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.grad(with_kl)(lp) - jax.grad(without)(lp),
+                               coef * jax.grad(plain_kl)(lp), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("kind,expected", [("k1", [-0.5, 0.3]), ("k2", [0.125, 0.045]),
                                            ("k3", [math.exp(0.5) - 1.5, math.exp(-0.3) - 0.7])])
 def test_kl_estimators(kind, expected):
@@ -561,6 +600,16 @@ def test_check_grads(name):
     # advantage constant per sequence) but its second derivative is not the loss's.
     order = 1 if name == "gspo_token" else 2
     check_grads(f, (lp,), order=order, modes=("rev", "fwd"), eps=1e-3, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name,kind", [("dapo", "k2"), ("gspo", "k3"), ("rspo", "k1"),
+                                       ("sapo", "k3")])
+def test_check_grads_with_kl_term(name, kind):
+    lp, old, adv, mask = smooth_batch()
+    kw = dict(extra_kwargs(name, lp.shape, gamma=np.full(lp.shape, 0.7, np.float32)),
+              **SMOOTH_HP.get(name, {}), ref_logp=old + 0.3, kl_coef=0.2, kl_estimator=kind)
+    check_grads(loss_fn(name, old, adv, mask, **kw), (lp,), order=2, modes=("rev", "fwd"),
+                eps=1e-3, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("name", O.names())
