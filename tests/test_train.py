@@ -240,6 +240,9 @@ def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path):
         ("sapo", ""),
         ("qwen3_moe_gsm8k", "ckpt=/ckpt"),
         ("ppo", ""),
+        ("stability", "variant=grpo"),
+        ("stability", "variant=grpo_r3,minibatches=4,lr=1e-4"),
+        ("stability", "variant=rspo"),
     ],
 )
 def test_config_files_validate(module, arg):
@@ -251,11 +254,12 @@ def test_config_files_validate(module, arg):
         config_lib.validate(c, num_devices=8)
 
 
-def test_config_file_rejects_unknown_variant():
-    from configs import grpo
+@pytest.mark.parametrize("module", ["grpo", "stability"])
+def test_config_file_rejects_unknown_variant(module):
+    import importlib
 
     with pytest.raises(config_lib.ConfigError, match="variant"):
-        grpo.get_config("variant=grpo2")
+        importlib.import_module(f"configs.{module}").get_config("variant=grpo2")
 
 
 def test_compilation_cache_directory_from_environment_wins(tmp_path):
