@@ -74,6 +74,7 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
   for fn in [moe_lib.dispatch_ragged,
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64),  # small-batch rule
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4),
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=16),
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=64),
              # both ways of ordering assignments within an expert
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
@@ -89,6 +90,11 @@ def test_block_size_shrinks_for_few_rows():
   assert moe_lib.block_size_for(4096, 64, 64) == 32
   assert moe_lib.block_size_for(128, 64, 64) == 2  # decode step: padding 64 <= 128 / 2
   assert moe_lib.block_size_for(3, 64, 64) == 1
+  # A decode step at batch 64, 8 experts top-2: padding 8 * 7 <= 128 / 2, and
+  # with the small-batch bound 8 * 15 <= 128.
+  assert moe_lib.block_size_for(128, 8, 64) == 8
+  assert moe_lib.block_size_for(128, 8, 64, moe_lib.SMALL_BATCH_MAX_PADDING) == 16
+  assert moe_lib.block_size_for(128, 8, 8, moe_lib.SMALL_BATCH_MAX_PADDING) == 8  # max_block
 
 
 @functools.lru_cache(maxsize=None)

@@ -93,18 +93,27 @@ def dispatch_ragged(x, idx, gates, wg, wu, wd):
   return _combine(ys[inv], gates, n, k)
 
 
-def block_size_for(num_rows: int, num_experts: int, max_block: int) -> int:
+def block_size_for(num_rows: int, num_experts: int, max_block: int,
+                   max_padding: float = 0.5) -> int:
   """Rows per block of the blocked dispatch.
 
   The largest power of two bk <= max_block whose worst-case padding
-  E * (bk - 1) is at most half the N*K real rows (at least 1): big blocks for
-  training-sized batches (few blocks, so little per-block weight gathering),
-  down to per-row blocks for decode steps.
+  E * (bk - 1) is at most `max_padding` times the N*K real rows (at least 1):
+  big blocks for training-sized batches (few blocks, so little per-block weight
+  gathering), down to per-row blocks for decode steps.
   """
   bk = 1
-  while 2 * bk <= max_block and num_experts * (2 * bk - 1) * 2 <= num_rows:
+  while 2 * bk <= max_block and num_experts * (2 * bk - 1) <= max_padding * num_rows:
     bk *= 2
   return bk
+
+
+# The blocked dispatch's padding bound (`block_size_for`'s max_padding) for
+# small batches (up to COMPARE_RANK_MAX_ROWS assignments, decode steps): there
+# each block's gathered expert weights cost more than its padding rows, so the
+# padding may reach the real rows (a decode step at batch 64, 8 experts top-2:
+# 15 blocks of 16 rows instead of 23 of 8; experiments/rollout.md).
+SMALL_BATCH_MAX_PADDING = 1.0
 
 
 # Up to this many (token, expert) assignments, the blocked dispatch ranks each
@@ -134,7 +143,9 @@ def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int, block_size: i
                      rank: str | None = None):
   """Sort-based dropless dispatch as a batched matmul over expert blocks.
 
-  block_size: rows per block (default `block_size_for(N*K, E, max_block)`).
+  block_size: rows per block (default `block_size_for(N*K, E, max_block)`,
+    with max_padding SMALL_BATCH_MAX_PADDING up to COMPARE_RANK_MAX_ROWS
+    assignments).
   rank: how assignments are ordered within an expert, 'compare' ([NK, NK]
     comparison) or 'sort' (stable argsort); default 'compare' up to
     COMPARE_RANK_MAX_ROWS assignments.  Same result either way.
@@ -142,10 +153,12 @@ def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int, block_size: i
   n, k = idx.shape
   e, d, _ = wg.shape
   nk = n * k
-  bk = block_size or block_size_for(nk, e, max_block)
+  small = nk <= COMPARE_RANK_MAX_ROWS
+  bk = block_size or block_size_for(nk, e, max_block,
+                                    SMALL_BATCH_MAX_PADDING if small else 0.5)
   nb = (nk + e * (bk - 1)) // bk
   if rank is None:
-    rank = "compare" if nk <= COMPARE_RANK_MAX_ROWS else "sort"
+    rank = "compare" if small else "sort"
   if rank not in ("compare", "sort"):
     raise ValueError(f"rank: expected 'compare' or 'sort', got {rank!r}")
   flat_e = idx.reshape(-1).astype(jnp.int32)
