@@ -269,6 +269,29 @@ def _argmax(x: jax.Array, x_max: Optional[jax.Array] = None) -> jax.Array:
     return _first_true((x == x_max[:, None]) | jnp.isnan(x))
 
 
+def _cumsum(w: jax.Array, block: int = 32) -> jax.Array:
+    """``cumsum(w, axis=-1)`` for w f32[B, C] as two small matmuls with
+    triangular 0/1 matrices: prefix sums within blocks of ``block`` entries,
+    plus the exclusive prefix of the block totals.  XLA:CPU lowers
+    ``jnp.cumsum`` over a few hundred entries to a reduce-window about 3x
+    slower (experiments/rollout.md).  The sums are f32 sums in another
+    order, so they may differ from ``jnp.cumsum`` by rounding (a few ulp of
+    the total; `_inverse_cdf` guards against the rounding picking an entry
+    of zero weight)."""
+    b, c = w.shape
+    if c <= block:
+        return jnp.cumsum(w, axis=-1)
+    nb = -(-c // block)
+    wp = jnp.pad(w, ((0, 0), (0, nb * block - c))).reshape(b, nb, block)
+    i = jnp.arange(block)
+    within = jnp.einsum("bnc,cd->bnd", wp, (i[:, None] <= i[None, :]).astype(w.dtype),
+                        precision=jax.lax.Precision.HIGHEST)
+    n = jnp.arange(nb)
+    before = jnp.einsum("bn,nm->bm", within[:, :, -1], (n[:, None] < n[None, :]).astype(w.dtype),
+                        precision=jax.lax.Precision.HIGHEST)
+    return (within + before[:, :, None]).reshape(b, nb * block)[:, :c]
+
+
 def _inverse_cdf(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Index drawn from softmax(x) along the last axis, by inverse CDF.
 
@@ -283,7 +306,7 @@ def _inverse_cdf(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
     x_max = jnp.max(x, axis=-1)
     shifted = x - x_max[:, None]
     w = jnp.exp(shifted)  # excluded entries: 0
-    cdf = jnp.cumsum(w, axis=-1)
+    cdf = _cumsum(w)
     v = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]
     j = _first_true(cdf >= v)
     # Guard against rounding in the scan picking an entry of zero weight.
