@@ -542,7 +542,10 @@ _generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("spec",
 
 
 def compile_cache_size() -> int:
-    """Number of executables in the generation function's jit cache."""
+    """Number of executables in the generation function's C++ dispatch cache.
+
+    That cache is shared by every jitted function of the process and evicts, so
+    in a long session this can undercount; `trace_count` counts compiles."""
     return _generate_jit._cache_size()
 
 

@@ -364,7 +364,7 @@ def test_stop_strings_match_decoded_text_across_tokens(sampler):
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_compile_count_is_one_per_bucket(sampler):
     kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh buckets
-    before, size0 = rollout.trace_count(), rollout.compile_cache_size()
+    before = rollout.trace_count()
     # Different prompts, lengths, temperatures, top_p values, EOS ids and keys in
     # one bucket (B = 2, P = 16; top-p on): one compile.
     for i, (prompts, temperature, top_p) in enumerate((([[1, 2]], 1.0, 0.9), ([[7] * 16], 0.5, 0.5),
@@ -376,8 +376,11 @@ def test_compile_count_is_one_per_bucket(sampler):
     sampler([[1] * 20, [2] * 3, [3]], temperature=0.7, top_p=0.8, eos_id=5, **kw)
     sampler([[2] * 30, [4], [5] * 17, [6] * 2], temperature=0.9, top_p=0.5, eos_id=9, **kw)
     assert rollout.trace_count((8, 32, 5)) == 1
+    # Every compile starts with a trace of `_generate`, and jit traces only on a miss
+    # of its cache, so two traces means two compiles. (The C++ dispatch cache that
+    # `compile_cache_size` reads is a process-wide LRU shared with every other jitted
+    # function, so its size is not a reliable count in a long test session.)
     assert rollout.trace_count() - before == 2
-    assert rollout.compile_cache_size() - size0 == 2
 
 
 def test_decode_loop_is_one_device_program(sampler):
