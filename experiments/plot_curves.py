@@ -36,18 +36,25 @@ def main(argv=None):
     ap.add_argument("--metric", action="append")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="")
+    ap.add_argument("--cols", type=int, default=0, help="panels per row (0: all in one row)")
     args = ap.parse_args(argv)
     metrics = args.metric or list(DEFAULT_METRICS)
     labels = args.label or [os.path.basename(os.path.normpath(w)) for w in args.workdir]
     if len(labels) != len(args.workdir):
         ap.error("give one --label per --workdir")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
-    for workdir, label in zip(args.workdir, labels):
+    cols = args.cols or len(metrics)
+    rows = -(-len(metrics) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(metrics):]:
+        ax.axis("off")
+    axes = [list(axes.flat[:len(metrics)])]
+    for i, (workdir, label) in enumerate(zip(args.workdir, labels)):
         recs = read_metrics(workdir)
         for ax, metric in zip(axes[0], metrics):
             x, y = series(recs, metric)
-            if x:
-                ax.plot(x, y, marker="o" if metric.startswith("eval") else None, ms=3, label=label)
+            if x:  # one colour per run in every panel, also where some runs lack the metric
+                ax.plot(x, y, marker="o" if metric.startswith("eval") else None, ms=3, label=label,
+                        color=f"C{i % 10}")
     for ax, metric in zip(axes[0], metrics):
         ax.set_title(metric)
         ax.set_xlabel("RL step")

@@ -29,10 +29,13 @@ from configs import stability as stability_config  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax.metrics_log import read_metrics  # noqa: E402
 
-PLOT_METRICS = ("eval_reward_mean", "reward_mean", "clip_frac", "expert_flip_frac",
-                "frac_ratio_gt_2", "logratio_std")
-SUMMARY_METRICS = ("clip_frac", "expert_flip_frac", "token_flip_rate", "frac_ratio_gt_2",
-                   "logratio_std", "grad_norm")
+PLOT_METRICS = ("eval_reward_mean", "reward_mean", "entropy", "clip_frac", "expert_flip_frac",
+                "replay_mismatch", "router_shift_mean", "frac_ratio_gt_2", "logratio_std")
+# expert_flip_frac compares the routing the update used with the sampler's: 0 under
+# replay, where replay_mismatch is the share of replayed choices the free router
+# would have made differently.
+SUMMARY_METRICS = ("clip_frac", "expert_flip_frac", "replay_mismatch", "router_shift_mean",
+                   "frac_ratio_gt_2", "logratio_std", "entropy", "grad_norm")
 
 
 def build_config(variant: str, args) -> "config_lib.ml_collections.ConfigDict":
@@ -127,7 +130,7 @@ def main(argv=None) -> None:
 
     plot_curves.main(sum((["--workdir", wd, "--label", v] for v, wd in workdirs.items()), [])
                      + sum((["--metric", m] for m in PLOT_METRICS), [])
-                     + ["--out", os.path.join(args.workdir, "stability.png")])
+                     + ["--cols", "3", "--out", os.path.join(args.workdir, "stability.png")])
 
 
 if __name__ == "__main__":
