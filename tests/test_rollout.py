@@ -470,3 +470,23 @@ def test_bad_arguments_raise(sampler):
     with pytest.raises(ValueError, match="prompt bucket"):
         rollout.Sampler(sampler.graphdef, sampler.state, vocab_size=V,
                         prompt_buckets=(4, 8))([[1] * 9], **kw)
+
+
+def test_cumsum_by_matmuls_equals_cumsum():
+    rs = np.random.RandomState(0)
+    for c in (7, 32, 33, 512, 1000):  # below, at and above one block; ragged last block
+        w = jnp.asarray(rs.exponential(1.0, (3, c)).astype(np.float32))
+        got, want = rollout._cumsum(w), jnp.cumsum(w, axis=-1)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(want[:, -1].max()))
+
+
+def test_first_true_and_argmax_equal_jnp_argmax():
+    rs = np.random.RandomState(1)
+    x = rs.randint(0, 4, (64, 50)).astype(np.float32)  # many ties: the first maximum wins
+    x[3] = -np.inf
+    x[5, 7] = np.nan  # argmax returns the first NaN
+    x = jnp.asarray(x)
+    np.testing.assert_array_equal(rollout._argmax(x), jnp.argmax(x, axis=-1))
+    m = x > 2
+    np.testing.assert_array_equal(rollout._first_true(m), jnp.argmax(m, axis=-1))
