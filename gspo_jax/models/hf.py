@@ -20,7 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -31,7 +31,7 @@ replayed rows) that are not in the free router's top-K.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
