@@ -13,6 +13,13 @@
 3. ``<workdir>/stability.png`` overlays the variants' curves, and
    ``<workdir>/summary.md`` tabulates them (first and last held-out reward, best,
    and the means of the drift diagnostics over the run).
+
+With ``--seeds 0,1,2`` the whole study runs once per seed (warm start included) in
+``<workdir>/seed<k>``; ``<workdir>/seeds.md`` then tabulates each variant's last
+held-out reward per seed with their mean and range, and ``<workdir>/seeds.png``
+plots the held-out reward of every seed with the mean over seeds.
+
+    PYTHONPATH=. python experiments/stability.py --workdir runs/stab_seeds --seeds 0,1,2 --lr 1e-3 --minibatches 16
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ PLOT_METRICS = ("eval_reward_mean", "reward_mean", "entropy", "clip_frac", "expe
 # expert_flip_frac compares the routing the update used with the sampler's: 0 under
 # replay, where replay_mismatch is the share of replayed choices the free router
 # would have made differently.
+# Averaged per seed, then over seeds, in seeds.md.
+SEED_METRICS = ("expert_flip_frac", "replay_mismatch", "router_shift_mean", "frac_ratio_gt_2")
 SUMMARY_METRICS = ("clip_frac", "expert_flip_frac", "replay_mismatch", "router_shift_mean",
                    "frac_ratio_gt_2", "logratio_std", "entropy", "grad_norm")
 
@@ -81,29 +90,64 @@ def summarize(workdirs: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--variants", default="grpo,grpo_r2,grpo_r3,gspo,rspo")
-    ap.add_argument("--steps", type=int, default=40, help="RL steps per variant")
-    ap.add_argument("--minibatches", type=int, default=8, help="optimizer steps per rollout")
-    ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="the smoke config: seconds, for a check")
-    args = ap.parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(stability_config.VARIANTS))
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; known: {sorted(stability_config.VARIANTS)}")
+def summarize_seeds(runs: dict[int, dict[str, str]]) -> str:
+    """Across seeds: each variant's last held-out reward per seed, their mean and range,
+    and the per-seed means of the drift diagnostics averaged over seeds."""
+    seeds = sorted(runs)
+    variants = list(runs[seeds[0]])
+    head = (["variant"] + [f"last eval reward, seed {s}" for s in seeds]
+            + ["mean", "min", "max"] + [f"mean {m}" for m in SEED_METRICS])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant in variants:
+        last, diag = [], {m: [] for m in SEED_METRICS}
+        for s in seeds:
+            recs = [r for r in read_metrics(runs[s][variant]) if r.get("phase") == "rl"]
+            ev = [r["eval_reward_mean"] for r in recs if "eval_reward_mean" in r]
+            last.append(ev[-1] if ev else None)
+            for m in SEED_METRICS:
+                xs = [r[m] for r in recs if isinstance(r.get(m), (int, float))]
+                if xs:
+                    diag[m].append(statistics.fmean(xs))
+        got = [x for x in last if x is not None]
+        row = [variant] + [f"{x:.3f}" if x is not None else "-" for x in last]
+        row += [f"{statistics.fmean(got):.3f}", f"{min(got):.3f}", f"{max(got):.3f}"] if got else ["-"] * 3
+        row += [f"{statistics.fmean(diag[m]):.4g}" if diag[m] else "-" for m in SEED_METRICS]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
-    import jax
 
-    from gspo_jax import train  # after argument errors: importing JAX takes seconds
+def plot_seeds(runs: dict[int, dict[str, str]], out: str) -> None:
+    """Held-out reward per variant: one colour per variant, a thin line per seed and
+    the mean over seeds (at the steps every seed evaluated) in bold."""
+    from experiments import plot_curves
 
-    for variant in variants:  # every config checked before the first one runs
-        config_lib.validate(build_config(variant, args), jax.device_count())
+    plt = plot_curves.plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    seeds = sorted(runs)
+    for i, variant in enumerate(runs[seeds[0]]):
+        curves = []
+        for s in seeds:
+            x, y = plot_curves.series(read_metrics(runs[s][variant]), "eval_reward_mean")
+            ax.plot(x, y, color=f"C{i % 10}", lw=0.8, alpha=0.45)
+            curves.append(dict(zip(x, y)))
+        common = sorted(set.intersection(*(set(c) for c in curves)))
+        ax.plot(common, [statistics.fmean(c[k] for c in curves) for k in common],
+                color=f"C{i % 10}", lw=2.2, marker="o", ms=3,
+                label=f"{variant} (mean of {len(seeds)})")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out reward (eval_reward_mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
-    base = os.path.join(args.workdir, "warm_start")
+
+def run_study(args, workdir: str, variants: list[str]) -> dict[str, str]:
+    """The warm start, then every variant from it, in ``workdir`` (see the module doc)."""
+    from gspo_jax import train
+
+    base = os.path.join(workdir, "warm_start")
     c = build_config(variants[0], args)
     c.total_rl_steps = 0
     if not os.path.isdir(os.path.join(base, "checkpoints", "sft")) or not finished(base, 0):
@@ -112,7 +156,7 @@ def main(argv=None) -> None:
 
     workdirs = {}
     for variant in variants:
-        wd = os.path.join(args.workdir, variant)
+        wd = os.path.join(workdir, variant)
         workdirs[variant] = wd
         c = build_config(variant, args)
         if finished(wd, int(c.total_rl_steps)):
@@ -123,14 +167,66 @@ def main(argv=None) -> None:
         train.run(c, wd)
 
     summary = summarize(workdirs)
-    with open(os.path.join(args.workdir, "summary.md"), "w") as f:
+    with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(summary)
     print(summary)
     from experiments import plot_curves
 
     plot_curves.main(sum((["--workdir", wd, "--label", v] for v, wd in workdirs.items()), [])
                      + sum((["--metric", m] for m in PLOT_METRICS), [])
-                     + ["--cols", "3", "--out", os.path.join(args.workdir, "stability.png")])
+                     + ["--cols", "3", "--out", os.path.join(workdir, "stability.png")])
+    return workdirs
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds: expected comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: expected distinct integers, got {text!r}")
+    return seeds
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--variants", default="grpo,grpo_r2,grpo_r3,gspo,rspo")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per variant")
+    ap.add_argument("--minibatches", type=int, default=8, help="optimizer steps per rollout")
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="",
+                    help="comma-separated seeds: the whole study once per seed, in "
+                         "<workdir>/seed<k>, then seeds.md and seeds.png across them")
+    ap.add_argument("--smoke", action="store_true", help="the smoke config: seconds, for a check")
+    args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(stability_config.VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {sorted(stability_config.VARIANTS)}")
+    try:
+        seeds = parse_seeds(args.seeds) if args.seeds else None
+    except ValueError as e:
+        ap.error(str(e))
+
+    import jax  # after argument errors: importing JAX takes seconds
+
+    for variant in variants:  # every config checked before the first one runs
+        config_lib.validate(build_config(variant, args), jax.device_count())
+
+    if seeds is None:
+        run_study(args, args.workdir, variants)
+        return
+    runs = {}
+    for seed in seeds:
+        args.seed = seed
+        runs[seed] = run_study(args, os.path.join(args.workdir, f"seed{seed}"), variants)
+    table = summarize_seeds(runs)
+    with open(os.path.join(args.workdir, "seeds.md"), "w") as f:
+        f.write(table)
+    print(table)
+    plot_seeds(runs, os.path.join(args.workdir, "seeds.png"))
 
 
 if __name__ == "__main__":

@@ -46,3 +46,37 @@ def test_finished_and_summary(tmp_path):
     cols = stability.summarize({"gspo": str(wd)}).splitlines()[0].split(" | ")
     assert row[cols.index("mean clip_frac")] == "0.2"
     assert row[cols.index("mean replay_mismatch")] == "-"  # not logged without replay
+
+
+def test_summarize_and_plot_seeds(tmp_path):
+    runs = {}
+    for seed, (last, flips) in {0: (0.0, 0.1), 3: (0.5, 0.3)}.items():
+        wd = tmp_path / f"seed{seed}" / "grpo"
+        _write(wd, [{"phase": "sft", "step": 5, "eval_reward_mean": 0.9},
+                    {"phase": "rl", "step": 0, "eval_reward_mean": 0.2},
+                    {"phase": "rl", "step": 1, "expert_flip_frac": flips},
+                    {"phase": "rl", "step": 2, "expert_flip_frac": 3 * flips,
+                     "eval_reward_mean": last}])
+        runs[seed] = {"grpo": str(wd)}
+    lines = stability.summarize_seeds(runs).splitlines()
+    cols = lines[0].split(" | ")
+    row = lines[2].split(" | ")
+    assert cols[1:3] == ["last eval reward, seed 0", "last eval reward, seed 3"]
+    assert row[1:6] == ["0.000", "0.500", "0.250", "0.000", "0.500"]
+    # per-seed means 0.2 and 0.6, then their mean
+    assert row[cols.index("mean expert_flip_frac")] == "0.4"
+    assert row[cols.index("mean replay_mismatch")].startswith("-")
+    out = tmp_path / "seeds.png"
+    stability.plot_seeds(runs, str(out))
+    assert out.stat().st_size > 0
+
+
+def test_parse_seeds_rejects_bad_lists():
+    assert stability.parse_seeds("0, 1,2") == [0, 1, 2]
+    for bad in ("", "0,0", "a,1"):
+        try:
+            stability.parse_seeds(bad)
+        except ValueError as e:
+            assert "--seeds" in str(e)
+        else:
+            raise AssertionError(f"accepted {bad!r}")
