@@ -14,6 +14,10 @@ baseline timed in the same rounds.
 
     PYTHONPATH=. python experiments/bench_objectives.py                 # N=512, T=2048
     PYTHONPATH=. python experiments/bench_objectives.py --n 64 --t 256  # quick
+    PYTHONPATH=. python experiments/bench_objectives.py --ops           # cost of one pass
+
+--ops times single jitted elementwise passes and reductions at the same shape instead:
+what one stored [N,T] array or one extra pass costs on this backend.
 """
 
 from __future__ import annotations
@@ -61,6 +65,26 @@ def time_fn(fn, args, warmup: int, runs: int) -> float:
     return time_interleaved([(fn, args)], warmup, runs)[0][0]
 
 
+# One pass each, at the benchmark's shape (see --ops).
+PASSES = {
+    "lp * m  (writes one [N,T] array)": lambda lp, old, m: lp * m,
+    "exp(lp - old)  (writes one [N,T] array)": lambda lp, old, m: jnp.exp(lp - old),
+    "clip(where(m > 0, lp - old, 0), -20, 20)  (writes one)":
+        lambda lp, old, m: jnp.clip(jnp.where(m > 0, lp - old, 0.0), -20.0, 20.0),
+    "sum(m * (lp - old), -1)  (one row reduction)": lambda lp, old, m: jnp.sum(m * (lp - old), -1),
+    "sum(m * exp(lp - old), -1)  (one row reduction)":
+        lambda lp, old, m: jnp.sum(m * jnp.exp(lp - old), -1),
+}
+
+
+def time_passes(x, warmup: int, runs: int) -> None:
+    args = (x["logp"], x["old"], x["mask"])
+    calls = [(jax.jit(f), args) for f in PASSES.values()]
+    print("| op | median us | min us |\n|---|---:|---:|")
+    for name, (med, mn) in zip(PASSES, time_interleaved(calls, warmup, runs)):
+        print(f"| `{name.split('  ')[0]}` {name.split('  ')[1]} | {med * 1e3:.0f} | {mn * 1e3:.0f} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=512)
@@ -68,9 +92,15 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--runs", type=int, default=21)
     p.add_argument("--kl", action="store_true", help="add a k3 KL term (kl_coef=0.04) to all")
+    p.add_argument("--ops", action="store_true", help="time single passes instead (see above)")
     args = p.parse_args()
 
     x = make_inputs(args.n, args.t)
+    if args.ops:
+        print(f"N={args.n}, T={args.t}, {jax.devices()[0].platform}, jax {jax.__version__}, "
+              f"{args.runs} interleaved rounds after {args.warmup} warm-up\n")
+        time_passes(x, args.warmup, args.runs)
+        return
 
     @jax.jit
     def baseline(logp, mask):
