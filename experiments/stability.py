@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40, help="RL steps per variant")
     ap.add_argument("--minibatches", type=int, default=8, help="optimizer steps per rollout")
     ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="the run's seed (default 0)")
     ap.add_argument("--seeds", default="",
                     help="comma-separated seeds: the whole study once per seed, in "
                          "<workdir>/seed<k>, then seeds.md and seeds.png across them")
@@ -209,6 +209,10 @@ def main(argv=None) -> None:
         seeds = parse_seeds(args.seeds) if args.seeds else None
     except ValueError as e:
         ap.error(str(e))
+    if seeds is not None and args.seed is not None:
+        ap.error("give --seed or --seeds, not both")
+    if args.seed is None:
+        args.seed = 0
 
     import jax  # after argument errors: importing JAX takes seconds
 
