@@ -65,24 +65,25 @@ def time_fn(fn, args, warmup: int, runs: int) -> float:
     return time_interleaved([(fn, args)], warmup, runs)[0][0]
 
 
-# One pass each, at the benchmark's shape (see --ops).
-PASSES = {
-    "lp * m  (writes one [N,T] array)": lambda lp, old, m: lp * m,
-    "exp(lp - old)  (writes one [N,T] array)": lambda lp, old, m: jnp.exp(lp - old),
-    "clip(where(m > 0, lp - old, 0), -20, 20)  (writes one)":
-        lambda lp, old, m: jnp.clip(jnp.where(m > 0, lp - old, 0.0), -20.0, 20.0),
-    "sum(m * (lp - old), -1)  (one row reduction)": lambda lp, old, m: jnp.sum(m * (lp - old), -1),
-    "sum(m * exp(lp - old), -1)  (one row reduction)":
-        lambda lp, old, m: jnp.sum(m * jnp.exp(lp - old), -1),
-}
+# One pass each, at the benchmark's shape (see --ops): (op, what it does, fn).
+PASSES = (
+    ("lp * m", "writes one [N,T] array", lambda lp, old, m: lp * m),
+    ("exp(lp - old)", "writes one [N,T] array", lambda lp, old, m: jnp.exp(lp - old)),
+    ("clip(where(m > 0, lp - old, 0), -20, 20)", "writes one",
+     lambda lp, old, m: jnp.clip(jnp.where(m > 0, lp - old, 0.0), -20.0, 20.0)),
+    ("sum(m * (lp - old), -1)", "one row reduction",
+     lambda lp, old, m: jnp.sum(m * (lp - old), -1)),
+    ("sum(m * exp(lp - old), -1)", "one row reduction",
+     lambda lp, old, m: jnp.sum(m * jnp.exp(lp - old), -1)),
+)
 
 
 def time_passes(x, warmup: int, runs: int) -> None:
     args = (x["logp"], x["old"], x["mask"])
-    calls = [(jax.jit(f), args) for f in PASSES.values()]
+    times = time_interleaved([(jax.jit(fn), args) for _, _, fn in PASSES], warmup, runs)
     print("| op | median us | min us |\n|---|---:|---:|")
-    for name, (med, mn) in zip(PASSES, time_interleaved(calls, warmup, runs)):
-        print(f"| `{name.split('  ')[0]}` {name.split('  ')[1]} | {med * 1e3:.0f} | {mn * 1e3:.0f} |")
+    for (op, what, _), (med, mn) in zip(PASSES, times):
+        print(f"| `{op}` ({what}) | {med * 1e3:.0f} | {mn * 1e3:.0f} |")
 
 
 def main():

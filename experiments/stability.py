@@ -76,16 +76,26 @@ def finished(workdir: str, steps: int) -> bool:
     return any(r["step"] >= steps and "eval_reward_mean" in r for r in recs)
 
 
+def rl_stats(workdir: str, metrics) -> tuple[list[float], dict[str, float]]:
+    """A run's held-out rewards over its RL phase, and the mean over RL steps of each
+    metric in ``metrics`` that it logged."""
+    recs = [r for r in read_metrics(workdir) if r.get("phase") == "rl"]
+    evals = [r["eval_reward_mean"] for r in recs if "eval_reward_mean" in r]
+    means = {}
+    for m in metrics:
+        xs = [r[m] for r in recs if isinstance(r.get(m), (int, float))]
+        if xs:
+            means[m] = statistics.fmean(xs)
+    return evals, means
+
+
 def summarize(workdirs: dict[str, str]) -> str:
     head = ["variant", "eval reward: first", "last", "best"] + [f"mean {m}" for m in SUMMARY_METRICS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, wd in workdirs.items():
-        recs = [r for r in read_metrics(wd) if r.get("phase") == "rl"]
-        ev = [r["eval_reward_mean"] for r in recs if "eval_reward_mean" in r]
+        ev, means = rl_stats(wd, SUMMARY_METRICS)
         row = [variant, f"{ev[0]:.3f}", f"{ev[-1]:.3f}", f"{max(ev):.3f}"] if ev else [variant, "-", "-", "-"]
-        for m in SUMMARY_METRICS:
-            xs = [r[m] for r in recs if isinstance(r.get(m), (int, float))]
-            row.append(f"{statistics.fmean(xs):.4g}" if xs else "-")
+        row += [f"{means[m]:.4g}" if m in means else "-" for m in SUMMARY_METRICS]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -101,13 +111,10 @@ def summarize_seeds(runs: dict[int, dict[str, str]]) -> str:
     for variant in variants:
         last, diag = [], {m: [] for m in SEED_METRICS}
         for s in seeds:
-            recs = [r for r in read_metrics(runs[s][variant]) if r.get("phase") == "rl"]
-            ev = [r["eval_reward_mean"] for r in recs if "eval_reward_mean" in r]
+            ev, means = rl_stats(runs[s][variant], SEED_METRICS)
             last.append(ev[-1] if ev else None)
-            for m in SEED_METRICS:
-                xs = [r[m] for r in recs if isinstance(r.get(m), (int, float))]
-                if xs:
-                    diag[m].append(statistics.fmean(xs))
+            for m, x in means.items():
+                diag[m].append(x)
         got = [x for x in last if x is not None]
         row = [variant] + [f"{x:.3f}" if x is not None else "-" for x in last]
         row += [f"{statistics.fmean(got):.3f}", f"{min(got):.3f}", f"{max(got):.3f}"] if got else ["-"] * 3

@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from experiments import stability  # noqa: E402
@@ -71,12 +73,11 @@ def test_summarize_and_plot_seeds(tmp_path):
     assert out.stat().st_size > 0
 
 
-def test_parse_seeds_rejects_bad_lists():
+def test_parse_seeds():
     assert stability.parse_seeds("0, 1,2") == [0, 1, 2]
-    for bad in ("", "0,0", "a,1"):
-        try:
-            stability.parse_seeds(bad)
-        except ValueError as e:
-            assert "--seeds" in str(e)
-        else:
-            raise AssertionError(f"accepted {bad!r}")
+
+
+@pytest.mark.parametrize("bad", ["", "0,0", "a,1"])
+def test_parse_seeds_rejects_bad_lists(bad):
+    with pytest.raises(ValueError, match="--seeds"):
+        stability.parse_seeds(bad)
