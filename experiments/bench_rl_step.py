@@ -5,7 +5,10 @@
 
 Reports the share of step time in rollout (sampling, rewards, advantages),
 old log-probs and the update, and the update's achieved FLOP/s against this
-machine's dense f32 matmul FLOP/s measured in the same run. The update's FLOPs
+machine's dense f32 matmul FLOP/s measured in the same run. It also times the
+config's objective alone (jitted value and gradient with its metrics, on the
+update's own old log-probs, advantages, mask, reference log-probs and router
+shift) and gives its share of one update. The update's FLOPs
 come from XLA's cost analysis of the compiled train step. The policy is the
 config's freshly initialised model (no warm start): its responses run to
 max_new_tokens more often than a trained policy's, so rollout time is an upper
@@ -26,7 +29,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default as default_config  # noqa: E402
 from experiments.bench_model import matmul_peak  # noqa: E402
 
-from gspo_jax import train  # noqa: E402
+from experiments.bench_objectives import time_fn  # noqa: E402
+from gspo_jax import objectives, train  # noqa: E402
+
+
+def objective_ms(cfg, mini, warmup: int = 3, runs: int = 21) -> float:
+    """Median ms of the objective's jitted value-and-grad with metrics, on a mini-batch.
+
+    The current log-probs are the old ones shifted by a little noise, so that some
+    tokens clip; the router shift is drawn in [0.5, 1].
+    """
+    fn = objectives.get(cfg.objective)
+    old, mask = mini["old_logp"], mini["mask"].astype(np.float32)
+    noise = jax.random.normal(jax.random.key(1), old.shape) * 0.1
+    extra = {}
+    if mini.get("ref_logp") is not None:
+        extra["ref_logp"] = mini["ref_logp"]
+    if fn.needs_router_shift:
+        extra["router_shift"] = jax.random.uniform(jax.random.key(2), old.shape, minval=0.5, maxval=1.0)
+
+    @jax.jit
+    def vg(lp):
+        return jax.value_and_grad(lambda x: fn(x, old, mini["advantages"], mask, **extra, **cfg.hparam_dict),
+                                  has_aux=True)(lp)
+
+    return time_fn(vg, (old + noise,), warmup, runs)
 
 
 def main(argv=None):
@@ -59,6 +86,7 @@ def main(argv=None):
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops_per_update = float(cost["flops"])
     peak = matmul_peak()
+    obj_ms = objective_ms(trainer.step_cfg, mini)
 
     def mean(k):
         return float(np.mean([m[k] for m in ms]))
@@ -79,6 +107,9 @@ def main(argv=None):
           f"{achieved / 1e9:.1f} GFLOP/s achieved; dense f32 matmul peak in this run {peak / 1e9:.1f} GFLOP/s "
           f"-> {achieved / peak:.1%} of peak")
     print(f"tokens/s (generated + trained): {mean('tokens_per_s'):.0f}")
+    upd_ms = upd_t / updates * 1e3
+    print(f"objective {trainer.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
+          f"tokens): {obj_ms:.3f} ms median, {obj_ms / upd_ms:.3%} of one update ({upd_ms:.0f} ms)")
 
 
 if __name__ == "__main__":
