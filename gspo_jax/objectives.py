@@ -384,11 +384,14 @@ def _seq_mean(x: Array, b: _Batch) -> Array:
     return _safe_div(jnp.sum(b.seq_valid * x), b.num_seqs)
 
 
-# Metrics are computed in one pass over blocks of rows (`lax.map`), so that the
-# intermediates of all of them stay in cache: XLA:CPU neither fuses sibling
+# On CPU, metrics are computed in one pass over blocks of rows (`lax.map`), so that
+# the intermediates of all of them stay in cache: XLA:CPU neither fuses sibling
 # reductions nor keeps a shared producer live between them, and separate full-size
-# reductions cost several times the loss itself at N x T = 512 x 2048.
+# reductions cost several times the loss itself at N x T = 512 x 2048. GPU and TPU
+# compilers fuse sibling reductions into one kernel over the whole array, where a
+# sequential loop of small blocks would only add launches: there, one block.
 _BLOCK_ELEMENTS = 16384
+_BLOCKED_BACKENDS = ("cpu",)
 _LN2 = math.log(2.0)
 
 # A token statistic: (reduction, per-token f32 values, value used where mask = 0).
@@ -397,8 +400,11 @@ _LN2 = math.log(2.0)
 TokenStats = dict[str, tuple[str, Array, float]]
 
 
-def _block_rows(n: int, t: int) -> int:
-    """The largest divisor of n whose block of rows holds <= _BLOCK_ELEMENTS elements."""
+def _block_rows(n: int, t: int, backend: str = "cpu") -> int:
+    """Rows per metrics block: on a backend in _BLOCKED_BACKENDS, the largest divisor
+    of n whose block holds <= _BLOCK_ELEMENTS elements; elsewhere all n rows."""
+    if backend not in _BLOCKED_BACKENDS:
+        return n
     best = 1
     for rows in range(1, n + 1):
         if n % rows == 0 and rows * t <= _BLOCK_ELEMENTS:
@@ -421,7 +427,7 @@ def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
     """
     sg = jax.lax.stop_gradient
     n, t = logp.shape
-    rows = _block_rows(n, t)
+    rows = _block_rows(n, t, jax.default_backend())
 
     def block(xs):
         lp, old, m, extra = xs

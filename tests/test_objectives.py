@@ -779,6 +779,7 @@ def test_blocked_metrics_pass_equals_single_block(name, monkeypatch):
     kw = dict(extra_kwargs(name, (n, t), gamma=rs.uniform(0.5, 1, (n, t)).astype(np.float32)),
               ref_logp=old, kl_coef=0.1)
     assert O._block_rows(n, t) == 4
+    assert O._block_rows(n, t, "gpu") == O._block_rows(n, t, "tpu") == n
     blocked = jax.jit(lambda *a: O.get(name)(*a, **kw))(lp, old, adv, mask)
     monkeypatch.setattr(O, "_BLOCK_ELEMENTS", n * t)
     single = jax.jit(lambda *a: O.get(name)(*a, **kw))(lp, old, adv, mask)
