@@ -79,7 +79,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count", "compile_cache_size"]
+__all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count"]
 
 # Number of times the generation function has been traced (= compiled), per
 # static shape bucket.  Tests assert it stays at one per bucket.
@@ -539,14 +539,6 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
 
 
 _generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("spec",))
-
-
-def compile_cache_size() -> int:
-    """Number of executables in the generation function's C++ dispatch cache.
-
-    That cache is shared by every jitted function of the process and evicts, so
-    in a long session this can undercount; `trace_count` counts compiles."""
-    return _generate_jit._cache_size()
 
 
 # ----------------------------------------------------------------------------

@@ -377,9 +377,9 @@ def test_compile_count_is_one_per_bucket(sampler):
     sampler([[2] * 30, [4], [5] * 17, [6] * 2], temperature=0.9, top_p=0.5, eos_id=9, **kw)
     assert rollout.trace_count((8, 32, 5)) == 1
     # Every compile starts with a trace of `_generate`, and jit traces only on a miss
-    # of its cache, so two traces means two compiles. (The C++ dispatch cache that
-    # `compile_cache_size` reads is a process-wide LRU shared with every other jitted
-    # function, so its size is not a reliable count in a long test session.)
+    # of its cache, so two traces means two compiles. (jit's C++ dispatch cache is a
+    # process-wide LRU shared with every other jitted function, so its size is not a
+    # reliable count in a long test session.)
     assert rollout.trace_count() - before == 2
 
 
