@@ -17,7 +17,8 @@ Arrays (``../shared/design/objectives.md`` is the exact specification):
   ``logp``          f32[N,T]  log pi_theta(o_t | q, o_<t) of the sampled token (differentiated).
   ``old_logp``      f32[N,T]  the same under pi_old (treated as a constant).
   ``advantages``    f32[N] (one per sequence) or f32[N,T] (per token; token-level
-                    objectives only). f32[N] is broadcast over T explicitly.
+                    objectives only). f32[N] is broadcast over T explicitly. Ignored
+                    where they meet no valid token (empty rows, padding), even NaN.
   ``mask``          f32[N,T]  1 on response tokens that count, 0 elsewhere (or bool).
   ``ref_logp``      f32[N,T]  log pi_ref, required when ``kl_coef > 0``.
   ``router_shift``  f32[N,T]  RSPO's gamma in (0, 1] on valid tokens and >= 0 on
@@ -498,10 +499,21 @@ def _clip_stats(hi: Array, lo: Array, adv: Array) -> TokenStats:
     return {"clip_frac_low": ("mean", _f32(lo), 0.0), "clip_frac_high": ("mean", _f32(hi), 0.0)}
 
 
-def _adv2d(advantages: Array) -> Array:
-    """Stop-gradient f32 advantages as [N,1] (from [N]) or [N,T]: equal rank with [N,T]."""
-    adv = jax.lax.stop_gradient(_f32(advantages))
-    return adv[:, None] if adv.ndim == 1 else adv
+def _adv1d(advantages: Array, b: _Batch) -> Array:
+    """Stop-gradient f32[N] advantages, 0 on rows with no valid token.
+
+    A row with n_i = 0 contributes nothing, whatever its advantage: zeroing it here
+    keeps a NaN or inf there (padding rows) out of the loss, where 0 * NaN is NaN.
+    """
+    return jnp.where(b.seq_valid > 0, jax.lax.stop_gradient(_f32(advantages)), 0.0)
+
+
+def _adv2d(advantages: Array, b: _Batch) -> Array:
+    """Stop-gradient f32 advantages as [N,1] (from [N]) or [N,T] (equal rank with [N,T]),
+    0 where they meet no valid token (`_adv1d`; per token: where mask = 0)."""
+    if jnp.ndim(advantages) == 1:
+        return _adv1d(advantages, b)[:, None]
+    return jnp.where(b.valid, jax.lax.stop_gradient(_f32(advantages)), 0.0)
 
 
 def _kl_values(logp, ref_logp, valid, kind: str) -> Array:
@@ -593,7 +605,7 @@ def _clip_terms(hp, seq_ratio: bool):
 def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """ppo / grpo / dr_grpo / dapo: l_t = max(-A r_t, -A clip(r_t, 1-eps_low, 1+eps_high))."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _adv2d(advantages)
+    adv = _adv2d(advantages, b)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _loss(logp, old_logp, b, _loss_aux(adv, ref_logp, hp),
                  [_token_part(_clip_terms(hp, seq_ratio=False), b, hp["agg"], norm_len, adv),
@@ -610,7 +622,7 @@ def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift,
             out["dual_clip_frac"] = ("mean", _f32((a < 0) & (d > math.log(hp["dual_clip"]))), 0.0)
         return out
 
-    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
                              _with_kl(stats, hp))
     metrics.setdefault("dual_clip_frac", jnp.zeros((), jnp.float32))
     return loss, metrics
@@ -638,13 +650,13 @@ def _gspo_outer(hp):
 def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high)), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = jax.lax.stop_gradient(_f32(advantages))
+    adv = _adv1d(advantages, b)
     loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp),
                  [_seq_part(_delta_terms, _gspo_outer(hp), b, adv),
                   *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
     s = jnp.exp(_seq_mean_delta(b))  # f32[N], for the metrics
     _, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
-    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
                              _with_kl(lambda *a: {}, hp))
     hi, lo = _f32(hi), _f32(lo)  # f32[N], per sequence
     metrics["seq_clip_frac_low"] = _seq_mean(lo, b)
@@ -660,7 +672,7 @@ def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
 def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GSPO-token: log s_hat_{i,t} = sg(mean_delta_i) + delta_t - sg(delta_t), token clip."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _adv2d(advantages)
+    adv = _adv2d(advantages, b)
     # s_hat has value s_i at every token and d s_hat / d logp_t = s_i (through delta_t,
     # which carries the same [-20, 20] clip as GSPO's mean_delta, so the two gradients
     # agree exactly); see `_clip_terms`.
@@ -678,7 +690,7 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
         return _clip_stats(hi, lo, a)
 
     metrics = _token_metrics(b, logp, old_logp, mask,
-                             _metric_inputs(advantages, ref_logp, hp, s=s[:, None]),
+                             _metric_inputs(adv, ref_logp, hp, s=s[:, None]),
                              _with_kl(stats, hp))
     metrics["seq_ratio_mean"] = _seq_mean(s, b)
     return loss, metrics
@@ -707,7 +719,7 @@ def _cispo_terms(hp):
 def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """CISPO: l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A_t logp_t; every token keeps a gradient."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _adv2d(advantages)
+    adv = _adv2d(advantages, b)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     loss = _loss(logp, old_logp, b, _loss_aux(adv, ref_logp, hp),
                  [_token_part(_cispo_terms(hp), b, hp["agg"], norm_len, adv),
@@ -720,7 +732,7 @@ def _cispo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
                 "is_weight_mean": ("mean", w, 0.0),
                 "is_weight_max": ("max", w, 0.0)}
 
-    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
                              _with_kl(stats, hp))
     return loss, metrics
 
@@ -778,11 +790,11 @@ def _geo_seq_ratio_mean(hp, logp, old_logp, b: _Batch, aux: dict) -> Array:
 def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """GMPO: l_i = -A_i exp(mean_t delta*_t), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = jax.lax.stop_gradient(_f32(advantages))
+    adv = _adv1d(advantages, b)
     loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp),
                  [_seq_part(_geo_terms(hp), _geo_outer, b, adv),
                   *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
-    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
                              _geo_stats(hp))
     metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b, {"adv": adv[:, None]})
     return loss, metrics
@@ -791,13 +803,13 @@ def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
 def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """RSPO: l_i = -A_i exp(mean_t delta*_t) exp(mean_t log gamma_t), mean over sequences."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = jax.lax.stop_gradient(_f32(advantages))
+    adv = _adv1d(advantages, b)
     gamma = jax.lax.stop_gradient(_f32(router_shift))
     loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp, gamma=gamma),
                  [_seq_part(_geo_terms(hp), _geo_outer, b, adv),
                   *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
     metrics = _token_metrics(b, logp, old_logp, mask,
-                             _metric_inputs(advantages, ref_logp, hp, gamma=gamma),
+                             _metric_inputs(adv, ref_logp, hp, gamma=gamma),
                              _geo_stats(hp))
     metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b,
                                                     {"adv": adv[:, None], "gamma": gamma})
@@ -834,7 +846,7 @@ def _sapo_terms(hp, per_token: bool):
 def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     """SAPO: l_t = -A_t (4/tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A > 0 else tau_neg."""
     b = _prepare(logp, old_logp, mask, norm)
-    adv = _adv2d(advantages)
+    adv = _adv2d(advantages, b)
     norm_len = hp["norm_len"] or b.delta.shape[1]
     per_token = adv.shape[1] != 1
     if per_token:
@@ -851,7 +863,7 @@ def _sapo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
         gate = 4.0 * q * (1.0 - q)  # gradient weight relative to -A r grad logp
         return {"sapo_gate_mean": ("mean", gate, 0.0), "sapo_gate_min": ("min", gate, 1.0)}
 
-    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(advantages, ref_logp, hp),
+    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
                              _with_kl(stats, hp))
     return loss, metrics
 

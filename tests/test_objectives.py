@@ -640,6 +640,29 @@ def test_all_masked_batch_is_exactly_zero(name):
 
 
 @pytest.mark.parametrize("name", O.names())
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_advantage_where_nothing_is_valid_is_ignored(name, bad):
+    """A non-finite advantage on an empty row, or per token on padding, changes nothing
+    (0 * NaN would otherwise make the loss and every gradient NaN)."""
+    lp, old, adv, mask = hand_batch()  # row 2 has no valid token
+    kw = dict(extra_kwargs(name, lp.shape), ref_logp=old + 0.1, kl_coef=0.05)
+    fn = O.get(name)
+    loss, metrics = fn(lp, old, adv, mask, **kw)
+    grad = grad_of(name, lp, old, adv, mask, **kw)
+    cases = [adv.at[2].set(bad)]
+    if not fn.sequence_level:
+        adv_tok = jnp.broadcast_to(adv[:, None], lp.shape)
+        cases.append(jnp.where(mask > 0, adv_tok, bad))
+    for a in cases:
+        loss_b, metrics_b = fn(lp, old, a, mask, **kw)
+        assert float(loss_b) == pytest.approx(float(loss), rel=1e-6)
+        np.testing.assert_allclose(grad_of(name, lp, old, a, mask, **kw), grad,
+                                   rtol=1e-6, atol=1e-9)
+        for key, value in metrics.items():
+            np.testing.assert_allclose(metrics_b[key], value, rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("name", O.names())
 @pytest.mark.parametrize("big", [50.0, -50.0])
 def test_extreme_log_ratios_are_finite(name, big):
     lp, old, adv, mask = hand_batch()
