@@ -311,7 +311,11 @@ class Trainer:
 
     # ---- RL ---------------------------------------------------------------
 
-    def _rollout(self, params, examples, rng, *, greedy: bool = False, num_samples: int | None = None):
+    def _rollout(self, params, examples, rng, *, greedy: bool = False,
+                 num_samples: int | None = None, prompt_ids=None):
+        """Samples ``num_samples`` (default: the group size) per example. ``prompt_ids``
+        (distinct, one per example) key each prompt's samples; default: the examples'
+        split indices."""
         c, tok = self.c, self.tokenizer
         ids = [encode_prompt(tok, ex.prompt) for ex in examples]
         g = num_samples or int(c.rollout.group_size)
@@ -325,7 +329,7 @@ class Trainer:
             top_k=0 if greedy else int(c.rollout.top_k),
             eos_id=tok.eos_id,
             pad_id=tok.pad_id,
-            prompt_ids=[ex.index for ex in examples],
+            prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
             state=params,
         )
 
@@ -373,7 +377,10 @@ class Trainer:
             pos = (step_idx * rounds + rnd) * n_prompts
             examples = self.train_data.batch(pos, n_prompts)
             t0 = time.perf_counter()
-            ro = self._rollout(params, examples, jax.random.fold_in(rng, rnd))
+            # Keyed by data stream id, not split index: a batch across an epoch boundary
+            # may hold one example twice, and the sampler needs distinct ids.
+            ro = self._rollout(params, examples, jax.random.fold_in(rng, rnd),
+                               prompt_ids=self.train_data.stream_ids(pos, n_prompts).tolist())
             ro = jax.device_get(ro)
             sample_time += time.perf_counter() - t0
             texts = self._texts(ro)

@@ -180,6 +180,20 @@ def test_source_order_is_pure_function_of_position(cd_source):
     cd_source.batch(-1, 2)
 
 
+def test_stream_ids_are_distinct_across_an_epoch_boundary(cd_source):
+  n = len(cd_source)
+  np.testing.assert_array_equal(cd_source.stream_ids(5, 40), cd_source.indices(5, 40))
+  # Batches of 64 that cross the boundary; some hold an example twice.
+  repeats = 0
+  for pos in range(n - 63, n):
+    idx, ids = cd_source.indices(pos, 64), cd_source.stream_ids(pos, 64)
+    repeats += len(set(idx.tolist())) < 64
+    assert len(set(ids.tolist())) == 64
+    np.testing.assert_array_equal(ids % n, idx)
+    np.testing.assert_array_equal(ids // n, np.arange(pos, pos + 64) // n)
+  assert repeats > 0
+
+
 def test_iterator_resume_is_exact(cd_source):
   run = PromptIterator(cd_source)
   uninterrupted = [[e.index for e in run.next(64)] for _ in range(8)]  # crosses epochs

@@ -163,6 +163,26 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
     assert os.path.isdir(tmp_path / "checkpoints" / "rl" / "2")
 
 
+def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_path):
+    """A prompt batch across an epoch boundary may hold one example twice (tail of one
+    epoch, head of the next); the sampler still gets distinct prompt ids."""
+    from gspo_jax import train
+
+    c = default_config.get_config("smoke")
+    c.task.data_dir = data_dir
+    c.progress_bar = False
+    t = train.Trainer(c, str(tmp_path))
+    n, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
+    src = t.train_data
+    src._size = 2 * n + 2  # epochs of 2n + 2 examples: the batch of step 2 crosses one
+    orders = {0: np.arange(src._size), 1: np.roll(np.arange(src._size), 1)}
+    src.order = lambda epoch: orders[epoch]  # epoch 1 starts with epoch 0's last example
+    assert len(set(src.indices(2 * n, n).tolist())) < n
+    batch, _ = t.collect(t._init_params, 2, jax.random.key(0))
+    assert batch["mask"].shape[0] == n * g
+    assert np.isfinite(batch["advantages"]).all()
+
+
 @pytest.mark.slow
 def test_smoke_ppo_with_critic(data_dir, tmp_path):
     """PPO with a value head and GAE advantages through the whole loop."""

@@ -136,6 +136,16 @@ class PromptSource:
       out[sel] = self.order(int(epoch))[pos[sel] % self._size]
     return out
 
+  def stream_ids(self, position: int, batch_size: int) -> np.ndarray:
+    """int64[batch_size]: ``epoch * len(self) + split index`` of each position.
+
+    Distinct within any batch, including one that crosses an epoch boundary (where
+    the tail of one epoch and the head of the next may hold the same example), and
+    equal to the split index in epoch 0: ids for the sampler's per-prompt keys.
+    """
+    pos = np.arange(position, position + batch_size)
+    return (pos // self._size) * self._size + self.indices(position, batch_size)
+
   def batch(self, position: int, batch_size: int) -> list[prompts.Example]:
     """The ``batch_size`` examples starting at data position ``position``.
 
