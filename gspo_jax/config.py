@@ -270,10 +270,16 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     if c.model.pretrained and c.tokenizer == "char":
         raise _err("tokenizer", "a pretrained model needs its own tokenizer: set it to the checkpoint directory")
     if not c.model.pretrained:
-        if int(f.top_k) > int(f.num_experts):
-            raise _err("model.fields.top_k", f"top_k={f.top_k} exceeds num_experts={f.num_experts}")
-        if int(f.top_k) < 1:
-            raise _err("model.fields.top_k", f"must be >= 1, got {f.top_k}")
+        if int(f.num_experts) < 0:
+            raise _err("model.fields.num_experts", f"must be >= 0 (0: a dense model), got {f.num_experts}")
+        if int(f.num_experts) > 0:
+            if int(f.top_k) > int(f.num_experts):
+                raise _err("model.fields.top_k", f"top_k={f.top_k} exceeds num_experts={f.num_experts}")
+            if int(f.top_k) < 1:
+                raise _err("model.fields.top_k", f"must be >= 1, got {f.top_k}")
+        elif c.updates.routing_replay != "none":
+            raise _err("updates.routing_replay", f"{c.updates.routing_replay!r} needs MoE layers; "
+                       "model.fields.num_experts=0 is a dense model: use 'none'")
         if int(f.num_heads) % int(f.num_kv_heads):
             raise _err("model.fields.num_kv_heads", f"must divide num_heads={f.num_heads}")
 

@@ -60,6 +60,8 @@ def router_shift(old_router_logp_at_old_topk: Array, new_router_logp_at_old_topk
     if isinstance(gamma_min, bool) or not isinstance(gamma_min, (int, float)) or \
             not 0.0 < gamma_min <= 1.0:
         raise ValueError(f"router_shift: gamma_min must be in (0, 1], got {gamma_min!r}")
+    if old.shape[2] * old.shape[3] == 0:  # no MoE layer (a dense model): no router to shift
+        return jnp.ones(old.shape[:2], jnp.float32)
     shift = jnp.mean(jnp.abs(new.astype(jnp.float32) - old.astype(jnp.float32)), axis=(2, 3))
     return jax.lax.stop_gradient(jnp.maximum(gamma_min, jnp.exp(-shift)))
 
@@ -84,16 +86,21 @@ def expert_flip_fraction(old_idx: Array, new_idx: Array, mask: Array) -> Array:
       mask: f32[N,T] tokens that count.
 
     Returns:
-      f32[L]; 0 when no token counts.
+      f32[L]; 0 when no token counts (and f32[0] for a model with no MoE layer).
     """
     missing, m = _missing(old_idx, new_idx, mask, "expert_flip_fraction")
+    if missing.shape[3] == 0:  # no expert per token: nothing can flip
+        return jnp.zeros(missing.shape[2], jnp.float32)
     per_tok_layer = jnp.mean(missing, axis=-1)  # [N,T,L]
     total = jnp.einsum("ntl,nt->l", per_tok_layer, m)
     return total / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def token_flip_rate(old_idx: Array, new_idx: Array, mask: Array) -> Array:
-    """Share of valid tokens whose top-K set changed in at least one layer (f32[])."""
+    """Share of valid tokens whose top-K set changed in at least one layer (f32[]);
+    0 for a model with no MoE layer."""
     missing, m = _missing(old_idx, new_idx, mask, "token_flip_rate")
+    if missing.shape[2] * missing.shape[3] == 0:
+        return jnp.zeros((), jnp.float32)
     flipped = jnp.max(missing, axis=(2, 3))  # [N,T]
     return jnp.sum(m * flipped) / jnp.maximum(jnp.sum(m), 1.0)

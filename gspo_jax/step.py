@@ -115,13 +115,43 @@ def _split_micro(tree, m: int):
     return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), tree)
 
 
+# How the non-objective metrics of a micro-batch merge into the mini-batch's
+# (`_accumulate`). By default a metric is written as this micro-batch's share of the
+# mini-batch value (a token mean times the micro-batch's share of the tokens), so the
+# sum over micro-batches is exact. These take the minimum, and these the mean over
+# micro-batches: per-micro-batch quantities (the load-balancing loss is a product of
+# two means over a batch, optimised per micro-batch; the replay mismatch is a rate
+# over all routed positions).
+_MERGE_MIN = frozenset({"router_shift_min"})
+_MERGE_MEAN = frozenset({"aux_loss", "replay_mismatch", "replay_mismatch_layer"})
+
+
+def _merge_other(stacked: dict) -> dict:
+    """Merges stacked (leading micro-batch axis) non-objective metrics; see above."""
+    out = {}
+    for key, x in stacked.items():
+        if key in _MERGE_MIN:
+            out[key] = jnp.min(x, axis=0)
+        elif key in _MERGE_MEAN:
+            out[key] = jnp.mean(x, axis=0)
+        else:
+            out[key] = jnp.sum(x, axis=0)
+    return out
+
+
+def _share(mask, total) -> jax.Array:
+    """This micro-batch's share of the mini-batch's ``total`` valid tokens."""
+    return jnp.sum(mask.astype(jnp.float32)) / jnp.maximum(total, 1.0)
+
+
 def _accumulate(loss_fn, params, batch, m: int):
     """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan).
 
     ``loss_fn`` returns ``(loss, (objective_metrics, other_metrics))``, with the
     loss of each micro-batch already scaled by the whole mini-batch's
-    denominators, so the sum is the mini-batch loss exactly. Objective metrics
-    are merged exactly (`objectives.combine_metrics`); the others are averaged.
+    denominators, so the sum is the mini-batch loss exactly (but for the
+    load-balancing loss, taken per micro-batch). Objective metrics are merged
+    exactly (`objectives.combine_metrics`), the others by `_merge_other`.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if m == 1:
@@ -136,7 +166,7 @@ def _accumulate(loss_fn, params, batch, m: int):
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), (obj_m, other_m) = jax.lax.scan(
         body, (jnp.zeros((), jnp.float32), zeros), _split_micro(batch, m))
-    metrics = {**(objectives.combine_metrics(obj_m) if obj_m else {}), **jax.tree.map(lambda x: jnp.mean(x, axis=0), other_m)}
+    metrics = {**(objectives.combine_metrics(obj_m) if obj_m else {}), **_merge_other(other_m)}
     return loss, metrics, grads
 
 
@@ -210,10 +240,18 @@ def logprob_pass(params, batch: Batch, *, graphdef, replay_key: str | None = Non
 # The policy update.
 
 
-def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
+def router_tokens(batch: Batch) -> jax.Array:
+    """f32[]: the positions the router sees as valid (the model's attention mask)."""
+    return jnp.sum(sequence_inputs(batch)[3].astype(jnp.float32))
+
+
+def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_router_tokens):
     """The objective on one (micro-)batch, scaled by whole-mini-batch denominators.
 
-    Returns ``(loss, (objective_metrics, other_metrics))``.
+    ``norm`` holds the mini-batch's response counts (`objectives.normalizer`) and
+    ``num_router_tokens`` its `router_tokens`. Returns
+    ``(loss, (objective_metrics, other_metrics))``; the other metrics merge over
+    micro-batches by `_merge_other`.
     """
     model = nnx.merge(graphdef, params)
     replay = batch.get("replay")
@@ -221,6 +259,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
     logp, entropy, values, aux = _forward(model, batch, replay, values=critic)
     mask = batch["mask"].astype(jnp.float32)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    share = _share(mask, norm.num_tokens)  # of the mini-batch's response tokens
 
     # Routing: the current router's log-probs at the old top-K experts give
     # RSPO's γ; the current top-K against the old one gives the flip rates.
@@ -244,28 +283,35 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm):
     if critic:
         vloss, value_metrics = objectives.value_loss(
             values, batch["old_values"], batch["returns"], mask, clip_eps=cfg.value_clip, normalizer=norm)
-        loss = loss + cfg.value_coef * vloss
-        value_metrics = dict(value_metrics, value_loss=vloss)
-    # The router losses are means over each micro-batch: 1/m each sums to the mean.
-    loss = loss + aux.loss(cfg.aux_loss_coef, cfg.z_loss_coef) / cfg.micro_batches
+        loss = loss + cfg.value_coef * vloss  # vloss: already this micro-batch's share
+        value_metrics = {k: v * share for k, v in value_metrics.items()}
+        value_metrics["value_loss"] = vloss
+    # Router losses. z_loss is a mean over the router's valid positions: weighted by
+    # this micro-batch's share of them, the sum over micro-batches is the mini-batch's.
+    # The load-balancing loss is a product of two means over a batch, so it is taken
+    # per micro-batch and averaged (as MoE trainers do); exact only when m = 1.
+    z_share = router_tokens(batch) / jnp.maximum(num_router_tokens, 1.0)
+    loss = loss + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches \
+        + cfg.z_loss_coef * aux.z_loss * z_share
 
     n_tok = jnp.maximum(jnp.sum(mask), 1.0)
     cur_topk = response_slice(aux.topk_indices, p, t)
     flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)
     other = {
-        "entropy": jnp.sum(entropy * mask) / n_tok,
+        "entropy": jnp.sum(entropy * mask) / n_tok * share,
         "aux_loss": aux.aux_loss,
-        "z_loss": aux.z_loss,
-        "router_shift_mean": jnp.sum(gamma * mask) / n_tok,
+        "z_loss": aux.z_loss * z_share,
+        "router_shift_mean": jnp.sum(gamma * mask) / n_tok * share,
         "router_shift_min": jnp.min(jnp.where(mask > 0, gamma, 1.0)),
-        "expert_flip_frac_layer": flips,
-        "expert_flip_frac": jnp.mean(flips),
-        "token_flip_rate": routing.token_flip_rate(batch["old_topk"], cur_topk, mask),
+        "expert_flip_frac_layer": flips * share,
+        "expert_flip_frac": (jnp.mean(flips) if flips.size else jnp.zeros((), jnp.float32)) * share,
+        "token_flip_rate": routing.token_flip_rate(batch["old_topk"], cur_topk, mask) * share,
     }
     other.update(value_metrics)
     if replay is not None:
         other["replay_mismatch_layer"] = aux.replay_mismatch
-        other["replay_mismatch"] = jnp.mean(aux.replay_mismatch)
+        other["replay_mismatch"] = (jnp.mean(aux.replay_mismatch) if aux.replay_mismatch.size
+                                    else jnp.zeros((), jnp.float32))
     return loss, (obj_metrics, other)
 
 
@@ -280,7 +326,8 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, opt
     """
     del rng
     norm = objectives.normalizer(batch["mask"])
-    loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg, norm=norm)
+    loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg, norm=norm,
+                                num_router_tokens=router_tokens(batch))
     loss, metrics, grads = _accumulate(loss_fn, state.params, batch, cfg.micro_batches)
     new_state, norms = _apply_update(state, grads, loss, optimizer)
     return new_state, dict(metrics, loss=loss, **norms)
@@ -296,10 +343,9 @@ def sft_loss(params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, 
     logp, entropy, _, aux = _forward(model, batch, None)
     mask = batch["mask"].astype(jnp.float32)
     nll = -jnp.sum(logp * mask) / num_tokens
-    n_tok = jnp.maximum(jnp.sum(mask), 1.0)
-    metrics = {
-        "sft_nll": -jnp.sum(logp * mask) / n_tok,
-        "entropy": jnp.sum(entropy * mask) / n_tok,
+    metrics = {  # merged over micro-batches by `_merge_other`
+        "sft_nll": nll,
+        "entropy": jnp.sum(entropy * mask) / num_tokens,
         "aux_loss": aux.aux_loss,
     }
     return nll + aux_loss_coef * aux.aux_loss / micro_batches, ({}, metrics)

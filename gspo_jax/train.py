@@ -151,10 +151,17 @@ def _left_pad_to(x: np.ndarray, length: int, value) -> np.ndarray:
 
 
 def _mean_metrics(ms: list[dict]) -> dict:
+    """One RL step's summary of its updates' metrics: the mean over updates, but the
+    max of maxima (and of the running skip count) and the min of minima."""
     out = {}
     for k in ms[0]:
         vals = [np.asarray(m[k], np.float64) for m in ms]
-        out[k] = np.max(vals, axis=0) if k.endswith("_max") or k == "skipped_total" else np.mean(vals, axis=0)
+        if k.endswith("_max") or k == "skipped_total":
+            out[k] = np.max(vals, axis=0)
+        elif k.endswith("_min"):
+            out[k] = np.min(vals, axis=0)
+        else:
+            out[k] = np.mean(vals, axis=0)
     return out
 
 
@@ -197,6 +204,9 @@ class Trainer:
         non_params = nnx.split(model, nnx.Param, ...)[2]
         if jax.tree.leaves(non_params):
             raise ValueError("the model holds non-Param variables; the trainer expects parameters only")
+        if c.updates.routing_replay != "none" and self.model_cfg.num_moe_layers == 0:
+            raise ValueError(f"updates.routing_replay={c.updates.routing_replay!r} needs MoE layers; "
+                             "the model is dense (num_experts=0): use 'none'")
         self.graphdef = graphdef
         self.sampler = Sampler(graphdef, params, vocab_size=self.model_cfg.vocab_size, mesh=self.mesh)
         self._init_params = params

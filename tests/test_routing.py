@@ -19,6 +19,16 @@ def test_router_shift_hand_value():
     np.testing.assert_allclose(routing.router_shift(old, old), [[1.0]])
 
 
+def test_no_moe_layer_means_no_shift_and_no_flips():
+    """A dense model records [N,T,0,0]: gamma is 1, nothing flips (no NaN from an
+    empty mean, no error from an empty max)."""
+    empty = jnp.zeros((2, 3, 0, 0))
+    np.testing.assert_array_equal(routing.router_shift(empty, empty), np.ones((2, 3)))
+    idx, mask = jnp.zeros((2, 3, 0, 0), jnp.int32), jnp.ones((2, 3))
+    assert routing.expert_flip_fraction(idx, idx, mask).shape == (0,)
+    assert float(routing.token_flip_rate(idx, idx, mask)) == 0.0
+
+
 def test_router_shift_is_stop_gradient():
     old = jnp.zeros((1, 1, 2, 2))
     g = jax.grad(lambda x: routing.router_shift(old, x, gamma_min=0.01).sum())(old + 0.3)

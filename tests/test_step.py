@@ -60,20 +60,54 @@ def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coe
 
 @pytest.mark.parametrize("objective", ["grpo", "gspo", "rspo", "cispo"])
 def test_micro_batches_equal_whole_mini_batch(setup, objective):
-    """Splitting into 4 micro-batches gives the same loss, gradient norm
-    and update (a per-micro-batch denominator would change all three).
-
-    The router's load-balancing loss is a product of two means over a batch's
-    tokens, so it is computed per micro-batch (as everywhere) and is not part
-    of this identity: its coefficients are 0 here."""
-    s1, m1 = _run(setup, objective, 1)
+    """Splitting into 4 micro-batches gives the same loss, gradient norm, update and
+    metrics (a per-micro-batch denominator would change them all). The router z-loss
+    is in the identity; the load-balancing loss, a product of two means over a batch's
+    tokens, is taken per micro-batch (as everywhere) and is not: its coefficient is 0."""
+    s1, m1 = _run(setup, objective, 1, router_coefs=(0.0, 0.01))
     for micro in (4,):
-        s2, m2 = _run(setup, objective, micro)
+        s2, m2 = _run(setup, objective, micro, router_coefs=(0.0, 0.01))
         np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
         for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(m2["num_tokens"], m1["num_tokens"])
+        assert set(m1) == set(m2)
+        for key in sorted(set(m1) - {"aux_loss"}):
+            np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-7, err_msg=key)
+
+
+def test_step_metrics_merge_over_micro_batches():
+    """Token means merge weighted by tokens, the minimum by min, per-micro-batch
+    quantities by their mean (hand values)."""
+    stacked = {"entropy": jnp.asarray([0.25, 0.5]), "router_shift_min": jnp.asarray([0.7, 0.6]),
+               "aux_loss": jnp.asarray([1.0, 3.0]), "expert_flip_frac_layer": jnp.asarray([[0.1, 0.2], [0.3, 0.0]])}
+    out = step._merge_other(stacked)
+    np.testing.assert_allclose(out["entropy"], 0.75)
+    np.testing.assert_allclose(out["router_shift_min"], 0.6)
+    np.testing.assert_allclose(out["aux_loss"], 2.0)
+    np.testing.assert_allclose(out["expert_flip_frac_layer"], [0.4, 0.2])
+
+
+def test_dense_model_trains():
+    """A model with no MoE layer (num_experts=0): no router, so gamma = 1, nothing
+    flips, and every objective's step runs (RSPO is then GMPO)."""
+    cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rs = np.random.RandomState(1)
+    batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (N, P)), jnp.int32),
+             "prompt_mask": jnp.ones((N, P)), "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
+             "mask": jnp.ones((N, T)).at[2, 2:].set(0.0)}
+    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    assert old["topk_resp"].shape == (N, T, 0, 0)
+    batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
+                 advantages=jnp.asarray(rs.normal(size=N), jnp.float32))
+    for objective in ("gspo", "rspo"):
+        state, m = _run((graphdef, params, None), objective, 2, batch=batch, router_coefs=(0.01, 0.001))
+        assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0 and int(state.skipped) == 0
+        assert float(m["router_shift_mean"]) == 1.0 and float(m["router_shift_min"]) == 1.0
+        assert float(m["expert_flip_frac"]) == 0.0 and float(m["token_flip_rate"]) == 0.0
+        assert m["expert_flip_frac_layer"].shape == (0,)
 
 
 @pytest.mark.parametrize("objective", objectives.names())

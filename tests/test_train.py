@@ -163,6 +163,45 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
     assert os.path.isdir(tmp_path / "checkpoints" / "rl" / "2")
 
 
+def test_rl_step_summary_of_updates():
+    from gspo_jax import train
+
+    ms = [{"loss": 1.0, "logratio_abs_max": 0.5, "router_shift_min": 0.9, "skipped_total": 0, "layer": [1.0, 2.0]},
+          {"loss": 3.0, "logratio_abs_max": 0.2, "router_shift_min": 0.7, "skipped_total": 1, "layer": [3.0, 0.0]}]
+    out = train._mean_metrics(ms)
+    assert out["loss"] == 2.0 and out["logratio_abs_max"] == 0.5
+    assert out["router_shift_min"] == 0.7 and out["skipped_total"] == 1
+    np.testing.assert_array_equal(out["layer"], [2.0, 1.0])
+
+
+def test_routing_replay_on_a_dense_model_is_refused():
+    c = default_config.get_config("smoke")
+    c.model.fields.num_experts = 0
+    c.updates.routing_replay = "R3"
+    with pytest.raises(config_lib.ConfigError, match="updates.routing_replay"):
+        config_lib.validate(c, 1)
+
+
+@pytest.mark.slow
+def test_smoke_dense_model(data_dir, tmp_path):
+    """A dense policy (model.fields.num_experts=0) through the whole loop with RSPO:
+    no router, so gamma = 1 and nothing flips.
+
+    One device, in a subprocess: on 8 fake CPU devices the dense train step, once
+    loaded from the persistent compilation cache, hung in XLA:CPU's collectives
+    (7 devices waiting in one all-reduce, the 8th in another, until XLA aborts), in
+    three runs of three; compiled afresh it ran. The MoE programs do not do this."""
+    _run_subprocess(tmp_path, ["--config=configs/default.py:objective=rspo,smoke",
+                               "--config.model.fields.num_experts=0"], 1, data_dir=data_dir)
+    rl = _rl_records(tmp_path)
+    assert sorted(rl) == [0, 1, 2]
+    for step_ in (1, 2):
+        r = rl[step_]
+        assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["skipped_total"] == 0
+        assert r["router_shift_mean"] == 1.0 and r["expert_flip_frac"] == 0.0
+        assert r["expert_flip_frac_layer"] == []
+
+
 def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_path):
     """A prompt batch across an epoch boundary may hold one example twice (tail of one
     epoch, head of the next); the sampler still gets distinct prompt ids."""
