@@ -12,7 +12,7 @@ from gspo_jax import config as config_lib
 def get_config(arg: str | None = None):
     args = config_lib.parse_arg(arg)
     c = config_lib.base_config()
-    c.objective.name = "cispo"
+    config_lib.set_objective(c, "cispo")
     if args.get("smoke"):
         config_lib.apply_smoke(c)
     return c

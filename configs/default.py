@@ -24,8 +24,8 @@ SHORT_RESPONSE_HPARAMS = {
 def get_config(arg: str | None = None):
     args = config_lib.parse_arg(arg)
     c = config_lib.base_config()
-    c.objective.name = args.get("objective", "gspo")
-    c.objective.hparams = SHORT_RESPONSE_HPARAMS.get(c.objective.name, {})
+    name = args.get("objective", "gspo")
+    config_lib.set_objective(c, name, SHORT_RESPONSE_HPARAMS.get(name, {}))
     if args.get("smoke"):
         config_lib.apply_smoke(c)
     return c

@@ -18,7 +18,7 @@ def get_config(arg: str | None = None):
     if variant not in ("rspo", "gmpo"):
         raise config_lib.ConfigError(f"configs/gmpo_rspo.py: variant must be rspo or gmpo, got {variant!r}")
     c = config_lib.base_config()
-    c.objective.name = variant
+    config_lib.set_objective(c, variant)
     c.updates.gamma_min = float(args.get("gamma_min", 0.5))
     c.updates.routing_replay = args.get("replay", "none")
     if args.get("smoke"):

@@ -24,7 +24,7 @@ def get_config(arg: str | None = None):
     if variant not in VARIANTS:
         raise config_lib.ConfigError(f"configs/grpo.py: variant must be one of {VARIANTS}, got {variant!r}")
     c = config_lib.base_config()
-    c.objective.name = variant
+    config_lib.set_objective(c, variant)
     if variant == "dr_grpo":
         c.advantage = "group_no_std"
     if variant == "dapo":

@@ -23,8 +23,7 @@ def get_config(arg: str | None = None):
     if eps not in EPS:
         raise config_lib.ConfigError(f"configs/gspo.py: eps must be one of {sorted(EPS)}, got {eps!r}")
     c = config_lib.base_config()
-    c.objective.name = variant
-    c.objective.hparams = EPS[eps]
+    config_lib.set_objective(c, variant, EPS[eps])
     if args.get("smoke"):
         config_lib.apply_smoke(c)
     return c

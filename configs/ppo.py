@@ -14,7 +14,7 @@ from gspo_jax import config as config_lib
 def get_config(arg: str | None = None):
     args = config_lib.parse_arg(arg)
     c = config_lib.base_config()
-    c.objective.name = "ppo"
+    config_lib.set_objective(c, "ppo")
     c.advantage = "gae"
     c.gae.gamma = 1.0
     c.gae.lam = 0.95

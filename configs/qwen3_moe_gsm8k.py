@@ -37,8 +37,8 @@ def get_config(arg: str | None = None):
     c.model.remat_policy = "dots"
     c.mesh = dict(data=1, fsdp=-1, expert=1, tensor=1)
 
-    c.objective.name = args.get("objective", "gspo")
-    c.objective.hparams = PAPER_EPS.get(c.objective.name, {})
+    name = args.get("objective", "gspo")
+    config_lib.set_objective(c, name, PAPER_EPS.get(name, {}))
     c.updates.routing_replay = args.get("replay", "none")
     c.rollout.prompts_per_step = 64
     c.rollout.group_size = 8

@@ -41,8 +41,7 @@ def get_config(arg: str | None = None):
             f"configs/stability.py: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     objective, hparams, replay = VARIANTS[variant]
     c = config_lib.base_config()
-    c.objective.name = objective
-    c.objective.hparams = dict(hparams)
+    config_lib.set_objective(c, objective, hparams)
     c.updates.routing_replay = replay
     c.updates.num_minibatches = int(args.get("minibatches", 8))
     c.optimizer.lr = float(args.get("lr", 2e-4))

@@ -83,10 +83,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
 
-    # Objective: name and hyperparameters (empty = the objective's defaults).
+    # Objective: name and every hyperparameter it takes (`set_objective`).
     c.objective = ml_collections.ConfigDict()
-    c.objective.name = "gspo"
-    c.objective.hparams = ml_collections.ConfigDict()
+    set_objective(c, "gspo")
 
     c.advantage = "group"
     c.gae = ml_collections.ConfigDict(dict(gamma=1.0, lam=0.95, value_clip=0.2, value_coef=0.5))
@@ -137,6 +136,44 @@ def base_config() -> ml_collections.ConfigDict:
     # compiling them again.  "" turns it off; a JAX_COMPILATION_CACHE_DIR set in
     # the environment takes precedence.
     c.compilation_cache_dir = "~/.cache/gspo_jax/xla"
+    return c
+
+
+# Types of the hyperparameters whose default is None, so that the command line can
+# set them (an ml_collections placeholder carries the type of a None field).
+_NONE_DEFAULT_TYPES = {"dual_clip": float, "eps_low": float, "norm_len": int}
+
+
+def set_objective(c: ml_collections.ConfigDict, name: str,
+                  hparams: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
+    """Selects objective ``name`` and writes every hyperparameter it takes into
+    ``c.objective.hparams``: its defaults (objectives.md), updated by ``hparams``.
+
+    With all of them present, any one can be overridden from the command line
+    (``--config.objective.hparams.eps_high=0.3``) although the config is locked.
+    ``c.objective.hparams_of`` records ``name``: `validate` refuses a config whose
+    objective was renamed afterwards, since its hyperparameters would be another
+    objective's.
+    """
+    from gspo_jax import objectives  # local: keeps config import light
+
+    if name not in objectives.names():
+        raise _err("objective.name", f"unknown objective {name!r}; known: {objectives.names()}")
+    defaults = objectives.get(name).defaults
+    unknown = sorted(set(hparams or {}) - set(defaults))
+    if unknown:
+        raise _err("objective.hparams", f"{name} takes no hyperparameter(s) {unknown}; it takes "
+                   f"{sorted(defaults)}")
+    values = {**defaults, **(hparams or {})}
+    fields = ml_collections.ConfigDict()
+    for key, value in values.items():
+        if value is None:
+            fields[key] = ml_collections.config_dict.placeholder(_NONE_DEFAULT_TYPES[key])
+        else:
+            fields[key] = value
+    c.objective.name = name
+    c.objective.hparams = fields
+    c.objective.hparams_of = name
     return c
 
 
@@ -227,6 +264,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
 
     if c.objective.name not in objectives.names():
         raise _err("objective.name", f"unknown objective {c.objective.name!r}; known: {objectives.names()}")
+    if c.objective.get("hparams_of", c.objective.name) != c.objective.name:
+        raise _err("objective.name", f"is {c.objective.name!r} but objective.hparams hold "
+                   f"{c.objective.hparams_of!r}'s; pick the objective with the config's argument "
+                   "(configs/default.py:objective=<name>) or config.set_objective")
     try:
         objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams))
     except ValueError as e:

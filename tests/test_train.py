@@ -67,6 +67,53 @@ def test_config_validation_names_the_field(overrides, field):
     assert str(e.value).startswith(field), str(e.value)
 
 
+def _config_from_command_line(*argv):
+    """The config as the trainer's command line builds it (locked, then overridden;
+    config_flags reads the overrides from sys.argv)."""
+    from unittest import mock
+
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=fv, lock_config=True)
+    argv = ["train"] + list(argv)
+    with mock.patch.object(sys, "argv", argv):
+        fv(argv)
+    return fv.config
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--config=configs/grpo.py", "--config.objective.hparams.kl_coef=0.0"], "kl_coef", 0.0),
+    (["--config=configs/grpo.py", "--config.objective.hparams.eps_high=0.28"], "eps_high", 0.28),
+    (["--config=configs/default.py:objective=ppo", "--config.objective.hparams.dual_clip=3.0"], "dual_clip", 3.0),
+    (["--config=configs/cispo.py", "--config.objective.hparams.eps_low=0.2"], "eps_low", 0.2),
+    (["--config=configs/default.py:objective=dr_grpo", "--config.objective.hparams.norm_len=16"], "norm_len", 16),
+    (["--config=configs/sapo.py", "--config.objective.hparams.tau_neg=1.5"], "tau_neg", 1.5),
+])
+def test_every_hyperparameter_can_be_set_from_the_command_line(argv, key, value):
+    c = _config_from_command_line(*argv)
+    assert c.objective.hparams[key] == value
+    config_lib.validate(c, num_devices=8)
+    hp = objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams))
+    assert hp[key] == value
+
+
+def test_config_hyperparameters_are_the_objectives_defaults():
+    for name in objectives.names():
+        c = default_config.get_config(f"objective={name}")
+        defaults = objectives.get(name).defaults
+        assert set(c.objective.hparams) == set(defaults)
+    c = _config_from_command_line("--config=configs/grpo.py")
+    assert c.objective.hparams.kl_coef == 0.04 and c.objective.hparams.dual_clip is None
+
+
+def test_renaming_the_objective_after_its_hyperparameters_is_refused():
+    c = _config_from_command_line("--config=configs/default.py", "--config.objective.name=grpo")
+    with pytest.raises(config_lib.ConfigError, match=r"^config\.objective\.name.*'gspo'"):
+        config_lib.validate(c, num_devices=8)
+
+
 def test_config_batch_not_divisible_by_batch_shards():
     # 16 sequences / 2 mini-batches = 8 per mini-batch; over 16 batch shards: no.
     c = smoke(**{"mesh.data": 16})
