@@ -263,9 +263,16 @@ def verify_countdown(text: str, numbers: Sequence[int], target: int,
 # ---------------------------------------------------------------------------
 # Numeric answers.
 
-# A signed decimal with optional "$" and thousands commas. Linear-time: no
-# nested quantifiers.
-_NUMBER_RE = re.compile(r"-?\$?-?[0-9][0-9,]*(?:\.[0-9]+)?", re.ASCII)
+# A number token in free text: a signed decimal with an optional "$" and commas
+# between digits ("1,200" but not the comma in "42," or "1,200, so"). Not a
+# piece of another number: no digit or "." before it (".5" is not 5, "10-3" has
+# no -3) and no exponent around it ("1e5" holds no number). Linear-time: fixed-width
+# lookarounds, no nested quantifiers.
+_NUMBER_RE = re.compile(
+    r"(?<![0-9.])(?<![0-9][eE])(?<![0-9][eE][-+])"
+    r"(?:-\$?|\$-?)?[0-9](?:[0-9]|,(?=[0-9]))*(?:\.[0-9]+)?"
+    r"(?![eE][-+]?[0-9])", re.ASCII)
+_UNICODE_MINUS = "\u2212"
 _GROUPED_RE = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+", re.ASCII)
 
 
@@ -273,10 +280,11 @@ def parse_number(s: str, limits: Limits = DEFAULT_LIMITS) -> Fraction | None:
   """Exact value of a number written like ``-1,234.50``, ``$18``, ``18.`` or ``7``.
 
   Accepts surrounding whitespace, one leading ``$`` (before or after the
-  sign), thousands commas in correct groups of three, and a trailing period.
+  sign, which may be U+2212), thousands commas in correct groups of three, and
+  a trailing period.
   Returns None for anything else (``1,23``, ``1e5``, ``½``, non-ASCII digits).
   """
-  s = s.strip()
+  s = s.strip().replace(_UNICODE_MINUS, "-")
   if s.endswith("."):
     s = s[:-1]
   sign = 1
@@ -309,7 +317,7 @@ def extract_number(content: str, limits: Limits = DEFAULT_LIMITS) -> tuple[Fract
   value = parse_number(content, limits)
   if value is not None:
     return value, Status.CORRECT
-  matches = _NUMBER_RE.findall(content)
+  matches = _NUMBER_RE.findall(content.replace(_UNICODE_MINUS, "-"))
   if not matches:
     return None, Status.PARSE_ERROR
   value = parse_number(matches[-1], limits)

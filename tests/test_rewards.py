@@ -95,9 +95,27 @@ def test_parse_number_rejects(content):
     ("<answer>1200.00</answer>", True),
     ("<answer>1201</answer>", False),
     ("<answer>12,00</answer>", False),
+    ("<answer>1200,</answer>", True),   # a comma after the number is punctuation
+    ("<answer>The total is 1,200, so that is it</answer>", True),
+    ("<answer>1,200; or 1200</answer>", True),
+    ("<answer>Not 1e3 but 1200</answer>", True),
 ])
 def test_numeric(text, correct):
   assert rewards.verify_numeric(text, "1200").correct == correct
+
+
+@pytest.mark.parametrize("content, value, status", [
+    ("x = 1e5", None, Status.PARSE_ERROR),       # an exponent: not 5, not 1
+    ("about 1E-3", None, Status.PARSE_ERROR),
+    ("it is .5", None, Status.PARSE_ERROR),      # not 5
+    ("\u22125", -5, Status.CORRECT),             # U+2212 MINUS SIGN
+    ("we get \u22125 degrees", -5, Status.CORRECT),
+    ("10-3", 3, Status.CORRECT),                 # no -3: a minus after a digit is no sign
+    ("pay $-5 now", -5, Status.CORRECT),
+    ("42, final", 42, Status.CORRECT),
+])
+def test_extract_number_in_text(content, value, status):
+  assert rewards.extract_number(content) == (value, status)
 
 
 def test_numeric_statuses():
