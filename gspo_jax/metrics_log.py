@@ -45,7 +45,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def _truncate_after(self, step: int, phase: str | None) -> None:
-        """Keep lines up to (phase, step) of the checkpoint we resume from."""
+        """Keep lines up to (phase, step) of the checkpoint we resume from (step -1:
+        none of that phase, which starts afresh)."""
         if not os.path.exists(self.path):
             return
         order = {"sft": 0, "rl": 1}
@@ -92,6 +93,20 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """All records of ``<workdir>/metrics.jsonl``."""
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All records of ``<workdir>/metrics.jsonl``.
+
+    A last line cut short by a crash is skipped; a bad line anywhere else raises
+    ValueError naming the file and line.
+    """
+    path = os.path.join(workdir, "metrics.jsonl")
+    with open(path, encoding="utf-8") as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    out = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1 and not line.endswith("\n"):
+                break  # the line a crash cut short
+            raise ValueError(f"{path}:{i}: not a JSON record ({e})") from None
+    return out

@@ -628,6 +628,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             # there is one, else the SFT checkpoint.
             if rl_start:
                 writers["w"] = MetricsWriter(workdir, resume_step=rl_start, resume_phase="rl")
+            elif phase == "rl":  # no SFT phase and no RL checkpoint: RL starts afresh at step 0
+                writers["w"] = MetricsWriter(workdir, resume_step=-1, resume_phase="rl")
             else:
                 writers["w"] = MetricsWriter(workdir, resume_step=start, resume_phase=phase)
         return writers["w"]

@@ -249,6 +249,37 @@ def test_smoke_dense_model(data_dir, tmp_path):
         assert r["expert_flip_frac_layer"] == []
 
 
+def test_restart_without_sft_or_rl_checkpoint_keeps_one_step_zero(data_dir, tmp_path):
+    """No SFT phase and no RL checkpoint yet: a restart writes RL step 0 afresh, and
+    the log holds it once."""
+    from gspo_jax import train
+
+    c = default_config.get_config("smoke")
+    c.task.data_dir = data_dir
+    c.sft.steps, c.total_rl_steps, c.progress_bar = 0, 0, False
+    train.run(c, str(tmp_path))
+    train.run(c, str(tmp_path))
+    assert [(r["phase"], r["step"]) for r in read_metrics(str(tmp_path))] == [("rl", 0)]
+
+
+def test_metrics_log_cut_lines(tmp_path):
+    from gspo_jax.metrics_log import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for s in range(3):
+        w.write(s, "rl", {"r": s})
+    w._f.write('{"step": 3, "phase": "rl", "r": 0.')  # a crash cuts the last line
+    w.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2]
+    w = MetricsWriter(str(tmp_path), resume_step=-1, resume_phase="rl", tensorboard=False)
+    w.close()
+    assert read_metrics(str(tmp_path)) == []
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write('{"step": 1}\n{"step": \n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2"):
+        read_metrics(str(tmp_path))
+
+
 def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_path):
     """A prompt batch across an epoch boundary may hold one example twice (tail of one
     epoch, head of the next); the sampler still gets distinct prompt ids."""
