@@ -13,7 +13,7 @@ from gspo_jax import config as config_lib
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg)
+    args = config_lib.parse_arg(arg, known=('variant', 'gamma_min', 'replay', 'smoke'))
     variant = args.get("variant", "rspo")
     if variant not in ("rspo", "gmpo"):
         raise config_lib.ConfigError(f"configs/gmpo_rspo.py: variant must be rspo or gmpo, got {variant!r}")

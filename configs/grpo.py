@@ -19,7 +19,7 @@ VARIANTS = ("grpo", "dr_grpo", "dapo")
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg)
+    args = config_lib.parse_arg(arg, known=('variant', 'smoke'))
     variant = args.get("variant", "grpo")
     if variant not in VARIANTS:
         raise config_lib.ConfigError(f"configs/grpo.py: variant must be one of {VARIANTS}, got {variant!r}")

@@ -15,7 +15,7 @@ EPS = {"short": dict(eps_low=0.02, eps_high=0.03), "paper": dict(eps_low=3e-4, e
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg)
+    args = config_lib.parse_arg(arg, known=('variant', 'eps', 'smoke'))
     variant = args.get("variant", "gspo")
     if variant not in ("gspo", "gspo_token"):
         raise config_lib.ConfigError(f"configs/gspo.py: variant must be gspo or gspo_token, got {variant!r}")

@@ -21,7 +21,10 @@ PAPER_EPS = {"gspo": dict(eps_low=3e-4, eps_high=4e-4), "gspo_token": dict(eps_l
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg)
+    args = config_lib.parse_arg(arg, known=('ckpt', 'gsm8k_files', 'objective', 'replay', 'smoke'))
+    if not args.get("ckpt") or args["ckpt"] is True:
+        raise config_lib.ConfigError("configs/qwen3_moe_gsm8k.py: the argument ckpt=<Hugging Face "
+                                     "checkpoint directory> is required")
     c = config_lib.base_config()
     c.task.name = "gsm8k"
     c.task.difficulty = ""
@@ -29,7 +32,7 @@ def get_config(arg: str | None = None):
     c.task.style = "instruct"
     c.task.eval_size = 256
     c.task.format_reward = 0.1
-    c.model.pretrained = args.get("ckpt", "")
+    c.model.pretrained = args["ckpt"]
     c.tokenizer = c.model.pretrained  # tokenizer.json beside the weights
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"

@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg)
+    args = config_lib.parse_arg(arg, known=('variant', 'lr', 'minibatches', 'smoke'))
     variant = args.get("variant", "grpo")
     if variant not in VARIANTS:
         raise config_lib.ConfigError(

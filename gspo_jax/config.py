@@ -177,18 +177,28 @@ def set_objective(c: ml_collections.ConfigDict, name: str,
     return c
 
 
-def parse_arg(arg: str | None) -> dict[str, Any]:
-    """``"objective=gspo,smoke"`` -> ``{"objective": "gspo", "smoke": True}``."""
+def parse_arg(arg: str | None, known: tuple[str, ...]) -> dict[str, Any]:
+    """``"objective=gspo,smoke"`` -> ``{"objective": "gspo", "smoke": True}``.
+
+    A bare item is a flag (True); ``key=true`` / ``key=false`` (any case) are
+    booleans; other values stay strings. A key outside ``known`` raises
+    ConfigError naming it, so a typo cannot silently fall back to a default.
+    """
     out: dict[str, Any] = {}
     for item in (arg or "").split(","):
         item = item.strip()
         if not item:
             continue
         if "=" in item:
-            key, value = item.split("=", 1)
-            out[key.strip()] = value.strip()
+            key, value = (x.strip() for x in item.split("=", 1))
+            lowered = value.lower()
+            out[key] = True if lowered == "true" else False if lowered == "false" else value
         else:
-            out[item] = True
+            key = item
+            out[key] = True
+        if key not in known:
+            raise ConfigError(f"config argument {key!r} is not one this config file takes; "
+                              f"it takes: {', '.join(known)}")
     return out
 
 

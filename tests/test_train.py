@@ -114,6 +114,19 @@ def test_renaming_the_objective_after_its_hyperparameters_is_refused():
         config_lib.validate(c, num_devices=8)
 
 
+def test_config_arguments():
+    assert config_lib.parse_arg("objective=grpo,smoke", known=("objective", "smoke")) == {
+        "objective": "grpo", "smoke": True}
+    assert config_lib.parse_arg("smoke=false", known=("smoke",)) == {"smoke": False}
+    assert default_config.get_config("smoke=false").total_rl_steps == default_config.get_config("").total_rl_steps
+    assert default_config.get_config("smoke=True").total_rl_steps == 2
+    with pytest.raises(config_lib.ConfigError, match="'objetive'.*objective, smoke"):
+        default_config.get_config("objetive=grpo")
+    from configs import qwen3_moe_gsm8k
+    with pytest.raises(config_lib.ConfigError, match="ckpt"):
+        qwen3_moe_gsm8k.get_config("objective=gspo")
+
+
 def test_config_batch_not_divisible_by_batch_shards():
     # 16 sequences / 2 mini-batches = 8 per mini-batch; over 16 batch shards: no.
     c = smoke(**{"mesh.data": 16})
