@@ -285,6 +285,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
 
     if c.task.name not in TASKS:
         raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
+    if c.task.name == "gsm8k":
+        if c.task.difficulty:
+            raise _err("task.difficulty", f"gsm8k has no difficulty levels; set it to '' "
+                       f"(got {c.task.difficulty!r})")
+    else:
+        from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
+
+        builder = countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
+        levels = [b.name for b in builder.BUILDER_CONFIGS]
+        if c.task.difficulty not in levels:
+            raise _err("task.difficulty", f"{c.task.name} has no level {c.task.difficulty!r}; "
+                       f"known: {levels}")
     if c.task.style not in ("compact", "instruct"):
         raise _err("task.style", f"unknown prompt style {c.task.style!r}; known: compact, instruct")
     if c.advantage not in ADVANTAGES:

@@ -110,6 +110,12 @@ def test_arithmetic_splits_and_errors():
     arithmetic.ArithmeticConfig.make(max_digits=19)
   with pytest.raises(ValueError, match="operators"):
     arithmetic.ArithmeticConfig.make(operators="/")
+  # Answers the verifier could not read are refused when the difficulty is made.
+  with pytest.raises(ValueError, match="26 digits"):
+    arithmetic.ArithmeticConfig.make(min_digits=13, max_digits=13, operators="*")
+  widest = arithmetic.ArithmeticConfig.make(min_digits=12, max_digits=12, operators="*", test_size=20)
+  for p in arithmetic.generate_split(widest, "test"):
+    assert rewards.verify_numeric(f"<answer>{p.answer}</answer>", p.answer).correct
 
 
 # ---------------------------------------------------------------------------

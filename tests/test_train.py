@@ -55,6 +55,9 @@ def smoke(**overrides):
         ({"updates.routing_replay": "R4"}, "config.updates.routing_replay"),
         ({"updates.gamma_min": 0.0}, "config.updates.gamma_min"),
         ({"task.name": "sudoku"}, "config.task.name"),
+        ({"task.name": "arithmetic"}, "config.task.difficulty"),  # "small" is a countdown level
+        ({"task.difficulty": "medium"}, "config.task.difficulty"),
+        ({"task.name": "gsm8k"}, "config.task.difficulty"),
         ({"advantage": "gae"}, "config.advantage"),  # gae with gspo: no critic
         ({"optimizer.schedule": "exp"}, "config.optimizer.schedule"),
         ({"rollout.top_p": 0.0}, "config.rollout.top_p"),

@@ -15,6 +15,8 @@ from typing import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
+from gspo_jax import rewards
+
 _MAX_DIGITS = 18  # numpy int64 draws.
 
 
@@ -89,6 +91,18 @@ class ArithmeticConfig(tfds.core.BuilderConfig):
     if self.train_size < 0 or self.test_size < 1:
       raise ValueError(f"ArithmeticConfig.train_size must be >= 0 and test_size >= 1, "
                        f"got {self.train_size}, {self.test_size}")
+    # Every answer must be one the verifier reads: a product of k n-digit operands has
+    # up to k * n digits; a sum or difference of k of them up to n + len(str(k)).
+    if "*" in self.operators:
+      answer_digits = self.max_operands * self.max_digits
+    else:
+      answer_digits = self.max_digits + len(str(self.max_operands))
+    limit = rewards.DEFAULT_LIMITS.max_digits
+    if answer_digits > limit:
+      raise ValueError(f"ArithmeticConfig: answers can reach {answer_digits} digits "
+                       f"(max_digits={self.max_digits}, max_operands={self.max_operands}, "
+                       f"operators={self.operators!r}), over the verifier's {limit} "
+                       f"(rewards.Limits.max_digits)")
 
   @classmethod
   def make(cls, **fields) -> "ArithmeticConfig":
