@@ -1,5 +1,6 @@
 """Countdown / arithmetic builders, GSM8K through TFDS's builder, and PromptSource."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -292,6 +293,16 @@ def test_gsm8k_builder_from_supplied_files(tmp_path, gsm8k_files, no_network):
                                [by_answer["4200"].meta, by_answer["-3"].meta, by_answer["72"].meta])
   np.testing.assert_array_equal(r, [1, 0, 0])
   assert counts["no_answer"] == 1 and counts["wrong_answer"] == 1
+
+
+def test_gsm8k_other_files_for_a_prepared_dataset_are_refused(tmp_path, gsm8k_files, no_network):
+  gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=gsm8k_files)
+  gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=gsm8k_files)  # the same files: fine
+  other = tmp_path / "other"
+  shutil.copytree(gsm8k_files, other)
+  (other / "train.jsonl").write_text(json.dumps(GSM8K_LINES[0]) + "\n")
+  with pytest.raises(ValueError, match="prepared from other files"):
+    gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=other)
 
 
 def test_gsm8k_missing_file(tmp_path, gsm8k_files, no_network):

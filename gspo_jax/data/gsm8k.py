@@ -15,6 +15,8 @@ splits the answer into ``annotation`` and ``short_answer``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 
@@ -47,10 +49,7 @@ def supply_gsm8k_files(files_dir: os.PathLike | str, download_dir: os.PathLike |
   files_dir = epath.Path(files_dir)
   download_dir = epath.Path(download_dir)
   for split, url in gsm8k_urls().items():
-    src = files_dir / f"{split}.jsonl"
-    if not src.exists():
-      raise ValueError(f"files_dir {os.fspath(files_dir)!r} lacks {split}.jsonl; GSM8K needs "
-                       f"{', '.join(s + '.jsonl' for s in SPLITS)}")
+    src = _split_file(files_dir, split)
     resource = tfds_resource.Resource(url=url)
     # The path the download manager checks for a URL whose checksum is not
     # registered (gsm8k registers none): <download_dir>/<dataset>/<name(url)>.
@@ -77,12 +76,45 @@ def prepare_gsm8k(data_dir: os.PathLike | str, *, files_dir: os.PathLike | str |
 
   Args:
     data_dir: TFDS data dir.
-    files_dir: optional folder with the four jsonl files (no network needed).
+    files_dir: optional folder with the four jsonl files (no network needed). If
+      ``data_dir`` already holds GSM8K prepared from different files, ValueError.
     download_dir: TFDS download cache; default ``<data_dir>/downloads``.
   """
   builder = gsm8k_builder(data_dir)
   download_dir = epath.Path(download_dir or epath.Path(data_dir) / "downloads")
-  if files_dir is not None:
-    supply_gsm8k_files(files_dir, download_dir)
+  if files_dir is None:
+    builder.download_and_prepare(download_dir=download_dir, file_format="array_record")
+    return builder
+  digests = _file_digests(files_dir)
+  record = epath.Path(builder.data_dir) / _SOURCES_FILE
+  if builder.is_prepared() and record.exists():
+    if json.loads(record.read_text()) != digests:
+      raise ValueError(
+          f"GSM8K under {os.fspath(builder.data_dir)!r} was prepared from other files than those "
+          f"in files_dir {os.fspath(files_dir)!r}; remove that folder to prepare it again, or "
+          "use another data_dir")
+    return builder
+  supply_gsm8k_files(files_dir, download_dir)
   builder.download_and_prepare(download_dir=download_dir, file_format="array_record")
+  record.write_text(json.dumps(digests, sort_keys=True))
   return builder
+
+
+# Beside a GSM8K prepared from supplied files: the sha256 of each file, so that
+# other files given later are noticed instead of being silently ignored.
+_SOURCES_FILE = "gspo_jax_supplied_files.json"
+
+
+def _file_digests(files_dir: os.PathLike | str) -> dict[str, str]:
+  """sha256 of ``<split>.jsonl`` for every split; ValueError naming a missing file."""
+  return {split: hashlib.sha256(_split_file(files_dir, split).read_bytes()).hexdigest()
+          for split in SPLITS}
+
+
+def _split_file(files_dir: os.PathLike | str, split: str) -> epath.Path:
+  """``<files_dir>/<split>.jsonl``; ValueError naming it if it is missing."""
+  path = epath.Path(files_dir) / f"{split}.jsonl"
+  if not path.exists():
+    raise ValueError(f"files_dir {os.fspath(files_dir)!r} lacks {split}.jsonl; GSM8K needs "
+                     f"{', '.join(s + '.jsonl' for s in SPLITS)}")
+  return path
