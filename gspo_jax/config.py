@@ -303,6 +303,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         raise _err("advantage", f"unknown advantage estimator {c.advantage!r}; known: {ADVANTAGES}")
     if c.advantage == "gae" and c.objective.name != "ppo":
         raise _err("advantage", "'gae' needs a critic; it is used with objective 'ppo'")
+    for field in ("gamma", "lam"):
+        if not 0.0 <= float(c.gae[field]) <= 1.0:
+            raise _err(f"gae.{field}", f"must be in [0, 1], got {c.gae[field]}")
+    if int(c.seed) < 0:
+        raise _err("seed", f"must be >= 0 (it seeds numpy's RandomState), got {c.seed}")
+    if int(c.sft.steps) > 0 and int(c.sft.batch_size) < 1:
+        raise _err("sft.batch_size", f"must be >= 1, got {c.sft.batch_size}")
     g = int(c.rollout.group_size)
     if g < 1:
         raise _err("rollout.group_size", f"must be >= 1, got {g}")
@@ -343,6 +350,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         elif c.updates.routing_replay != "none":
             raise _err("updates.routing_replay", f"{c.updates.routing_replay!r} needs MoE layers; "
                        "model.fields.num_experts=0 is a dense model: use 'none'")
+        for field in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
+            if int(f[field]) < 1:
+                raise _err(f"model.fields.{field}", f"must be >= 1, got {f[field]}")
         if int(f.num_heads) % int(f.num_kv_heads):
             raise _err("model.fields.num_kv_heads", f"must divide num_heads={f.num_heads}")
 

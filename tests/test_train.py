@@ -58,6 +58,10 @@ def smoke(**overrides):
         ({"task.name": "arithmetic"}, "config.task.difficulty"),  # "small" is a countdown level
         ({"task.difficulty": "medium"}, "config.task.difficulty"),
         ({"task.name": "gsm8k"}, "config.task.difficulty"),
+        ({"seed": -1}, "config.seed"),
+        ({"sft.batch_size": 0}, "config.sft.batch_size"),
+        ({"gae.lam": 1.5}, "config.gae.lam"),
+        ({"model.fields.num_heads": 0}, "config.model.fields.num_heads"),
         ({"advantage": "gae"}, "config.advantage"),  # gae with gspo: no critic
         ({"optimizer.schedule": "exp"}, "config.optimizer.schedule"),
         ({"rollout.top_p": 0.0}, "config.rollout.top_p"),
