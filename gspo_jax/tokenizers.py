@@ -187,6 +187,7 @@ def _compile_chat_template(source: str):
   a template (untrusted text from a checkpoint) from reaching Python internals.
   """
   import jinja2  # pylint: disable=g-import-not-at-top
+  import jinja2.ext  # pylint: disable=g-import-not-at-top
   from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
 
   def raise_exception(message):
@@ -196,8 +197,17 @@ def _compile_chat_template(source: str):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
+  class GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body (transformers
+    uses the tag to mark assistant tokens; the text is the same)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      next(parser.stream)
+      return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
   env = sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+      trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationTag])
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -308,13 +318,24 @@ class HFTokenizer:
     Special added tokens give ``b""`` and other added tokens their content.
     With a ByteLevel decoder (GPT-2, Qwen, Llama 3) a token's bytes come from
     its vocabulary entry, so a token holding part of a UTF-8 character gives
-    those bytes exactly; with other decoders, ``decode([id])``'s bytes.
+    those bytes exactly. With other decoders, what the token adds after an
+    ordinary token: ``decode([a, id])`` less ``decode([a])``, so that a word-start
+    marker (SentencePiece's "▁") gives its space; the one space such a decoder
+    strips at the very start of a text is then in the first token's bytes.
     """
     if getattr(self, "_token_bytes", None) is None:
       from tokenizers import decoders  # pylint: disable=g-import-not-at-top
 
       added = self._tok.get_added_tokens_decoder()
       alphabet = _byte_level_alphabet() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
+      anchor, anchor_text = None, ""
+      if alphabet is None:  # an ordinary token that decodes to text, to stand before each id
+        for i in range(self.vocab_size):
+          if i not in added and self._tok.id_to_token(i) is not None:
+            anchor_text = self._tok.decode([i], skip_special_tokens=True)
+            if anchor_text and "\ufffd" not in anchor_text:
+              anchor = i
+              break
       out = []
       for i in range(self.vocab_size):
         if i in added:
@@ -325,6 +346,11 @@ class HFTokenizer:
           out.append(b"")
         elif alphabet is not None and all(ch in alphabet for ch in piece):
           out.append(bytes(alphabet[ch] for ch in piece))
+        elif anchor is not None:
+          text = self._tok.decode([anchor, i], skip_special_tokens=True)
+          alone = self._tok.decode([i], skip_special_tokens=True)
+          out.append((text[len(anchor_text):] if text.startswith(anchor_text) else alone)
+                     .encode("utf-8"))
         else:
           out.append(self._tok.decode([i], skip_special_tokens=True).encode("utf-8"))
       self._token_bytes = out
@@ -355,6 +381,7 @@ class HFTokenizer:
     context = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                "pad_token": self.pad_token, "unk_token": self.unk_token}
     context = {k: v for k, v in context.items() if v is not None}
+    context.update(tools=None, documents=None)  # as transformers passes them: "is none" holds
     context.update(kwargs)
     return self._template.render(messages=[dict(m) for m in messages],
                                  add_generation_prompt=add_generation_prompt, **context)

@@ -171,6 +171,43 @@ def test_hf_token_bytes_concatenate_to_the_decoded_text(hf_dir):
   assert len(ids) == 3 and [tb[i] for i in ids] == [bytes([b]) for b in "日".encode("utf-8")]
 
 
+def test_hf_token_bytes_with_a_word_start_marker(tmp_path):
+  """A SentencePiece-style tokenizer (Metaspace: "▁" marks a word start, stripped at
+  the start of a text): token bytes concatenate to the decoded text, but for the
+  space the decoder drops at its very start (a token's bytes are those it adds
+  inside a text: "▁world" is " world")."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+  g = gtok.HFTokenizer(tok, {"eos_token": "</s>"})
+  tb = g.token_bytes()
+  for text in CORPUS + ["hello world the answer"]:
+    ids = g.encode(text)
+    joined = b"".join(tb[i] for i in ids).decode("utf-8")
+    assert joined == " " + g.decode(ids), text
+    assert b"".join(tb[i] for i in ids[1:]).decode("utf-8") == g.decode(ids)[len(tb[ids[0]]) - 1:]
+
+
+def test_hf_chat_template_tools_none_and_generation_tag_match_transformers(tmp_path, hf_dir):
+  transformers = pytest.importorskip("transformers")
+  (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+  config["chat_template"] = (
+      "{% if tools is not none %}TOOLS:{{ tools|length }}|{% endif %}"
+      "{% if documents is not none %}DOCS|{% endif %}"
+      "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+      "{% endgeneration %}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  tok = gtok.HFTokenizer.from_dir(tmp_path)
+  ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+  msgs = MESSAGES + [{"role": "assistant", "content": "<answer>16</answer>"}]
+  got = tok.apply_chat_template(msgs, add_generation_prompt=False)
+  assert got == ref.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+  assert not got.startswith("TOOLS") and got.endswith("<answer>16</answer>")
+
+
 # A template in the style of Qwen3's: a namespace, loop variables, message
 # attributes and the enable_thinking keyword.
 QWEN_STYLE_TEMPLATE = (
