@@ -22,6 +22,7 @@ class Tokenizer(Protocol):
   bos_id: int | None
   eos_id: int
   pad_id: int
+  stop_ids: tuple[int, ...]  # ids that end a response: eos_id first
 
   def encode(self, text: str) -> list[int]:
     """Token ids of ``text``; adds no BOS/EOS of its own."""
@@ -79,6 +80,7 @@ class CharTokenizer:
       raise ValueError(f"words has duplicates: {words}")
     self.specials = (PAD, BOS, EOS, UNK)
     self.pad_id, self.bos_id, self.eos_id, self.unk_id = 0, 1, 2, 3
+    self.stop_ids = (self.eos_id,)
     self.words = words
     self.chars = chars
     self._id_to_str = list(self.specials) + list(words) + list(chars)
@@ -224,6 +226,9 @@ class HFTokenizer:
 
   ``eos_id`` comes from ``eos_token`` in tokenizer_config.json; ``pad_id``
   from ``pad_token``, else the EOS id; ``bos_id`` from ``bos_token`` or None.
+  ``stop_ids`` is ``eos_id`` followed by the other ``eos_token_id`` entries of
+  the checkpoint's generation_config.json (Qwen3 lists ``<|im_end|>`` and
+  ``<|endoftext|>``): a rollout stops at any of them.
   ``encode`` adds no special tokens (the chat template writes them as text,
   and they are matched as added tokens).
 
@@ -232,10 +237,12 @@ class HFTokenizer:
     config: the parsed tokenizer_config.json (may be empty).
     chat_template: template source, or None.
     name: where it came from, for error messages.
+    extra_stop_ids: further ids that end a response (generation_config.json).
   """
 
   def __init__(self, tokenizer, config: Mapping[str, Any] | None = None,
-               chat_template: str | None = None, name: str = "<tokenizer>"):
+               chat_template: str | None = None, name: str = "<tokenizer>",
+               extra_stop_ids: Sequence[int] = ()):
     self._tok = tokenizer
     self.config = dict(config or {})
     self.name = name
@@ -250,6 +257,11 @@ class HFTokenizer:
     self.bos_id = None if self.bos_token is None else self._special_id("bos_token", self.bos_token)
     self.pad_id = self.eos_id if self.pad_token is None else self._special_id("pad_token",
                                                                                 self.pad_token)
+    for i in extra_stop_ids:
+      if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+        raise ValueError(f"{name}: generation_config.json eos_token_id {i!r} is not a token id "
+                         f"in [0, {self.vocab_size})")
+    self.stop_ids = tuple(dict.fromkeys([self.eos_id, *extra_stop_ids]))
     self.chat_template = chat_template
     self._template = None if chat_template is None else _compile_chat_template(chat_template)
 
@@ -293,7 +305,16 @@ class HFTokenizer:
       if not isinstance(template, str):
         raise ValueError(f"{cfg_file}: field 'chat_template' must be a string, "
                          f"got {type(template).__name__}")
-    return cls(tokenizer, config, template, name=path)
+    stops: list[int] = []
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+      with open(gen_file, encoding="utf-8") as f:
+        try:
+          eos = json.load(f).get("eos_token_id")
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{gen_file}: invalid JSON: {e}") from None
+      stops = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+    return cls(tokenizer, config, template, name=path, extra_stop_ids=stops)
 
   def encode(self, text: str) -> list[int]:
     """Ids of ``text``, without the post-processor's special tokens."""

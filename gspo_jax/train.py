@@ -337,7 +337,7 @@ class Trainer:
             temperature=0.0 if greedy else float(c.rollout.temperature),
             top_p=1.0 if greedy else float(c.rollout.top_p),
             top_k=0 if greedy else int(c.rollout.top_k),
-            eos_id=tok.eos_id,
+            eos_id=list(tok.stop_ids),
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
             state=params,

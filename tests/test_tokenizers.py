@@ -171,6 +171,21 @@ def test_hf_token_bytes_concatenate_to_the_decoded_text(hf_dir):
   assert len(ids) == 3 and [tb[i] for i in ids] == [bytes([b]) for b in "日".encode("utf-8")]
 
 
+def test_hf_stop_ids_from_generation_config(tmp_path, hf_dir):
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+  assert gtok.HFTokenizer.from_dir(tmp_path).stop_ids == (gtok.HFTokenizer.from_dir(tmp_path).eos_id,)
+  tok = gtok.HFTokenizer.from_dir(hf_dir)
+  im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eot]}))
+  assert gtok.HFTokenizer.from_dir(tmp_path).stop_ids == (im_end, eot)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eot}))
+  assert gtok.HFTokenizer.from_dir(tmp_path).stop_ids == (im_end, eot)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10**6]}))
+  with pytest.raises(ValueError, match="generation_config.json eos_token_id 1000000"):
+    gtok.HFTokenizer.from_dir(tmp_path)
+
+
 def test_hf_token_bytes_with_a_word_start_marker(tmp_path):
   """A SentencePiece-style tokenizer (Metaspace: "▁" marks a word start, stripped at
   the start of a text): token bytes concatenate to the decoded text, but for the

@@ -78,7 +78,9 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
               moe_d_ff=hf["moe_intermediate_size"], moe_every=hf.get("decoder_sparse_step", 1),
               dense_layers=tuple(hf.get("mlp_only_layers") or ()),
               renormalize_topk=bool(hf.get("norm_topk_prob", False)),
-              aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+              # transformers' load-balancing loss is K times ours (its load sums to K
+              # over experts, ours to 1): the same regularisation needs K times the coef.
+              aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) * hf["num_experts_per_tok"])
   kw.update(overrides)
   return ModelConfig(**kw)
 
@@ -109,7 +111,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
     hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
               moe_intermediate_size=cfg.moe_d_ff, decoder_sparse_step=cfg.moe_every,
               mlp_only_layers=sorted(set(cfg.dense_layers) | set(range(cfg.first_dense_layers))),
-              norm_topk_prob=cfg.renormalize_topk, router_aux_loss_coef=cfg.aux_loss_coef)
+              norm_topk_prob=cfg.renormalize_topk,
+              router_aux_loss_coef=cfg.aux_loss_coef / cfg.top_k)  # see config_from_hf
   return hf
 
 
