@@ -294,14 +294,14 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     loss = loss + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches \
         + cfg.z_loss_coef * aux.z_loss * z_share
 
-    n_tok = jnp.maximum(jnp.sum(mask), 1.0)
+    n_mini = jnp.maximum(norm.num_tokens, 1.0)
     cur_topk = response_slice(aux.topk_indices, p, t)
     flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)
     other = {
-        "entropy": jnp.sum(entropy * mask) / n_tok * share,
+        "entropy": jnp.sum(entropy * mask) / n_mini,
         "aux_loss": aux.aux_loss,
         "z_loss": aux.z_loss * z_share,
-        "router_shift_mean": jnp.sum(gamma * mask) / n_tok * share,
+        "router_shift_mean": jnp.sum(gamma * mask) / n_mini,
         "router_shift_min": jnp.min(jnp.where(mask > 0, gamma, 1.0)),
         "expert_flip_frac_layer": flips * share,
         "expert_flip_frac": (jnp.mean(flips) if flips.size else jnp.zeros((), jnp.float32)) * share,
