@@ -157,8 +157,7 @@ def set_objective(c: ml_collections.ConfigDict, name: str,
     """
     from gspo_jax import objectives  # local: keeps config import light
 
-    if name not in objectives.names():
-        raise _err("objective.name", f"unknown objective {name!r}; known: {objectives.names()}")
+    _check_objective_name(name)
     defaults = objectives.get(name).defaults
     unknown = sorted(set(hparams or {}) - set(defaults))
     if unknown:
@@ -175,6 +174,13 @@ def set_objective(c: ml_collections.ConfigDict, name: str,
     c.objective.hparams = fields
     c.objective.hparams_of = name
     return c
+
+
+def _check_objective_name(name: str) -> None:
+    from gspo_jax import objectives  # local: keeps config import light
+
+    if name not in objectives.names():
+        raise _err("objective.name", f"unknown objective {name!r}; known: {objectives.names()}")
 
 
 def parse_arg(arg: str | None, known: tuple[str, ...]) -> dict[str, Any]:
@@ -272,8 +278,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """
     from gspo_jax import objectives  # local: keeps config import light
 
-    if c.objective.name not in objectives.names():
-        raise _err("objective.name", f"unknown objective {c.objective.name!r}; known: {objectives.names()}")
+    _check_objective_name(c.objective.name)
     if c.objective.get("hparams_of", c.objective.name) != c.objective.name:
         raise _err("objective.name", f"is {c.objective.name!r} but objective.hparams hold "
                    f"{c.objective.hparams_of!r}'s; pick the objective with the config's argument "

@@ -314,10 +314,11 @@ def extract_number(content: str, limits: Limits = DEFAULT_LIMITS) -> tuple[Fract
   else the last number-like token in it (``"The answer is $1,200."``)."""
   if len(content) > limits.max_answer_chars:
     return None, Status.TOO_LONG
+  content = content.replace(_UNICODE_MINUS, "-")
   value = parse_number(content, limits)
   if value is not None:
     return value, Status.CORRECT
-  matches = _NUMBER_RE.findall(content.replace(_UNICODE_MINUS, "-"))
+  matches = _NUMBER_RE.findall(content)
   if not matches:
     return None, Status.PARSE_ERROR
   value = parse_number(matches[-1], limits)
