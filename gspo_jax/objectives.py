@@ -281,11 +281,11 @@ class _Part(NamedTuple):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused_loss(fns, logp, old_logp, mask, aux, weights):
-    total = 0.0
+    total = 0.0  # per row, summed once (one reduction whatever the number of parts)
     for (terms, outer), w in zip(fns, weights):
         rows = jnp.sum(terms(logp, old_logp, mask, aux)[0], axis=-1)
-        total = total + jnp.sum(w * (rows if outer is None else outer(rows, aux)))
-    return total
+        total = total + w * (rows if outer is None else outer(rows, aux))
+    return jnp.sum(total)
 
 
 @_fused_loss.defjvp
@@ -301,9 +301,9 @@ def _fused_loss_jvp(fns, primals, tangents):
             out, d_out = jax.jvp(lambda x, outer=outer: outer(x, aux), (rows,),
                                  (jnp.ones_like(rows),))
             coef = w * d_out
-        value = value + jnp.sum(w * out)
+        value = value + w * out
         coef_g = coef_g + coef[:, None] * g
-    return value, jnp.sum(coef_g * tangents[0])
+    return jnp.sum(value), jnp.sum(coef_g * tangents[0])
 
 
 def _loss(logp, old_logp, b: _Batch, aux: dict, parts: list[_Part]) -> Array:
@@ -381,16 +381,13 @@ def _tok_mean(x: Array, b: _Batch) -> Array:
     return _safe_div(jnp.sum(b.m * x), b.num_tokens)
 
 
-def _seq_mean(x: Array, b: _Batch) -> Array:
-    return _safe_div(jnp.sum(b.seq_valid * x), b.num_seqs)
-
-
 # On CPU, metrics are computed in one pass over blocks of rows (`lax.map`), so that
 # the intermediates of all of them stay in cache: XLA:CPU neither fuses sibling
 # reductions nor keeps a shared producer live between them, and separate full-size
 # reductions cost several times the loss itself at N x T = 512 x 2048. GPU and TPU
 # compilers fuse sibling reductions into one kernel over the whole array, where a
-# sequential loop of small blocks would only add launches: there, one block.
+# sequential loop of small blocks would only add launches: there, one block (on an
+# H100 the metrics' row pass then joins the loss's own kernel; experiments/objectives.md).
 _BLOCK_ELEMENTS = 16384
 _BLOCKED_BACKENDS = ("cpu",)
 _LN2 = math.log(2.0)
@@ -414,7 +411,9 @@ def _block_rows(n: int, t: int, backend: str = "cpu") -> int:
 
 
 def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
-                   stats_fn: Callable[..., TokenStats]) -> Metrics:
+                   stats_fn: Callable[..., TokenStats],
+                   seq_rows: Mapping[str, Array] | None = None,
+                   token_rows: Mapping[str, Array] | None = None) -> Metrics:
     """Log-ratio diagnostics plus the objective's own token statistics, masked.
 
     Args:
@@ -422,9 +421,21 @@ def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
       logp, old_logp, mask: f32[N,T] (gradient stopped here).
       inputs: further arrays with leading dim N (advantages, router shift, ...).
       stats_fn: (delta, logp, valid, inputs) of one block of rows -> TokenStats.
+      seq_rows: name -> f32[N] per sequence; the metric is its mean over sequences with
+        a valid token.
+      token_rows: name -> f32[N] per-sequence token sums; the metric is their total over
+        the batch's valid tokens.
 
     Returns:
-      the common metrics (objectives.md, "Diagnostics") and those of stats_fn.
+      the common metrics (objectives.md, "Diagnostics"), those of stats_fn, and the
+      seq_rows and token_rows metrics.
+
+    Two levels: one pass over [N,T] gives each statistic per row (f32[N]); then one
+    variadic reduction takes all sums over rows (with the token and sequence counts)
+    and all maxima (minima negated), and one elementwise pass makes the metrics, so that on an accelerator they cost a few kernels whatever their number
+    (there the row pass joins the loss's own). The row results pass an optimization
+    barrier: without it XLA folds each sum of row sums into its own full reduction,
+    each with its own second-stage kernel.
     """
     sg = jax.lax.stop_gradient
     n, t = logp.shape
@@ -458,37 +469,59 @@ def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
           {k: sg(_f32(v)) for k, v in inputs.items()})
     kinds: dict[str, str] = {}  # filled while `block` is traced
     if rows == n:  # one block: no loop (and no re-tracing of a scan body when not jitted)
-        per_row = block(xs)
+        per_row = jax.lax.optimization_barrier(block(xs))
     else:
         per_row = jax.lax.map(block, jax.tree.map(split, xs))
         per_row = {k: v.reshape(n) for k, v in per_row.items()}
 
-    mean = _safe_div(jnp.sum(per_row["_s1"]), b.num_tokens)
-    sq_mean = _safe_div(jnp.sum(per_row["_s2"]), b.num_tokens)
-    seq_mean, seq_sq = per_row["_s1"] * b.inv_n, per_row["_s2"] * b.inv_n
-    metrics = {
-        "num_tokens": b.num_tokens,
-        "num_seqs": b.num_seqs,
-        "ppo_kl": -mean,
-        "logratio_std": jnp.sqrt(jnp.maximum(sq_mean - mean * mean, 0.0)),
-        "logratio_seq_var": _seq_mean(jnp.maximum(seq_sq - seq_mean * seq_mean, 0.0), b),
-    }
+    # Second level. Token sums (/ num_tokens), then sequence values (/ num_seqs).
+    s1, s2 = per_row.pop("_s1"), per_row.pop("_s2")
+    tok = {"_mean": s1, "_sq_mean": s2}
+    seq_mean, seq_sq = s1 * b.inv_n, s2 * b.inv_n
+    seq = {"logratio_seq_var": jnp.maximum(seq_sq - seq_mean * seq_mean, 0.0)}
     if "_clipped" in per_row:  # see _clip_stats: low side where A < 0, high side elsewhere
         neg = inputs["adv"][:, 0] < 0
-        clipped = per_row["_clipped"]
-        metrics["clip_frac_low"] = _safe_div(jnp.sum(jnp.where(neg, clipped, 0.0)), b.num_tokens)
-        metrics["clip_frac_high"] = _safe_div(jnp.sum(jnp.where(neg, 0.0, clipped)), b.num_tokens)
+        clipped = per_row.pop("_clipped")
+        tok["clip_frac_low"] = jnp.where(neg, clipped, 0.0)
+        tok["clip_frac_high"] = jnp.where(neg, 0.0, clipped)
+    extreme = {}  # max over rows; a "min" statistic enters negated
     for key, x in per_row.items():
-        if key.startswith("_"):
-            continue
         kind = kinds[key]
         if kind == "mean":
-            metrics[key] = _safe_div(jnp.sum(x), b.num_tokens)
-        elif kind == "max":
-            metrics[key] = jnp.max(x)
+            tok[key] = x
         else:
-            metrics[key] = jnp.min(x)
-    return metrics
+            extreme[key] = x if kind == "max" else -x
+    tok.update({k: _f32(v) for k, v in (token_rows or {}).items()})
+    seq.update({k: _f32(v) for k, v in (seq_rows or {}).items()})
+
+    # One reduction for all sums and maxima: a variadic reduce over a stacked f32[K,N]
+    # of row sums (the last two rows are the token and sequence counts, the
+    # denominators) and one of row maxima (a "min" statistic went in negated); the
+    # shorter is padded to the other's height with rows that are never read.
+    sum_rows = [*tok.values(), *(b.seq_valid * v for v in seq.values()), b.n, b.seq_valid]
+    k_tok, k = len(tok), len(tok) + len(seq)
+    max_rows = list(extreme.values())
+    size = max(len(sum_rows), len(max_rows))
+    sum_rows += [jnp.zeros_like(b.n)] * (size - len(sum_rows))
+    max_rows += [jnp.zeros_like(b.n)] * (size - len(max_rows))
+    sums, tops = jax.lax.reduce(
+        (jnp.stack(sum_rows), jnp.stack(max_rows)), (jnp.float32(0), jnp.float32(-jnp.inf)),
+        lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])), (1,))
+    # Every metric comes out of one elementwise pass over [sums, maxima]: a metric that
+    # is a bare element of a reduction's output would cost its own copy kernel.
+    allv = jnp.concatenate([sums[:k + 2], tops[:len(extreme)]])
+    i = jnp.arange(allv.shape[0])
+    denom = jnp.where(i < k_tok, sums[k], jnp.where(i < k, sums[k + 1], 1.0))
+    sign = jnp.asarray([1.0] * (k + 2) + [1.0 if kinds[key] == "max" else -1.0
+                                          for key in extreme], jnp.float32)
+    final = sign * _safe_div(allv, denom)
+    out = dict(zip([*tok, *seq, "num_tokens", "num_seqs", *extreme], final))
+    mean, sq_mean = out.pop("_mean"), out.pop("_sq_mean")
+    return {
+        "ppo_kl": -mean,
+        "logratio_std": jnp.sqrt(jnp.maximum(sq_mean - mean * mean, 0.0)),
+        **out,
+    }
 
 
 def _clip_stats(hi: Array, lo: Array, adv: Array) -> TokenStats:
@@ -618,13 +651,15 @@ def _clipped_surrogate(logp, old_logp, advantages, mask, ref_logp, router_shift,
         hi = (a > 0) & (d > math.log1p(hp["eps_high"]))
         lo = (a < 0) & (d < math.log1p(-hp["eps_low"]))
         out = _clip_stats(hi, lo, a)
-        if hp["dual_clip"] is not None:  # else the metric is 0 (set in _token_metrics)
+        if hp["dual_clip"] is not None:
             out["dual_clip_frac"] = ("mean", _f32((a < 0) & (d > math.log(hp["dual_clip"]))), 0.0)
         return out
 
+    # Without a dual clip its fraction is 0, a mean of zero rows (so it comes out of the
+    # metrics' last pass, not a copy of a constant).
+    none = {"dual_clip_frac": jnp.zeros_like(b.n)} if hp["dual_clip"] is None else None
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
-                             _with_kl(stats, hp))
-    metrics.setdefault("dual_clip_frac", jnp.zeros((), jnp.float32))
+                             _with_kl(stats, hp), token_rows=none)
     return loss, metrics
 
 
@@ -654,18 +689,15 @@ def _gspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp),
                  [_seq_part(_delta_terms, _gspo_outer(hp), b, adv),
                   *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
-    s = jnp.exp(_seq_mean_delta(b))  # f32[N], for the metrics
+    s = jax.lax.stop_gradient(jnp.exp(_seq_mean_delta(b)))  # f32[N], for the metrics
     _, hi, lo, _ = _ratio_clip(s, adv, hp["eps_low"], hp["eps_high"], None)
-    metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
-                             _with_kl(lambda *a: {}, hp))
     hi, lo = _f32(hi), _f32(lo)  # f32[N], per sequence
-    metrics["seq_clip_frac_low"] = _seq_mean(lo, b)
-    metrics["seq_clip_frac_high"] = _seq_mean(hi, b)
-    metrics["seq_clip_frac"] = _seq_mean(hi + lo, b)
-    # Share of tokens whose gradient the sequence clip removed.
-    metrics["clip_frac_low"] = _safe_div(jnp.sum(lo * b.n), b.num_tokens)
-    metrics["clip_frac_high"] = _safe_div(jnp.sum(hi * b.n), b.num_tokens)
-    metrics["seq_ratio_mean"] = _seq_mean(jax.lax.stop_gradient(s), b)
+    metrics = _token_metrics(
+        b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp), _with_kl(lambda *a: {}, hp),
+        seq_rows={"seq_clip_frac_low": lo, "seq_clip_frac_high": hi, "seq_clip_frac": hi + lo,
+                  "seq_ratio_mean": s},
+        # Share of tokens whose gradient the sequence clip removed.
+        token_rows={"clip_frac_low": lo * b.n, "clip_frac_high": hi * b.n})
     return loss, metrics
 
 
@@ -691,8 +723,7 @@ def _gspo_token(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, 
 
     metrics = _token_metrics(b, logp, old_logp, mask,
                              _metric_inputs(adv, ref_logp, hp, s=s[:, None]),
-                             _with_kl(stats, hp))
-    metrics["seq_ratio_mean"] = _seq_mean(s, b)
+                             _with_kl(stats, hp), seq_rows={"seq_ratio_mean": s})
     return loss, metrics
 
 
@@ -780,11 +811,11 @@ def _geo_outer(rows, aux):
     return jnp.exp(rows * aux["inv_n"])
 
 
-def _geo_seq_ratio_mean(hp, logp, old_logp, b: _Batch, aux: dict) -> Array:
-    """Mean over sequences of GMPO's g_i / RSPO's S_i (the same row sums as the loss's,
-    which XLA computes once)."""
+def _geo_seq_ratio(hp, logp, old_logp, b: _Batch, aux: dict) -> Array:
+    """f32[N] GMPO's g_i / RSPO's S_i (the same row sums as the loss's, which XLA
+    computes once)."""
     v, _ = _geo_terms(hp)(jax.lax.stop_gradient(_f32(logp)), _f32(old_logp), b.m, aux)
-    return _seq_mean(_geo_outer(jnp.sum(v, axis=-1), {"inv_n": b.inv_n}), b)
+    return _geo_outer(jnp.sum(v, axis=-1), {"inv_n": b.inv_n})
 
 
 def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
@@ -794,9 +825,9 @@ def _gmpo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp),
                  [_seq_part(_geo_terms(hp), _geo_outer, b, adv),
                   *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
+    seq_ratio = _geo_seq_ratio(hp, logp, old_logp, b, {"adv": adv[:, None]})
     metrics = _token_metrics(b, logp, old_logp, mask, _metric_inputs(adv, ref_logp, hp),
-                             _geo_stats(hp))
-    metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b, {"adv": adv[:, None]})
+                             _geo_stats(hp), seq_rows={"seq_ratio_mean": seq_ratio})
     return loss, metrics
 
 
@@ -808,11 +839,10 @@ def _rspo(logp, old_logp, advantages, mask, ref_logp, router_shift, norm, hp):
     loss = _loss(logp, old_logp, b, _loss_aux(adv[:, None], ref_logp, hp, gamma=gamma),
                  [_seq_part(_geo_terms(hp), _geo_outer, b, adv),
                   *_kl_parts(hp, b, "seq-mean-token-mean", 1.0)])
+    seq_ratio = _geo_seq_ratio(hp, logp, old_logp, b, {"adv": adv[:, None], "gamma": gamma})
     metrics = _token_metrics(b, logp, old_logp, mask,
                              _metric_inputs(adv, ref_logp, hp, gamma=gamma),
-                             _geo_stats(hp))
-    metrics["seq_ratio_mean"] = _geo_seq_ratio_mean(hp, logp, old_logp, b,
-                                                    {"adv": adv[:, None], "gamma": gamma})
+                             _geo_stats(hp), seq_rows={"seq_ratio_mean": seq_ratio})
     return loss, metrics
 
 

@@ -809,3 +809,47 @@ def test_blocked_metrics_pass_equals_single_block(name, monkeypatch):
     np.testing.assert_allclose(blocked[0], single[0], rtol=1e-6)
     for k in single[1]:
         np.testing.assert_allclose(blocked[1][k], single[1][k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_token_metrics_second_level_with_more_extrema_than_sums(blocked, monkeypatch):
+    # The second level reduces sums and maxima in one variadic reduce, padding the
+    # shorter stack to the other's height: here the 11 maxima (10 + the log-ratio's)
+    # outnumber the 9 sums (with the counts), so the sums are padded (elsewhere the
+    # maxima are). Every value is checked against numpy.
+    if not blocked:
+        monkeypatch.setattr(O, "_BLOCKED_BACKENDS", ())
+    rs = np.random.RandomState(11)
+    n, t = 8, 4096
+    old = rs.normal(-1, 0.5, (n, t)).astype(np.float32)
+    lp = (old + rs.normal(0, 0.3, (n, t))).astype(np.float32)
+    mask = (rs.rand(n, t) > 0.3).astype(np.float32)
+    mask[5] = 0.0  # an empty row
+    z = rs.normal(0, 1, (n, t)).astype(np.float32)
+
+    def stats(d, lp_, valid, x):
+        out = {f"max{j}": ("max", x["z"] + j, -1e9) for j in range(5)}
+        out.update({f"min{j}": ("min", x["z"] - j, 1e9) for j in range(5)})
+        out["zmean"] = ("mean", x["z"], 0.0)
+        return out
+
+    def run(lp, old, mask, z):
+        b = O._prepare(lp, old, mask, None)
+        return O._token_metrics(b, lp, old, mask, {"z": z}, stats,
+                                seq_rows={"row": jnp.arange(n, dtype=jnp.float32)},
+                                token_rows={"tok": b.n * 2.0})
+
+    m = jax.jit(run)(*map(jnp.asarray, (lp, old, mask, z)))
+    valid = mask > 0
+    d = np.where(valid, lp.astype(np.float64) - old, 0.0)
+    num_tokens, num_seqs = mask.sum(), (mask.sum(1) > 0).sum()
+    zv = z[valid].astype(np.float64)
+    want = {"num_tokens": num_tokens, "num_seqs": num_seqs,
+            "ppo_kl": -d.sum() / num_tokens, "zmean": zv.sum() / num_tokens,
+            "logratio_abs_max": np.abs(d).max(), "frac_ratio_gt_2": (np.abs(d) > np.log(2)).sum() / num_tokens,
+            "row": np.arange(n)[mask.sum(1) > 0].sum() / num_seqs, "tok": 2.0}
+    for j in range(5):
+        want[f"max{j}"], want[f"min{j}"] = zv.max() + j, zv.min() - j
+    assert set(want) <= set(m)
+    for k, v in want.items():
+        np.testing.assert_allclose(float(m[k]), v, rtol=2e-5, atol=1e-6, err_msg=k)
