@@ -432,10 +432,11 @@ def _token_metrics(b: _Batch, logp, old_logp, mask, inputs: dict,
 
     Two levels: one pass over [N,T] gives each statistic per row (f32[N]); then one
     variadic reduction takes all sums over rows (with the token and sequence counts)
-    and all maxima (minima negated), and one elementwise pass makes the metrics, so that on an accelerator they cost a few kernels whatever their number
-    (there the row pass joins the loss's own). The row results pass an optimization
-    barrier: without it XLA folds each sum of row sums into its own full reduction,
-    each with its own second-stage kernel.
+    and all maxima (minima negated), and one elementwise pass makes the metrics. On an
+    accelerator they so cost a few kernels whatever their number (there the row pass
+    joins the loss's own). The row results pass an optimization barrier: without it
+    XLA folds each sum of row sums into its own full reduction, each with its own
+    second-stage kernel.
     """
     sg = jax.lax.stop_gradient
     n, t = logp.shape
