@@ -2,6 +2,9 @@
 
 * Rank promotion raises, so silently broadcasting f32[N] against f32[N,T]
   fails loudly.
+* f32 matmuls at full precision. The tests compare code paths (decode against the
+  full forward, dispatch backends, remat) at f32 tolerances; on GPU the default
+  would use TF32 (errors ~1e-3), on CPU full precision is already the default.
 * 8 fake CPU devices, for the sharding tests; must be set before JAX starts.
 * One persistent XLA compilation cache for the session, its xdist workers and
   the trainer subprocesses they start: the trainer tests run the same programs
@@ -20,3 +23,4 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_default_matmul_precision", "highest")
