@@ -75,8 +75,9 @@ def chained(vg, sets: int):
     """jit of: vg over `sets` stacked input sets in turn (see --chain).
 
     vg(*args) returns (value, grad) or ((value, aux), grad); args[0] is the
-    log-probs. Pass i+1's log-probs get 1e-30 x pass i's loss added: no change to
-    the values (|logp| >> 1e-30 ulp), but a data dependency XLA keeps."""
+    log-probs. Pass i+1's log-probs get 1e-30 x pass i's loss added: far below half
+    an ulp of any log-prob here, so the values do not change, but a data dependency
+    that XLA keeps."""
 
     def run(*stacked):
         offset = jnp.zeros((), jnp.float32)
@@ -122,9 +123,9 @@ def _gpu_kernels(data, show_lines: bool):
     return events
 
 
-def profile_interleaved(calls, warmup: int, runs: int, show_lines: bool = False):
-    """calls: list of (fn, args). Per call: (GPU kernel ms per call, kernels per call),
-    from a profiler trace of `runs` calls of each (see --profile)."""
+def profile_calls(calls, warmup: int, runs: int, show_lines: bool = False):
+    """calls: list of (fn, args). Per function: (GPU kernel ms per call, kernels per
+    call), from its own profiler trace of `runs` calls (see --profile)."""
     for _ in range(warmup):
         for fn, args in calls:
             jax.block_until_ready(fn(*args))
@@ -236,7 +237,7 @@ def main():
         loss_only = wrap(jax.value_and_grad(lambda *a, loss=loss: loss(*a)[0]))
         calls = [(baseline, (x["logp"], x["mask"])), (with_metrics, inputs), (loss_only, inputs)]
         if args.profile:
-            (b, bk), (w, wk), (l, lk) = profile_interleaved(calls, args.warmup, args.runs,
+            (b, bk), (w, wk), (l, lk) = profile_calls(calls, args.warmup, args.runs,
                                                             show_lines=not base_times)
             print(f"| {name} | {_ms(b)} ({bk:g}) | {_ms(w)} ({wk:g}) | {w / b:.2f} | "
                   f"{_ms(l)} ({lk:g}) | {l / b:.2f} |", flush=True)
