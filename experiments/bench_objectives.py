@@ -250,8 +250,8 @@ def main():
     # The baseline reads logp and mask and writes the gradient: 3 x N x T x 4 bytes.
     moved = 3 * args.n * args.t * 4
     b = statistics.median(base_times)
-    print(f"\nbaseline: {moved / 1e6:.1f} MB moved per pass in {_ms(b)} ms (median over the "
-          f"rows), {moved / (b * 1e-3) / 1e9:.0f} GB/s")
+    print(f"\nbaseline: {moved / 1e6:.3g} MB moved per pass in {_ms(b)} ms (median over the "
+          f"rows), {moved / (b * 1e-3) / 1e9:.3g} GB/s")
 
 
 if __name__ == "__main__":
