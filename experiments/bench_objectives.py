@@ -94,11 +94,15 @@ def chained(vg, sets: int):
     return jax.jit(run)
 
 
-def time_interleaved(calls, warmup: int, runs: int):
-    """calls: list of (fn, args). Returns per call (median ms, min ms)."""
+def _warm_up(calls, warmup: int) -> None:
     for _ in range(warmup):
         for fn, args in calls:
             jax.block_until_ready(fn(*args))
+
+
+def time_interleaved(calls, warmup: int, runs: int):
+    """calls: list of (fn, args). Returns per call (median ms, min ms)."""
+    _warm_up(calls, warmup)
     times = [[] for _ in calls]
     for _ in range(runs):
         for k, (fn, args) in enumerate(calls):
@@ -126,9 +130,7 @@ def _gpu_kernels(data, show_lines: bool):
 def profile_calls(calls, warmup: int, runs: int, show_lines: bool = False):
     """calls: list of (fn, args). Per function: (GPU kernel ms per call, kernels per
     call), from its own profiler trace of `runs` calls (see --profile)."""
-    for _ in range(warmup):
-        for fn, args in calls:
-            jax.block_until_ready(fn(*args))
+    _warm_up(calls, warmup)
     out = []
     for fn, args in calls:
         with tempfile.TemporaryDirectory() as d:
@@ -236,16 +238,16 @@ def main():
         with_metrics = wrap(jax.value_and_grad(loss, has_aux=True))
         loss_only = wrap(jax.value_and_grad(lambda *a, loss=loss: loss(*a)[0]))
         calls = [(baseline, (x["logp"], x["mask"])), (with_metrics, inputs), (loss_only, inputs)]
-        if args.profile:
-            (b, bk), (w, wk), (l, lk) = profile_calls(calls, args.warmup, args.runs,
-                                                            show_lines=not base_times)
-            print(f"| {name} | {_ms(b)} ({bk:g}) | {_ms(w)} ({wk:g}) | {w / b:.2f} | "
-                  f"{_ms(l)} ({lk:g}) | {l / b:.2f} |", flush=True)
-        else:
-            times = time_interleaved(calls, args.warmup, args.runs)
-            (b, bmin), (w, wmin), (l, lmin) = [(med / s, mn / s) for med, mn in times]
-            print(f"| {name} | {_ms(b)} ({_ms(bmin)}) | {_ms(w)} ({_ms(wmin)}) | {w / b:.2f} | "
-                  f"{_ms(l)} ({_ms(lmin)}) | {l / b:.2f} |", flush=True)
+        if args.profile:  # (kernel ms, kernels per call)
+            rows = [(ms, f"{k:g}")
+                    for ms, k in profile_calls(calls, args.warmup, args.runs,
+                                               show_lines=not base_times)]
+        else:  # (median ms, min ms) per pass
+            rows = [(med / s, _ms(mn / s))
+                    for med, mn in time_interleaved(calls, args.warmup, args.runs)]
+        (b, bd), (w, wd), (l, ld) = rows
+        print(f"| {name} | {_ms(b)} ({bd}) | {_ms(w)} ({wd}) | {w / b:.2f} | "
+              f"{_ms(l)} ({ld}) | {l / b:.2f} |", flush=True)
         base_times.append(b)
     # The baseline reads logp and mask and writes the gradient: 3 x N x T x 4 bytes.
     moved = 3 * args.n * args.t * 4
