@@ -13,7 +13,7 @@ Any field can be overridden: ``--config.updates.routing_replay=R3``.
 
 from gspo_jax import config as config_lib
 
-# Clip ranges for short responses (objectives.md: GSPO's published 3e-4/4e-4
+# Clip ranges for short responses (docs/objectives.md, "GSPO": the published 3e-4/4e-4
 # are tuned for long ones; a 10-token answer needs a wider sequence-level band).
 SHORT_RESPONSE_HPARAMS = {
     "gspo": dict(eps_low=0.02, eps_high=0.03),

@@ -1,4 +1,4 @@
-r"""Advantage estimators (objectives.md, "Advantages").
+r"""Advantage estimators (docs/objectives.md, "Advantages").
 
 The group estimators are written for one group of G rewards (the G samples of one
 prompt) and `jax.vmap`-ed over prompts: the public functions take f32[P,G] and

@@ -139,15 +139,11 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-# Types of the hyperparameters whose default is None, so that the command line can
-# set them (an ml_collections placeholder carries the type of a None field).
-_NONE_DEFAULT_TYPES = {"dual_clip": float, "eps_low": float, "norm_len": int}
-
-
 def set_objective(c: ml_collections.ConfigDict, name: str,
                   hparams: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
     """Selects objective ``name`` and writes every hyperparameter it takes into
-    ``c.objective.hparams``: its defaults (objectives.md), updated by ``hparams``.
+    ``c.objective.hparams``: its defaults (its hyperparameter dataclass,
+    docs/objectives.md), updated by ``hparams``.
 
     With all of them present, any one can be overridden from the command line
     (``--config.objective.hparams.eps_high=0.3``) although the config is locked.
@@ -156,9 +152,14 @@ def set_objective(c: ml_collections.ConfigDict, name: str,
     objective's.
     """
     from gspo_jax import objectives  # local: keeps config import light
+    from gspo_jax.objectives.hparams import field_types
 
     _check_objective_name(name)
-    defaults = objectives.get(name).defaults
+    objective = objectives.get(name)
+    defaults = objective.defaults
+    # A None default becomes a typed placeholder (the field's annotated type), so that
+    # the command line can still set it.
+    types = field_types(objective.hparams_class)
     unknown = sorted(set(hparams or {}) - set(defaults))
     if unknown:
         raise _err("objective.hparams", f"{name} takes no hyperparameter(s) {unknown}; it takes "
@@ -167,7 +168,7 @@ def set_objective(c: ml_collections.ConfigDict, name: str,
     fields = ml_collections.ConfigDict()
     for key, value in values.items():
         if value is None:
-            fields[key] = ml_collections.config_dict.placeholder(_NONE_DEFAULT_TYPES[key])
+            fields[key] = ml_collections.config_dict.placeholder(types[key])
         else:
             fields[key] = value
     c.objective.name = name

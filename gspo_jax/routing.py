@@ -1,4 +1,4 @@
-r"""RSPO's router shift and the MoE routing diagnostics (objectives.md, "Router shift").
+r"""RSPO's router shift and the MoE routing diagnostics (docs/objectives.md, "Router shift").
 
 Shapes: N sequences, T positions, L MoE layers, E experts, K experts per token.
 

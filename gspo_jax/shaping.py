@@ -1,4 +1,4 @@
-r"""DAPO's data-side techniques (objectives.md, "DAPO's data-side techniques").
+r"""DAPO's data-side techniques (docs/objectives.md, "DAPO's data-side techniques").
 
   soft_overlong_penalty  added to the task reward, from the response length L:
                          0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache if

@@ -25,7 +25,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
+from gspo_jax.metrics import Mean, Min, Sum
+from gspo_jax.objectives.critic import value_loss_mergeable
 
 Batch = dict[str, jax.Array]
 
@@ -115,48 +118,19 @@ def _split_micro(tree, m: int):
     return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), tree)
 
 
-# How the non-objective metrics of a micro-batch merge into the mini-batch's
-# (`_accumulate`). By default a metric is written as this micro-batch's share of the
-# mini-batch value (a token mean times the micro-batch's share of the tokens), so the
-# sum over micro-batches is exact. These take the minimum, and these the mean over
-# micro-batches: per-micro-batch quantities (the load-balancing loss is a product of
-# two means over a batch, optimised per micro-batch; the replay mismatch is a rate
-# over all routed positions).
-_MERGE_MIN = frozenset({"router_shift_min"})
-_MERGE_MEAN = frozenset({"aux_loss", "replay_mismatch", "replay_mismatch_layer"})
-
-
-def _merge_other(stacked: dict) -> dict:
-    """Merges stacked (leading micro-batch axis) non-objective metrics; see above."""
-    out = {}
-    for key, x in stacked.items():
-        if key in _MERGE_MIN:
-            out[key] = jnp.min(x, axis=0)
-        elif key in _MERGE_MEAN:
-            out[key] = jnp.mean(x, axis=0)
-        else:
-            out[key] = jnp.sum(x, axis=0)
-    return out
-
-
-def _share(mask, total) -> jax.Array:
-    """This micro-batch's share of the mini-batch's ``total`` valid tokens."""
-    return jnp.sum(mask.astype(jnp.float32)) / jnp.maximum(total, 1.0)
-
-
 def _accumulate(loss_fn, params, batch, m: int):
     """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan).
 
-    ``loss_fn`` returns ``(loss, (objective_metrics, other_metrics))``, with the
-    loss of each micro-batch already scaled by the whole mini-batch's
-    denominators, so the sum is the mini-batch loss exactly (but for the
-    load-balancing loss, taken per micro-batch). Objective metrics are merged
-    exactly (`objectives.combine_metrics`), the others by `_merge_other`.
+    ``loss_fn`` returns ``(loss, metrics)``, the loss of each micro-batch already
+    scaled by the whole mini-batch's denominators (so the sum is the mini-batch loss
+    exactly, but for the load-balancing loss, taken per micro-batch) and the metrics
+    as mergeable values (`gspo_jax.metrics`), which merge into the mini-batch's.
+    Returns (loss, metrics as numbers, grads).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if m == 1:
-        (loss, (obj_m, other_m)), grads = grad_fn(params, batch)
-        return loss, {**obj_m, **other_m}, grads
+        (loss, metrics), grads = grad_fn(params, batch)
+        return loss, metrics_lib.compute_all(metrics), grads
 
     def body(carry, mb):
         loss_acc, grads_acc = carry
@@ -164,10 +138,9 @@ def _accumulate(loss_fn, params, batch, m: int):
         return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), (obj_m, other_m) = jax.lax.scan(
+    (loss, grads), stacked = jax.lax.scan(
         body, (jnp.zeros((), jnp.float32), zeros), _split_micro(batch, m))
-    metrics = {**(objectives.combine_metrics(obj_m) if obj_m else {}), **_merge_other(other_m)}
-    return loss, metrics, grads
+    return loss, metrics_lib.compute_all(metrics_lib.reduce_all(stacked)), grads
 
 
 # --------------------------------------------------------------------------
@@ -249,9 +222,9 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     """The objective on one (micro-)batch, scaled by whole-mini-batch denominators.
 
     ``norm`` holds the mini-batch's response counts (`objectives.normalizer`) and
-    ``num_router_tokens`` its `router_tokens`. Returns
-    ``(loss, (objective_metrics, other_metrics))``; the other metrics merge over
-    micro-batches by `_merge_other`.
+    ``num_router_tokens`` its `router_tokens`. Returns ``(loss, metrics)``, the
+    metrics as mergeable values (`gspo_jax.metrics`): each says how it merges over
+    micro-batches.
     """
     model = nnx.merge(graphdef, params)
     replay = batch.get("replay")
@@ -259,14 +232,14 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     logp, entropy, values, aux = _forward(model, batch, replay, values=critic)
     mask = batch["mask"].astype(jnp.float32)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    share = _share(mask, norm.num_tokens)  # of the mini-batch's response tokens
+    num_tokens = jnp.sum(mask)  # this micro-batch's response tokens
 
     # Routing: the current router's log-probs at the old top-K experts give
     # RSPO's γ; the current top-K against the old one gives the flip rates.
     new_router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), batch["old_topk"])
     gamma = routing.router_shift(batch["old_router_logp"], new_router_lp, gamma_min=cfg.gamma_min)
     fn = objectives.get(cfg.objective)
-    loss, obj_metrics = fn(
+    loss, metrics = fn.apply(
         logp,
         batch["old_logp"],
         batch["advantages"],
@@ -279,40 +252,38 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     if cfg.entropy_coef:
         bonus, _ = objectives.entropy_bonus(entropy, mask, coef=cfg.entropy_coef, normalizer=norm)
         loss = loss + bonus
-    value_metrics = {}
     if critic:
-        vloss, value_metrics = objectives.value_loss(
+        vloss, value_metrics = value_loss_mergeable(
             values, batch["old_values"], batch["returns"], mask, clip_eps=cfg.value_clip, normalizer=norm)
         loss = loss + cfg.value_coef * vloss  # vloss: already this micro-batch's share
-        value_metrics = {k: v * share for k, v in value_metrics.items()}
-        value_metrics["value_loss"] = vloss
+        metrics.update(value_metrics, value_loss=Sum.of(vloss))
     # Router losses. z_loss is a mean over the router's valid positions: weighted by
     # this micro-batch's share of them, the sum over micro-batches is the mini-batch's.
     # The load-balancing loss is a product of two means over a batch, so it is taken
     # per micro-batch and averaged (as MoE trainers do); exact only when m = 1.
-    z_share = router_tokens(batch) / jnp.maximum(num_router_tokens, 1.0)
+    router_positions = router_tokens(batch)
+    z_share = router_positions / jnp.maximum(num_router_tokens, 1.0)
     loss = loss + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches \
         + cfg.z_loss_coef * aux.z_loss * z_share
 
-    n_mini = jnp.maximum(norm.num_tokens, 1.0)
     cur_topk = response_slice(aux.topk_indices, p, t)
-    flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)
-    other = {
-        "entropy": jnp.sum(entropy * mask) / n_mini,
-        "aux_loss": aux.aux_loss,
-        "z_loss": aux.z_loss * z_share,
-        "router_shift_mean": jnp.sum(gamma * mask) / n_mini,
-        "router_shift_min": jnp.min(jnp.where(mask > 0, gamma, 1.0)),
-        "expert_flip_frac_layer": flips * share,
-        "expert_flip_frac": (jnp.mean(flips) if flips.size else jnp.zeros((), jnp.float32)) * share,
-        "token_flip_rate": routing.token_flip_rate(batch["old_topk"], cur_topk, mask) * share,
-    }
-    other.update(value_metrics)
+    flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)  # f32[L]
+    metrics.update({
+        "entropy": Mean.masked(jax.lax.stop_gradient(entropy), mask),
+        "aux_loss": Mean.of(aux.aux_loss),  # the mean over micro-batches
+        "z_loss": Mean.of(aux.z_loss, weight=router_positions),
+        "router_shift_mean": Mean.masked(gamma, mask),
+        "router_shift_min": Min.masked(gamma, mask, empty=1.0),
+        "expert_flip_frac_layer": Mean.of(flips, weight=num_tokens),
+        "expert_flip_frac": Mean.of(jnp.mean(flips) if flips.size else 0.0, weight=num_tokens),
+        "token_flip_rate": Mean.of(routing.token_flip_rate(batch["old_topk"], cur_topk, mask),
+                                   weight=num_tokens),
+    })
     if replay is not None:
-        other["replay_mismatch_layer"] = aux.replay_mismatch
-        other["replay_mismatch"] = (jnp.mean(aux.replay_mismatch) if aux.replay_mismatch.size
-                                    else jnp.zeros((), jnp.float32))
-    return loss, (obj_metrics, other)
+        mismatch = aux.replay_mismatch  # f32[L], a rate over all routed positions
+        metrics["replay_mismatch_layer"] = Mean.of(mismatch)
+        metrics["replay_mismatch"] = Mean.of(jnp.mean(mismatch) if mismatch.size else 0.0)
+    return loss, metrics
 
 
 def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, cfg: StepConfig):
@@ -342,13 +313,13 @@ def sft_loss(params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, 
     model = nnx.merge(graphdef, params)
     logp, entropy, _, aux = _forward(model, batch, None)
     mask = batch["mask"].astype(jnp.float32)
-    nll = -jnp.sum(logp * mask) / num_tokens
-    metrics = {  # merged over micro-batches by `_merge_other`
-        "sft_nll": nll,
-        "entropy": jnp.sum(entropy * mask) / num_tokens,
-        "aux_loss": aux.aux_loss,
+    nll = -jnp.sum(logp * mask) / num_tokens  # this micro-batch's share of the mean
+    metrics = {
+        "sft_nll": Sum.of(jax.lax.stop_gradient(nll)),
+        "entropy": Mean.masked(jax.lax.stop_gradient(entropy), mask),
+        "aux_loss": Mean.of(aux.aux_loss),
     }
-    return nll + aux_loss_coef * aux.aux_loss / micro_batches, ({}, metrics)
+    return nll + aux_loss_coef * aux.aux_loss / micro_batches, metrics
 
 
 def sft_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, micro_batches: int = 1,

@@ -13,6 +13,7 @@ import pytest
 from jax.test_util import check_grads
 
 from gspo_jax import objectives as O
+from gspo_jax.metrics import compute_all, reduce_all
 
 OLD = -1.0  # old_logp on every position; logp = OLD + log r
 
@@ -543,10 +544,16 @@ def test_micro_batches_sum_to_whole(name, hp):
     # this is what the keyword is for.
     local = sum(whole_loss(lp[s], None, s)[0] for s in parts)
     assert abs(float(local) - float(full)) > 1e-4
-    # Metrics: combine_metrics over the stacked micro-batch metrics == whole-batch metrics.
-    per = [whole_loss(lp[s], norm, s)[1] for s in parts]
-    stacked = {k: jnp.stack([p[k] for p in per]) for k in per[0]}
-    combined = O.combine_metrics(stacked)
+    # Metrics: the micro-batches' mergeable metrics, stacked and reduced, == whole-batch
+    # metrics (each metric carries how it merges: gspo_jax.metrics).
+    def part_metrics(s):
+        kw = {"router_shift": gamma[s]} if name == "rspo" else {}
+        return fn.apply(lp[s], old[s], adv[s], mask[s], ref_logp=ref[s], normalizer=norm,
+                        **kw, **hp)[1]
+
+    per = [part_metrics(s) for s in parts]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per)
+    combined = compute_all(reduce_all(stacked))
     assert set(combined) == set(full_m)
     for k in full_m:
         np.testing.assert_allclose(combined[k], full_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -787,69 +794,3 @@ def test_entropy_bonus():
     loss, m = O.entropy_bonus(h, jnp.array([[1.0, 0.0]]), coef=0.1)
     np.testing.assert_allclose(loss, -0.1 * math.log(2), rtol=1e-6)
     np.testing.assert_allclose(m["entropy"], math.log(2), rtol=1e-6)
-
-
-@pytest.mark.parametrize("name", ["dapo", "gspo_token", "cispo", "rspo", "sapo"])
-def test_blocked_metrics_pass_equals_single_block(name, monkeypatch):
-    # 8 x 4096 tokens: on CPU the metrics pass runs over 2 blocks of 4 rows (lax.map);
-    # compare with the one block that other backends use.
-    rs = np.random.RandomState(5)
-    n, t = 8, 4096
-    old = jnp.asarray(rs.normal(-1, 0.5, (n, t)), jnp.float32)
-    lp = old + jnp.asarray(rs.normal(0, 0.4, (n, t)), jnp.float32)
-    mask = jnp.asarray(rs.rand(n, t) > 0.2, jnp.float32)
-    adv = jnp.asarray(rs.normal(0, 1, n), jnp.float32)
-    kw = dict(extra_kwargs(name, (n, t), gamma=rs.uniform(0.5, 1, (n, t)).astype(np.float32)),
-              ref_logp=old, kl_coef=0.1)
-    assert O._block_rows(n, t) == 4
-    assert O._block_rows(n, t, "gpu") == O._block_rows(n, t, "tpu") == n
-    blocked = jax.jit(lambda *a: O.get(name)(*a, **kw))(lp, old, adv, mask)
-    monkeypatch.setattr(O, "_BLOCKED_BACKENDS", ())  # as on GPU and TPU
-    single = jax.jit(lambda *a: O.get(name)(*a, **kw))(lp, old, adv, mask)
-    np.testing.assert_allclose(blocked[0], single[0], rtol=1e-6)
-    for k in single[1]:
-        np.testing.assert_allclose(blocked[1][k], single[1][k], rtol=1e-5, atol=1e-7, err_msg=k)
-
-
-@pytest.mark.parametrize("blocked", [True, False])
-def test_token_metrics_second_level_with_more_extrema_than_sums(blocked, monkeypatch):
-    # The second level reduces sums and maxima in one variadic reduce, padding the
-    # shorter stack to the other's height: here the 11 maxima (10 + the log-ratio's)
-    # outnumber the 9 sums (with the counts), so the sums are padded (elsewhere the
-    # maxima are). Every value is checked against numpy.
-    if not blocked:
-        monkeypatch.setattr(O, "_BLOCKED_BACKENDS", ())
-    rs = np.random.RandomState(11)
-    n, t = 8, 4096
-    old = rs.normal(-1, 0.5, (n, t)).astype(np.float32)
-    lp = (old + rs.normal(0, 0.3, (n, t))).astype(np.float32)
-    mask = (rs.rand(n, t) > 0.3).astype(np.float32)
-    mask[5] = 0.0  # an empty row
-    z = rs.normal(0, 1, (n, t)).astype(np.float32)
-
-    def stats(d, lp_, valid, x):
-        out = {f"max{j}": ("max", x["z"] + j, -1e9) for j in range(5)}
-        out.update({f"min{j}": ("min", x["z"] - j, 1e9) for j in range(5)})
-        out["zmean"] = ("mean", x["z"], 0.0)
-        return out
-
-    def run(lp, old, mask, z):
-        b = O._prepare(lp, old, mask, None)
-        return O._token_metrics(b, lp, old, mask, {"z": z}, stats,
-                                seq_rows={"row": jnp.arange(n, dtype=jnp.float32)},
-                                token_rows={"tok": b.n * 2.0})
-
-    m = jax.jit(run)(*map(jnp.asarray, (lp, old, mask, z)))
-    valid = mask > 0
-    d = np.where(valid, lp.astype(np.float64) - old, 0.0)
-    num_tokens, num_seqs = mask.sum(), (mask.sum(1) > 0).sum()
-    zv = z[valid].astype(np.float64)
-    want = {"num_tokens": num_tokens, "num_seqs": num_seqs,
-            "ppo_kl": -d.sum() / num_tokens, "zmean": zv.sum() / num_tokens,
-            "logratio_abs_max": np.abs(d).max(), "frac_ratio_gt_2": (np.abs(d) > np.log(2)).sum() / num_tokens,
-            "row": np.arange(n)[mask.sum(1) > 0].sum() / num_seqs, "tok": 2.0}
-    for j in range(5):
-        want[f"max{j}"], want[f"min{j}"] = zv.max() + j, zv.min() - j
-    assert set(want) <= set(m)
-    for k, v in want.items():
-        np.testing.assert_allclose(float(m[k]), v, rtol=2e-5, atol=1e-6, err_msg=k)

@@ -76,18 +76,6 @@ def test_micro_batches_equal_whole_mini_batch(setup, objective):
             np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-7, err_msg=key)
 
 
-def test_step_metrics_merge_over_micro_batches():
-    """Token means merge weighted by tokens, the minimum by min, per-micro-batch
-    quantities by their mean (hand values)."""
-    stacked = {"entropy": jnp.asarray([0.25, 0.5]), "router_shift_min": jnp.asarray([0.7, 0.6]),
-               "aux_loss": jnp.asarray([1.0, 3.0]), "expert_flip_frac_layer": jnp.asarray([[0.1, 0.2], [0.3, 0.0]])}
-    out = step._merge_other(stacked)
-    np.testing.assert_allclose(out["entropy"], 0.75)
-    np.testing.assert_allclose(out["router_shift_min"], 0.6)
-    np.testing.assert_allclose(out["aux_loss"], 2.0)
-    np.testing.assert_allclose(out["expert_flip_frac_layer"], [0.4, 0.2])
-
-
 def test_dense_model_trains():
     """A model with no MoE layer (num_experts=0): no router, so gamma = 1, nothing
     flips, and every objective's step runs (RSPO is then GMPO)."""

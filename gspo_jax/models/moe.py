@@ -22,7 +22,7 @@ Dispatch backends (same math, tests compare them, values and gradients):
   expert counts c_e.  Compute follows active (not total) parameters, plus at
   most E*(bk-1) padding rows.
 
-Routing replay (objectives.md, "Routing replay"): replay int32[N, K], -1 = free.
+Routing replay (docs/objectives.md, "Routing replay"): replay int32[N, K], -1 = free.
 A row whose K entries are all >= 0 uses exactly those experts; any other row
 uses the free router's top-K.  Gates are the current router's probabilities at
 the used experts (renormalised as in a free forward), so the router keeps its

@@ -1,0 +1,302 @@
+"""What every objective shares: masking, the log-ratio, aggregation, the exact
+micro-batch normaliser, KL estimators, input checks and the common diagnostics.
+
+Every formula here is in ``docs/objectives.md`` under the section named beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gspo_jax.metrics import Max, Mean, MetricDict, Std, Sum
+
+Array = jax.Array
+sg = jax.lax.stop_gradient
+
+LOG_RATIO_CLIP = 20.0
+"""Token log-ratios are clipped to [-20, 20] before exponentiation ("Conventions")."""
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------------
+# Normaliser ("Aggregation": exact micro-batch accumulation)
+# ----------------------------------------------------------------------------------
+
+
+class Normalizer(NamedTuple):
+    """The loss denominators of a whole mini-batch (a pytree of two scalars).
+
+    Attributes:
+      num_tokens: f32[], sum_{i,t} mask.
+      num_seqs: f32[], #{i : n_i > 0}.
+    """
+
+    num_tokens: Array
+    num_seqs: Array
+
+
+def normalizer(mask: Array) -> Normalizer:
+    """The denominators of ``mask`` (f32[N,T] or bool) for exact gradient accumulation.
+
+    Pass the whole mini-batch's normaliser as ``normalizer=`` to every micro-batch's
+    objective call: the micro-batch losses then sum to the mini-batch loss.
+    """
+    mask = jnp.asarray(mask)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be f32[N,T], got shape {mask.shape}")
+    valid = (mask > 0).astype(jnp.float32)
+    return Normalizer(jnp.sum(valid), jnp.sum(jnp.any(mask > 0, axis=-1).astype(jnp.float32)))
+
+
+# ----------------------------------------------------------------------------------
+# Masking and the log-ratio ("Conventions")
+# ----------------------------------------------------------------------------------
+
+
+def compute_dtype(x: Array):
+    """f32, or f64 when given f64 (bf16 and f16 inputs are computed in f32)."""
+    return jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
+
+
+def log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+    """delta_t = clip(logp_t - sg(old_logp_t), -20, 20), and 0 where mask = 0."""
+    return jnp.clip(jnp.where(mask > 0, logp - sg(old_logp), 0.0), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+
+
+def seq_lengths(mask: Array) -> Array:
+    """n_i = sum_t mask_{i,t}, f[N]."""
+    return jnp.sum(jnp.where(mask > 0, 1.0, 0.0), axis=-1)
+
+
+def seq_mean(x: Array, mask: Array) -> Array:
+    """f[N]: sum_t mask * x / max(n_i, 1)."""
+    return jnp.sum(jnp.where(mask > 0, x, 0.0), axis=-1) / jnp.maximum(seq_lengths(mask), 1.0)
+
+
+def token_advantages(advantages: Array, mask: Array) -> Array:
+    """A_{i,t} as f[N,T]: per-sequence A_i broadcast over T, 0 where mask = 0.
+
+    A constant (stop-gradient). Zeroing keeps a NaN or inf advantage on padding or an
+    empty row out of the loss, where 0 * NaN would be NaN ("Conventions").
+    """
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]
+    return jnp.where(mask > 0, sg(jnp.broadcast_to(advantages, mask.shape)), 0.0)
+
+
+def seq_advantages(advantages: Array, mask: Array) -> Array:
+    """A_i as f[N], 0 on rows with no valid token (a constant)."""
+    return jnp.where(jnp.any(mask > 0, axis=-1), sg(advantages), 0.0)
+
+
+def clipped_max(unclipped: Array, clipped: Array) -> Array:
+    """max(unclipped, clipped) of a clipped surrogate, for the loss -A r vs -A clip(r).
+
+    Where the two are equal (the ratio inside the clip range, or exactly on a bound)
+    the gradient is the unclipped term's: the clip binds only strictly beyond its
+    bound ("Clipping"). ``jnp.maximum`` would halve the gradient at a tie.
+    """
+    return jnp.where(unclipped >= clipped, unclipped, clipped)
+
+
+# ----------------------------------------------------------------------------------
+# Aggregation ("Aggregation")
+# ----------------------------------------------------------------------------------
+
+
+def aggregate(
+    loss_t: Array, mask: Array, agg: str, norm: Normalizer, norm_len: int | None = None
+) -> Array:
+    """Per-token losses l_{i,t} -> one scalar, with the mini-batch's denominators.
+
+      token-mean               sum_{i,t} mask*l / num_tokens
+      seq-mean-token-mean      sum_i (sum_t mask*l / n_i) / num_seqs
+      seq-mean-token-sum       sum_{i,t} mask*l / num_seqs
+      seq-mean-token-sum-norm  sum_{i,t} mask*l / (num_seqs * norm_len), norm_len=None: T
+    """
+    row_sum = jnp.sum(jnp.where(mask > 0, loss_t, 0.0), axis=-1)
+    num_tokens = jnp.maximum(sg(norm.num_tokens), 1.0)
+    num_seqs = jnp.maximum(sg(norm.num_seqs), 1.0)
+    if agg == "token-mean":
+        return jnp.sum(row_sum) / num_tokens
+    if agg == "seq-mean-token-mean":
+        return jnp.sum(row_sum / jnp.maximum(seq_lengths(mask), 1.0)) / num_seqs
+    if agg == "seq-mean-token-sum":
+        return jnp.sum(row_sum) / num_seqs
+    if agg == "seq-mean-token-sum-norm":
+        return jnp.sum(row_sum) / (num_seqs * (norm_len or mask.shape[1]))
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+
+
+def mean_over_sequences(loss_i: Array, mask: Array, norm: Normalizer) -> Array:
+    """Sequence-level losses l_i -> their sum over rows with n_i > 0, / num_seqs."""
+    has_tokens = jnp.any(mask > 0, axis=-1)
+    return jnp.sum(jnp.where(has_tokens, loss_i, 0.0)) / jnp.maximum(sg(norm.num_seqs), 1.0)
+
+
+# ----------------------------------------------------------------------------------
+# KL to a reference policy ("KL to a reference policy")
+# ----------------------------------------------------------------------------------
+
+
+def kl(logp: Array, ref_logp: Array, kind: str) -> Array:
+    """Per-token estimator of KL(pi_theta || pi_ref), d = ref_logp - logp:
+
+    k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    logp, ref_logp = jnp.asarray(logp), jnp.asarray(ref_logp)
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"ref_logp shape {ref_logp.shape} != logp shape {logp.shape}")
+    d = ref_logp - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    return jnp.exp(d) - d - 1.0
+
+
+def kl_penalty(logp, ref_logp, mask, hp, norm: Normalizer, agg: str, norm_len=None):
+    """(kl_coef * agg(k), metrics): the KL term of a loss and its token mean ``kl``.
+
+    (0, {}) when ``hp.kl_coef`` is 0, a static choice: no reference pass is needed.
+    """
+    if hp.kl_coef == 0:
+        return 0.0, {}
+    k = kl(jnp.where(mask > 0, logp, 0.0), jnp.where(mask > 0, sg(ref_logp), 0.0), hp.kl_estimator)
+    penalty = hp.kl_coef * aggregate(k, mask, agg, norm, norm_len)
+    return penalty, {"kl": Mean.masked(sg(k), mask)}
+
+
+# ----------------------------------------------------------------------------------
+# Diagnostics ("Diagnostics")
+# ----------------------------------------------------------------------------------
+
+_LN2 = math.log(2.0)
+
+
+def log_ratio_metrics(delta: Array, mask: Array) -> MetricDict:
+    """The metrics every objective reports, from the masked log-ratio delta."""
+    delta = sg(delta)
+    n = seq_lengths(mask)
+    has_tokens = n > 0
+    seq_var = seq_mean(delta * delta, mask) - seq_mean(delta, mask) ** 2
+    return {
+        "num_tokens": Sum.of(jnp.sum(n)),
+        "num_seqs": Sum.of(jnp.sum(has_tokens)),
+        "ppo_kl": Mean.masked(-delta, mask),  # approximate KL(pi_old || pi_theta)
+        "logratio_std": Std.masked(delta, mask),
+        "logratio_abs_max": Max.masked(jnp.abs(delta), mask),
+        "logratio_seq_var": Mean.masked(jnp.maximum(seq_var, 0.0), has_tokens),
+        "frac_ratio_gt_2": Mean.masked(jnp.abs(delta) > _LN2, mask),  # max(r, 1/r) > 2
+    }
+
+
+def clip_fractions(clipped_low: Array, clipped_high: Array, mask: Array) -> MetricDict:
+    """Token shares of each clip side (bool[N,T] each, where the clip binds)."""
+    return {
+        "clip_frac_low": Mean.masked(clipped_low, mask),
+        "clip_frac_high": Mean.masked(clipped_high, mask),
+    }
+
+
+# ----------------------------------------------------------------------------------
+# Input checks (shape contracts, asserted at every objective's entry)
+# ----------------------------------------------------------------------------------
+
+
+def check_inputs(
+    name: str,
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    norm=None,
+    hp=None,
+    sequence_level: bool = False,
+    needs_router_shift: bool = False,
+):
+    """Checks shapes and dtypes and returns the arrays in the compute dtype.
+
+    Raises ValueError naming the argument. Shapes are static, so the checks fire
+    under ``jax.jit`` too. Returns (logp, old_logp, advantages, mask, ref_logp,
+    router_shift, normalizer); ``normalizer`` is the batch's own when None.
+    """
+    logp = _as_array(logp, "logp", name)
+    if logp.ndim != 2:
+        raise ValueError(f"{name}: logp must be f32[N,T], got shape {logp.shape}")
+    shape, dtype = logp.shape, compute_dtype(logp)
+    old_logp = _as_array(old_logp, "old_logp", name)
+    mask = _as_array(mask, "mask", name, floating=False)
+    advantages = _as_array(advantages, "advantages", name)
+    for arg, x in (("old_logp", old_logp), ("mask", mask)):
+        if x.shape != shape:
+            raise ValueError(f"{name}: {arg} shape {x.shape} != logp shape {shape}")
+    if sequence_level and advantages.shape != shape[:1]:
+        raise ValueError(
+            f"{name}: advantages must be f32[N] = {shape[:1]} for a sequence-level "
+            f"objective, got shape {advantages.shape}"
+        )
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"{name}: advantages must be f32[N] or f32[N,T] with (N, T) = {shape}, "
+            f"got shape {advantages.shape}"
+        )
+    if ref_logp is not None:
+        ref_logp = _as_array(ref_logp, "ref_logp", name)
+        if ref_logp.shape != shape:
+            raise ValueError(f"{name}: ref_logp shape {ref_logp.shape} != logp shape {shape}")
+        ref_logp = ref_logp.astype(dtype)
+    elif hp is not None and getattr(hp, "kl_coef", 0) > 0:
+        raise ValueError(
+            f"{name}: kl_coef={hp.kl_coef} > 0 needs ref_logp (pass ref_logp, or kl_coef=0.0)"
+        )
+    if router_shift is not None:
+        router_shift = _as_array(router_shift, "router_shift", name)
+        if router_shift.shape != shape:
+            raise ValueError(
+                f"{name}: router_shift shape {router_shift.shape} != logp shape {shape}"
+            )
+        router_shift = router_shift.astype(dtype)
+    elif needs_router_shift:
+        raise ValueError(
+            f"{name}: router_shift (f32[N,T], gspo_jax.routing.router_shift) is required"
+        )
+    if norm is None:
+        norm = normalizer(mask)
+    elif not isinstance(norm, Normalizer):
+        raise ValueError(
+            f"{name}: normalizer must be objectives.Normalizer, got {type(norm).__name__}"
+        )
+    for field, x in zip(norm._fields, norm):
+        if jnp.shape(x) != ():
+            raise ValueError(f"{name}: normalizer.{field} must be a scalar, got shape {jnp.shape(x)}")
+    return (
+        logp.astype(dtype),
+        old_logp.astype(dtype),
+        advantages.astype(dtype),
+        mask,
+        ref_logp,
+        router_shift,
+        norm,
+    )
+
+
+def _as_array(x, arg: str, name: str, floating: bool = True) -> Array:
+    try:
+        x = jnp.asarray(x)
+    except TypeError as e:
+        raise ValueError(f"{name}: {arg} is not an array: {e}") from None
+    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: {arg} must be floating point, got dtype {x.dtype}")
+    return x

@@ -1,0 +1,107 @@
+"""GMPO and RSPO: the geometric mean of token ratios clipped in log space
+(docs/objectives.md, "GMPO", "RSPO").
+
+Geometric-Mean Policy Optimization, arXiv:2507.20673; RSPO (router-shift policy
+optimization) multiplies GMPO's ratio by the geometric mean of the router shift,
+arXiv:2510.23027.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from gspo_jax.metrics import Mean, Min
+from gspo_jax.objectives import common
+from gspo_jax.objectives.common import sg
+from gspo_jax.objectives.hparams import Hparams, check_number
+
+
+@dataclasses.dataclass(frozen=True)
+class GMPOHparams(Hparams):
+    """eps_low, eps_high: bounds on the log-ratio, one-sided by the sign of A: delta is
+    capped at eps_high where A >= 0 and floored at -eps_low where A < 0 (ratio bounds
+    e^{-eps_low}, e^{eps_high}; any value >= 0 is meaningful)."""
+
+    name = "gmpo"
+    eps_low: float = 0.4
+    eps_high: float = 0.4
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_number(self, "eps_low", low=0.0)
+        check_number(self, "eps_high", low=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RSPOHparams(GMPOHparams):
+    """As GMPO. The router-shift floor gamma_min belongs to `gspo_jax.routing`."""
+
+    name = "rspo"
+
+
+def gmpo(logp, old_logp, advantages, mask, hp: GMPOHparams = GMPOHparams(), *,
+         ref_logp=None, router_shift=None, normalizer=None):
+    r"""GMPO: l_i = -A_i exp(sum_t mask delta*_t / n_i), mean over sequences,
+
+      delta*_t = min(delta_t, eps_high) if A_i >= 0,  max(delta_t, -eps_low) if A_i < 0,
+
+    so a token past its bound has no gradient (+ the KL term, seq-mean-token-mean).
+
+    Args:
+      logp, old_logp, mask: f32[N,T]; advantages: f32[N].
+      hp: `GMPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
+      router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
+
+    Returns:
+      (loss, metrics).
+    """
+    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, None, normalizer)
+
+
+def rspo(logp, old_logp, advantages, mask, hp: RSPOHparams = RSPOHparams(), *,
+         ref_logp=None, router_shift=None, normalizer=None):
+    r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i).
+
+    GMPO's ratio times the geometric mean of the router shift gamma in (0, 1], a
+    constant. gamma stands outside the sgn(A) power, so routing drift damps the update
+    for either sign of A (docs/objectives.md, "RSPO").
+
+    Args:
+      router_shift: f32[N,T] gamma (`gspo_jax.routing.router_shift`); > 0 on valid
+        tokens, anything >= 0 on padding.
+      The others: as for `gmpo`.
+
+    Returns:
+      (loss, metrics) with ``gamma_mean`` and ``gamma_min``.
+    """
+    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer)
+
+
+def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer):
+    """GMPO (router_shift None) and RSPO: the two differ only in the gamma factor."""
+    logp, old_logp, advantages, mask, ref_logp, gamma, norm = common.check_inputs(
+        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, router_shift=router_shift,
+        norm=normalizer, hp=hp, sequence_level=True, needs_router_shift=hp.name == "rspo")
+    adv = common.seq_advantages(advantages, mask)[:, None]  # f[N,1]
+    delta = common.log_ratio(logp, old_logp, mask)
+    high, low = (adv >= 0) & (delta > hp.eps_high), (adv < 0) & (delta < -hp.eps_low)
+    delta_star = jnp.where(high, hp.eps_high, jnp.where(low, -hp.eps_low, delta))
+    log_ratio_i = common.seq_mean(delta_star, mask)
+    if gamma is not None:
+        log_ratio_i += common.seq_mean(jnp.log(jnp.where(mask > 0, sg(gamma), 1.0)), mask)
+
+    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm)
+    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
+
+    metrics = {
+        **common.log_ratio_metrics(delta, mask),
+        **common.clip_fractions(low, high, mask),
+        "seq_ratio_mean": Mean.masked(sg(jnp.exp(log_ratio_i)), jnp.any(mask > 0, axis=-1)),
+        **kl_metrics,
+    }
+    if gamma is not None:
+        metrics["gamma_mean"] = Mean.masked(gamma, mask)
+        metrics["gamma_min"] = Min.masked(gamma, mask, empty=1.0)
+    return loss + kl_loss, metrics

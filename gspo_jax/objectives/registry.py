@@ -1,0 +1,111 @@
+"""The registry: every objective by name, with its hyperparameter class."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from gspo_jax.metrics import MetricDict, compute_all
+from gspo_jax.objectives import cispo, clipped, geometric, gspo, sapo
+from gspo_jax.objectives.hparams import Hparams
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A registered objective.
+
+    Calling it validates the hyperparameters (keyword arguments, defaults from
+    ``hparams_class``), runs ``fn`` and returns ``(loss, metrics)`` with the metrics
+    as f32 numbers; `apply` returns them as mergeable values (`gspo_jax.metrics`).
+
+    Attributes:
+      name: the registry name.
+      fn: the plain function, fn(logp, old_logp, advantages, mask, hp, *, ref_logp,
+        router_shift, normalizer) -> (loss, metrics).
+      hparams_class: its frozen hyperparameter dataclass.
+      description: one line on what it is.
+      sequence_level: one loss per sequence (advantages must be f32[N]).
+      needs_router_shift: RSPO.
+    """
+
+    name: str
+    fn: Callable
+    hparams_class: type[Hparams]
+    description: str
+    sequence_level: bool = False
+    needs_router_shift: bool = False
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """Every hyperparameter the objective takes, with its default."""
+        return self.hparams_class().as_dict()
+
+    def hparams(self, **hyperparameters) -> Hparams:
+        """The validated hyperparameters; ValueError naming any unknown or bad one."""
+        unknown = sorted(set(hyperparameters) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown hyperparameter(s) {unknown}; "
+                             f"accepted: {sorted(self.defaults)}")
+        return self.hparams_class(**hyperparameters)
+
+    def validate_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
+        """The defaults updated by ``hyperparameters``, validated, as a dict."""
+        return self.hparams(**hyperparameters).as_dict()
+
+    def apply(self, logp, old_logp, advantages, mask, *, ref_logp=None, router_shift=None,
+              normalizer=None, **hyperparameters) -> tuple[Any, MetricDict]:
+        """(loss, metrics) with metrics that merge across micro-batches exactly."""
+        return self.fn(logp, old_logp, advantages, mask, self.hparams(**hyperparameters),
+                       ref_logp=ref_logp, router_shift=router_shift, normalizer=normalizer)
+
+    def __call__(self, logp, old_logp, advantages, mask, *, ref_logp=None, router_shift=None,
+                 normalizer=None, **hyperparameters):
+        loss, metrics = self.apply(logp, old_logp, advantages, mask, ref_logp=ref_logp,
+                                   router_shift=router_shift, normalizer=normalizer,
+                                   **hyperparameters)
+        return loss, compute_all(metrics)
+
+
+_REGISTRY = {o.name: o for o in (
+    Objective("ppo", clipped.clipped_surrogate, clipped.PPOHparams,
+              "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0."),
+    Objective("grpo", clipped.clipped_surrogate, clipped.GRPOHparams,
+              "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04."),
+    Objective("dr_grpo", clipped.clipped_surrogate, clipped.DrGRPOHparams,
+              "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL."),
+    Objective("dapo", clipped.clipped_surrogate, clipped.DAPOHparams,
+              "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL."),
+    Objective("gspo", gspo.gspo, gspo.GSPOHparams,
+              "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
+              sequence_level=True),
+    Objective("gspo_token", gspo.gspo_token, gspo.GSPOTokenHparams,
+              "GSPO-token: s_i with a per-token gradient path, for per-token advantages."),
+    Objective("cispo", cispo.cispo, cispo.CISPOHparams,
+              "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight."),
+    Objective("gmpo", geometric.gmpo, geometric.GMPOHparams,
+              "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
+              sequence_level=True),
+    Objective("rspo", geometric.rspo, geometric.RSPOHparams,
+              "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
+              "sgn(A) power, so routing drift damps the update for either sign of A).",
+              sequence_level=True, needs_router_shift=True),
+    Objective("sapo", sapo.sapo, sapo.SAPOHparams,
+              "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg."),
+)}
+
+
+def get(name: str) -> Objective:
+    """The objective registered as ``name`` (see `names`)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"name: unknown objective {name!r}; registered: {names()}")
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """Every registered objective name."""
+    return tuple(_REGISTRY)
+
+
+def describe(name: str) -> str:
+    """One line on what the objective is."""
+    return get(name).description
