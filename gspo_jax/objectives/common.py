@@ -65,8 +65,13 @@ def compute_dtype(x: Array):
 
 
 def log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
-    """delta_t = clip(logp_t - sg(old_logp_t), -20, 20), and 0 where mask = 0."""
-    return jnp.clip(jnp.where(mask > 0, logp - sg(old_logp), 0.0), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    """delta_t = clip(logp_t - sg(old_logp_t), -20, 20), and 0 where mask = 0.
+
+    Beyond the clamp delta is the constant +-20 (no gradient); exactly on it, the
+    gradient is kept, like every clip here ("Clipping", ties).
+    """
+    diff = jnp.where(mask > 0, logp - sg(old_logp), 0.0)
+    return jnp.where(jnp.abs(diff) > LOG_RATIO_CLIP, jnp.sign(diff) * LOG_RATIO_CLIP, diff)
 
 
 def seq_lengths(mask: Array) -> Array:
