@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -29,8 +31,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default as default_config  # noqa: E402
 from experiments.bench_model import matmul_peak  # noqa: E402
 
-from experiments.bench_objectives import time_fn  # noqa: E402
 from gspo_jax import objectives, train  # noqa: E402
+
+
+def time_fn(fn, args, warmup: int, runs: int) -> float:
+    """Median ms of ``fn(*args)`` over ``runs`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def objective_ms(cfg, mini, warmup: int = 3, runs: int = 21) -> float:
@@ -71,7 +84,7 @@ def main(argv=None):
     if args.data_dir:
         c.task.data_dir = args.data_dir
     trainer = train.Trainer(c, work)
-    rl = train.RLPhase(trainer, trainer._init_params)
+    rl = train.RLPhase(trainer, trainer.init_params)
 
     rl.step(0)  # compiles everything
     ms = [rl.step(s) for s in range(1, args.steps + 1)]

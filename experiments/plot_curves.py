@@ -13,7 +13,11 @@ import argparse
 import os
 import sys
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError:  # plotting is an extra: training does not need it
+    raise ImportError("experiments/plot_curves.py needs matplotlib: "
+                      "pip install -e '.[plot]' (or pip install 'matplotlib>=3.8')") from None
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -220,6 +220,7 @@ def main(argv=None) -> None:
         ap.error("give --seed or --seeds, not both")
     if args.seed is None:
         args.seed = 0
+    from experiments import plot_curves  # noqa: F401  (without matplotlib: its error now, not after the runs)
 
     import jax  # after argument errors: importing JAX takes seconds
 

@@ -207,21 +207,9 @@ class _Parser:
     raise _Reject(Status.PARSE_ERROR)
 
 
-def evaluate_expression(expr: str, limits: Limits = DEFAULT_LIMITS) -> tuple[Fraction, list[int]]:
-  """Exact value of a Countdown expression and the literals it uses, in order.
-
-  Raises:
-    ValueError: with the failure :class:`Status` value as message, for any
-      invalid input (this is the checked entry point for callers; the batch
-      scorer never raises on model output).
-  """
-  try:
-    return _evaluate(expr, limits)
-  except _Reject as e:
-    raise ValueError(f"invalid Countdown expression ({e.status.value}): {expr[:80]!r}") from None
-
-
 def _evaluate(expr: str, limits: Limits) -> tuple[Fraction, list[int]]:
+  """Exact value of a Countdown expression and the literals it uses, in order;
+  raises `_Reject` with the failure status for an invalid expression."""
   if len(expr) > limits.max_answer_chars:
     raise _Reject(Status.TOO_LONG)
   parser = _Parser(_tokenize(expr, limits), limits)

@@ -1,7 +1,7 @@
 """Rollout: a jit-compiled batched sampler with a KV cache that records what RL needs.
 
-`sample` (or a `Sampler` built once and called every RL step) turns a list of
-prompts into ``len(prompts) * num_samples`` responses, prompt-major (row
+A `Sampler` (built once, called every RL step) turns a list of prompts into
+``len(prompts) * num_samples`` responses, prompt-major (row
 ``r = i * num_samples + g`` is sample g of prompt i), and returns a `Rollout`
 that holds, per response token, everything the trainer needs:
 
@@ -39,7 +39,9 @@ Sampling (per row, per step, logits ℓ ∈ R^V):
 * otherwise x = ℓ / temperature, then top-k keeps the k largest x, then top-p
   keeps the smallest prefix (largest first) of the renormalised distribution
   whose mass reaches ``top_p``.  The token is drawn from softmax(x) restricted
-  to the kept set, by inverse-CDF sampling with one uniform u_{r,t}.
+  to the kept set, by inverse-CDF sampling with one uniform u_{r,t}.  How the
+  sort, cumulative sum and argmax are computed depends on the backend, in one
+  place: `_use_cpu_sampling`.
 
 Randomness: row r = (prompt i, sample g) uses the key
 ``fold_in(fold_in(rng, prompt_ids[i]), g)`` and draws all its uniforms from it,
@@ -47,26 +49,13 @@ so a row's sample does not depend on the other rows of the batch, on the
 buckets, or on the prompt's position in the list (pass the same ``prompt_ids``
 to reproduce a prompt's samples in another batch).
 
-Stopping: a row stops after emitting any ``eos_id`` token, the last token of
-any ``stop_sequences`` entry (matched on token ids), or a token whose text
-completes any ``stop_strings`` entry (matched on the decoded text, in any
-tokenisation), inside the response only; the stop token(s) belong to the
-response (mask 1).  A row that emits ``max_new_tokens`` tokens without stopping
-is ``truncated``.
-
-Stop strings are matched on device, on the UTF-8 bytes of the response text
-(``tokenizer.token_bytes()``: each token's bytes in the decoded text, empty for
-special tokens).  With m the longest stop string's length in bytes, each row
-carries the last m - 1 bytes of its text; a new token of bytes b completes a stop
-string s when s occurs inside b (a per-token flag computed on the host) or when
-s ends within the first m - 1 bytes of b and begins in the carried bytes (a
-comparison of m - 1 windows of the carried bytes followed by b's first m - 1
-bytes).  So a stop string is found however the model spelt it: split across
-tokens, inside one long token, or as part of a UTF-8 character's bytes.
+Stopping: a row stops after emitting any ``eos_id`` token or the last token of
+any ``stop_sequences`` entry (matched on token ids), inside the response only;
+the stop token(s) belong to the response (mask 1).  A row that emits
+``max_new_tokens`` tokens without stopping is ``truncated``.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -79,88 +68,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Rollout", "Sampler", "sample", "sample_token", "trace_count"]
-
-# Number of times the generation function has been traced (= compiled), per
-# static shape bucket.  Tests assert it stays at one per bucket.
-_TRACE_COUNTS: collections.Counter = collections.Counter()
+__all__ = ["Rollout", "Sampler"]
 
 _NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
-
-
-class _TextStops(NamedTuple):
-    """Stop strings as byte patterns, and the per-token byte tables that match
-    them on the decoded text (see the module docstring).  m = the longest stop
-    string in bytes, M = m - 1 (0 when every stop string is one byte)."""
-
-    table: jax.Array  # int32[S, m]: stop strings' bytes right-aligned, -1 = wildcard on the left
-    head: jax.Array  # uint8[V, M]: a token's first min(n, M) bytes (then 0s)
-    tail: jax.Array  # uint8[V, M]: a token's last M bytes (where n >= M)
-    length: jax.Array  # int32[V]: n, the token's length in bytes
-    inside: jax.Array  # bool[V]: some stop string occurs inside the token's bytes
-
-
-def _text_stops(token_bytes: Sequence[bytes], stops: Sequence[bytes], vocab_size: int
-                ) -> _TextStops:
-    """Host-side tables of `_TextStops` for byte strings ``stops`` (non-empty)."""
-    m = max(len(s) for s in stops)
-    M = m - 1
-    tb = list(token_bytes[:vocab_size]) + [b""] * max(0, vocab_size - len(token_bytes))
-    table = np.full((len(stops), m), -1, np.int32)
-    for j, s in enumerate(stops):
-        table[j, m - len(s):] = list(s)
-    head = np.zeros((vocab_size, M), np.uint8)
-    tail = np.zeros((vocab_size, M), np.uint8)
-    length = np.zeros((vocab_size,), np.int32)
-    inside = np.zeros((vocab_size,), bool)
-    for v, b in enumerate(tb):
-        n = len(b)
-        if not n:
-            continue
-        length[v] = n
-        inside[v] = any(s in b for s in stops)
-        if M:
-            head[v, :min(n, M)] = list(b[:M])
-            if n >= M:
-                tail[v] = list(b[n - M:])
-    return _TextStops(jnp.asarray(table), jnp.asarray(head), jnp.asarray(tail),
-                      jnp.asarray(length), jnp.asarray(inside))
-
-
-def _text_stop_step(ts: _TextStops, text: jax.Array, tok: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
-    """Appends token ``tok`` int32[B] to the carried text bytes ``text``
-    int32[B, M] (``_NO_TOKEN`` before the response's first byte).
-
-    Returns (bool[B]: the token completes a stop string, the new int32[B, M]:
-    the last M bytes of the text after it)."""
-    hit = ts.inside[tok]
-    M = ts.head.shape[1]
-    if M == 0:  # every stop string is one byte: inside a token or nowhere
-        return hit, text
-    n = ts.length[tok][:, None]
-    head = ts.head[tok].astype(jnp.int32)
-    # c = the carried bytes followed by the token's first M bytes; a stop string
-    # ending at byte j < n of the token is the window c[:, j : j + M + 1].
-    c = jnp.concatenate([text, head], axis=1)  # [B, 2M]
-    windows = jnp.stack([c[:, j:j + M + 1] for j in range(M)], axis=1)  # [B, M, m]
-    match = (ts.table[None, None] == -1) | (windows[:, :, None, :] == ts.table[None, None])
-    ends = jnp.all(match, axis=-1) & (jnp.arange(M)[None, :, None] < n[:, :, None])  # [B, M, S]
-    hit = hit | jnp.any(ends, axis=(1, 2))
-    # The last M bytes: c[:, n : n + M] when n < M, else the token's own tail.
-    shifted = jnp.take_along_axis(c, jnp.minimum(n + jnp.arange(M)[None, :], 2 * M - 1), axis=1)
-    return hit, jnp.where(n >= M, ts.tail[tok].astype(jnp.int32), shifted)
-
-
-def trace_count(key: Optional[tuple] = None) -> int:
-    """How many times the generation function was traced (compiled).
-
-    Args:
-      key: a bucket ``(B, P, max_new_tokens)``; None sums over all buckets.
-    """
-    if key is None:
-        return sum(_TRACE_COUNTS.values())
-    return sum(v for k, v in _TRACE_COUNTS.items() if k[:3] == tuple(key))
 
 
 @flax.struct.dataclass
@@ -205,28 +115,9 @@ class Rollout:
     prompt_mask: jax.Array
     prompt_experts: jax.Array
 
-    @property
-    def num_sequences(self) -> int:
-        return self.tokens.shape[0]
-
-    def sequence_tokens(self) -> jax.Array:
-        """int32[N, P+T]: ``concat(prompt_tokens, tokens)``, the full sequence."""
-        return jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
-
-    def sequence_mask(self) -> jax.Array:
-        """bool[N, P+T]: True on real tokens (prompt tokens and response tokens);
-        the attention mask of the full-sequence forward."""
-        return jnp.concatenate([self.prompt_mask, self.mask > 0], axis=1)
-
-    def sequence_positions(self) -> jax.Array:
-        """int32[N, P+T]: the positions the sampler used (0 at the first real
-        prompt token; padding clamped to 0)."""
-        m = self.sequence_mask().astype(jnp.int32)
-        return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
-
     def replay(self) -> jax.Array:
-        """int32[N, P+T, L, K]: the R3 replay array for a forward over
-        `sequence_tokens()`.
+        """int32[N, P+T, L, K]: the R3 replay array for a forward over the full
+        sequence ``concat(prompt_tokens, tokens)``.
 
         Position j < P routes prompt token j (``prompt_experts``); position P + t
         routes response token t, whose routing the sampler recorded when it fed
@@ -243,43 +134,64 @@ class Rollout:
 # Token sampling (pure, per step).
 
 
+def _use_cpu_sampling() -> bool:
+    """Whether token sampling uses its XLA:CPU formulations: the one backend
+    check of this module (it decides `_Mode.cpu`).
+
+    Measured on XLA:CPU at a decode step's shapes (experiments/rollout.md,
+    profiled at batch 64, V = 512): ``argmax`` lowers to a (value, index) pair
+    reduction (~167 µs per token for the zero-weight guard over [64, 512]),
+    several times slower than a min-reduction of one int32 operand
+    (`_first_true`); ``jnp.cumsum`` to a reduce-window (~57 µs per token over
+    512 entries), about 3x slower than two small triangular matmuls
+    (`_cumsum`); ``argsort`` over V about 100x slower than ``lax.top_k``.
+    Elsewhere these would be wrong: the matmul cumsum is quadratic in V (about
+    23 GFLOP per decode step at V = 152k and 512 rows), so every other backend
+    uses the plain operations (``jnp.argmax``, ``jnp.cumsum``, a sort).  Both
+    give the same tokens up to f32 rounding in the cumulative sum.
+    """
+    return jax.default_backend() == "cpu"
+
+
 class _Mode(NamedTuple):
     """The static part of the sampling configuration (decides the graph)."""
 
     greedy: bool
     top_k: int  # 0 = no top-k (already reduced to 0 when >= V)
     use_top_p: bool
+    cpu: bool  # the XLA:CPU formulations (`_use_cpu_sampling`)
 
 
-def _first_true(m: jax.Array) -> jax.Array:
+def _first_true(m: jax.Array, cpu: bool) -> jax.Array:
     """int32[B]: the first index j with m[:, j] True (0 when there is none), as
-    ``argmax(m, axis=-1)``; a min-reduction of one int32 operand, which XLA:CPU
-    runs several times faster than argmax's (value, index) pair reduction."""
+    ``argmax(m, axis=-1)``; on CPU a min-reduction of one int32 operand."""
+    if not cpu:
+        return jnp.argmax(m, axis=-1).astype(jnp.int32)
     n = m.shape[-1]
     iota = jax.lax.broadcasted_iota(jnp.int32, m.shape, m.ndim - 1)
     j = jnp.min(jnp.where(m, iota, n), axis=-1)
     return jnp.where(j < n, j, 0)
 
 
-def _argmax(x: jax.Array, x_max: Optional[jax.Array] = None) -> jax.Array:
+def _argmax(x: jax.Array, cpu: bool, x_max: Optional[jax.Array] = None) -> jax.Array:
     """int32[B]: ``argmax(x, axis=-1)`` (the first maximum; the first NaN if
-    any), through `_first_true`.  x_max: ``max(x, axis=-1)`` if already known."""
+    any); on CPU through `_first_true`.  x_max: ``max(x, axis=-1)`` if known."""
+    if not cpu:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
     if x_max is None:
         x_max = jnp.max(x, axis=-1)
-    return _first_true((x == x_max[:, None]) | jnp.isnan(x))
+    return _first_true((x == x_max[:, None]) | jnp.isnan(x), cpu)
 
 
-def _cumsum(w: jax.Array, block: int = 32) -> jax.Array:
-    """``cumsum(w, axis=-1)`` for w f32[B, C] as two small matmuls with
+def _cumsum(w: jax.Array, cpu: bool, block: int = 32) -> jax.Array:
+    """``cumsum(w, axis=-1)`` for w f32[B, C]; on CPU as two small matmuls with
     triangular 0/1 matrices: prefix sums within blocks of ``block`` entries,
-    plus the exclusive prefix of the block totals.  XLA:CPU lowers
-    ``jnp.cumsum`` over a few hundred entries to a reduce-window about 3x
-    slower (experiments/rollout.md).  The sums are f32 sums in another
-    order, so they may differ from ``jnp.cumsum`` by rounding (a few ulp of
-    the total; `_inverse_cdf` guards against the rounding picking an entry
-    of zero weight)."""
+    plus the exclusive prefix of the block totals.  Those sums are f32 sums in
+    another order, so they may differ from ``jnp.cumsum`` by rounding (a few
+    ulp of the total; `_inverse_cdf` guards against the rounding picking an
+    entry of zero weight)."""
     b, c = w.shape
-    if c <= block:
+    if not cpu or c <= block:
         return jnp.cumsum(w, axis=-1)
     nb = -(-c // block)
     wp = jnp.pad(w, ((0, 0), (0, nb * block - c))).reshape(b, nb, block)
@@ -292,12 +204,24 @@ def _cumsum(w: jax.Array, block: int = 32) -> jax.Array:
     return (within + before[:, :, None]).reshape(b, nb * block)[:, :c]
 
 
-def _inverse_cdf(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _largest(x: jax.Array, k: int, cpu: bool) -> tuple[jax.Array, jax.Array]:
+    """(f32[B, k], int32[B, k]): the k largest entries of each row of x and their
+    indices, in decreasing order, ties towards the lower index.  ``lax.top_k``,
+    except for the whole row off CPU: a stable sort."""
+    if cpu or k < x.shape[-1]:
+        return jax.lax.top_k(x, k)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    neg, idx = jax.lax.sort((-x, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
+    return -neg, idx
+
+
+def _inverse_cdf(x: jax.Array, u: jax.Array, cpu: bool) -> tuple[jax.Array, jax.Array]:
     """Index drawn from softmax(x) along the last axis, by inverse CDF.
 
     Args:
       x: f32[B, C] logits; -inf marks excluded entries (at least one finite).
       u: f32[B] uniforms in [0, 1).
+      cpu: the XLA:CPU formulations (`_use_cpu_sampling`).
 
     Returns:
       (int32[B]: the first j with cdf_j >= (1 - u) · total, which has w_j > 0;
@@ -306,59 +230,46 @@ def _inverse_cdf(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
     x_max = jnp.max(x, axis=-1)
     shifted = x - x_max[:, None]
     w = jnp.exp(shifted)  # excluded entries: 0
-    cdf = _cumsum(w)
+    cdf = _cumsum(w, cpu)
     v = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]
-    j = _first_true(cdf >= v)
+    j = _first_true(cdf >= v, cpu)
     # Guard against rounding in the scan picking an entry of zero weight.
     wj = jnp.take_along_axis(w, j[:, None], axis=-1)[:, 0]
-    j = jnp.where(wj > 0, j, _argmax(x, x_max))
+    j = jnp.where(wj > 0, j, _argmax(x, cpu, x_max))
     # log_softmax(x)[j], as jax.nn.log_softmax computes it.
     log_total = jnp.log(jnp.sum(w, axis=-1))
     return j, jnp.take_along_axis(shifted, j[:, None], axis=-1)[:, 0] - log_total
 
 
-def sample_token(logits: jax.Array, u: jax.Array, *, temperature: Union[float, jax.Array],
-                 top_p: Union[float, jax.Array], top_k: int = 0, greedy: bool = False
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _sample_token(logits: jax.Array, u: jax.Array, temperature, top_p, mode: _Mode
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draws one token per row; the sampling step of the decode loop.
 
     Args:
       logits: f32[B, V], the policy's next-token logits ℓ.
       u: f32[B], uniforms in [0, 1) (one per row; the only randomness).
-      temperature: τ > 0 (ignored when greedy).
-      top_p: keep the smallest set of most likely tokens (of the tempered,
-        top-k-restricted distribution) whose probability mass is >= top_p;
-        1.0 keeps all.  Static whether it is used: pass 1.0 to disable it.
-      top_k: static; keep the k most likely tokens (0 or >= V: all).  Ties
-        are broken towards the lower token id.
-      greedy: static; argmax ℓ (temperature, top-k, top-p ignored: the argmax
-        lies in every kept set).
+      temperature: f32[], τ > 0 (ignored when greedy).
+      top_p: f32[]; keep the smallest set of most likely tokens (of the
+        tempered, top-k-restricted distribution) whose probability mass is >=
+        top_p (used when ``mode.use_top_p``).
+      mode: greedy (argmax ℓ: temperature, top-k, top-p ignored, as the argmax
+        lies in every kept set); top_k (keep the k most likely tokens, ties
+        towards the lower token id; 0: all); use_top_p; cpu.
 
     Returns:
       (tokens int32[B], logp f32[B] = log_softmax(ℓ)[token] (unmodified policy),
        logp_sampling f32[B] = log q(token) under the distribution sampled from;
        0 for greedy).
     """
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    mode = _Mode(bool(greedy), int(top_k) if 0 < int(top_k) < vocab else 0,
-                 not isinstance(top_p, (int, float)) or float(top_p) < 1.0)
-    return _sample_token(logits, u, jnp.float32(1.0) if greedy else temperature,
-                         top_p, mode)
-
-
-def _sample_token(logits, u, temperature, top_p, mode: _Mode):
     if mode.greedy:
         logits_max = jnp.max(logits, axis=-1)
-        tok = _argmax(logits, logits_max)
+        tok = _argmax(logits, mode.cpu, logits_max)
         lps = jnp.zeros(logits.shape[:1], jnp.float32)
     else:
         logits_max = None
         x = logits / jnp.asarray(temperature, jnp.float32)
         if mode.top_k or mode.use_top_p:
-            # Candidates sorted by decreasing x (lax.top_k is fast on CPU;
-            # argsort over V is ~100x slower there).
-            vals, idx = jax.lax.top_k(x, mode.top_k or x.shape[-1])
+            vals, idx = _largest(x, mode.top_k or x.shape[-1], mode.cpu)
             if mode.use_top_p:
                 p = jax.nn.softmax(vals, axis=-1)
                 # Mass strictly before each entry (exclusive cumsum); entry 0 is
@@ -366,10 +277,10 @@ def _sample_token(logits, u, temperature, top_p, mode: _Mode):
                 before = jnp.concatenate([jnp.zeros_like(p[:, :1]),
                                           jnp.cumsum(p, axis=-1)[:, :-1]], axis=-1)
                 vals = jnp.where(before < jnp.asarray(top_p, jnp.float32), vals, -jnp.inf)
-            j, lps = _inverse_cdf(vals, u)
+            j, lps = _inverse_cdf(vals, u, mode.cpu)
             tok = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
         else:
-            tok, lps = _inverse_cdf(x, u)
+            tok, lps = _inverse_cdf(x, u, mode.cpu)
     # log_softmax(logits)[tok], without the [B, V] log-softmax.
     if logits_max is None:
         logits_max = jnp.max(logits, axis=-1)
@@ -406,7 +317,6 @@ class _Carry(NamedTuple):
     stopped: jax.Array  # bool[B], emitted a stop token
     lengths: jax.Array  # int32[B]
     history: jax.Array  # int32[B, M], the last M response tokens (stop matching)
-    text: jax.Array  # int32[B, M'], the last M' bytes of the response text (stop strings)
 
 
 def _repeat_rows(cache, g: int):
@@ -421,22 +331,19 @@ def _repeat_rows(cache, g: int):
 
 
 def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live, stop_table,
-              text_stops: Optional[_TextStops], temperature, top_p, spec: _Spec):
+              temperature, top_p, spec: _Spec):
     """Prefill + on-device decode loop; see the module docstring.
 
     Shapes, with b prompts (bucketed) and B = b * G rows: prompt_tokens
     int32[b, P] (left-padded), prompt_mask bool[b, P], prompt_ids int32[b] (the
     keys), live bool[B] (False on padding rows), stop_table int32[S, M] (stop
-    sequences right-aligned, -1 = wildcard on the left), text_stops the stop
-    strings' tables or None, temperature / top_p f32[].
+    sequences right-aligned, -1 = wildcard on the left), temperature / top_p
+    f32[].
     """
     nb, plen = prompt_tokens.shape
     G = spec.num_samples
     batch = nb * G
     steps = spec.max_new_tokens
-    _TRACE_COUNTS[(batch, plen, steps, G, spec.mode, spec.pad_id, stop_table.shape,
-                   None if text_stops is None else text_stops.table.shape,
-                   spec.batch_sharding)] += 1
     model = nnx.merge(graphdef, state)
 
     def shard(x, sharding=spec.batch_sharding):
@@ -485,8 +392,6 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
         stopped=jnp.zeros((batch,), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
         history=jnp.full((batch, stop_table.shape[1]), _NO_TOKEN, jnp.int32),
-        text=jnp.full((batch, 0 if text_stops is None else text_stops.head.shape[1]),
-                      _NO_TOKEN, jnp.int32),
     )
 
     def emit(c: _Carry) -> tuple[_Carry, jax.Array]:
@@ -503,18 +408,13 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
         # history at the same right-aligned offset: [B, S, M] -> [B].
         match = (stop_table[None] == -1) | (history[:, None, :] == stop_table[None])
         hit = jnp.any(jnp.all(match, axis=-1), axis=-1)
-        text = c.text
-        if text_stops is not None:
-            text_hit, new_text = _text_stop_step(text_stops, text, tok)
-            hit = hit | text_hit
-            text = jnp.where(active[:, None], new_text, text)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=c.t, axis=1)
         c = c._replace(
             tokens=put(c.tokens, tok), logp=put(c.logp, lp),
             logp_sampling=put(c.logp_sampling, lps), experts=put(c.experts, route),
             stopped=c.stopped | (active & hit),
             lengths=jnp.where(active, c.t + 1, c.lengths),
-            history=history, text=text)
+            history=history)
         return c, tok
 
     def body(c: _Carry) -> _Carry:
@@ -612,7 +512,6 @@ class Sampler:
         self.min_prompt_bucket = int(min_prompt_bucket)
         self.prompt_buckets = prompt_buckets
         self.mesh = mesh
-        self._text_stops_cache = None
         if mesh is None:
             if data_axes is not None:
                 raise ValueError("data_axes: given without a mesh")
@@ -629,26 +528,6 @@ class Sampler:
             self.data_axes = data_axes
             self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
             self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
-
-    def _text_stops(self, stop_strings: tuple[str, ...], tokenizer) -> _TextStops:
-        """The device tables for ``stop_strings``; the last ones are kept, since
-        a training loop passes the same strings and tokenizer every step."""
-        if tokenizer is None:
-            raise ValueError("stop_strings: need a tokenizer= (its token_bytes()) to match them")
-        if not callable(getattr(tokenizer, "token_bytes", None)):
-            raise ValueError(f"tokenizer: {type(tokenizer).__name__} has no token_bytes(), "
-                             "which stop_strings need")
-        key = (stop_strings, id(tokenizer))
-        cached = self._text_stops_cache
-        if cached is not None and cached[0] == key and cached[1] is tokenizer:
-            return cached[2]
-        token_bytes = tokenizer.token_bytes()
-        if not all(isinstance(b, bytes) for b in token_bytes):
-            raise ValueError("tokenizer: token_bytes() must return one bytes object per token id")
-        tables = _text_stops(token_bytes, [t.encode("utf-8") for t in stop_strings],
-                             self.vocab_size)
-        self._text_stops_cache = (key, tokenizer, tables)
-        return tables
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> "Sampler":
@@ -680,8 +559,7 @@ class Sampler:
                  max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0,
                  eos_id: Union[None, int, Sequence[int]] = None,
-                 stop_sequences: Sequence[Sequence[int]] = (),
-                 stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
+                 stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
                  prompt_ids: Optional[Sequence[int]] = None, state=None) -> Rollout:
         """Samples ``num_samples`` responses for every prompt.
 
@@ -695,10 +573,6 @@ class Sampler:
           top_k: >= 0; 0 = off.
           eos_id: a token id or a list of them; emitting one stops the row.
           stop_sequences: token-id sequences; completing one stops the row.
-          stop_strings: strings; the row stops at the token that completes one
-            in the decoded response text, however it is tokenised.
-          tokenizer: a `gspo_jax.tokenizers.Tokenizer` (its ``token_bytes()``);
-            needed by stop_strings.
           pad_id: the token written at padding (prompt and response).
           prompt_ids: distinct ints, one per prompt, folded into the row keys
             (default 0 .. len(prompts) - 1).  The same prompt with the same
@@ -711,26 +585,17 @@ class Sampler:
         args, spec, n_rows = self._prepare(
             prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, rng=rng,
             temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id,
-            stop_sequences=stop_sequences, stop_strings=stop_strings, tokenizer=tokenizer,
-            pad_id=pad_id, prompt_ids=prompt_ids, state=state)
+            stop_sequences=stop_sequences, pad_id=pad_id, prompt_ids=prompt_ids, state=state)
         out = _generate_jit(*args, spec=spec)
         if n_rows < out["tokens"].shape[0]:
             out = {k: v[:n_rows] for k, v in out.items()}
         return Rollout(**out)
 
-    def lower(self, prompts: Sequence[Sequence[int]], **kwargs) -> jax.stages.Lowered:
-        """The generation function lowered for a call with these arguments (as
-        for `__call__`), without compiling or running it: its program
-        (``.as_text()``) and cost analysis, for inspection."""
-        args, spec, _ = self._prepare(prompts, **kwargs)
-        return _generate_jit.lower(*args, spec=spec)
-
     def _prepare(self, prompts: Sequence[Sequence[int]], *, num_samples: int,
                  max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0,
                  eos_id: Union[None, int, Sequence[int]] = None,
-                 stop_sequences: Sequence[Sequence[int]] = (),
-                 stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
+                 stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
                  prompt_ids: Optional[Sequence[int]] = None, state=None):
         """Validates the arguments of `__call__` and builds the compiled
         function's arguments: (positional args, spec, number of real rows)."""
@@ -758,12 +623,6 @@ class Sampler:
             eos = _token_list(eos_id, "eos_id", V)
         stops = [[e] for e in eos] + [_token_list(s, f"stop_sequences[{j}]", V)
                                       for j, s in enumerate(stop_sequences)]
-        if isinstance(stop_strings, str):
-            raise ValueError("stop_strings: expected a list of strings, got one string")
-        for j, text in enumerate(stop_strings):
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"stop_strings[{j}]: expected a non-empty string, got {text!r}")
-        text_stops = self._text_stops(tuple(stop_strings), tokenizer) if stop_strings else None
         n, G = len(plist), int(num_samples)
         if prompt_ids is None:
             pids = np.arange(n, dtype=np.int64)
@@ -805,7 +664,7 @@ class Sampler:
 
         mode = _Mode(greedy=temperature == 0,
                      top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
-                     use_top_p=top_p < 1 and temperature > 0)
+                     use_top_p=top_p < 1 and temperature > 0, cpu=_use_cpu_sampling())
         spec = _Spec(max_new_tokens=int(max_new_tokens), num_samples=G, mode=mode,
                      pad_id=int(pad_id), batch_sharding=self._sharding)
         if self._sharding is None:
@@ -816,28 +675,7 @@ class Sampler:
             put_prompts = put if nb % self.data_shards == 0 else functools.partial(
                 jax.device_put, device=NamedSharding(self.mesh, PartitionSpec()))
         args = (self.graphdef, self.state if state is None else state, rng, put_prompts(toks),
-                put_prompts(pmask), put_prompts(pid), put(live), jnp.asarray(table), text_stops,
+                put_prompts(pmask), put_prompts(pid), put(live), jnp.asarray(table),
                 jnp.float32(temperature if temperature > 0 else 1.0), jnp.float32(top_p))
         return args, spec, N
 
-
-def sample(model: nnx.Module, prompts: Sequence[Sequence[int]], *, num_samples: int,
-           max_new_tokens: int, rng: jax.Array, temperature: float = 1.0, top_p: float = 1.0,
-           top_k: int = 0, eos_id: Union[None, int, Sequence[int]] = None,
-           stop_sequences: Sequence[Sequence[int]] = (), stop_strings: Sequence[str] = (),
-           tokenizer=None, pad_id: int = 0,
-           prompt_ids: Optional[Sequence[int]] = None, mesh: Optional[Mesh] = None,
-           **sampler_kwargs) -> Rollout:
-    """One-shot sampling: ``Sampler.from_model(model, mesh=mesh, ...)(prompts, ...)``.
-
-    The compiled function is cached across calls by the model's structure
-    (graphdef) and the shape bucket, so repeated calls do not recompile; a
-    training loop should still keep one `Sampler` and pass ``state=`` to avoid
-    re-splitting the model every step.  See `Sampler.__call__` for the arguments
-    and `Rollout` for the outputs.
-    """
-    sampler = Sampler.from_model(model, mesh=mesh, **sampler_kwargs)
-    return sampler(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, rng=rng,
-                   temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id,
-                   stop_sequences=stop_sequences, stop_strings=stop_strings,
-                   tokenizer=tokenizer, pad_id=pad_id, prompt_ids=prompt_ids)

@@ -1,8 +1,7 @@
 """Tokenizers: a character-level one for the synthetic tasks, and Hugging Face
 ``tokenizer.json`` files (with the checkpoint's chat template) for real models.
 
-Both satisfy :class:`Tokenizer`. Stop strings are the sampler's business: it
-matches them on the decoded text, through ``tokenizer.token_bytes()``.
+Both satisfy :class:`Tokenizer`.
 """
 from __future__ import annotations
 
@@ -29,10 +28,6 @@ class Tokenizer(Protocol):
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     """Text of ``ids``."""
-
-  def token_bytes(self) -> list[bytes]:
-    """Per token id, the UTF-8 bytes it adds to ``decode(ids)`` (``b""`` for
-    special tokens), so that ``decode(ids)`` is the concatenation, decoded."""
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                           add_generation_prompt: bool = True) -> str:
@@ -134,10 +129,6 @@ class CharTokenizer:
       out.append(self._id_to_str[t])
     return "".join(out)
 
-  def token_bytes(self) -> list[bytes]:
-    """Per id, its text's UTF-8 bytes; ``b""`` for the special tokens."""
-    return [b""] * len(self.specials) + [t.encode("utf-8") for t in self._id_to_str[len(self.specials):]]
-
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                           add_generation_prompt: bool = True) -> str:
     """No chat format: the concatenated message contents (for models trained from scratch)."""
@@ -163,21 +154,6 @@ def _token_content(value) -> str | None:
   if isinstance(value, Mapping) and isinstance(value.get("content"), str):
     return value["content"]
   raise ValueError(f"special token entry must be a string or {{'content': str}}, got {value!r}")
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-  """GPT-2's byte-level BPE alphabet: the printable character standing for each
-  byte in a ByteLevel tokenizer's vocabulary -> the byte."""
-  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-               + list(range(ord("®"), ord("ÿ") + 1)))
-  chars, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      chars[chr(b)] = b
-    else:
-      chars[chr(256 + extra)] = b
-      extra += 1
-  return chars
 
 
 def _compile_chat_template(source: str):
@@ -333,54 +309,6 @@ class HFTokenizer:
       raise ValueError(f"{token!r} is not in the vocabulary of {self.name}")
     return int(idx)
 
-  def token_bytes(self) -> list[bytes]:
-    """Per id, the bytes it adds to ``decode(ids)`` (computed once).
-
-    Special added tokens give ``b""`` and other added tokens their content.
-    With a ByteLevel decoder (GPT-2, Qwen, Llama 3) a token's bytes come from
-    its vocabulary entry, so a token holding part of a UTF-8 character gives
-    those bytes exactly. With other decoders, what the token adds after an
-    ordinary token: ``decode([a, id])`` less ``decode([a])``, so that a word-start
-    marker (SentencePiece's "▁") gives its space; the one space such a decoder
-    strips at the very start of a text is then in the first token's bytes.
-    """
-    if getattr(self, "_token_bytes", None) is None:
-      from tokenizers import decoders  # pylint: disable=g-import-not-at-top
-
-      added = self._tok.get_added_tokens_decoder()
-      alphabet = _byte_level_alphabet() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
-      anchor, anchor_text = None, ""
-      if alphabet is None:  # an ordinary token that decodes to text, to stand before each id
-        for i in range(self.vocab_size):
-          if i not in added and self._tok.id_to_token(i) is not None:
-            anchor_text = self._tok.decode([i], skip_special_tokens=True)
-            if anchor_text and "\ufffd" not in anchor_text:
-              anchor = i
-              break
-      out = []
-      for i in range(self.vocab_size):
-        if i in added:
-          out.append(b"" if added[i].special else added[i].content.encode("utf-8"))
-          continue
-        piece = self._tok.id_to_token(i)
-        if piece is None:
-          out.append(b"")
-        elif alphabet is not None and all(ch in alphabet for ch in piece):
-          out.append(bytes(alphabet[ch] for ch in piece))
-        elif anchor is not None:
-          text = self._tok.decode([anchor, i], skip_special_tokens=True)
-          alone = self._tok.decode([i], skip_special_tokens=True)
-          out.append((text[len(anchor_text):] if text.startswith(anchor_text) else alone)
-                     .encode("utf-8"))
-        else:
-          out.append(self._tok.decode([i], skip_special_tokens=True).encode("utf-8"))
-      self._token_bytes = out
-    return self._token_bytes
-
-  @property
-  def has_chat_template(self) -> bool:
-    return self._template is not None
-
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                           add_generation_prompt: bool = True, **kwargs) -> str:
     """Renders ``messages`` (``[{"role": ..., "content": ...}]``) with the chat template.
@@ -407,12 +335,3 @@ class HFTokenizer:
     return self._template.render(messages=[dict(m) for m in messages],
                                  add_generation_prompt=add_generation_prompt, **context)
 
-
-def load_tokenizer(spec: str) -> Tokenizer:
-  """``"char"`` (the default CharTokenizer with ``<answer>``/``</answer>`` as
-  single tokens) or a checkpoint directory holding tokenizer.json."""
-  if spec == "char":
-    return CharTokenizer(words=("<answer>", "</answer>"))
-  if os.path.isdir(spec):
-    return HFTokenizer.from_dir(spec)
-  raise ValueError(f"tokenizer must be 'char' or a directory with tokenizer.json, got {spec!r}")

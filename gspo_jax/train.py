@@ -4,16 +4,17 @@
     python -m gspo_jax.train --config=configs/default.py:objective=grpo,smoke \\
         --config.updates.routing_replay=R3 --workdir=/tmp/run
 
-One RL step (``Trainer.rl_step``):
+One RL step (``RLPhase.step``; steps 1-4 are the stages of ``Trainer.collect``):
 
-1. prompts from TFDS (:class:`gspo_jax.data.PromptSource`, a pure function of
-   the data position, so a resumed run sees the same prompts);
-2. rollout: G samples per prompt (:class:`gspo_jax.rollout.Sampler`), with
-   log-probs and the R3 routing record;
-3. rewards (:func:`gspo_jax.rewards.score`), DAPO's soft overlong punishment;
-4. advantages (``vmap`` over groups), DAPO's dynamic sampling (more rollouts
-   until the batch is full, within ``dapo.max_sampling_rounds``) and overlong
-   filtering;
+1. sample: prompts from TFDS (:class:`gspo_jax.data.PromptSource`, a pure
+   function of the data position, so a resumed run sees the same prompts), G
+   samples per prompt (:class:`gspo_jax.rollout.Sampler`), with log-probs and
+   the R3 routing record;
+2. score: rewards (:func:`gspo_jax.rewards.score`);
+3. shape and filter: DAPO's soft overlong punishment, dynamic sampling (more
+   rounds of 1-3 until the batch is full, within ``dapo.max_sampling_rounds``)
+   and overlong filtering;
+4. advantages (``vmap`` over groups);
 5. old log-probs recomputed by the training model (with its routing record,
    the R2 replay), reference log-probs only when ``kl_coef`` is non-zero;
 6. ``num_epochs x num_minibatches`` calls of the one compiled
@@ -169,6 +170,19 @@ def _mean_metrics(ms: list[dict]) -> dict:
 # The trainer.
 
 
+@dataclasses.dataclass
+class _Round:
+    """One sampling round of :meth:`Trainer.collect`."""
+
+    rollout: Any  # the Rollout, on the host
+    rewards: np.ndarray  # [n * G], shaped (Trainer.shape_and_filter)
+    components: dict[str, np.ndarray]  # the reward's components (rewards.score)
+    fails: dict[str, int]  # verifier failure counts
+    rows: dict[str, np.ndarray]  # the batch rows of the kept groups
+    groups_kept: int
+    sample_time: float
+
+
 class Trainer:
     """Holds the host-side pieces of a run; the math lives in :mod:`gspo_jax.step`."""
 
@@ -209,7 +223,7 @@ class Trainer:
                              "the model is dense (num_experts=0): use 'none'")
         self.graphdef = graphdef
         self.sampler = Sampler(graphdef, params, vocab_size=self.model_cfg.vocab_size, mesh=self.mesh)
-        self._init_params = params
+        self.init_params = params  # where SFT (or RL, without SFT) starts
 
         self.step_cfg = step.StepConfig(
             objective=c.objective.name,
@@ -224,18 +238,19 @@ class Trainer:
         )
         self.kl_coef = float(objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams)).get("kl_coef", 0.0))
 
-    # ---- sharding helpers -------------------------------------------------
+    # ---- device placement and compiled steps (also used by RLPhase) --------
 
     def _batch_sharding(self, x) -> NamedSharding:
         return NamedSharding(self.mesh, P(BATCH_AXES, *([None] * (np.ndim(x) - 1))))
 
-    def _put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """The batch on the mesh, every array sharded over its first (row) axis."""
         return {k: jax.device_put(v, self._batch_sharding(v)) for k, v in batch.items()}
 
     def _state_shardings(self, state):
         return jax.tree.map(lambda x: x.sharding, state)
 
-    def _new_state(self, params, optimizer) -> step.TrainState:
+    def new_state(self, params, optimizer) -> step.TrainState:
         """A fresh state whose every leaf lives on the mesh: parameters (and the
         optimizer moments that follow them) sharded, scalars replicated."""
         opt_state = jax.jit(optimizer.init)(params)
@@ -251,7 +266,10 @@ class Trainer:
 
         return jax.tree.map(on_mesh, state)
 
-    def _compile(self, fn, state, **static):
+    def jit_step(self, fn, state, **static):
+        """``fn(state, batch, rng, graphdef=..., **static)`` jit-compiled with the
+        state's shardings kept and the state donated (:func:`gspo_jax.step.train_step`,
+        :func:`gspo_jax.step.sft_step`)."""
         shardings = self._state_shardings(state)
         return jax.jit(
             functools.partial(fn, graphdef=self.graphdef, **static),
@@ -289,7 +307,7 @@ class Trainer:
         optimizer, sched = step.make_optimizer(
             lr=c.sft.lr, schedule="cosine", total_steps=steps, warmup_steps=c.sft.warmup_steps, end_lr_ratio=0.1,
             weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
-        state = self._new_state(self._init_params, optimizer)
+        state = self.new_state(self.init_params, optimizer)
         start = 0
         if ckpt.latest_step() is not None:
             state, meta, start = ckpt.restore(state)
@@ -297,13 +315,13 @@ class Trainer:
         if start >= steps:
             ckpt.close()
             return state.params, writer
-        fn = self._compile(step.sft_step, state, optimizer=optimizer, micro_batches=1,
+        fn = self.jit_step(step.sft_step, state, optimizer=optimizer, micro_batches=1,
                            aux_loss_coef=float(c.updates.aux_loss_coef))
         bar = _progress(c, steps, start, "sft")
         base = jax.random.key(c.seed)
         for i in range(start, steps):
             t0 = time.perf_counter()
-            batch = self._put_batch(self.sft_batch(i * int(c.sft.batch_size)))
+            batch = self.put_batch(self.sft_batch(i * int(c.sft.batch_size)))
             state, m = fn(state, batch, jax.random.fold_in(base, i))
             if (i + 1) % c.log_every == 0 or i + 1 == steps:
                 m = jax.device_get(m)
@@ -369,110 +387,147 @@ class Trainer:
     def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Rollouts, rewards, advantages and DAPO's filters for one RL step.
 
-        Returns the host batch (without old log-probs) and host metrics.
+        Rounds of sample -> score -> shape and filter, until the kept groups fill
+        the batch (one round without dynamic sampling); then the batch is filled
+        and given its advantages. Returns the host batch (without old log-probs)
+        and host metrics.
         """
         c = self.c
-        n_prompts, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
-        T = int(c.rollout.max_new_tokens)
-        rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
-        kept: list[dict[str, np.ndarray]] = []
-        n_kept = 0
-        all_rewards, all_correct, all_format, lengths, truncs = [], [], [], [], []
-        fail_counts: dict[str, int] = {}
-        sample_time = 0.0
-        gen_tokens = 0
-        for rnd in range(rounds):
-            # Round r of step s reads prompts at position (s * rounds + r) * n_prompts,
+        n_prompts = int(c.rollout.prompts_per_step)
+        max_rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        rounds: list[_Round] = []
+        for rnd in range(max_rounds):
+            # Round r of step s reads prompts at position (s * max_rounds + r) * n_prompts,
             # a pure function of the step: resume needs no extra data state.
-            pos = (step_idx * rounds + rnd) * n_prompts
-            examples = self.train_data.batch(pos, n_prompts)
-            t0 = time.perf_counter()
-            # Keyed by data stream id, not split index: a batch across an epoch boundary
-            # may hold one example twice, and the sampler needs distinct ids.
-            ro = self._rollout(params, examples, jax.random.fold_in(rng, rnd),
-                               prompt_ids=self.train_data.stream_ids(pos, n_prompts).tolist())
-            ro = jax.device_get(ro)
-            sample_time += time.perf_counter() - t0
-            texts = self._texts(ro)
-            metas = [ex.meta for ex in examples for _ in range(g)]
-            r, comps, fails = rewards.score(c.task.name, texts, metas, format_weight=float(c.task.format_reward))
-            for k, v in fails.items():
-                fail_counts[k] = fail_counts.get(k, 0) + v
-            length = np.asarray(ro.mask).sum(axis=1)
-            gen_tokens += int(length.sum())
-            if c.dapo.soft_overlong:
-                r = r + np.asarray(shaping.soft_overlong_penalty(
-                    jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)))
-            all_rewards.append(r)
-            all_correct.append(comps["correct"])
-            all_format.append(comps["format"])
-            lengths.append(length)
-            truncs.append(np.asarray(ro.truncated))
-            rg = r.reshape(n_prompts, g)
-            keep = np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(rg))) if c.dapo.dynamic_sampling \
-                else np.ones(n_prompts, bool)
-            rows = np.repeat(keep, g)
-            mask = np.asarray(ro.mask, np.float32)
-            if c.dapo.overlong_filter:
-                mask = np.asarray(shaping.overlong_mask(jnp.asarray(ro.truncated), jnp.asarray(mask)))
-            part = {
-                "prompt_tokens": np.asarray(ro.prompt_tokens),
-                "prompt_mask": np.asarray(ro.prompt_mask, np.float32),
-                "tokens": np.asarray(ro.tokens),
-                "mask": mask,
-                "rewards": r,
-                "rollout_logp": np.asarray(ro.logp),
-                    # R3: the rollout's routing at every input position [0, P+T-1).
-                "replay_r3": np.asarray(ro.replay())[:, :-1],
-            }
-            kept.append({k: v[rows] for k, v in part.items()})
-            n_kept += int(keep.sum())
-            if n_kept >= n_prompts:
+            pos = (step_idx * max_rounds + rnd) * n_prompts
+            examples, ro, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
+            r, components, fails = self.score(examples, ro)
+            shaped, rows, groups_kept = self.shape_and_filter(ro, r)
+            rounds.append(_Round(ro, shaped, components, fails, rows, groups_kept, seconds))
+            if sum(r.groups_kept for r in rounds) >= n_prompts:
                 break
-        bound_hit = c.dapo.dynamic_sampling and n_kept < n_prompts
+        batch = self.fill_batch([r.rows for r in rounds])
+        self.advantages(batch)
+        return batch, self._collect_metrics(rounds)
 
-        # Assemble exactly n_prompts groups; if dynamic sampling fell short, the
-        # missing groups are padding whose mask is 0 (they add nothing).
-        p_len = max(k["prompt_tokens"].shape[1] for k in kept)
-        for k in kept:  # a common prompt bucket across rounds
+    def sample(self, params, pos: int, rng):
+        """Stage 1, sample: the ``prompts_per_step`` prompts at data position ``pos``
+        and ``group_size`` responses to each. Returns (examples, the rollout on the
+        host, seconds spent sampling)."""
+        n = int(self.c.rollout.prompts_per_step)
+        examples = self.train_data.batch(pos, n)
+        t0 = time.perf_counter()
+        # Keyed by data stream id, not split index: a batch across an epoch boundary
+        # may hold one example twice, and the sampler needs distinct ids.
+        ro = self._rollout(params, examples, rng, prompt_ids=self.train_data.stream_ids(pos, n).tolist())
+        ro = jax.device_get(ro)
+        return examples, ro, time.perf_counter() - t0
+
+    def score(self, examples, ro) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int]]:
+        """Stage 2, score: the task's verifier on the decoded responses
+        (:func:`gspo_jax.rewards.score`). Returns (rewards [n * G], their components,
+        verifier failure counts)."""
+        c = self.c
+        g = int(c.rollout.group_size)
+        metas = [ex.meta for ex in examples for _ in range(g)]
+        return rewards.score(c.task.name, self._texts(ro), metas, format_weight=float(c.task.format_reward))
+
+    def shape_and_filter(self, ro, r: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """Stage 3, shape and filter (DAPO), on one round: the soft overlong
+        punishment added to the rewards ``r``; dynamic sampling keeps only the groups
+        whose rewards differ; overlong filtering zeroes the mask of truncated
+        responses. Returns (the shaped rewards of every response, the batch rows of
+        the kept groups, the number of groups kept)."""
+        c = self.c
+        g, T = int(c.rollout.group_size), int(c.rollout.max_new_tokens)
+        if c.dapo.soft_overlong:
+            length = np.asarray(ro.mask).sum(axis=1)
+            r = r + np.asarray(shaping.soft_overlong_penalty(
+                jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)))
+        rg = r.reshape(-1, g)
+        keep = np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(rg))) if c.dapo.dynamic_sampling \
+            else np.ones(rg.shape[0], bool)
+        mask = np.asarray(ro.mask, np.float32)
+        if c.dapo.overlong_filter:
+            mask = np.asarray(shaping.overlong_mask(jnp.asarray(ro.truncated), jnp.asarray(mask)))
+        part = {
+            "prompt_tokens": np.asarray(ro.prompt_tokens),
+            "prompt_mask": np.asarray(ro.prompt_mask, np.float32),
+            "tokens": np.asarray(ro.tokens),
+            "mask": mask,
+            "rewards": r,
+            "rollout_logp": np.asarray(ro.logp),
+            # R3: the rollout's routing at every input position [0, P+T-1).
+            "replay_r3": np.asarray(ro.replay())[:, :-1],
+        }
+        rows = np.repeat(keep, g)
+        return r, {k: v[rows] for k, v in part.items()}, int(keep.sum())
+
+    def fill_batch(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Stage 3, the batch: exactly ``prompts_per_step`` groups from the rounds'
+        kept rows, prompts left-padded to a common bucket. If dynamic sampling fell
+        short, the missing groups are padding whose mask is 0 (they add nothing)."""
+        c = self.c
+        n_rows = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+        T = int(c.rollout.max_new_tokens)
+        p_len = max(k["prompt_tokens"].shape[1] for k in parts)
+        for k in parts:  # a common prompt bucket across rounds
             k["prompt_tokens"] = _left_pad_to(k["prompt_tokens"], p_len, self.tokenizer.pad_id)
             k["prompt_mask"] = _left_pad_to(k["prompt_mask"], p_len, 0)
             k["replay_r3"] = _left_pad_to(k["replay_r3"], p_len + T - 1, -1)
-        batch = {key: np.concatenate([k[key] for k in kept], axis=0)[: n_prompts * g] for key in kept[0]}
-        short = n_prompts * g - batch["tokens"].shape[0]
+        batch = {key: np.concatenate([k[key] for k in parts], axis=0)[:n_rows] for key in parts[0]}
+        short = n_rows - batch["tokens"].shape[0]
         if short:
             batch = {key: np.concatenate([v, np.repeat(v[:1], short, axis=0)], axis=0) for key, v in batch.items()}
             batch["mask"][-short:] = 0
-        rg = batch.pop("rewards").reshape(n_prompts, g)
+        return batch
+
+    def advantages(self, batch: dict[str, np.ndarray]) -> None:
+        """Stage 4, advantages: replaces the batch's ``rewards`` by per-response
+        ``advantages`` over each group (``config.advantage``). For GAE they need the
+        critic's values, computed with the old log-probs (:meth:`RLPhase.prepare`):
+        zeros here, and the rewards are kept as ``seq_rewards``."""
+        c = self.c
+        rg = batch.pop("rewards").reshape(-1, int(c.rollout.group_size))
         if c.advantage == "group":
             a = adv_lib.group(jnp.asarray(rg))
         elif c.advantage == "group_no_std":
             a = adv_lib.group_no_std(jnp.asarray(rg))
         elif c.advantage == "rloo":
             a = adv_lib.rloo(jnp.asarray(rg))
-        else:  # gae: needs the critic's values, computed with the old log-probs
+        else:  # gae
             a = jnp.zeros_like(jnp.asarray(rg))
             batch["seq_rewards"] = rg.reshape(-1).astype(np.float32)
         batch["advantages"] = np.asarray(a, np.float32).reshape(-1)
 
-        r_all = np.concatenate(all_rewards)
+    def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
+        """Host metrics of one step's rounds (every sampled response, kept or not)."""
+        c = self.c
+        n_prompts, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
+        r_all = np.concatenate([r.rewards for r in rounds])
         rg_all = r_all.reshape(-1, g)
+        lengths = [np.asarray(r.rollout.mask).sum(axis=1) for r in rounds]
         length = np.concatenate(lengths)
+        fail_counts: dict[str, int] = {}
+        for r in rounds:
+            for k, v in r.fails.items():
+                fail_counts[k] = fail_counts.get(k, 0) + v
         info = {
             "reward_mean": float(r_all.mean()),
             "reward_std": float(r_all.std()),
-            "reward_correct": float(np.concatenate(all_correct).mean()),
-            "reward_format": float(np.concatenate(all_format).mean()),
+            "reward_correct": float(np.concatenate([r.components["correct"] for r in rounds]).mean()),
+            "reward_format": float(np.concatenate([r.components["format"] for r in rounds]).mean()),
             "zero_std_group_frac": float(np.mean(rg_all.std(axis=1) == 0)),
             "response_len": float(length.mean()),
-            "truncation_rate": float(np.concatenate(truncs).mean()),
-            "sampling_rounds": len(all_rewards),
-            "dynamic_sampling_bound_hit": float(bound_hit),
-            "sample_time": sample_time,
-            "gen_tokens": gen_tokens,
+            "truncation_rate": float(np.concatenate([np.asarray(r.rollout.truncated) for r in rounds]).mean()),
+            "sampling_rounds": len(rounds),
+            "dynamic_sampling_bound_hit": float(
+                c.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts),
+            "sample_time": sum(r.sample_time for r in rounds),
+            "gen_tokens": sum(int(x.sum()) for x in lengths),
         }
         info.update({f"verifier_{k}": v for k, v in fail_counts.items()})
-        return batch, info
+        return info
 
 
 def _progress(c, total: int, start: int, desc: str):
@@ -524,8 +579,8 @@ class RLPhase:
             grad_clip=c.optimizer.grad_clip)
         # The reference policy is where RL starts; copied, as the state is donated.
         self.ref_params = jax.tree.map(jnp.copy, params) if trainer.kl_coef else None
-        self.state = trainer._new_state(params, self.optimizer)
-        self.train_fn = trainer._compile(step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg)
+        self.state = trainer.new_state(params, self.optimizer)
+        self.train_fn = trainer.jit_step(step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg)
         replay = c.updates.routing_replay
         self.critic = c.advantage == "gae"
         self.logp_fn = jax.jit(functools.partial(
@@ -536,7 +591,7 @@ class RLPhase:
     def prepare(self, host_batch: dict[str, np.ndarray]) -> tuple[dict[str, jax.Array], dict[str, float]]:
         """Device batch with old (and reference) log-probs and routing records."""
         c = self.t.c
-        dev = self.t._put_batch(host_batch)
+        dev = self.t.put_batch(host_batch)
         old = self.logp_fn(self.state.params, dev)
         batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask", "advantages")}
         batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"])
@@ -574,7 +629,7 @@ class RLPhase:
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
             for j in range(int(c.updates.num_minibatches)):
                 idx = perm[j * mb:(j + 1) * mb]
-                mini = {k: jax.device_put(v, t._batch_sharding(v)) for k, v in _take(batch, idx).items()}
+                mini = t.put_batch(_take(batch, idx))
                 self.state, m = self.train_fn(self.state, mini, jax.random.fold_in(rng, 7 + len(ms)))
                 ms.append(m)
         ms = jax.device_get(ms)
@@ -637,7 +692,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     if int(c.sft.steps) > 0:
         params, writer = trainer.run_sft(writer_factory)
     else:
-        params, writer = trainer._init_params, writer_factory("rl", rl_start)
+        params, writer = trainer.init_params, writer_factory("rl", rl_start)
 
     rl = RLPhase(trainer, params)
     if rl_start:

@@ -11,7 +11,10 @@
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
   Only compile time changes: an executable loaded from the cache is the one the
   compiler produced for the same program.
+* ``compile_counts``: the compilations during a test, from JAX's own monitoring
+  events.
 """
+import collections
 import os
 import tempfile
 
@@ -21,6 +24,35 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettemp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture
+def compile_counts():
+    """A ``collections.Counter`` of the XLA compilations during the test, by
+    function name (``"jit(_generate)"`` for ``jax.jit(_generate)``).
+
+    Counts JAX's ``/jax/core/compile/backend_compile_duration`` monitoring event,
+    which every compilation records (an executable loaded from the persistent
+    cache included) and a call served by jit's in-memory cache does not; its
+    ``fun_name`` is the jitted function's name.  Call ``.clear()`` between the
+    phases of a test.
+    """
+    counts = collections.Counter()
+
+    def listener(event, duration, **kwargs):
+        del duration
+        if event == COMPILE_EVENT:
+            counts[kwargs.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

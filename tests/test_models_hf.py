@@ -12,7 +12,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gspo_jax.models import export_pretrained, from_pretrained, load_tokenizer  # noqa: E402
+from gspo_jax.models import export_pretrained, from_pretrained  # noqa: E402
 from gspo_jax.models.safetensors_io import read_safetensors, write_safetensors  # noqa: E402
 
 V = 96
@@ -159,14 +159,3 @@ def test_clear_errors(tmp_path):
   write_safetensors(str(src / "model.safetensors"), tensors)
   with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
     from_pretrained(str(src))
-
-  with pytest.raises(ValueError, match="tokenizer.json"):
-    load_tokenizer(str(src))
-
-
-def test_load_tokenizer(tmp_path):
-  from tokenizers import Tokenizer, models, pre_tokenizers
-  tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.save(str(tmp_path / "tokenizer.json"))
-  assert load_tokenizer(str(tmp_path)).encode("hello world").ids == [0, 1]

@@ -1,4 +1,5 @@
 """Verifiers: hand cases, the batch API, and fuzzing with garbage and adversarial input."""
+import functools
 import time
 from fractions import Fraction
 
@@ -55,18 +56,12 @@ def test_countdown_failures(text, status):
 def test_countdown_exact_fractions():
   # 8 / (3 - 8/3) = 24 needs exact rationals: floats give 23.999999999999993.
   assert rewards.verify_countdown("<answer>8/(3-8/3)</answer>", (8, 3, 8, 3), 24).correct
-  assert rewards.evaluate_expression("1/3+1/3+1/3")[0] == 1
+  evaluate = functools.partial(rewards._evaluate, limits=rewards.DEFAULT_LIMITS)
+  assert evaluate("1/3+1/3+1/3")[0] == 1
   # Left associativity: 8-3-2 = 3 (a right-associative bug gives 7); 8/4/2 = 1 (not 4).
-  assert rewards.evaluate_expression("8-3-2") == (Fraction(3), [8, 3, 2])
-  assert rewards.evaluate_expression("8/4/2")[0] == 1
-  assert rewards.evaluate_expression("2+3*4")[0] == 14  # precedence (20 if ignored)
-
-
-def test_evaluate_expression_raises_value_error():
-  with pytest.raises(ValueError, match="div_by_zero"):
-    rewards.evaluate_expression("1/0")
-  with pytest.raises(ValueError, match="parse_error"):
-    rewards.evaluate_expression("1+")
+  assert evaluate("8-3-2") == (Fraction(3), [8, 3, 2])
+  assert evaluate("8/4/2")[0] == 1
+  assert evaluate("2+3*4")[0] == 14  # precedence (20 if ignored)
 
 
 @pytest.mark.parametrize("content, value", [

@@ -22,6 +22,7 @@ from gspo_jax import rollout
 from gspo_jax.models import ModelConfig, Transformer
 
 T = 8  # max_new_tokens shared by most tests (one compile per bucket)
+GENERATE = "jit(_generate)"  # the sampler's compiled function, in compile_counts
 PROMPTS = [[1, 2, 3], list(range(4, 21)), [7, 8, 9, 10, 11, 12, 13, 14, 15]]  # 3, 17, 9 tokens
 
 
@@ -57,11 +58,20 @@ def _forward(sampler, tokens, positions, mask, rows=16, length=40):
     return np.asarray(lp[:n, :t], np.float64), np.asarray(topk[:n, :t])
 
 
+def _sequence(r):
+    """The full sequences of a rollout: tokens ``concat(prompt_tokens, tokens)``
+    int32[N, P+T], the positions the sampler used (0 at the first real prompt
+    token, padding clamped to 0) and the attention mask bool[N, P+T]."""
+    tokens = jnp.concatenate([r.prompt_tokens, r.tokens], axis=1)
+    mask = jnp.concatenate([r.prompt_mask, r.mask > 0], axis=1)
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    return tokens, positions, mask
+
+
 def _teacher_forced(sampler, r, **kw):
     """Full-forward log-probs f64[N, T, V] predicting response token t, the
     top-K int[N, T, L, K] at those positions, and the prompt's int[N, P, L, K]."""
-    logp_all, topk = _forward(sampler, r.sequence_tokens(), r.sequence_positions(),
-                              r.sequence_mask(), **kw)
+    logp_all, topk = _forward(sampler, *_sequence(r), **kw)
     P, T_ = r.prompt_tokens.shape[1], r.tokens.shape[1]
     return logp_all[:, P - 1:P - 1 + T_], topk[:, P - 1:P - 1 + T_], topk[:, :P]
 
@@ -84,7 +94,18 @@ def _check_record(sampler, r):
 
 
 # ---------------------------------------------------------------------------
-# sample_token on hand-made logits: uniforms from numpy, sets from numpy.
+# Token sampling on hand-made logits: uniforms from numpy, sets from numpy.
+# Both formulations (`rollout._use_cpu_sampling`) on CPU: cpu=True is what the
+# sampler runs here, cpu=False what it runs on accelerators.
+
+
+def _sample_token(logits, u, *, temperature, top_p, top_k=0, greedy=False, cpu=True):
+    """The decode loop's sampling step with the sampler's static mode."""
+    vocab = logits.shape[-1]
+    mode = rollout._Mode(greedy=greedy, top_k=top_k if 0 < top_k < vocab else 0,
+                         use_top_p=top_p < 1.0, cpu=cpu)
+    return rollout._sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
+                                 jnp.float32(top_p), mode)
 
 
 def _np_log_softmax(x):
@@ -95,7 +116,7 @@ def _np_log_softmax(x):
 def _draw(logits_row, n, seed, **kw):
     u = np.random.RandomState(seed).uniform(size=n).astype(np.float32)
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
-    tok, lp, lps = rollout.sample_token(logits, jnp.asarray(u), **kw)
+    tok, lp, lps = _sample_token(logits, jnp.asarray(u), **kw)
     return np.asarray(tok), np.asarray(lp), np.asarray(lps)
 
 
@@ -109,17 +130,19 @@ def _chi2_pvalue(tokens, probs):
 LOGITS = np.array([2.0, -1.0, 0.5, 1.5, -3.0, 0.0, 1.0, -0.5, 2.5, -2.0])
 
 
+@pytest.mark.parametrize("cpu", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sample_token_matches_tempered_distribution(temperature):
-    tok, lp, lps = _draw(LOGITS, 20000, seed=0, temperature=temperature, top_p=1.0)
+def test_sample_token_matches_tempered_distribution(temperature, cpu):
+    tok, lp, lps = _draw(LOGITS, 20000, seed=0, temperature=temperature, top_p=1.0, cpu=cpu)
     q = np.exp(_np_log_softmax(LOGITS / temperature))
     assert _chi2_pvalue(tok, q) > 1e-3
     np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[tok], atol=1e-6)
     np.testing.assert_allclose(lps, np.log(q)[tok], atol=1e-5)
 
 
-def test_sample_token_top_k_never_leaves_its_set():
-    tok, lp, lps = _draw(LOGITS, 5000, seed=1, temperature=1.0, top_p=1.0, top_k=3)
+@pytest.mark.parametrize("cpu", [True, False])
+def test_sample_token_top_k_never_leaves_its_set(cpu):
+    tok, lp, lps = _draw(LOGITS, 5000, seed=1, temperature=1.0, top_p=1.0, top_k=3, cpu=cpu)
     keep = np.argsort(-LOGITS)[:3]  # tokens 8, 0, 3
     assert set(tok.tolist()) == set(keep.tolist())  # all of the set, nothing else
     q = np.zeros_like(LOGITS)
@@ -129,9 +152,10 @@ def test_sample_token_top_k_never_leaves_its_set():
     np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[tok], atol=1e-6)  # unmodified
 
 
+@pytest.mark.parametrize("cpu", [True, False])
 @pytest.mark.parametrize("top_p", [0.5, 0.8, 0.95])
-def test_sample_token_top_p_never_leaves_its_set(top_p):
-    tok, _, lps = _draw(LOGITS, 5000, seed=2, temperature=1.0, top_p=top_p)
+def test_sample_token_top_p_never_leaves_its_set(top_p, cpu):
+    tok, _, lps = _draw(LOGITS, 5000, seed=2, temperature=1.0, top_p=top_p, cpu=cpu)
     p = np.exp(_np_log_softmax(LOGITS))
     order = np.argsort(-p)
     before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
@@ -144,37 +168,58 @@ def test_sample_token_top_p_never_leaves_its_set(top_p):
     np.testing.assert_allclose(lps, np.log(q[tok]), atol=1e-5)
 
 
-def test_sample_token_top_k_then_top_p_and_greedy():
+@pytest.mark.parametrize("cpu", [True, False])
+def test_sample_token_top_k_then_top_p_and_greedy(cpu):
     # top_k=4 keeps {8, 0, 3, 6}; renormalised, top_p=0.6 keeps {8, 0}.
-    tok, _, _ = _draw(LOGITS, 2000, seed=3, temperature=1.0, top_p=0.6, top_k=4)
+    tok, _, _ = _draw(LOGITS, 2000, seed=3, temperature=1.0, top_p=0.6, top_k=4, cpu=cpu)
     q = np.exp(_np_log_softmax(LOGITS[[8, 0, 3, 6]]))
     assert q[0] < 0.6 <= q[0] + q[1]
     assert set(tok.tolist()) == {8, 0}
-    tok, lp, lps = _draw(LOGITS, 4, seed=4, temperature=1.0, top_p=1.0, greedy=True)
+    tok, lp, lps = _draw(LOGITS, 4, seed=4, temperature=1.0, top_p=1.0, greedy=True, cpu=cpu)
     assert np.all(tok == 8) and np.all(lps == 0)
     np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[8], atol=1e-6)
 
 
-def test_sample_token_masked_logits_never_sampled():
+@pytest.mark.parametrize("cpu", [True, False])
+def test_sample_token_masked_logits_never_sampled(cpu):
     # A -inf logit (probability 0) is never drawn, even with u at the ends of [0, 1).
     logits = np.array([-np.inf, 0.0, -np.inf, 1.0, -np.inf], np.float32)
     u = np.array([0.0, 1e-9, 0.5, 1 - 2**-24, 0.999999], np.float32)
-    tok, _, _ = rollout.sample_token(jnp.broadcast_to(jnp.asarray(logits), (5, 5)),
-                                     jnp.asarray(u), temperature=1.0, top_p=1.0)
-    assert set(np.asarray(tok).tolist()) <= {1, 3}
+    for top_p in (1.0, 0.99):
+        tok, _, _ = _sample_token(jnp.broadcast_to(jnp.asarray(logits), (5, 5)), jnp.asarray(u),
+                                  temperature=1.0, top_p=top_p, cpu=cpu)
+        assert set(np.asarray(tok).tolist()) <= {1, 3}
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=1.0), dict(top_p=0.9), dict(top_p=1.0, top_k=50),
+                                dict(top_p=0.8, top_k=300), dict(top_p=1.0, greedy=True)])
+def test_cpu_and_plain_sampling_draw_the_same_tokens(kw):
+    # The same logits and uniforms: the same token, except where the uniform
+    # falls within f32 rounding of a boundary of the cumulative sum (none here);
+    # the same log-probs.  V = 1000, a realistic spread of logits, ties included.
+    rs = np.random.RandomState(5)
+    logits = rs.normal(0.0, 3.0, (512, 1000)).astype(np.float32)
+    logits[:8, :4] = logits[:8, 4:8]  # ties
+    logits[8:16, rs.randint(0, 1000, 200)] = -np.inf  # masked entries
+    u = jnp.asarray(rs.uniform(size=512).astype(np.float32))
+    a = _sample_token(logits, u, temperature=0.8, cpu=True, **kw)
+    b = _sample_token(logits, u, temperature=0.8, cpu=False, **kw)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a[2]), np.asarray(b[2]), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
 # The sampler against the model's full forward.
 
 
-def test_logp_and_experts_match_teacher_forced_forward(model, sampler):
+def test_logp_and_experts_match_teacher_forced_forward(model, sampler, compile_counts):
     r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
-    # The one-shot `sample` re-splits the model but reuses the compiled function.
-    traced = rollout.trace_count()
-    r1 = rollout.sample(model, PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0),
-                        eos_id=5)
-    assert rollout.trace_count() == traced
+    # A new sampler of the same model re-splits it but reuses the compiled function.
+    compile_counts.clear()
+    r1 = rollout.Sampler.from_model(model)(PROMPTS, num_samples=3, max_new_tokens=T,
+                                           rng=jax.random.key(0), eos_id=5)
+    assert compile_counts[GENERATE] == 0
     np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r.tokens))
     assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
     assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 32, 2, 2)
@@ -189,9 +234,10 @@ def test_logp_and_experts_match_teacher_forced_forward(model, sampler):
             np.testing.assert_array_equal(np.asarray(r.prompt_tokens[3 * i + g, -len(p):]), p)
             assert int(r.prompt_mask[3 * i + g].sum()) == len(p)
     # The R3 replay array reproduces the same log-probs when forced.
+    tokens, positions, mask = _sequence(r)
     lp, _, aux = nnx.merge(sampler.graphdef, sampler.state).token_logprobs(
-        r.sequence_tokens(), jnp.roll(r.sequence_tokens(), -1, axis=1),
-        positions=r.sequence_positions(), attn_mask=r.sequence_mask(), replay=r.replay())
+        tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask,
+        replay=r.replay())
     P = r.prompt_tokens.shape[1]
     np.testing.assert_allclose(np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0), r.logp, atol=1e-5)
     assert float(jnp.max(aux.replay_mismatch)) == 0.0
@@ -215,6 +261,21 @@ def test_truncated_sampling_records_unmodified_and_sampling_logp(sampler):
     ls = _np_log_softmax(np.where(kept, xs, -np.inf))
     want = np.take_along_axis(ls, pos[..., None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(r.logp_sampling), want, atol=1e-5)
+
+
+def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, compile_counts):
+    # What the sampler runs off CPU (`rollout._use_cpu_sampling()` False: sort,
+    # jnp.cumsum, argmax), here on CPU: a program of its own, the same rollout.
+    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7, top_p=0.9)
+    cpu = sampler(PROMPTS, **kw)
+    monkeypatch.setattr(rollout, "_use_cpu_sampling", lambda: False)
+    compile_counts.clear()
+    plain = sampler(PROMPTS, **kw)
+    assert compile_counts[GENERATE] == 1
+    for name in ("tokens", "mask", "experts"):
+        np.testing.assert_array_equal(np.asarray(getattr(plain, name)), np.asarray(getattr(cpu, name)))
+    np.testing.assert_allclose(np.asarray(plain.logp), np.asarray(cpu.logp), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(plain.logp_sampling), np.asarray(cpu.logp_sampling), atol=1e-5)
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
@@ -289,98 +350,24 @@ def test_stop_on_eos_and_stop_sequences(sampler):
         np.testing.assert_array_equal(np.asarray(r.mask[i]), np.arange(T) < n)
     assert stopped >= 2 and int(r.lengths[0]) <= 4 and int(r.lengths[1]) <= 6
     _check_record(sampler, r)
-    # The same stop given as a string through a tokenizer: the same rollout.
-    r2 = sampler(PROMPTS, eos_id=eos, stop_sequences=[never], tokenizer=_Letters(),
-                 stop_strings=[_Letters.text(seq)], **kw)
-    np.testing.assert_array_equal(np.asarray(r2.tokens), np.asarray(r.tokens))
-    np.testing.assert_array_equal(np.asarray(r2.lengths), np.asarray(r.lengths))
-
-
-class _Letters:
-    """A stand-in tokenizer: token id i <-> the character chr(0x100 + i)."""
-
-    @staticmethod
-    def text(ids):
-        return "".join(chr(0x100 + int(i)) for i in ids)
-
-    def encode(self, text):
-        return [ord(c) - 0x100 for c in text]
-
-    def token_bytes(self):
-        return [self.text([i]).encode("utf-8") for i in range(97)]
-
-
-class _Pieces:
-    """A stand-in tokenizer whose tokens are byte strings: 1-4 of 'a', 'b', 'c'
-    by default, id 0 special (no text), and the given overrides."""
-
-    def __init__(self, vocab_size, overrides):
-        rs = np.random.RandomState(0)
-        self._bytes = [b""] + [bytes(rs.choice(list(b"abc"), size=rs.randint(1, 5)).tolist())
-                               for _ in range(vocab_size - 1)]
-        for i, b in overrides.items():
-            self._bytes[i] = b
-
-    def token_bytes(self):
-        return list(self._bytes)
-
-
-def _first_text_stop(row, stops, token_bytes):
-    """Reference: the response length of `row` under stop strings (the first t
-    whose decoded text, as bytes, contains one), or None."""
-    for t in range(len(row)):
-        text = b"".join(token_bytes[int(x)] for x in row[:t + 1])
-        if any(s.encode("utf-8") in text for s in stops):
-            return t + 1
-    return None
-
-
-def test_stop_strings_match_decoded_text_across_tokens(sampler):
-    kw = dict(num_samples=1, max_new_tokens=T, rng=jax.random.key(0), temperature=0.0)
-    free = np.asarray(sampler(PROMPTS, **kw).tokens)
-    # Give the greedy tokens text such that the stop strings are completed:
-    # row 0 by 'é' split over two tokens' bytes (C3 | A9, as byte-level BPE
-    # splits it), row 1 inside one token ('qr' in 'pqrs'), row 2 over three
-    # tokens ('mno' = 'klm' + 'n' + 'op'); 'zzzz' never.
-    spots = {(0, 3): b"wxy\xc3", (0, 4): b"\xa9z", (1, 3): b"pqrs", (2, 3): b"klm", (2, 4): b"n",
-             (2, 5): b"op"}
-    ids = [int(free[i, t]) for i, t in spots]
-    assert len(set(ids)) == len(ids), free  # precondition: distinct tokens
-    tok = _Pieces(sampler.vocab_size, {int(free[i, t]): b for (i, t), b in spots.items()})
-    for stops, want in ((["é", "qr", "mno", "zzzz"], [5, 4, 6]), (["r", "k"], [None, 4, 4])):
-        r = sampler(PROMPTS, stop_strings=stops, tokenizer=tok, **kw)
-        for i in range(len(PROMPTS)):
-            n = _first_text_stop(free[i], stops, tok.token_bytes())
-            assert n == want[i], (stops, i, n)
-            assert bool(r.truncated[i]) == (n is None)
-            n = T if n is None else n
-            assert int(r.lengths[i]) == n, (stops, i)
-            np.testing.assert_array_equal(np.asarray(r.tokens[i, :n]), free[i, :n])
-            assert np.all(np.asarray(r.tokens[i, n:]) == 0)
-    with pytest.raises(ValueError, match="token_bytes"):
-        sampler(PROMPTS, stop_strings=["mno"], tokenizer=object(), **kw)
 
 
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
-def test_compile_count_is_one_per_bucket(sampler):
+def test_compile_count_is_one_per_bucket(sampler, compile_counts):
     kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh buckets
-    before = rollout.trace_count()
     # Different prompts, lengths, temperatures, top_p values, EOS ids and keys in
     # one bucket (B = 2, P = 16; top-p on): one compile.
     for i, (prompts, temperature, top_p) in enumerate((([[1, 2]], 1.0, 0.9), ([[7] * 16], 0.5, 0.5),
                                                        ([[9]], 0.8, 0.95))):
         sampler(prompts, temperature=temperature, top_p=top_p, eos_id=5 + i,
                 **{**kw, "rng": jax.random.key(i)})
-    assert rollout.trace_count((2, 16, 5)) == 1
+        assert compile_counts[GENERATE] == 1, i
     # P = 32 and 3 or 4 prompts: one new bucket (b = 4 prompts, B = 8 rows).
+    compile_counts.clear()
     sampler([[1] * 20, [2] * 3, [3]], temperature=0.7, top_p=0.8, eos_id=5, **kw)
+    assert compile_counts[GENERATE] == 1
     sampler([[2] * 30, [4], [5] * 17, [6] * 2], temperature=0.9, top_p=0.5, eos_id=9, **kw)
-    assert rollout.trace_count((8, 32, 5)) == 1
-    # Every compile starts with a trace of `_generate`, and jit traces only on a miss
-    # of its cache, so two traces means two compiles. (jit's C++ dispatch cache is a
-    # process-wide LRU shared with every other jitted function, so its size is not a
-    # reliable count in a long test session.)
-    assert rollout.trace_count() - before == 2
+    assert compile_counts[GENERATE] == 1
 
 
 def test_decode_loop_is_one_device_program(sampler):
@@ -388,8 +375,9 @@ def test_decode_loop_is_one_device_program(sampler):
     # decode loop is a device while loop (not unrolled per token), with no host
     # callback inside.
     def ops(steps):
-        text = sampler.lower(PROMPTS, num_samples=2, max_new_tokens=steps, rng=jax.random.key(0),
-                             eos_id=5, top_p=0.9).as_text()
+        args, spec, _ = sampler._prepare(PROMPTS, num_samples=2, max_new_tokens=steps,
+                                         rng=jax.random.key(0), eos_id=5, top_p=0.9)
+        text = rollout._generate_jit.lower(*args, spec=spec).as_text()
         assert "callback" not in text and "custom_call" not in text
         return collections.Counter(re.findall(r"stablehlo\.\w+|call @\w+", text))
 
@@ -461,8 +449,6 @@ def test_bad_arguments_raise(sampler):
                        (dict(top_k=-1), "top_k"), (dict(eos_id=V), "eos_id"),
                        (dict(stop_sequences=[[]]), "stop_sequences\\[0\\]"),
                        (dict(pad_id=-1), "pad_id"), (dict(prompt_ids=[0, 0]), "prompt_ids"),
-                       (dict(stop_strings=["ab"]), "tokenizer"),
-                       (dict(stop_strings=[""], tokenizer=_Letters()), "stop_strings\\[0\\]"),
                        (dict(rng=jnp.zeros((3,), jnp.int32)), "rng")]:
         args = {**kw, "prompts": [[1, 2], [3]], **bad}
         with pytest.raises(ValueError, match=field):
@@ -476,7 +462,7 @@ def test_cumsum_by_matmuls_equals_cumsum():
     rs = np.random.RandomState(0)
     for c in (7, 32, 33, 512, 1000):  # below, at and above one block; ragged last block
         w = jnp.asarray(rs.exponential(1.0, (3, c)).astype(np.float32))
-        got, want = rollout._cumsum(w), jnp.cumsum(w, axis=-1)
+        got, want = rollout._cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(want[:, -1].max()))
 
@@ -487,6 +473,7 @@ def test_first_true_and_argmax_equal_jnp_argmax():
     x[3] = -np.inf
     x[5, 7] = np.nan  # argmax returns the first NaN
     x = jnp.asarray(x)
-    np.testing.assert_array_equal(rollout._argmax(x), jnp.argmax(x, axis=-1))
     m = x > 2
-    np.testing.assert_array_equal(rollout._first_true(m), jnp.argmax(m, axis=-1))
+    for cpu in (True, False):
+        np.testing.assert_array_equal(rollout._argmax(x, cpu), jnp.argmax(x, axis=-1))
+        np.testing.assert_array_equal(rollout._first_true(m, cpu), jnp.argmax(m, axis=-1))

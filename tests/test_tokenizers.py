@@ -56,22 +56,6 @@ def test_char_specials_and_errors():
     gtok.CharTokenizer(words=("x",))
 
 
-def test_char_token_bytes_concatenate_to_the_decoded_text():
-  tok = gtok.CharTokenizer(words=("<answer>", "</answer>"))
-  tb = tok.token_bytes()
-  assert len(tb) == tok.vocab_size and tb[:4] == [b""] * 4
-  assert tb[tok.token_to_id("</answer>")] == b"</answer>"
-  ids = [tok.bos_id] + tok.encode("x <answer>(3+5)*2</answer>\n") + [tok.eos_id, tok.pad_id]
-  assert b"".join(tb[i] for i in ids).decode("utf-8") == tok.decode(ids)
-
-
-def test_load_tokenizer_char():
-  tok = gtok.load_tokenizer("char")
-  assert tok.encode("<answer>") == [tok.token_to_id("<answer>")]
-  with pytest.raises(ValueError, match="tokenizer must be"):
-    gtok.load_tokenizer("/no/such/dir")
-
-
 # ---------------------------------------------------------------------------
 # HFTokenizer on a tokenizer.json trained here.
 
@@ -151,26 +135,6 @@ def test_hf_matches_transformers(hf_dir):
         MESSAGES, add_generation_prompt=gen, tokenize=False)
 
 
-def test_hf_token_bytes_concatenate_to_the_decoded_text(hf_dir):
-  from tokenizers import Tokenizer
-  raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-  raw.add_tokens(["<think>"])  # an added token that is not special: decoded as its text
-  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
-  tok = gtok.HFTokenizer(raw, config)
-  tb = tok.token_bytes()
-  assert len(tb) == tok.vocab_size
-  assert tb[tok.eos_id] == tb[tok.pad_id] == tb[tok.token_to_id("<|im_start|>")] == b""
-  assert tb[tok.token_to_id("<think>")] == b"<think>"
-  texts = CORPUS + [MESSAGES[1]["content"], "<|im_start|>日本 wörds<think>\n\n é<|im_end|>"]
-  for text in texts:
-    ids = tok.encode(text)
-    assert b"".join(tb[i] for i in ids).decode("utf-8") == tok.decode(ids), text
-  # Characters unseen in training are split into byte tokens: parts of a UTF-8
-  # character, exact in token_bytes (decode([id]) alone would give U+FFFD).
-  ids = tok.encode("日")
-  assert len(ids) == 3 and [tb[i] for i in ids] == [bytes([b]) for b in "日".encode("utf-8")]
-
-
 def test_hf_stop_ids_from_generation_config(tmp_path, hf_dir):
   for name in ("tokenizer.json", "tokenizer_config.json"):
     (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
@@ -184,25 +148,6 @@ def test_hf_stop_ids_from_generation_config(tmp_path, hf_dir):
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10**6]}))
   with pytest.raises(ValueError, match="generation_config.json eos_token_id 1000000"):
     gtok.HFTokenizer.from_dir(tmp_path)
-
-
-def test_hf_token_bytes_with_a_word_start_marker(tmp_path):
-  """A SentencePiece-style tokenizer (Metaspace: "▁" marks a word start, stripped at
-  the start of a text): token bytes concatenate to the decoded text, but for the
-  space the decoder drops at its very start (a token's bytes are those it adds
-  inside a text: "▁world" is " world")."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.BPE(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Metaspace()
-  tok.decoder = decoders.Metaspace()
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
-  g = gtok.HFTokenizer(tok, {"eos_token": "</s>"})
-  tb = g.token_bytes()
-  for text in CORPUS + ["hello world the answer"]:
-    ids = g.encode(text)
-    joined = b"".join(tb[i] for i in ids).decode("utf-8")
-    assert joined == " " + g.decode(ids), text
-    assert b"".join(tb[i] for i in ids[1:]).decode("utf-8") == g.decode(ids)[len(tb[ids[0]]) - 1:]
 
 
 def test_hf_chat_template_tools_none_and_generation_tag_match_transformers(tmp_path, hf_dir):
@@ -272,7 +217,7 @@ def test_hf_chat_template_file_and_sandbox(tmp_path, hf_dir):
   (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
   tok = gtok.HFTokenizer.from_dir(tmp_path)
-  assert not tok.has_chat_template
+  assert tok.chat_template is None
   with pytest.raises(ValueError, match="no chat template"):
     tok.apply_chat_template(MESSAGES)
   # chat_template.jinja (newer checkpoints) is read too; the sandbox refuses Python internals.

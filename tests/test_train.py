@@ -315,7 +315,7 @@ def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_
     orders = {0: np.arange(src._size), 1: np.roll(np.arange(src._size), 1)}
     src.order = lambda epoch: orders[epoch]  # epoch 1 starts with epoch 0's last example
     assert len(set(src.indices(2 * n, n).tolist())) < n
-    batch, _ = t.collect(t._init_params, 2, jax.random.key(0))
+    batch, _ = t.collect(t.init_params, 2, jax.random.key(0))
     assert batch["mask"].shape[0] == n * g
     assert np.isfinite(batch["advantages"]).all()
 

@@ -7,18 +7,17 @@
   or from supplied files.
 * :mod:`~gspo_jax.data.prompts`: prompt text and the ``<answer>`` format.
 * :mod:`~gspo_jax.data.source`: :class:`PromptSource` (batches as a pure
-  function of the data position) and :class:`PromptIterator` (a position
-  saved and restored as a small dict).
+  function of the data position).
 """
 from gspo_jax.data import _tfds_compat  # noqa: F401  (must precede TFDS use)
 from gspo_jax.data.arithmetic import ArithmeticConfig, GspoArithmetic
 from gspo_jax.data.countdown import CountdownConfig, GspoCountdown
 from gspo_jax.data.gsm8k import prepare_gsm8k, supply_gsm8k_files
 from gspo_jax.data.prompts import Example, answer_span
-from gspo_jax.data.source import PromptIterator, PromptSource, make_builder
+from gspo_jax.data.source import PromptSource, make_builder
 
 __all__ = [
     "ArithmeticConfig", "CountdownConfig", "Example", "GspoArithmetic", "GspoCountdown",
-    "PromptIterator", "PromptSource", "answer_span", "make_builder", "prepare_gsm8k",
+    "PromptSource", "answer_span", "make_builder", "prepare_gsm8k",
     "supply_gsm8k_files",
 ]

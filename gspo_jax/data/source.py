@@ -5,9 +5,8 @@ Position ``p`` is example ``order(epoch)[p % n]`` with ``epoch = p // n``,
 where ``order(epoch)`` is a permutation drawn from
 ``numpy.random.RandomState([seed, epoch])`` (the legacy generator, whose
 stream numpy keeps stable across releases). So a batch is a pure function of
-``(position, batch_size)``; a checkpoint stores the position (or the small
-dict of :meth:`PromptIterator.state_dict`) and a resumed run draws exactly
-the batches an uninterrupted run would.
+``(position, batch_size)``; the trainer derives the position from the step,
+so a resumed run draws exactly the batches an uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -157,46 +156,3 @@ class PromptSource:
     """The first ``count`` examples in stored order (a fixed evaluation set)."""
     return [self.example(i) for i in range(min(count, self._size))]
 
-
-class PromptIterator:
-  """A :class:`PromptSource` with a position, saved and restored as a small dict.
-
-  ``state_dict()`` gives ``{"position", "epoch", "index", "seed", "size"}``
-  (plain ints: JSON and orbax friendly). ``load_state_dict`` checks that the
-  seed and split size match, so a resume on changed data fails loudly instead
-  of silently drawing different prompts.
-  """
-
-  def __init__(self, source: PromptSource, position: int = 0):
-    if position < 0:
-      raise ValueError(f"position must be >= 0, got {position}")
-    self.source = source
-    self.position = int(position)
-
-  def next(self, batch_size: int) -> list[prompts.Example]:
-    """The next batch; advances the position."""
-    out = self.source.batch(self.position, batch_size)
-    self.position += batch_size
-    return out
-
-  def state_dict(self) -> dict[str, int]:
-    n = len(self.source)
-    return {"position": self.position, "epoch": self.position // n, "index": self.position % n,
-            "seed": self.source.seed, "size": n}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    for key in ("position", "seed", "size"):
-      if key not in state:
-        raise ValueError(f"data state lacks field {key!r}: {state}")
-    n = len(self.source)
-    if int(state["seed"]) != self.source.seed:
-      raise ValueError(f"data state field 'seed' is {state['seed']}, the source has {self.source.seed}")
-    if int(state["size"]) != n:
-      raise ValueError(f"data state field 'size' is {state['size']}, the source has {n} examples")
-    position = int(state["position"])
-    if position < 0:
-      raise ValueError(f"data state field 'position' must be >= 0, got {position}")
-    if "epoch" in state and "index" in state and (
-        int(state["epoch"]) * n + int(state["index"]) != position):
-      raise ValueError(f"data state fields 'epoch'/'index' disagree with 'position': {state}")
-    self.position = position

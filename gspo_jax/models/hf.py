@@ -302,13 +302,3 @@ def export_pretrained(model: Transformer, path: str, *, dtype: Optional[str] = N
                     metadata={"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2, sort_keys=True)
-
-
-def load_tokenizer(path: str):
-  """`tokenizers.Tokenizer` from path/tokenizer.json (or a tokenizer.json path)."""
-  from tokenizers import Tokenizer
-
-  file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
-  if not os.path.exists(file):
-    raise ValueError(f"load_tokenizer: {file} not found")
-  return Tokenizer.from_file(file)

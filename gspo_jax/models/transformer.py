@@ -431,7 +431,3 @@ class Transformer(nnx.Module):
     if last_only:
       h = h[:, -1:]
     return self.logits(h), aux, cache
-
-  def router_loss(self, aux: RouterAux) -> jax.Array:
-    """cfg.aux_loss_coef * aux.aux_loss + cfg.z_loss_coef * aux.z_loss."""
-    return aux.loss(self.cfg.aux_loss_coef, self.cfg.z_loss_coef)
