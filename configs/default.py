@@ -22,7 +22,7 @@ SHORT_RESPONSE_HPARAMS = {
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('objective', 'smoke'))
+    args = config_lib.parse_arg(arg, known=("objective", "smoke"))
     c = config_lib.base_config()
     name = args.get("objective", "gspo")
     config_lib.set_objective(c, name, SHORT_RESPONSE_HPARAMS.get(name, {}))

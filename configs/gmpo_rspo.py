@@ -13,10 +13,12 @@ from gspo_jax import config as config_lib
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('variant', 'gamma_min', 'replay', 'smoke'))
+    args = config_lib.parse_arg(arg, known=("variant", "gamma_min", "replay", "smoke"))
     variant = args.get("variant", "rspo")
     if variant not in ("rspo", "gmpo"):
-        raise config_lib.ConfigError(f"configs/gmpo_rspo.py: variant must be rspo or gmpo, got {variant!r}")
+        raise config_lib.ConfigError(
+            f"configs/gmpo_rspo.py: variant must be rspo or gmpo, got {variant!r}"
+        )
     c = config_lib.base_config()
     config_lib.set_objective(c, variant)
     c.updates.gamma_min = float(args.get("gamma_min", 0.5))

@@ -19,10 +19,12 @@ VARIANTS = ("grpo", "dr_grpo", "dapo")
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('variant', 'smoke'))
+    args = config_lib.parse_arg(arg, known=("variant", "smoke"))
     variant = args.get("variant", "grpo")
     if variant not in VARIANTS:
-        raise config_lib.ConfigError(f"configs/grpo.py: variant must be one of {VARIANTS}, got {variant!r}")
+        raise config_lib.ConfigError(
+            f"configs/grpo.py: variant must be one of {VARIANTS}, got {variant!r}"
+        )
     c = config_lib.base_config()
     config_lib.set_objective(c, variant)
     if variant == "dr_grpo":

@@ -15,13 +15,17 @@ EPS = {"short": dict(eps_low=0.02, eps_high=0.03), "paper": dict(eps_low=3e-4, e
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('variant', 'eps', 'smoke'))
+    args = config_lib.parse_arg(arg, known=("variant", "eps", "smoke"))
     variant = args.get("variant", "gspo")
     if variant not in ("gspo", "gspo_token"):
-        raise config_lib.ConfigError(f"configs/gspo.py: variant must be gspo or gspo_token, got {variant!r}")
+        raise config_lib.ConfigError(
+            f"configs/gspo.py: variant must be gspo or gspo_token, got {variant!r}"
+        )
     eps = args.get("eps", "short")
     if eps not in EPS:
-        raise config_lib.ConfigError(f"configs/gspo.py: eps must be one of {sorted(EPS)}, got {eps!r}")
+        raise config_lib.ConfigError(
+            f"configs/gspo.py: eps must be one of {sorted(EPS)}, got {eps!r}"
+        )
     c = config_lib.base_config()
     config_lib.set_objective(c, variant, EPS[eps])
     if args.get("smoke"):

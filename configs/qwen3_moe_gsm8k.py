@@ -17,14 +17,19 @@ with the paper's clip range for long responses), ``replay`` (none | R2 | R3),
 
 from gspo_jax import config as config_lib
 
-PAPER_EPS = {"gspo": dict(eps_low=3e-4, eps_high=4e-4), "gspo_token": dict(eps_low=3e-4, eps_high=4e-4)}
+PAPER_EPS = {
+    "gspo": dict(eps_low=3e-4, eps_high=4e-4),
+    "gspo_token": dict(eps_low=3e-4, eps_high=4e-4),
+}
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('ckpt', 'gsm8k_files', 'objective', 'replay', 'smoke'))
+    args = config_lib.parse_arg(arg, known=("ckpt", "gsm8k_files", "objective", "replay", "smoke"))
     if not args.get("ckpt") or args["ckpt"] is True:
-        raise config_lib.ConfigError("configs/qwen3_moe_gsm8k.py: the argument ckpt=<Hugging Face "
-                                     "checkpoint directory> is required")
+        raise config_lib.ConfigError(
+            "configs/qwen3_moe_gsm8k.py: the argument ckpt=<Hugging Face "
+            "checkpoint directory> is required"
+        )
     c = config_lib.base_config()
     c.task.name = "gsm8k"
     c.task.difficulty = ""

@@ -10,7 +10,7 @@ from gspo_jax import config as config_lib
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('smoke',))
+    args = config_lib.parse_arg(arg, known=("smoke",))
     c = config_lib.base_config()
     config_lib.set_objective(c, "sapo", dict(tau_pos=1.0, tau_neg=1.05))
     if args.get("smoke"):

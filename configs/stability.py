@@ -34,11 +34,12 @@ VARIANTS = {
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=('variant', 'lr', 'minibatches', 'smoke'))
+    args = config_lib.parse_arg(arg, known=("variant", "lr", "minibatches", "smoke"))
     variant = args.get("variant", "grpo")
     if variant not in VARIANTS:
         raise config_lib.ConfigError(
-            f"configs/stability.py: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+            f"configs/stability.py: variant must be one of {sorted(VARIANTS)}, got {variant!r}"
+        )
     objective, hparams, replay = VARIANTS[variant]
     c = config_lib.base_config()
     config_lib.set_objective(c, objective, hparams)

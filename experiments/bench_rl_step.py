@@ -30,7 +30,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default as default_config  # noqa: E402
 from experiments.bench_model import matmul_peak  # noqa: E402
-
 from gspo_jax import objectives, train  # noqa: E402
 
 
@@ -59,18 +58,23 @@ def objective_ms(cfg, mini, warmup: int = 3, runs: int = 21) -> float:
     if mini.get("ref_logp") is not None:
         extra["ref_logp"] = mini["ref_logp"]
     if fn.needs_router_shift:
-        extra["router_shift"] = jax.random.uniform(jax.random.key(2), old.shape, minval=0.5, maxval=1.0)
+        extra["router_shift"] = jax.random.uniform(
+            jax.random.key(2), old.shape, minval=0.5, maxval=1.0
+        )
 
     @jax.jit
     def vg(lp):
-        return jax.value_and_grad(lambda x: fn(x, old, mini["advantages"], mask, **extra, **cfg.hparam_dict),
-                                  has_aux=True)(lp)
+        return jax.value_and_grad(
+            lambda x: fn(x, old, mini["advantages"], mask, **extra, **cfg.hparam_dict), has_aux=True
+        )(lp)
 
     return time_fn(vg, (old + noise,), warmup, runs)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--arg", default="", help="config argument, e.g. objective=grpo")
     ap.add_argument("--data_dir", default="")
@@ -104,25 +108,42 @@ def main(argv=None):
     def mean(k):
         return float(np.mean([m[k] for m in ms]))
 
-    step_t, roll_t, old_t, upd_t = mean("step_time"), mean("rollout_time"), mean("old_logp_time"), mean("update_time")
+    step_t, roll_t, old_t, upd_t = (
+        mean("step_time"),
+        mean("rollout_time"),
+        mean("old_logp_time"),
+        mean("update_time"),
+    )
     updates = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
     achieved = flops_per_update * updates / upd_t
-    print(f"config: configs/default.py:{args.arg}  prompts={c.rollout.prompts_per_step} G={c.rollout.group_size} "
-          f"max_new_tokens={c.rollout.max_new_tokens} updates/step={updates} devices={jax.device_count()}")
-    print(f"mean over {args.steps} steps after one warm-up step; response length {mean('response_len'):.1f}")
+    print(
+        f"config: configs/default.py:{args.arg}  prompts={c.rollout.prompts_per_step} G={c.rollout.group_size} "
+        f"max_new_tokens={c.rollout.max_new_tokens} updates/step={updates} devices={jax.device_count()}"
+    )
+    print(
+        f"mean over {args.steps} steps after one warm-up step; response length {mean('response_len'):.1f}"
+    )
     print("| part | seconds | share |")
     print("|---|---:|---:|")
-    for name, t in (("rollout (sample + rewards + advantages)", roll_t), ("old log-probs", old_t), ("update", upd_t)):
+    for name, t in (
+        ("rollout (sample + rewards + advantages)", roll_t),
+        ("old log-probs", old_t),
+        ("update", upd_t),
+    ):
         print(f"| {name} | {t:.3f} | {t / step_t:.0%} |")
     print(f"| whole step | {step_t:.3f} | 100% |")
     print()
-    print(f"update: {flops_per_update / 1e9:.2f} GFLOP per mini-batch (XLA cost analysis), "
-          f"{achieved / 1e9:.1f} GFLOP/s achieved; dense f32 matmul peak in this run {peak / 1e9:.1f} GFLOP/s "
-          f"-> {achieved / peak:.1%} of peak")
+    print(
+        f"update: {flops_per_update / 1e9:.2f} GFLOP per mini-batch (XLA cost analysis), "
+        f"{achieved / 1e9:.1f} GFLOP/s achieved; dense f32 matmul peak in this run {peak / 1e9:.1f} GFLOP/s "
+        f"-> {achieved / peak:.1%} of peak"
+    )
     print(f"tokens/s (generated + trained): {mean('tokens_per_s'):.0f}")
     upd_ms = upd_t / updates * 1e3
-    print(f"objective {trainer.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
-          f"tokens): {obj_ms:.3f} ms median, {obj_ms / upd_ms:.3%} of one update ({upd_ms:.0f} ms)")
+    print(
+        f"objective {trainer.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
+        f"tokens): {obj_ms:.3f} ms median, {obj_ms / upd_ms:.3%} of one update ({upd_ms:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ can be 10x slower than one thread).
     PYTHONPATH=. python experiments/bench_rollout.py            # batch 1, 16, 64; 5 rounds
     PYTHONPATH=. python experiments/bench_rollout.py --batch-sizes=64 --repeats=5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,30 @@ import transformers
 from gspo_jax import rollout
 from gspo_jax.models import from_pretrained
 
-HF_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                 norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
-                 rope_theta=10_000.0, rms_norm_eps=1e-6, initializer_range=0.02,
-                 output_router_logits=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+HF_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    output_router_logits=False,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def make_checkpoint(path: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -57,8 +76,10 @@ def make_checkpoint(path: str, seed: int = 0) -> transformers.PreTrainedModel:
 
 def make_prompts(batch: int, seed: int = 0, min_len: int = 8, max_len: int = 16) -> list[list[int]]:
     rs = np.random.RandomState(seed)
-    return [rs.randint(1, HF_CONFIG["vocab_size"], size=rs.randint(min_len, max_len + 1)).tolist()
-            for _ in range(batch)]
+    return [
+        rs.randint(1, HF_CONFIG["vocab_size"], size=rs.randint(min_len, max_len + 1)).tolist()
+        for _ in range(batch)
+    ]
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +87,8 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -92,14 +113,23 @@ def main():
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask).logits[:, -1].numpy()
     pos = np.maximum(np.cumsum(mask.numpy(), 1) - 1, 0).astype(np.int32)
-    got, _ = model(jax.numpy.asarray(ids.numpy(), jax.numpy.int32), positions=pos,
-                   attn_mask=jax.numpy.asarray(mask.numpy()))
+    got, _ = model(
+        jax.numpy.asarray(ids.numpy(), jax.numpy.int32),
+        positions=pos,
+        attn_mask=jax.numpy.asarray(mask.numpy()),
+    )
     logit_diff = float(np.max(np.abs(np.asarray(got[:, -1]) - ref)))
 
     default_threads = torch.get_num_threads()
-    env = dict(jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
-               torch_threads=default_threads, cpus=os.cpu_count(),
-               load_avg=os.getloadavg(), max_logit_diff=logit_diff)
+    env = dict(
+        jax=jax.__version__,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        torch_threads=default_threads,
+        cpus=os.cpu_count(),
+        load_avg=os.getloadavg(),
+        max_logit_diff=logit_diff,
+    )
     print(json.dumps(env))
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
@@ -115,9 +145,17 @@ def main():
         def run_hf(i):
             torch.manual_seed(i)
             with torch.no_grad():
-                out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
-                                  temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=T,
-                                  min_new_tokens=T, use_cache=True)
+                out = hf.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    max_new_tokens=T,
+                    min_new_tokens=T,
+                    use_cache=True,
+                )
             assert out.shape == (B, ids.shape[1] + T), out.shape
 
         # Interleaved rounds (JAX, then transformers at each thread count) so
@@ -144,21 +182,34 @@ def main():
         torch.set_num_threads(default_threads)
         hf_threads = min(hf_runs, key=lambda k: min(hf_runs[k]))
         ht = hf_runs[hf_threads]
-        row = dict(batch=B, new_tokens=T, jax_tok_s=B * T / min(jt), hf_tok_s=B * T / min(ht),
-                   jax_warmup_s=jw, jax_best_s=min(jt), jax_median_s=statistics.median(jt),
-                   hf_best_s=min(ht), hf_median_s=statistics.median(ht), hf_threads=hf_threads,
-                   hf_best_s_by_threads={k: min(v) for k, v in hf_runs.items()})
+        row = dict(
+            batch=B,
+            new_tokens=T,
+            jax_tok_s=B * T / min(jt),
+            hf_tok_s=B * T / min(ht),
+            jax_warmup_s=jw,
+            jax_best_s=min(jt),
+            jax_median_s=statistics.median(jt),
+            hf_best_s=min(ht),
+            hf_median_s=statistics.median(ht),
+            hf_threads=hf_threads,
+            hf_best_s_by_threads={k: min(v) for k, v in hf_runs.items()},
+        )
         row["ratio"] = row["jax_tok_s"] / row["hf_tok_s"]
         row["ratio_of_medians"] = row["hf_median_s"] / row["jax_median_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print("\n| batch | gspo_jax tok/s | transformers tok/s (threads) | ratio (best) "
-          "| ratio (medians) | gspo_jax compile + first call (s) |")
+    print(
+        "\n| batch | gspo_jax tok/s | transformers tok/s (threads) | ratio (best) "
+        "| ratio (medians) | gspo_jax compile + first call (s) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['jax_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} ({r['hf_threads']}) "
-              f"| {r['ratio']:.2f}x | {r['ratio_of_medians']:.2f}x | {r['jax_warmup_s']:.1f} |")
+        print(
+            f"| {r['batch']} | {r['jax_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} ({r['hf_threads']}) "
+            f"| {r['ratio']:.2f}x | {r['ratio_of_medians']:.2f}x | {r['jax_warmup_s']:.1f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows), f, indent=1)

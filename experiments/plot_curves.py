@@ -16,8 +16,10 @@ import sys
 try:
     import matplotlib
 except ImportError:  # plotting is an extra: training does not need it
-    raise ImportError("experiments/plot_curves.py needs matplotlib: "
-                      "pip install -e '.[plot]' (or pip install 'matplotlib>=3.8')") from None
+    raise ImportError(
+        "experiments/plot_curves.py needs matplotlib: "
+        "pip install -e '.[plot]' (or pip install 'matplotlib>=3.8')"
+    ) from None
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -29,12 +31,18 @@ DEFAULT_METRICS = ("eval_reward_mean", "reward_mean", "clip_frac", "expert_flip_
 
 
 def series(records, metric):
-    pts = [(r["step"], r[metric]) for r in records if r.get("phase") == "rl" and isinstance(r.get(metric), (int, float))]
+    pts = [
+        (r["step"], r[metric])
+        for r in records
+        if r.get("phase") == "rl" and isinstance(r.get(metric), (int, float))
+    ]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workdir", action="append", required=True)
     ap.add_argument("--label", action="append")
     ap.add_argument("--metric", action="append")
@@ -49,16 +57,22 @@ def main(argv=None):
     cols = args.cols or len(metrics)
     rows = -(-len(metrics) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    for ax in axes.flat[len(metrics):]:
+    for ax in axes.flat[len(metrics) :]:
         ax.axis("off")
-    axes = [list(axes.flat[:len(metrics)])]
+    axes = [list(axes.flat[: len(metrics)])]
     for i, (workdir, label) in enumerate(zip(args.workdir, labels)):
         recs = read_metrics(workdir)
         for ax, metric in zip(axes[0], metrics):
             x, y = series(recs, metric)
             if x:  # one colour per run in every panel, also where some runs lack the metric
-                ax.plot(x, y, marker="o" if metric.startswith("eval") else None, ms=3, label=label,
-                        color=f"C{i % 10}")
+                ax.plot(
+                    x,
+                    y,
+                    marker="o" if metric.startswith("eval") else None,
+                    ms=3,
+                    label=label,
+                    color=f"C{i % 10}",
+                )
     for ax, metric in zip(axes[0], metrics):
         ax.set_title(metric)
         ax.set_xlabel("RL step")

@@ -36,15 +36,32 @@ from configs import stability as stability_config  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax.metrics_log import read_metrics  # noqa: E402
 
-PLOT_METRICS = ("eval_reward_mean", "reward_mean", "entropy", "clip_frac", "expert_flip_frac",
-                "replay_mismatch", "router_shift_mean", "frac_ratio_gt_2", "logratio_std")
+PLOT_METRICS = (
+    "eval_reward_mean",
+    "reward_mean",
+    "entropy",
+    "clip_frac",
+    "expert_flip_frac",
+    "replay_mismatch",
+    "router_shift_mean",
+    "frac_ratio_gt_2",
+    "logratio_std",
+)
 # expert_flip_frac compares the routing the update used with the sampler's: 0 under
 # replay, where replay_mismatch is the share of replayed choices the free router
 # would have made differently.
 # Averaged per seed, then over seeds, in seeds.md.
 SEED_METRICS = ("expert_flip_frac", "replay_mismatch", "router_shift_mean", "frac_ratio_gt_2")
-SUMMARY_METRICS = ("clip_frac", "expert_flip_frac", "replay_mismatch", "router_shift_mean",
-                   "frac_ratio_gt_2", "logratio_std", "entropy", "grad_norm")
+SUMMARY_METRICS = (
+    "clip_frac",
+    "expert_flip_frac",
+    "replay_mismatch",
+    "router_shift_mean",
+    "frac_ratio_gt_2",
+    "logratio_std",
+    "entropy",
+    "grad_norm",
+)
 
 
 def build_config(variant: str, args) -> "config_lib.ml_collections.ConfigDict":
@@ -71,8 +88,11 @@ def copy_warm_start(src: str, dst: str) -> None:
 
 
 def finished(workdir: str, steps: int) -> bool:
-    recs = [r for r in read_metrics(workdir) if r.get("phase") == "rl"] if os.path.exists(
-        os.path.join(workdir, "metrics.jsonl")) else []
+    recs = (
+        [r for r in read_metrics(workdir) if r.get("phase") == "rl"]
+        if os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+        else []
+    )
     return any(r["step"] >= steps and "eval_reward_mean" in r for r in recs)
 
 
@@ -90,11 +110,17 @@ def rl_stats(workdir: str, metrics) -> tuple[list[float], dict[str, float]]:
 
 
 def summarize(workdirs: dict[str, str]) -> str:
-    head = ["variant", "eval reward: first", "last", "best"] + [f"mean {m}" for m in SUMMARY_METRICS]
+    head = ["variant", "eval reward: first", "last", "best"] + [
+        f"mean {m}" for m in SUMMARY_METRICS
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, wd in workdirs.items():
         ev, means = rl_stats(wd, SUMMARY_METRICS)
-        row = [variant, f"{ev[0]:.3f}", f"{ev[-1]:.3f}", f"{max(ev):.3f}"] if ev else [variant, "-", "-", "-"]
+        row = (
+            [variant, f"{ev[0]:.3f}", f"{ev[-1]:.3f}", f"{max(ev):.3f}"]
+            if ev
+            else [variant, "-", "-", "-"]
+        )
         row += [f"{means[m]:.4g}" if m in means else "-" for m in SUMMARY_METRICS]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -105,8 +131,12 @@ def summarize_seeds(runs: dict[int, dict[str, str]]) -> str:
     and the per-seed means of the drift diagnostics averaged over seeds."""
     seeds = sorted(runs)
     variants = list(runs[seeds[0]])
-    head = (["variant"] + [f"last eval reward, seed {s}" for s in seeds]
-            + ["mean", "min", "max"] + [f"mean {m}" for m in SEED_METRICS])
+    head = (
+        ["variant"]
+        + [f"last eval reward, seed {s}" for s in seeds]
+        + ["mean", "min", "max"]
+        + [f"mean {m}" for m in SEED_METRICS]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant in variants:
         last, diag = [], {m: [] for m in SEED_METRICS}
@@ -117,7 +147,11 @@ def summarize_seeds(runs: dict[int, dict[str, str]]) -> str:
                 diag[m].append(x)
         got = [x for x in last if x is not None]
         row = [variant] + [f"{x:.3f}" if x is not None else "-" for x in last]
-        row += [f"{statistics.fmean(got):.3f}", f"{min(got):.3f}", f"{max(got):.3f}"] if got else ["-"] * 3
+        row += (
+            [f"{statistics.fmean(got):.3f}", f"{min(got):.3f}", f"{max(got):.3f}"]
+            if got
+            else ["-"] * 3
+        )
         row += [f"{statistics.fmean(diag[m]):.4g}" if diag[m] else "-" for m in SEED_METRICS]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -138,9 +172,15 @@ def plot_seeds(runs: dict[int, dict[str, str]], out: str) -> None:
             ax.plot(x, y, color=f"C{i % 10}", lw=0.8, alpha=0.45)
             curves.append(dict(zip(x, y)))
         common = sorted(set.intersection(*(set(c) for c in curves)))
-        ax.plot(common, [statistics.fmean(c[k] for c in curves) for k in common],
-                color=f"C{i % 10}", lw=2.2, marker="o", ms=3,
-                label=f"{variant} (mean of {len(seeds)})")
+        ax.plot(
+            common,
+            [statistics.fmean(c[k] for c in curves) for k in common],
+            color=f"C{i % 10}",
+            lw=2.2,
+            marker="o",
+            ms=3,
+            label=f"{variant} (mean of {len(seeds)})",
+        )
     ax.set_xlabel("RL step")
     ax.set_ylabel("held-out reward (eval_reward_mean)")
     ax.grid(alpha=0.3)
@@ -179,9 +219,11 @@ def run_study(args, workdir: str, variants: list[str]) -> dict[str, str]:
     print(summary)
     from experiments import plot_curves
 
-    plot_curves.main(sum((["--workdir", wd, "--label", v] for v, wd in workdirs.items()), [])
-                     + sum((["--metric", m] for m in PLOT_METRICS), [])
-                     + ["--cols", "3", "--out", os.path.join(workdir, "stability.png")])
+    plot_curves.main(
+        sum((["--workdir", wd, "--label", v] for v, wd in workdirs.items()), [])
+        + sum((["--metric", m] for m in PLOT_METRICS), [])
+        + ["--cols", "3", "--out", os.path.join(workdir, "stability.png")]
+    )
     return workdirs
 
 
@@ -203,9 +245,12 @@ def main(argv=None) -> None:
     ap.add_argument("--minibatches", type=int, default=8, help="optimizer steps per rollout")
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--seed", type=int, default=None, help="the run's seed (default 0)")
-    ap.add_argument("--seeds", default="",
-                    help="comma-separated seeds: the whole study once per seed, in "
-                         "<workdir>/seed<k>, then seeds.md and seeds.png across them")
+    ap.add_argument(
+        "--seeds",
+        default="",
+        help="comma-separated seeds: the whole study once per seed, in "
+        "<workdir>/seed<k>, then seeds.md and seeds.png across them",
+    )
     ap.add_argument("--smoke", action="store_true", help="the smoke config: seconds, for a check")
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -220,9 +265,9 @@ def main(argv=None) -> None:
         ap.error("give --seed or --seeds, not both")
     if args.seed is None:
         args.seed = 0
-    from experiments import plot_curves  # noqa: F401  (without matplotlib: its error now, not after the runs)
-
     import jax  # after argument errors: importing JAX takes seconds
+
+    from experiments import plot_curves  # noqa: F401  (without matplotlib: its error now, not after the runs)
 
     for variant in variants:  # every config checked before the first one runs
         config_lib.validate(build_config(variant, args), jax.device_count())

@@ -28,11 +28,13 @@ GROUP_STD_EPS = 1e-6
 def _check_rewards(rewards, fn: str, min_group: int) -> Array:
     rewards = jnp.asarray(rewards)
     if rewards.ndim != 2:
-        raise ValueError(f"{fn}: rewards must be f32[P,G] (prompts x group), got shape "
-                         f"{rewards.shape}")
+        raise ValueError(
+            f"{fn}: rewards must be f32[P,G] (prompts x group), got shape {rewards.shape}"
+        )
     if rewards.shape[1] < min_group:
-        raise ValueError(f"{fn}: rewards needs a group size G >= {min_group}, got shape "
-                         f"{rewards.shape}")
+        raise ValueError(
+            f"{fn}: rewards needs a group size G >= {min_group}, got shape {rewards.shape}"
+        )
     return rewards.astype(jnp.float32)
 
 
@@ -72,8 +74,9 @@ def rloo(rewards: Array) -> Array:
     return jax.vmap(_rloo_one)(_check_rewards(rewards, "rloo", 2))
 
 
-def gae(rewards: Array, values: Array, mask: Array, *, gamma: float,
-        lam: float) -> tuple[Array, Array]:
+def gae(
+    rewards: Array, values: Array, mask: Array, *, gamma: float, lam: float
+) -> tuple[Array, Array]:
     r"""Generalised advantage estimation over response tokens.
 
     Positions with mask 0 are not steps: the recursion skips them (the value and

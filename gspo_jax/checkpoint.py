@@ -43,7 +43,9 @@ class PhaseCheckpointer:
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         return self._mngr.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
             force=force,
         )
 
@@ -55,7 +57,9 @@ class PhaseCheckpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         out = self._mngr.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
         )
         return out["state"], dict(out["meta"]), step
 

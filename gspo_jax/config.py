@@ -38,7 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.name = "countdown"
     c.task.difficulty = "small"  # 3 numbers in 1..9, target 1..30
     c.task.data_dir = ""  # "" = <workdir>/data
-    c.task.style = "compact"  # prompt style: "compact" (character models) or "instruct" (chat models)
+    c.task.style = (
+        "compact"  # prompt style: "compact" (character models) or "instruct" (chat models)
+    )
     c.task.gsm8k_files = ""  # folder with GSM8K's jsonl files where TFDS cannot download them
     c.task.eval_size = 128  # held-out prompts scored every eval_every steps
     c.task.eval_samples = 4  # samples per held-out prompt (plus one greedy)
@@ -139,8 +141,9 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def set_objective(c: ml_collections.ConfigDict, name: str,
-                  hparams: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
+def set_objective(
+    c: ml_collections.ConfigDict, name: str, hparams: dict[str, Any] | None = None
+) -> ml_collections.ConfigDict:
     """Selects objective ``name`` and writes every hyperparameter it takes into
     ``c.objective.hparams``: its defaults (its hyperparameter dataclass,
     docs/objectives.md), updated by ``hparams``.
@@ -162,8 +165,10 @@ def set_objective(c: ml_collections.ConfigDict, name: str,
     types = field_types(objective.hparams_class)
     unknown = sorted(set(hparams or {}) - set(defaults))
     if unknown:
-        raise _err("objective.hparams", f"{name} takes no hyperparameter(s) {unknown}; it takes "
-                   f"{sorted(defaults)}")
+        raise _err(
+            "objective.hparams",
+            f"{name} takes no hyperparameter(s) {unknown}; it takes {sorted(defaults)}",
+        )
     values = {**defaults, **(hparams or {})}
     fields = ml_collections.ConfigDict()
     for key, value in values.items():
@@ -204,8 +209,10 @@ def parse_arg(arg: str | None, known: tuple[str, ...]) -> dict[str, Any]:
             key = item
             out[key] = True
         if key not in known:
-            raise ConfigError(f"config argument {key!r} is not one this config file takes; "
-                              f"it takes: {', '.join(known)}")
+            raise ConfigError(
+                f"config argument {key!r} is not one this config file takes; "
+                f"it takes: {', '.join(known)}"
+            )
     return out
 
 
@@ -268,7 +275,9 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]
             )
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:
-        raise _err("mesh", f"axis sizes {sizes} multiply to {fixed}, but there are {num_devices} devices")
+        raise _err(
+            "mesh", f"axis sizes {sizes} multiply to {fixed}, but there are {num_devices} devices"
+        )
     return sizes
 
 
@@ -281,9 +290,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
 
     _check_objective_name(c.objective.name)
     if c.objective.get("hparams_of", c.objective.name) != c.objective.name:
-        raise _err("objective.name", f"is {c.objective.name!r} but objective.hparams hold "
-                   f"{c.objective.hparams_of!r}'s; pick the objective with the config's argument "
-                   "(configs/default.py:objective=<name>) or config.set_objective")
+        raise _err(
+            "objective.name",
+            f"is {c.objective.name!r} but objective.hparams hold "
+            f"{c.objective.hparams_of!r}'s; pick the objective with the config's argument "
+            "(configs/default.py:objective=<name>) or config.set_objective",
+        )
     try:
         objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams))
     except ValueError as e:
@@ -293,16 +305,22 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
     if c.task.name == "gsm8k":
         if c.task.difficulty:
-            raise _err("task.difficulty", f"gsm8k has no difficulty levels; set it to '' "
-                       f"(got {c.task.difficulty!r})")
+            raise _err(
+                "task.difficulty",
+                f"gsm8k has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
+            )
     else:
         from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
 
-        builder = countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
+        builder = (
+            countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
+        )
         levels = [b.name for b in builder.BUILDER_CONFIGS]
         if c.task.difficulty not in levels:
-            raise _err("task.difficulty", f"{c.task.name} has no level {c.task.difficulty!r}; "
-                       f"known: {levels}")
+            raise _err(
+                "task.difficulty",
+                f"{c.task.name} has no level {c.task.difficulty!r}; known: {levels}",
+            )
     if c.task.style not in ("compact", "instruct"):
         raise _err("task.style", f"unknown prompt style {c.task.style!r}; known: compact, instruct")
     if c.advantage not in ADVANTAGES:
@@ -320,7 +338,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     if g < 1:
         raise _err("rollout.group_size", f"must be >= 1, got {g}")
     if c.advantage in GROUP_ADVANTAGES and g < 2:
-        raise _err("rollout.group_size", f"group advantages ({c.advantage!r}) need a group of at least 2, got {g}")
+        raise _err(
+            "rollout.group_size",
+            f"group advantages ({c.advantage!r}) need a group of at least 2, got {g}",
+        )
     if c.dapo.dynamic_sampling and g < 2:
         raise _err("rollout.group_size", "dynamic sampling needs a group of at least 2")
     for field in ("prompts_per_step", "max_new_tokens"):
@@ -337,25 +358,40 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
             raise _err(f"task.{field}", f"must be >= 1, got {c.task[field]}")
     if int(c.dapo.max_sampling_rounds) < 1:
         raise _err("dapo.max_sampling_rounds", "must be >= 1")
-    if c.dapo.soft_overlong and not 0 < int(c.dapo.overlong_cache_len) < int(c.rollout.max_new_tokens):
+    if c.dapo.soft_overlong and not 0 < int(c.dapo.overlong_cache_len) < int(
+        c.rollout.max_new_tokens
+    ):
         raise _err("dapo.overlong_cache_len", "must be in (0, rollout.max_new_tokens)")
 
     f = c.model.fields
     if c.model.moe_backend not in ("blocked", "ragged", "dense"):
-        raise _err("model.moe_backend", f"unknown backend {c.model.moe_backend!r}; known: blocked, ragged, dense")
+        raise _err(
+            "model.moe_backend",
+            f"unknown backend {c.model.moe_backend!r}; known: blocked, ragged, dense",
+        )
     if c.model.pretrained and c.tokenizer == "char":
-        raise _err("tokenizer", "a pretrained model needs its own tokenizer: set it to the checkpoint directory")
+        raise _err(
+            "tokenizer",
+            "a pretrained model needs its own tokenizer: set it to the checkpoint directory",
+        )
     if not c.model.pretrained:
         if int(f.num_experts) < 0:
-            raise _err("model.fields.num_experts", f"must be >= 0 (0: a dense model), got {f.num_experts}")
+            raise _err(
+                "model.fields.num_experts", f"must be >= 0 (0: a dense model), got {f.num_experts}"
+            )
         if int(f.num_experts) > 0:
             if int(f.top_k) > int(f.num_experts):
-                raise _err("model.fields.top_k", f"top_k={f.top_k} exceeds num_experts={f.num_experts}")
+                raise _err(
+                    "model.fields.top_k", f"top_k={f.top_k} exceeds num_experts={f.num_experts}"
+                )
             if int(f.top_k) < 1:
                 raise _err("model.fields.top_k", f"must be >= 1, got {f.top_k}")
         elif c.updates.routing_replay != "none":
-            raise _err("updates.routing_replay", f"{c.updates.routing_replay!r} needs MoE layers; "
-                       "model.fields.num_experts=0 is a dense model: use 'none'")
+            raise _err(
+                "updates.routing_replay",
+                f"{c.updates.routing_replay!r} needs MoE layers; "
+                "model.fields.num_experts=0 is a dense model: use 'none'",
+            )
         for field in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
             if int(f[field]) < 1:
                 raise _err(f"model.fields.{field}", f"must be >= 1, got {f[field]}")
@@ -363,7 +399,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
             raise _err("model.fields.num_kv_heads", f"must divide num_heads={f.num_heads}")
 
     if c.updates.routing_replay not in REPLAY_MODES:
-        raise _err("updates.routing_replay", f"unknown mode {c.updates.routing_replay!r}; known: {REPLAY_MODES}")
+        raise _err(
+            "updates.routing_replay",
+            f"unknown mode {c.updates.routing_replay!r}; known: {REPLAY_MODES}",
+        )
     if not 0 < c.updates.gamma_min <= 1:
         raise _err("updates.gamma_min", f"must be in (0, 1], got {c.updates.gamma_min}")
 
@@ -378,7 +417,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         )
     micro = int(c.updates.micro_batches)
     if micro < 1 or (n // mb) % micro:
-        raise _err("updates.micro_batches", f"{micro} does not divide the mini-batch of {n // mb} sequences")
+        raise _err(
+            "updates.micro_batches",
+            f"{micro} does not divide the mini-batch of {n // mb} sequences",
+        )
     if (n // mb // micro) % batch_shards:
         raise _err(
             "mesh",
@@ -386,15 +428,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
             f"data*fsdp = {batch_shards} batch shards",
         )
     if int(c.sft.steps) > 0 and int(c.sft.batch_size) % batch_shards:
-        raise _err("sft.batch_size", f"{c.sft.batch_size} is not divisible by data*fsdp = {batch_shards}")
+        raise _err(
+            "sft.batch_size", f"{c.sft.batch_size} is not divisible by data*fsdp = {batch_shards}"
+        )
     if int(c.updates.num_epochs) < 1:
         raise _err("updates.num_epochs", "must be >= 1")
     if c.optimizer.schedule not in SCHEDULES:
-        raise _err("optimizer.schedule", f"unknown schedule {c.optimizer.schedule!r}; known: {SCHEDULES}")
+        raise _err(
+            "optimizer.schedule", f"unknown schedule {c.optimizer.schedule!r}; known: {SCHEDULES}"
+        )
     if not c.optimizer.lr > 0:
         raise _err("optimizer.lr", f"must be > 0, got {c.optimizer.lr}")
     for field in ("eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
         if int(c[field]) < 1:
             raise _err(field, f"must be >= 1, got {c[field]}")
     return shape
-

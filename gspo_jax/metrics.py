@@ -152,8 +152,9 @@ class Std:
         return cls(jnp.sum(x), jnp.sum(x * x), jnp.sum(_f32(valid)))
 
     def merge(self, other: Std) -> Std:
-        return Std(self.total + other.total, self.total_sq + other.total_sq,
-                   self.count + other.count)
+        return Std(
+            self.total + other.total, self.total_sq + other.total_sq, self.count + other.count
+        )
 
     def reduce(self) -> Std:
         return Std(*(jnp.sum(x, axis=0) for x in (self.total, self.total_sq, self.count)))

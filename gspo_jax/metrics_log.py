@@ -31,8 +31,14 @@ def _scalar(v: Any) -> Any:
 class MetricsWriter:
     """Appends metrics to ``<workdir>/metrics.jsonl`` and TensorBoard events."""
 
-    def __init__(self, workdir: str, *, resume_step: int | None = None, resume_phase: str | None = None,
-                 tensorboard: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        resume_step: int | None = None,
+        resume_phase: str | None = None,
+        tensorboard: bool = True,
+    ):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
         if resume_step is not None:

@@ -54,6 +54,7 @@ any ``stop_sequences`` entry (matched on token ids), inside the response only;
 the stop token(s) belong to the response (mask 1).  A row that emits
 ``max_new_tokens`` tokens without stopping is ``truncated``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -196,11 +197,19 @@ def _cumsum(w: jax.Array, cpu: bool, block: int = 32) -> jax.Array:
     nb = -(-c // block)
     wp = jnp.pad(w, ((0, 0), (0, nb * block - c))).reshape(b, nb, block)
     i = jnp.arange(block)
-    within = jnp.einsum("bnc,cd->bnd", wp, (i[:, None] <= i[None, :]).astype(w.dtype),
-                        precision=jax.lax.Precision.HIGHEST)
+    within = jnp.einsum(
+        "bnc,cd->bnd",
+        wp,
+        (i[:, None] <= i[None, :]).astype(w.dtype),
+        precision=jax.lax.Precision.HIGHEST,
+    )
     n = jnp.arange(nb)
-    before = jnp.einsum("bn,nm->bm", within[:, :, -1], (n[:, None] < n[None, :]).astype(w.dtype),
-                        precision=jax.lax.Precision.HIGHEST)
+    before = jnp.einsum(
+        "bn,nm->bm",
+        within[:, :, -1],
+        (n[:, None] < n[None, :]).astype(w.dtype),
+        precision=jax.lax.Precision.HIGHEST,
+    )
     return (within + before[:, :, None]).reshape(b, nb * block)[:, :c]
 
 
@@ -241,8 +250,9 @@ def _inverse_cdf(x: jax.Array, u: jax.Array, cpu: bool) -> tuple[jax.Array, jax.
     return j, jnp.take_along_axis(shifted, j[:, None], axis=-1)[:, 0] - log_total
 
 
-def _sample_token(logits: jax.Array, u: jax.Array, temperature, top_p, mode: _Mode
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _sample_token(
+    logits: jax.Array, u: jax.Array, temperature, top_p, mode: _Mode
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draws one token per row; the sampling step of the decode loop.
 
     Args:
@@ -274,8 +284,9 @@ def _sample_token(logits: jax.Array, u: jax.Array, temperature, top_p, mode: _Mo
                 p = jax.nn.softmax(vals, axis=-1)
                 # Mass strictly before each entry (exclusive cumsum); entry 0 is
                 # always kept since top_p > 0.
-                before = jnp.concatenate([jnp.zeros_like(p[:, :1]),
-                                          jnp.cumsum(p, axis=-1)[:, :-1]], axis=-1)
+                before = jnp.concatenate(
+                    [jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=-1)[:, :-1]], axis=-1
+                )
                 vals = jnp.where(before < jnp.asarray(top_p, jnp.float32), vals, -jnp.inf)
             j, lps = _inverse_cdf(vals, u, mode.cpu)
             tok = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
@@ -326,12 +337,24 @@ def _repeat_rows(cache, g: int):
     if names != ("k", "v", "valid", "index"):
         raise ValueError(f"cache: expected a KVCache with fields (k, v, valid, index), got {names}")
     rep = lambda a: jnp.repeat(a, g, axis=0)  # per-layer k, v [b, ...]; valid [b, S]
-    return cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
-                         valid=rep(cache.valid))
+    return cache.replace(
+        k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v), valid=rep(cache.valid)
+    )
 
 
-def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live, stop_table,
-              temperature, top_p, spec: _Spec):
+def _generate(
+    graphdef,
+    state,
+    rng,
+    prompt_tokens,
+    prompt_mask,
+    prompt_ids,
+    live,
+    stop_table,
+    temperature,
+    top_p,
+    spec: _Spec,
+):
     """Prefill + on-device decode loop; see the module docstring.
 
     Shapes, with b prompts (bucketed) and B = b * G rows: prompt_tokens
@@ -358,9 +381,11 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
     if spec.mode.greedy:
         uniforms = jnp.zeros((batch, steps), jnp.float32)
     else:
+
         def row_uniforms(i, g):
             key = jax.random.fold_in(jax.random.fold_in(rng, i), g)
             return jax.random.uniform(key, (steps,), jnp.float32)
+
         sample_ids = jnp.tile(jnp.arange(G, dtype=jnp.int32), nb)
         uniforms = shard(jax.vmap(row_uniforms)(rows(prompt_ids), sample_ids))
 
@@ -369,11 +394,13 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
     mask_i = prompt_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
     cache = model.init_cache(nb, plen + steps - 1)
-    logits, aux, cache = model.decode(prompt_tokens, cache, positions=positions,
-                                      attn_mask=prompt_mask, last_only=True)
+    logits, aux, cache = model.decode(
+        prompt_tokens, cache, positions=positions, attn_mask=prompt_mask, last_only=True
+    )
     cache = _repeat_rows(cache, G)
-    cache = cache.replace(k=jax.tree.map(shard, cache.k), v=jax.tree.map(shard, cache.v),
-                          valid=shard(cache.valid))  # every cache array is [rows, ...]
+    cache = cache.replace(
+        k=jax.tree.map(shard, cache.k), v=jax.tree.map(shard, cache.v), valid=shard(cache.valid)
+    )  # every cache array is [rows, ...]
     topk = rows(aux.topk_indices.astype(jnp.int32))  # [B, P, L, K]
     prompt_mask = rows(prompt_mask)
     n_prompt = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
@@ -410,19 +437,27 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
         hit = jnp.any(jnp.all(match, axis=-1), axis=-1)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=c.t, axis=1)
         c = c._replace(
-            tokens=put(c.tokens, tok), logp=put(c.logp, lp),
-            logp_sampling=put(c.logp_sampling, lps), experts=put(c.experts, route),
+            tokens=put(c.tokens, tok),
+            logp=put(c.logp, lp),
+            logp_sampling=put(c.logp_sampling, lps),
+            experts=put(c.experts, route),
             stopped=c.stopped | (active & hit),
             lengths=jnp.where(active, c.t + 1, c.lengths),
-            history=history)
+            history=history,
+        )
         return c, tok
 
     def body(c: _Carry) -> _Carry:
         c, tok = emit(c)
-        logits, aux, cache = model.decode(tok[:, None], c.cache,
-                                          positions=(n_prompt + c.t)[:, None])
-        return c._replace(t=c.t + 1, cache=cache, logits=logits[:, 0].astype(jnp.float32),
-                          route=aux.topk_indices[:, 0].astype(jnp.int32))
+        logits, aux, cache = model.decode(
+            tok[:, None], c.cache, positions=(n_prompt + c.t)[:, None]
+        )
+        return c._replace(
+            t=c.t + 1,
+            cache=cache,
+            logits=logits[:, 0].astype(jnp.float32),
+            route=aux.topk_indices[:, 0].astype(jnp.int32),
+        )
 
     def cond(c: _Carry) -> jax.Array:
         return (c.t < steps - 1) & jnp.any(live & ~c.stopped)
@@ -430,11 +465,19 @@ def _generate(graphdef, state, rng, prompt_tokens, prompt_mask, prompt_ids, live
     c = jax.lax.while_loop(cond, body, carry)
     c, _ = emit(c)  # the last token needs no forward of its own
 
-    mask = (jnp.arange(steps, dtype=jnp.int32)[None, :] < c.lengths[:, None])
-    out = dict(tokens=c.tokens, mask=mask.astype(jnp.float32), lengths=c.lengths,
-               truncated=~c.stopped, logp=c.logp, logp_sampling=c.logp_sampling,
-               experts=c.experts, prompt_tokens=rows(prompt_tokens), prompt_mask=prompt_mask,
-               prompt_experts=prompt_experts)
+    mask = jnp.arange(steps, dtype=jnp.int32)[None, :] < c.lengths[:, None]
+    out = dict(
+        tokens=c.tokens,
+        mask=mask.astype(jnp.float32),
+        lengths=c.lengths,
+        truncated=~c.stopped,
+        logp=c.logp,
+        logp_sampling=c.logp_sampling,
+        experts=c.experts,
+        prompt_tokens=rows(prompt_tokens),
+        prompt_mask=prompt_mask,
+        prompt_experts=prompt_experts,
+    )
     return {k: shard(v) for k, v in out.items()}
 
 
@@ -459,14 +502,16 @@ def _token_list(seq, name: str, vocab_size: int) -> list[int]:
         raise ValueError(f"{name}: expected a sequence of token ids, got {type(seq).__name__}")
     arr = np.asarray(seq)
     if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"{name}: expected a non-empty 1-D sequence of token ids, "
-                         f"got shape {arr.shape}")
+        raise ValueError(
+            f"{name}: expected a non-empty 1-D sequence of token ids, got shape {arr.shape}"
+        )
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name}: token ids must be integers, got dtype {arr.dtype}")
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():
-        raise ValueError(f"{name}: token id {int(arr[bad][0])} outside [0, vocab_size="
-                         f"{vocab_size})")
+        raise ValueError(
+            f"{name}: token id {int(arr[bad][0])} outside [0, vocab_size={vocab_size})"
+        )
     return arr.astype(np.int32).tolist()
 
 
@@ -493,18 +538,30 @@ class Sampler:
         than the last raises ValueError).
     """
 
-    def __init__(self, graphdef, state, *, vocab_size: int, mesh: Optional[Mesh] = None,
-                 data_axes: Optional[Sequence[str]] = None, min_prompt_bucket: int = 16,
-                 prompt_buckets: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        graphdef,
+        state,
+        *,
+        vocab_size: int,
+        mesh: Optional[Mesh] = None,
+        data_axes: Optional[Sequence[str]] = None,
+        min_prompt_bucket: int = 16,
+        prompt_buckets: Optional[Sequence[int]] = None,
+    ):
         if not (_is_int(vocab_size) and vocab_size > 0):
             raise ValueError(f"vocab_size: must be a positive int, got {vocab_size!r}")
         if not (_is_int(min_prompt_bucket) and min_prompt_bucket > 0):
-            raise ValueError(f"min_prompt_bucket: must be a positive int, got {min_prompt_bucket!r}")
+            raise ValueError(
+                f"min_prompt_bucket: must be a positive int, got {min_prompt_bucket!r}"
+            )
         if prompt_buckets is not None:
             pb = list(prompt_buckets)
             if not pb or not all(_is_int(b) and b > 0 for b in pb) or sorted(set(pb)) != pb:
-                raise ValueError(f"prompt_buckets: must be strictly increasing positive ints, "
-                                 f"got {prompt_buckets!r}")
+                raise ValueError(
+                    f"prompt_buckets: must be strictly increasing positive ints, "
+                    f"got {prompt_buckets!r}"
+                )
             prompt_buckets = tuple(int(b) for b in pb)
         self.graphdef = graphdef
         self.state = state
@@ -523,8 +580,9 @@ class Sampler:
             data_axes = tuple(data_axes)
             for a in data_axes:
                 if a not in mesh.axis_names:
-                    raise ValueError(f"data_axes: {a!r} is not an axis of the mesh "
-                                     f"{tuple(mesh.axis_names)}")
+                    raise ValueError(
+                        f"data_axes: {a!r} is not an axis of the mesh {tuple(mesh.axis_names)}"
+                    )
             self.data_axes = data_axes
             self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
             self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
@@ -542,8 +600,10 @@ class Sampler:
         for b in self.prompt_buckets:
             if b >= length:
                 return b
-        raise ValueError(f"prompts: a prompt of {length} tokens is longer than the largest "
-                         f"prompt bucket {self.prompt_buckets[-1]}")
+        raise ValueError(
+            f"prompts: a prompt of {length} tokens is longer than the largest "
+            f"prompt bucket {self.prompt_buckets[-1]}"
+        )
 
     def batch_bucket(self, num_prompts: int, num_samples: int) -> int:
         """The padded prompt count b (rows B = b * num_samples): the smallest
@@ -555,12 +615,22 @@ class Sampler:
             b += step
         return b
 
-    def __call__(self, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                 max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0,
-                 eos_id: Union[None, int, Sequence[int]] = None,
-                 stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
-                 prompt_ids: Optional[Sequence[int]] = None, state=None) -> Rollout:
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        rng: jax.Array,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_id: Union[None, int, Sequence[int]] = None,
+        stop_sequences: Sequence[Sequence[int]] = (),
+        pad_id: int = 0,
+        prompt_ids: Optional[Sequence[int]] = None,
+        state=None,
+    ) -> Rollout:
         """Samples ``num_samples`` responses for every prompt.
 
         Args:
@@ -583,20 +653,40 @@ class Sampler:
           a `Rollout` with N = len(prompts) * num_samples rows (device arrays).
         """
         args, spec, n_rows = self._prepare(
-            prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, rng=rng,
-            temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id,
-            stop_sequences=stop_sequences, pad_id=pad_id, prompt_ids=prompt_ids, state=state)
+            prompts,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            rng=rng,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            eos_id=eos_id,
+            stop_sequences=stop_sequences,
+            pad_id=pad_id,
+            prompt_ids=prompt_ids,
+            state=state,
+        )
         out = _generate_jit(*args, spec=spec)
         if n_rows < out["tokens"].shape[0]:
             out = {k: v[:n_rows] for k, v in out.items()}
         return Rollout(**out)
 
-    def _prepare(self, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                 max_new_tokens: int, rng: jax.Array, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0,
-                 eos_id: Union[None, int, Sequence[int]] = None,
-                 stop_sequences: Sequence[Sequence[int]] = (), pad_id: int = 0,
-                 prompt_ids: Optional[Sequence[int]] = None, state=None):
+    def _prepare(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        rng: jax.Array,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_id: Union[None, int, Sequence[int]] = None,
+        stop_sequences: Sequence[Sequence[int]] = (),
+        pad_id: int = 0,
+        prompt_ids: Optional[Sequence[int]] = None,
+        state=None,
+    ):
         """Validates the arguments of `__call__` and builds the compiled
         function's arguments: (positional args, spec, number of real rows)."""
         V = self.vocab_size
@@ -606,8 +696,11 @@ class Sampler:
         for name, val in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
             if not (_is_int(val) and val >= 1):
                 raise ValueError(f"{name}: must be an int >= 1, got {val!r}")
-        if not (isinstance(temperature, (int, float, np.integer, np.floating))
-                and math.isfinite(temperature) and temperature >= 0):
+        if not (
+            isinstance(temperature, (int, float, np.integer, np.floating))
+            and math.isfinite(temperature)
+            and temperature >= 0
+        ):
             raise ValueError(f"temperature: must be a finite float >= 0, got {temperature!r}")
         if not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0 < top_p <= 1):
             raise ValueError(f"top_p: must be in (0, 1], got {top_p!r}")
@@ -621,16 +714,18 @@ class Sampler:
             eos = _token_list([eos_id], "eos_id", V)
         else:
             eos = _token_list(eos_id, "eos_id", V)
-        stops = [[e] for e in eos] + [_token_list(s, f"stop_sequences[{j}]", V)
-                                      for j, s in enumerate(stop_sequences)]
+        stops = [[e] for e in eos] + [
+            _token_list(s, f"stop_sequences[{j}]", V) for j, s in enumerate(stop_sequences)
+        ]
         n, G = len(plist), int(num_samples)
         if prompt_ids is None:
             pids = np.arange(n, dtype=np.int64)
         else:
             pids = np.asarray(prompt_ids)
             if pids.shape != (n,) or not np.issubdtype(pids.dtype, np.integer):
-                raise ValueError(f"prompt_ids: expected {n} ints (one per prompt), got "
-                                 f"{pids.shape} {pids.dtype}")
+                raise ValueError(
+                    f"prompt_ids: expected {n} ints (one per prompt), got {pids.shape} {pids.dtype}"
+                )
             if len(set(pids.tolist())) != n:
                 raise ValueError("prompt_ids: must be distinct (equal ids give equal samples)")
             if pids.min() < 0 or pids.max() >= 2**31:
@@ -651,8 +746,8 @@ class Sampler:
         toks = np.full((nb, P), pad_id, np.int32)
         pmask = np.zeros((nb, P), bool)
         for i, p in enumerate(plist):
-            toks[i, P - len(p):] = p
-            pmask[i, P - len(p):] = True
+            toks[i, P - len(p) :] = p
+            pmask[i, P - len(p) :] = True
         pmask[n:, -1] = True  # padding prompts: one pad token, discarded
         pid = np.zeros((nb,), np.int32)
         pid[:n] = pids
@@ -660,22 +755,43 @@ class Sampler:
         width = max([len(s) for s in stops], default=1)
         table = np.full((len(stops), width), -1, np.int32)
         for j, s in enumerate(stops):
-            table[j, width - len(s):] = s
+            table[j, width - len(s) :] = s
 
-        mode = _Mode(greedy=temperature == 0,
-                     top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
-                     use_top_p=top_p < 1 and temperature > 0, cpu=_use_cpu_sampling())
-        spec = _Spec(max_new_tokens=int(max_new_tokens), num_samples=G, mode=mode,
-                     pad_id=int(pad_id), batch_sharding=self._sharding)
+        mode = _Mode(
+            greedy=temperature == 0,
+            top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
+            use_top_p=top_p < 1 and temperature > 0,
+            cpu=_use_cpu_sampling(),
+        )
+        spec = _Spec(
+            max_new_tokens=int(max_new_tokens),
+            num_samples=G,
+            mode=mode,
+            pad_id=int(pad_id),
+            batch_sharding=self._sharding,
+        )
         if self._sharding is None:
             put = put_prompts = jnp.asarray
         else:
             put = functools.partial(jax.device_put, device=self._sharding)
             # The prefill batch is sharded too where it divides evenly.
-            put_prompts = put if nb % self.data_shards == 0 else functools.partial(
-                jax.device_put, device=NamedSharding(self.mesh, PartitionSpec()))
-        args = (self.graphdef, self.state if state is None else state, rng, put_prompts(toks),
-                put_prompts(pmask), put_prompts(pid), put(live), jnp.asarray(table),
-                jnp.float32(temperature if temperature > 0 else 1.0), jnp.float32(top_p))
+            put_prompts = (
+                put
+                if nb % self.data_shards == 0
+                else functools.partial(
+                    jax.device_put, device=NamedSharding(self.mesh, PartitionSpec())
+                )
+            )
+        args = (
+            self.graphdef,
+            self.state if state is None else state,
+            rng,
+            put_prompts(toks),
+            put_prompts(pmask),
+            put_prompts(pid),
+            put(live),
+            jnp.asarray(table),
+            jnp.float32(temperature if temperature > 0 else 1.0),
+            jnp.float32(top_p),
+        )
         return args, spec, N
-

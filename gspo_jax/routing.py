@@ -29,19 +29,28 @@ def topk_router_logp(router_logits: Array, topk_idx: Array) -> Array:
       f32[N,T,L,K] log p^l(e_k).
     """
     router_logits, topk_idx = jnp.asarray(router_logits), jnp.asarray(topk_idx)
-    if router_logits.ndim != 4 or topk_idx.ndim != 4 or \
-            router_logits.shape[:3] != topk_idx.shape[:3]:
-        raise ValueError(f"topk_router_logp: router_logits must be f32[N,T,L,E] and topk_idx "
-                         f"int[N,T,L,K] with the same N,T,L; got {router_logits.shape} and "
-                         f"{topk_idx.shape}")
+    if (
+        router_logits.ndim != 4
+        or topk_idx.ndim != 4
+        or router_logits.shape[:3] != topk_idx.shape[:3]
+    ):
+        raise ValueError(
+            f"topk_router_logp: router_logits must be f32[N,T,L,E] and topk_idx "
+            f"int[N,T,L,K] with the same N,T,L; got {router_logits.shape} and "
+            f"{topk_idx.shape}"
+        )
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"topk_router_logp: topk_idx must be integer, got {topk_idx.dtype}")
     logp = jax.nn.log_softmax(router_logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, topk_idx, axis=-1, mode="clip")
 
 
-def router_shift(old_router_logp_at_old_topk: Array, new_router_logp_at_old_topk: Array, *,
-                 gamma_min: float = 0.5) -> Array:
+def router_shift(
+    old_router_logp_at_old_topk: Array,
+    new_router_logp_at_old_topk: Array,
+    *,
+    gamma_min: float = 0.5,
+) -> Array:
     """RSPO's per-token router-shift weight gamma in [gamma_min, 1] (stop-gradient).
 
     Args:
@@ -55,10 +64,15 @@ def router_shift(old_router_logp_at_old_topk: Array, new_router_logp_at_old_topk
     old = jnp.asarray(old_router_logp_at_old_topk)
     new = jnp.asarray(new_router_logp_at_old_topk)
     if old.ndim != 4 or new.shape != old.shape:
-        raise ValueError(f"router_shift: old_router_logp_at_old_topk {old.shape} and "
-                         f"new_router_logp_at_old_topk {new.shape} must both be f32[N,T,L,K]")
-    if isinstance(gamma_min, bool) or not isinstance(gamma_min, (int, float)) or \
-            not 0.0 < gamma_min <= 1.0:
+        raise ValueError(
+            f"router_shift: old_router_logp_at_old_topk {old.shape} and "
+            f"new_router_logp_at_old_topk {new.shape} must both be f32[N,T,L,K]"
+        )
+    if (
+        isinstance(gamma_min, bool)
+        or not isinstance(gamma_min, (int, float))
+        or not 0.0 < gamma_min <= 1.0
+    ):
         raise ValueError(f"router_shift: gamma_min must be in (0, 1], got {gamma_min!r}")
     if old.shape[2] * old.shape[3] == 0:  # no MoE layer (a dense model): no router to shift
         return jnp.ones(old.shape[:2], jnp.float32)
@@ -69,8 +83,10 @@ def router_shift(old_router_logp_at_old_topk: Array, new_router_logp_at_old_topk
 def _missing(old_idx: Array, new_idx: Array, mask: Array, fn: str):
     old_idx, new_idx, mask = jnp.asarray(old_idx), jnp.asarray(new_idx), jnp.asarray(mask)
     if old_idx.ndim != 4 or new_idx.shape != old_idx.shape or mask.shape != old_idx.shape[:2]:
-        raise ValueError(f"{fn}: old_idx and new_idx must be int[N,T,L,K] and mask f32[N,T]; "
-                         f"got {old_idx.shape}, {new_idx.shape}, {mask.shape}")
+        raise ValueError(
+            f"{fn}: old_idx and new_idx must be int[N,T,L,K] and mask f32[N,T]; "
+            f"got {old_idx.shape}, {new_idx.shape}, {mask.shape}"
+        )
     # [N,T,L,K]: is old expert k among the new top-K?
     kept = jnp.any(old_idx[..., :, None] == new_idx[..., None, :], axis=-1)
     m = mask.astype(jnp.float32)

@@ -1,10 +1,10 @@
 r"""DAPO's data-side techniques (docs/objectives.md, "DAPO's data-side techniques").
 
-  soft_overlong_penalty  added to the task reward, from the response length L:
-                         0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache if
-                         L_max - L_cache < L <= L_max; -1 if L > L_max.
-  overlong_mask          overlong filtering: every token of a truncated response gets mask 0.
-  dynamic_sampling_keep  keep a group only if its rewards are not all equal.
+soft_overlong_penalty  added to the task reward, from the response length L:
+                       0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache if
+                       L_max - L_cache < L <= L_max; -1 if L > L_max.
+overlong_mask          overlong filtering: every token of a truncated response gets mask 0.
+dynamic_sampling_keep  keep a group only if its rewards are not all equal.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def soft_overlong_penalty(lengths: Array, *, max_len: int, cache_len: int) -> Ar
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
             raise ValueError(f"soft_overlong_penalty: {arg} must be a positive int, got {v!r}")
     if cache_len > max_len:
-        raise ValueError(f"soft_overlong_penalty: cache_len={cache_len} must be <= "
-                         f"max_len={max_len}")
+        raise ValueError(
+            f"soft_overlong_penalty: cache_len={cache_len} must be <= max_len={max_len}"
+        )
     lengths = jnp.asarray(lengths)
     if lengths.ndim != 1:
         raise ValueError(f"soft_overlong_penalty: lengths must be [N], got shape {lengths.shape}")
@@ -55,8 +56,10 @@ def overlong_mask(truncated: Array, mask: Array) -> Array:
     """
     truncated, mask = jnp.asarray(truncated), jnp.asarray(mask)
     if mask.ndim != 2 or truncated.shape != mask.shape[:1]:
-        raise ValueError(f"overlong_mask: truncated must be bool[N] and mask [N,T]; got "
-                         f"truncated {truncated.shape}, mask {mask.shape}")
+        raise ValueError(
+            f"overlong_mask: truncated must be bool[N] and mask [N,T]; got "
+            f"truncated {truncated.shape}, mask {mask.shape}"
+        )
     return jnp.where(truncated.astype(bool)[:, None], jnp.zeros((), mask.dtype), mask)
 
 
@@ -71,6 +74,7 @@ def dynamic_sampling_keep(rewards: Array) -> Array:
     """
     rewards = jnp.asarray(rewards)
     if rewards.ndim != 2:
-        raise ValueError(f"dynamic_sampling_keep: rewards must be f32[P,G], got shape "
-                         f"{rewards.shape}")
+        raise ValueError(
+            f"dynamic_sampling_keep: rewards must be f32[P,G], got shape {rewards.shape}"
+        )
     return jnp.max(rewards, axis=1) != jnp.min(rewards, axis=1)

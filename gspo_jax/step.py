@@ -67,8 +67,18 @@ class StepConfig:
 # Optimizer.
 
 
-def make_optimizer(*, lr: float, schedule: str, total_steps: int, warmup_steps: int, end_lr_ratio: float,
-                   weight_decay: float, b1: float, b2: float, grad_clip: float) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+    *,
+    lr: float,
+    schedule: str,
+    total_steps: int,
+    warmup_steps: int,
+    end_lr_ratio: float,
+    weight_decay: float,
+    b1: float,
+    b2: float,
+    grad_clip: float,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup then constant/cosine/linear decay, and global-norm clipping."""
     warmup_steps = max(0, min(warmup_steps, total_steps))
     decay_steps = max(1, total_steps - warmup_steps)
@@ -81,7 +91,9 @@ def make_optimizer(*, lr: float, schedule: str, total_steps: int, warmup_steps: 
     else:
         raise ValueError(f"schedule: unknown schedule {schedule!r}")
     if warmup_steps:
-        sched = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), after], [warmup_steps])
+        sched = optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup_steps), after], [warmup_steps]
+        )
     else:
         sched = after
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
@@ -139,7 +151,8 @@ def _accumulate(loss_fn, params, batch, m: int):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), stacked = jax.lax.scan(
-        body, (jnp.zeros((), jnp.float32), zeros), _split_micro(batch, m))
+        body, (jnp.zeros((), jnp.float32), zeros), _split_micro(batch, m)
+    )
     return loss, metrics_lib.compute_all(metrics_lib.reduce_all(stacked)), grads
 
 
@@ -176,12 +189,16 @@ def _forward(model, batch: Batch, replay, *, values: bool = False):
         logp, entropy = model.logprobs_from_hidden(h, targets)
         v = response_slice(model.value(h), p, t)
     else:
-        logp, entropy, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn, replay=replay)
+        logp, entropy, aux = model.token_logprobs(
+            inputs, targets, positions=positions, attn_mask=attn, replay=replay
+        )
         v = None
     return response_slice(logp, p, t), response_slice(entropy, p, t), v, aux
 
 
-def logprob_pass(params, batch: Batch, *, graphdef, replay_key: str | None = None, values: bool = False):
+def logprob_pass(
+    params, batch: Batch, *, graphdef, replay_key: str | None = None, values: bool = False
+):
     """Per-token log-probs of the response under ``params`` (no gradient).
 
     Used for the old policy (recomputed by the training model) and for the
@@ -236,7 +253,9 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
 
     # Routing: the current router's log-probs at the old top-K experts give
     # RSPO's γ; the current top-K against the old one gives the flip rates.
-    new_router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), batch["old_topk"])
+    new_router_lp = routing.topk_router_logp(
+        response_slice(aux.router_logits, p, t), batch["old_topk"]
+    )
     gamma = routing.router_shift(batch["old_router_logp"], new_router_lp, gamma_min=cfg.gamma_min)
     fn = objectives.get(cfg.objective)
     loss, metrics = fn.apply(
@@ -254,7 +273,13 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         loss = loss + bonus
     if critic:
         vloss, value_metrics = value_loss_mergeable(
-            values, batch["old_values"], batch["returns"], mask, clip_eps=cfg.value_clip, normalizer=norm)
+            values,
+            batch["old_values"],
+            batch["returns"],
+            mask,
+            clip_eps=cfg.value_clip,
+            normalizer=norm,
+        )
         loss = loss + cfg.value_coef * vloss  # vloss: already this micro-batch's share
         metrics.update(value_metrics, value_loss=Sum.of(vloss))
     # Router losses. z_loss is a mean over the router's valid positions: weighted by
@@ -263,22 +288,28 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     # per micro-batch and averaged (as MoE trainers do); exact only when m = 1.
     router_positions = router_tokens(batch)
     z_share = router_positions / jnp.maximum(num_router_tokens, 1.0)
-    loss = loss + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches \
+    loss = (
+        loss
+        + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches
         + cfg.z_loss_coef * aux.z_loss * z_share
+    )
 
     cur_topk = response_slice(aux.topk_indices, p, t)
     flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)  # f32[L]
-    metrics.update({
-        "entropy": Mean.masked(jax.lax.stop_gradient(entropy), mask),
-        "aux_loss": Mean.of(aux.aux_loss),  # the mean over micro-batches
-        "z_loss": Mean.of(aux.z_loss, weight=router_positions),
-        "router_shift_mean": Mean.masked(gamma, mask),
-        "router_shift_min": Min.masked(gamma, mask, empty=1.0),
-        "expert_flip_frac_layer": Mean.of(flips, weight=num_tokens),
-        "expert_flip_frac": Mean.of(jnp.mean(flips) if flips.size else 0.0, weight=num_tokens),
-        "token_flip_rate": Mean.of(routing.token_flip_rate(batch["old_topk"], cur_topk, mask),
-                                   weight=num_tokens),
-    })
+    metrics.update(
+        {
+            "entropy": Mean.masked(jax.lax.stop_gradient(entropy), mask),
+            "aux_loss": Mean.of(aux.aux_loss),  # the mean over micro-batches
+            "z_loss": Mean.of(aux.z_loss, weight=router_positions),
+            "router_shift_mean": Mean.masked(gamma, mask),
+            "router_shift_min": Min.masked(gamma, mask, empty=1.0),
+            "expert_flip_frac_layer": Mean.of(flips, weight=num_tokens),
+            "expert_flip_frac": Mean.of(jnp.mean(flips) if flips.size else 0.0, weight=num_tokens),
+            "token_flip_rate": Mean.of(
+                routing.token_flip_rate(batch["old_topk"], cur_topk, mask), weight=num_tokens
+            ),
+        }
+    )
     if replay is not None:
         mismatch = aux.replay_mismatch  # f32[L], a rate over all routed positions
         metrics["replay_mismatch_layer"] = Mean.of(mismatch)
@@ -286,7 +317,9 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     return loss, metrics
 
 
-def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, cfg: StepConfig):
+def train_step(
+    state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, cfg: StepConfig
+):
     """One optimizer update on a mini-batch, accumulated over micro-batches.
 
     ``batch`` holds the rollout layout of the module docstring plus
@@ -297,8 +330,9 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, opt
     """
     del rng
     norm = objectives.normalizer(batch["mask"])
-    loss_fn = functools.partial(policy_loss, graphdef=graphdef, cfg=cfg, norm=norm,
-                                num_router_tokens=router_tokens(batch))
+    loss_fn = functools.partial(
+        policy_loss, graphdef=graphdef, cfg=cfg, norm=norm, num_router_tokens=router_tokens(batch)
+    )
     loss, metrics, grads = _accumulate(loss_fn, state.params, batch, cfg.micro_batches)
     new_state, norms = _apply_update(state, grads, loss, optimizer)
     return new_state, dict(metrics, loss=loss, **norms)
@@ -308,7 +342,9 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, opt
 # Supervised warm start.
 
 
-def sft_loss(params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, aux_loss_coef: float):
+def sft_loss(
+    params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, aux_loss_coef: float
+):
     """Token-mean negative log-likelihood of the response given the prompt."""
     model = nnx.merge(graphdef, params)
     logp, entropy, _, aux = _forward(model, batch, None)
@@ -322,13 +358,25 @@ def sft_loss(params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, 
     return nll + aux_loss_coef * aux.aux_loss / micro_batches, metrics
 
 
-def sft_step(state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, micro_batches: int = 1,
-             aux_loss_coef: float = 0.0):
+def sft_step(
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    graphdef,
+    optimizer,
+    micro_batches: int = 1,
+    aux_loss_coef: float = 0.0,
+):
     """One supervised update on prompt+reference-response sequences."""
     del rng
     num_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
     loss_fn = functools.partial(
-        sft_loss, graphdef=graphdef, num_tokens=num_tokens, micro_batches=micro_batches, aux_loss_coef=aux_loss_coef
+        sft_loss,
+        graphdef=graphdef,
+        num_tokens=num_tokens,
+        micro_batches=micro_batches,
+        aux_loss_coef=aux_loss_coef,
     )
     loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches)
     new_state, norms = _apply_update(state, grads, loss, optimizer)

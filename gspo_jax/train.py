@@ -68,8 +68,12 @@ def maybe_initialize_distributed() -> None:
     if addr:
         jax.distributed.initialize(
             coordinator_address=addr,
-            num_processes=int(os.environ["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in os.environ else None,
-            process_id=int(os.environ["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in os.environ else None,
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"])
+            if "JAX_NUM_PROCESSES" in os.environ
+            else None,
+            process_id=int(os.environ["JAX_PROCESS_ID"])
+            if "JAX_PROCESS_ID" in os.environ
+            else None,
         )
 
 
@@ -104,7 +108,8 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
         fields["vocab_size"] = vocab_size
     elif fields["vocab_size"] < vocab_size:
         raise config_lib.ConfigError(
-            f"config.model.fields.vocab_size: {fields['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+            f"config.model.fields.vocab_size: {fields['vocab_size']} is smaller than the tokenizer's {vocab_size}"
+        )
     for k, v in fields.items():
         if isinstance(v, list):
             fields[k] = tuple(v)
@@ -114,7 +119,9 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """Prompt text -> ids: the chat template where the tokenizer has one."""
     if isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
         return tokenizer.encode(text)
     ids = tokenizer.encode(text)
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
@@ -129,12 +136,14 @@ def pad_left(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np.n
     mask = np.zeros((len(seqs), length), np.float32)
     for i, s in enumerate(seqs):
         if len(s):
-            toks[i, length - len(s):] = s
-            mask[i, length - len(s):] = 1
+            toks[i, length - len(s) :] = s
+            mask[i, length - len(s) :] = 1
     return toks, mask
 
 
-def pad_right(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_right(
+    seqs: Sequence[Sequence[int]], length: int, pad: int
+) -> tuple[np.ndarray, np.ndarray]:
     toks = np.full((len(seqs), length), pad, np.int32)
     mask = np.zeros((len(seqs), length), np.float32)
     for i, s in enumerate(seqs):
@@ -207,8 +216,12 @@ class Trainer:
 
         # The policy, created already sharded.
         if c.model.pretrained:
-            model = from_pretrained(c.model.pretrained, mesh=self.mesh, value_head=c.advantage == "gae",
-                                    **{k: c.model[k] for k in RUNTIME_FIELDS})
+            model = from_pretrained(
+                c.model.pretrained,
+                mesh=self.mesh,
+                value_head=c.advantage == "gae",
+                **{k: c.model[k] for k in RUNTIME_FIELDS},
+            )
             self.model_cfg = model.cfg
             graphdef, params = nnx.split(model)
         else:
@@ -217,12 +230,18 @@ class Trainer:
             graphdef, params = nnx.split(model)
         non_params = nnx.split(model, nnx.Param, ...)[2]
         if jax.tree.leaves(non_params):
-            raise ValueError("the model holds non-Param variables; the trainer expects parameters only")
+            raise ValueError(
+                "the model holds non-Param variables; the trainer expects parameters only"
+            )
         if c.updates.routing_replay != "none" and self.model_cfg.num_moe_layers == 0:
-            raise ValueError(f"updates.routing_replay={c.updates.routing_replay!r} needs MoE layers; "
-                             "the model is dense (num_experts=0): use 'none'")
+            raise ValueError(
+                f"updates.routing_replay={c.updates.routing_replay!r} needs MoE layers; "
+                "the model is dense (num_experts=0): use 'none'"
+            )
         self.graphdef = graphdef
-        self.sampler = Sampler(graphdef, params, vocab_size=self.model_cfg.vocab_size, mesh=self.mesh)
+        self.sampler = Sampler(
+            graphdef, params, vocab_size=self.model_cfg.vocab_size, mesh=self.mesh
+        )
         self.init_params = params  # where SFT (or RL, without SFT) starts
 
         self.step_cfg = step.StepConfig(
@@ -236,7 +255,11 @@ class Trainer:
             value_coef=float(c.gae.value_coef) if c.advantage == "gae" else 0.0,
             value_clip=float(c.gae.value_clip),
         )
-        self.kl_coef = float(objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams)).get("kl_coef", 0.0))
+        self.kl_coef = float(
+            objectives.get(c.objective.name)
+            .validate_hyperparameters(dict(c.objective.hparams))
+            .get("kl_coef", 0.0)
+        )
 
     # ---- device placement and compiled steps (also used by RLPhase) --------
 
@@ -254,8 +277,12 @@ class Trainer:
         """A fresh state whose every leaf lives on the mesh: parameters (and the
         optimizer moments that follow them) sharded, scalars replicated."""
         opt_state = jax.jit(optimizer.init)(params)
-        state = step.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                                skipped=jnp.zeros((), jnp.int32))
+        state = step.TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            skipped=jnp.zeros((), jnp.int32),
+        )
         replicated = NamedSharding(self.mesh, P())
 
         def on_mesh(x):
@@ -288,11 +315,14 @@ class Trainer:
         responses = []
         for ex in examples:
             if ex.reference is None:
-                raise ValueError(f"task {c.task.name!r} example {ex.index} has no reference solution for sft")
+                raise ValueError(
+                    f"task {c.task.name!r} example {ex.index} has no reference solution for sft"
+                )
             r = tok.encode(ex.reference) + [tok.eos_id]
             if len(r) > T:
                 raise config_lib.ConfigError(
-                    f"config.rollout.max_new_tokens: {T} is shorter than a reference solution ({len(r)} tokens)")
+                    f"config.rollout.max_new_tokens: {T} is shorter than a reference solution ({len(r)} tokens)"
+                )
             responses.append(r)
         p_len = _pow2_at_least(max(len(p) for p in prompts))
         pt, pm = pad_left(prompts, p_len, tok.pad_id)
@@ -302,11 +332,20 @@ class Trainer:
     def run_sft(self, writer_factory) -> Any:
         c = self.c
         steps = int(c.sft.steps)
-        ckpt = PhaseCheckpointer(self.workdir, "sft", every=int(c.checkpoint_every),
-                                 keep=c.keep_checkpoints)
+        ckpt = PhaseCheckpointer(
+            self.workdir, "sft", every=int(c.checkpoint_every), keep=c.keep_checkpoints
+        )
         optimizer, sched = step.make_optimizer(
-            lr=c.sft.lr, schedule="cosine", total_steps=steps, warmup_steps=c.sft.warmup_steps, end_lr_ratio=0.1,
-            weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
+            lr=c.sft.lr,
+            schedule="cosine",
+            total_steps=steps,
+            warmup_steps=c.sft.warmup_steps,
+            end_lr_ratio=0.1,
+            weight_decay=0.0,
+            b1=0.9,
+            b2=0.99,
+            grad_clip=1.0,
+        )
         state = self.new_state(self.init_params, optimizer)
         start = 0
         if ckpt.latest_step() is not None:
@@ -315,8 +354,13 @@ class Trainer:
         if start >= steps:
             ckpt.close()
             return state.params, writer
-        fn = self.jit_step(step.sft_step, state, optimizer=optimizer, micro_batches=1,
-                           aux_loss_coef=float(c.updates.aux_loss_coef))
+        fn = self.jit_step(
+            step.sft_step,
+            state,
+            optimizer=optimizer,
+            micro_batches=1,
+            aux_loss_coef=float(c.updates.aux_loss_coef),
+        )
         bar = _progress(c, steps, start, "sft")
         base = jax.random.key(c.seed)
         for i in range(start, steps):
@@ -339,8 +383,16 @@ class Trainer:
 
     # ---- RL ---------------------------------------------------------------
 
-    def _rollout(self, params, examples, rng, *, greedy: bool = False,
-                 num_samples: int | None = None, prompt_ids=None):
+    def _rollout(
+        self,
+        params,
+        examples,
+        rng,
+        *,
+        greedy: bool = False,
+        num_samples: int | None = None,
+        prompt_ids=None,
+    ):
         """Samples ``num_samples`` (default: the group size) per example. ``prompt_ids``
         (distinct, one per example) key each prompt's samples; default: the examples'
         split indices."""
@@ -381,8 +433,10 @@ class Trainer:
         _, sampled, _ = rewards.score(c.task.name, self._texts(ro), metas)
         ro = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
         _, greedy, _ = rewards.score(c.task.name, self._texts(ro), [ex.meta for ex in examples])
-        return {"eval_reward_mean": float(np.mean(sampled["correct"])),
-                "eval_greedy_reward": float(np.mean(greedy["correct"]))}
+        return {
+            "eval_reward_mean": float(np.mean(sampled["correct"])),
+            "eval_greedy_reward": float(np.mean(greedy["correct"])),
+        }
 
     def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Rollouts, rewards, advantages and DAPO's filters for one RL step.
@@ -419,7 +473,9 @@ class Trainer:
         t0 = time.perf_counter()
         # Keyed by data stream id, not split index: a batch across an epoch boundary
         # may hold one example twice, and the sampler needs distinct ids.
-        ro = self._rollout(params, examples, rng, prompt_ids=self.train_data.stream_ids(pos, n).tolist())
+        ro = self._rollout(
+            params, examples, rng, prompt_ids=self.train_data.stream_ids(pos, n).tolist()
+        )
         ro = jax.device_get(ro)
         return examples, ro, time.perf_counter() - t0
 
@@ -430,7 +486,9 @@ class Trainer:
         c = self.c
         g = int(c.rollout.group_size)
         metas = [ex.meta for ex in examples for _ in range(g)]
-        return rewards.score(c.task.name, self._texts(ro), metas, format_weight=float(c.task.format_reward))
+        return rewards.score(
+            c.task.name, self._texts(ro), metas, format_weight=float(c.task.format_reward)
+        )
 
     def shape_and_filter(self, ro, r: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
         """Stage 3, shape and filter (DAPO), on one round: the soft overlong
@@ -442,11 +500,17 @@ class Trainer:
         g, T = int(c.rollout.group_size), int(c.rollout.max_new_tokens)
         if c.dapo.soft_overlong:
             length = np.asarray(ro.mask).sum(axis=1)
-            r = r + np.asarray(shaping.soft_overlong_penalty(
-                jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)))
+            r = r + np.asarray(
+                shaping.soft_overlong_penalty(
+                    jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)
+                )
+            )
         rg = r.reshape(-1, g)
-        keep = np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(rg))) if c.dapo.dynamic_sampling \
+        keep = (
+            np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(rg)))
+            if c.dapo.dynamic_sampling
             else np.ones(rg.shape[0], bool)
+        )
         mask = np.asarray(ro.mask, np.float32)
         if c.dapo.overlong_filter:
             mask = np.asarray(shaping.overlong_mask(jnp.asarray(ro.truncated), jnp.asarray(mask)))
@@ -478,7 +542,10 @@ class Trainer:
         batch = {key: np.concatenate([k[key] for k in parts], axis=0)[:n_rows] for key in parts[0]}
         short = n_rows - batch["tokens"].shape[0]
         if short:
-            batch = {key: np.concatenate([v, np.repeat(v[:1], short, axis=0)], axis=0) for key, v in batch.items()}
+            batch = {
+                key: np.concatenate([v, np.repeat(v[:1], short, axis=0)], axis=0)
+                for key, v in batch.items()
+            }
             batch["mask"][-short:] = 0
         return batch
 
@@ -515,14 +582,19 @@ class Trainer:
         info = {
             "reward_mean": float(r_all.mean()),
             "reward_std": float(r_all.std()),
-            "reward_correct": float(np.concatenate([r.components["correct"] for r in rounds]).mean()),
+            "reward_correct": float(
+                np.concatenate([r.components["correct"] for r in rounds]).mean()
+            ),
             "reward_format": float(np.concatenate([r.components["format"] for r in rounds]).mean()),
             "zero_std_group_frac": float(np.mean(rg_all.std(axis=1) == 0)),
             "response_len": float(length.mean()),
-            "truncation_rate": float(np.concatenate([np.asarray(r.rollout.truncated) for r in rounds]).mean()),
+            "truncation_rate": float(
+                np.concatenate([np.asarray(r.rollout.truncated) for r in rounds]).mean()
+            ),
             "sampling_rounds": len(rounds),
             "dynamic_sampling_bound_hit": float(
-                c.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts),
+                c.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts
+            ),
             "sample_time": sum(r.sample_time for r in rounds),
             "gen_tokens": sum(int(x.sum()) for x in lengths),
         }
@@ -572,35 +644,57 @@ class RLPhase:
         c = trainer.c
         self.updates_per_step = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
         self.optimizer, self.sched = step.make_optimizer(
-            lr=c.optimizer.lr, schedule=c.optimizer.schedule,
+            lr=c.optimizer.lr,
+            schedule=c.optimizer.schedule,
             total_steps=int(c.total_rl_steps) * self.updates_per_step,
-            warmup_steps=c.optimizer.warmup_steps, end_lr_ratio=c.optimizer.end_lr_ratio,
-            weight_decay=c.optimizer.weight_decay, b1=c.optimizer.b1, b2=c.optimizer.b2,
-            grad_clip=c.optimizer.grad_clip)
+            warmup_steps=c.optimizer.warmup_steps,
+            end_lr_ratio=c.optimizer.end_lr_ratio,
+            weight_decay=c.optimizer.weight_decay,
+            b1=c.optimizer.b1,
+            b2=c.optimizer.b2,
+            grad_clip=c.optimizer.grad_clip,
+        )
         # The reference policy is where RL starts; copied, as the state is donated.
         self.ref_params = jax.tree.map(jnp.copy, params) if trainer.kl_coef else None
         self.state = trainer.new_state(params, self.optimizer)
-        self.train_fn = trainer.jit_step(step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg)
+        self.train_fn = trainer.jit_step(
+            step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg
+        )
         replay = c.updates.routing_replay
         self.critic = c.advantage == "gae"
-        self.logp_fn = jax.jit(functools.partial(
-            step.logprob_pass, graphdef=trainer.graphdef, replay_key="replay_r3" if replay == "R3" else None,
-            values=self.critic))
-        self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam)))
+        self.logp_fn = jax.jit(
+            functools.partial(
+                step.logprob_pass,
+                graphdef=trainer.graphdef,
+                replay_key="replay_r3" if replay == "R3" else None,
+                values=self.critic,
+            )
+        )
+        self.gae_fn = jax.jit(
+            functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam))
+        )
 
-    def prepare(self, host_batch: dict[str, np.ndarray]) -> tuple[dict[str, jax.Array], dict[str, float]]:
+    def prepare(
+        self, host_batch: dict[str, np.ndarray]
+    ) -> tuple[dict[str, jax.Array], dict[str, float]]:
         """Device batch with old (and reference) log-probs and routing records."""
         c = self.t.c
         dev = self.t.put_batch(host_batch)
         old = self.logp_fn(self.state.params, dev)
-        batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask", "advantages")}
-        batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"])
+        batch = {
+            k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask", "advantages")
+        }
+        batch.update(
+            old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"]
+        )
         if c.updates.routing_replay == "R2":
             batch["replay"] = old["topk"]
         elif c.updates.routing_replay == "R3":
             batch["replay"] = dev["replay_r3"]
         if self.critic:
-            batch["advantages"], batch["returns"] = self.gae_fn(dev["seq_rewards"], old["values"], dev["mask"])
+            batch["advantages"], batch["returns"] = self.gae_fn(
+                dev["seq_rewards"], old["values"], dev["mask"]
+            )
             batch["old_values"] = old["values"]
         if self.ref_params is not None:
             batch["ref_logp"] = self.logp_fn(self.ref_params, dev)["logp"]
@@ -608,7 +702,11 @@ class RLPhase:
         n = jnp.maximum(jnp.sum(mask), 1.0)
         # How far the recomputed old log-probs are from the sampler's: the
         # training-inference mismatch that R3 exists to remove.
-        info = {"rollout_logp_abs_diff": float(jnp.sum(jnp.abs(old["logp"] - dev["rollout_logp"]) * mask) / n)}
+        info = {
+            "rollout_logp_abs_diff": float(
+                jnp.sum(jnp.abs(old["logp"] - dev["rollout_logp"]) * mask) / n
+            )
+        }
         return batch, info
 
     def step(self, s: int) -> dict[str, Any]:
@@ -628,9 +726,11 @@ class RLPhase:
         for epoch in range(int(c.updates.num_epochs)):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
             for j in range(int(c.updates.num_minibatches)):
-                idx = perm[j * mb:(j + 1) * mb]
+                idx = perm[j * mb : (j + 1) * mb]
                 mini = t.put_batch(_take(batch, idx))
-                self.state, m = self.train_fn(self.state, mini, jax.random.fold_in(rng, 7 + len(ms)))
+                self.state, m = self.train_fn(
+                    self.state, mini, jax.random.fold_in(rng, 7 + len(ms))
+                )
                 ms.append(m)
         ms = jax.device_get(ms)
         t3 = time.perf_counter()
@@ -641,8 +741,13 @@ class RLPhase:
         m["lr"] = float(self.sched(int(self.state.step) - 1))
         step_time = t3 - t0
         trained_tokens = float(np.sum(host_batch["mask"])) * int(c.updates.num_epochs)
-        m.update(step_time=step_time, rollout_time=t1 - t0, old_logp_time=t2 - t1, update_time=t3 - t2,
-                 tokens_per_s=(info["gen_tokens"] + trained_tokens) / step_time)
+        m.update(
+            step_time=step_time,
+            rollout_time=t1 - t0,
+            old_logp_time=t2 - t1,
+            update_time=t3 - t2,
+            tokens_per_s=(info["gen_tokens"] + trained_tokens) / step_time,
+        )
         return m
 
 
@@ -657,8 +762,11 @@ def enable_compilation_cache(path: str) -> str | None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:  # a read-only home must not stop a run; it only compiles every time
-        print(f"config.compilation_cache_dir: cannot create {path!r} ({e}); running without "
-              "the persistent compilation cache", flush=True)
+        print(
+            f"config.compilation_cache_dir: cannot create {path!r} ({e}); running without "
+            "the persistent compilation cache",
+            flush=True,
+        )
         return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -674,7 +782,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     trainer = Trainer(c, workdir)
     writers: dict[str, MetricsWriter] = {}
 
-    rl_ckpt = PhaseCheckpointer(workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints))
+    rl_ckpt = PhaseCheckpointer(
+        workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints)
+    )
     rl_start = rl_ckpt.latest_step() or 0
 
     def writer_factory(phase: str, start: int) -> MetricsWriter:
@@ -709,8 +819,11 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             m.update(trainer.evaluate(rl.state.params))
         if (s + 1) % int(c.log_every) == 0 or "eval_reward_mean" in m or s + 1 == steps:
             records.append(writer.write(s + 1, "rl", m))
-        bar.set_postfix(reward=f"{m['reward_mean']:.3f}", clip=f"{m['clip_frac']:.3f}",
-                        flip=f"{m['expert_flip_frac']:.3f}")
+        bar.set_postfix(
+            reward=f"{m['reward_mean']:.3f}",
+            clip=f"{m['clip_frac']:.3f}",
+            flip=f"{m['expert_flip_frac']:.3f}",
+        )
         bar.update(1)
         rl_ckpt.save(s + 1, rl.state, {"phase": "rl", "step": s + 1}, force=(s + 1 == steps))
     bar.close()
@@ -735,8 +848,12 @@ def _define_flags() -> None:
     from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True)
-    flags.DEFINE_string("workdir", "runs/default", "Where checkpoints, metrics and TensorBoard events go.")
+    config_flags.DEFINE_config_file(
+        "config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True
+    )
+    flags.DEFINE_string(
+        "workdir", "runs/default", "Where checkpoints, metrics and TensorBoard events go."
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 * :mod:`~gspo_jax.data.source`: :class:`PromptSource` (batches as a pure
   function of the data position).
 """
+
 from gspo_jax.data import _tfds_compat  # noqa: F401  (must precede TFDS use)
 from gspo_jax.data.arithmetic import ArithmeticConfig, GspoArithmetic
 from gspo_jax.data.countdown import CountdownConfig, GspoCountdown
@@ -17,7 +18,14 @@ from gspo_jax.data.prompts import Example, answer_span
 from gspo_jax.data.source import PromptSource, make_builder
 
 __all__ = [
-    "ArithmeticConfig", "CountdownConfig", "Example", "GspoArithmetic", "GspoCountdown",
-    "PromptSource", "answer_span", "make_builder", "prepare_gsm8k",
+    "ArithmeticConfig",
+    "CountdownConfig",
+    "Example",
+    "GspoArithmetic",
+    "GspoCountdown",
+    "PromptSource",
+    "answer_span",
+    "make_builder",
+    "prepare_gsm8k",
     "supply_gsm8k_files",
 ]

@@ -12,13 +12,20 @@ replay, dispatch backends), transformer (Transformer, RouterAux, KVCache),
 sharding (logical axis rules -> mesh, sharded init), hf (Hugging Face
 checkpoints), safetensors_io (pickle-free tensor files).
 """
+
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.transformer import KVCache, RouterAux, Transformer
-from gspo_jax.models.sharding import (init_sharded, logical_to_mesh_spec, param_shardings)
 from gspo_jax.models.hf import export_pretrained, from_pretrained
+from gspo_jax.models.sharding import init_sharded, logical_to_mesh_spec, param_shardings
+from gspo_jax.models.transformer import KVCache, RouterAux, Transformer
 
 __all__ = [
-    "ModelConfig", "Transformer", "RouterAux", "KVCache", "from_pretrained",
-    "export_pretrained", "init_sharded", "param_shardings",
+    "ModelConfig",
+    "Transformer",
+    "RouterAux",
+    "KVCache",
+    "from_pretrained",
+    "export_pretrained",
+    "init_sharded",
+    "param_shardings",
     "logical_to_mesh_spec",
 ]

@@ -14,6 +14,7 @@ Which layers are MoE (0-based layer index i; mirrors Qwen3-MoE's rules):
 so "every layer" is the default, "every k-th" is ``moe_every=k`` and "the first
 k dense" is ``first_dense_layers=k``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,173 +46,218 @@ DEFAULT_AXIS_RULES = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Sizes and switches of the transformer.
+    """Sizes and switches of the transformer.
 
-  Attributes:
-    vocab_size: V.
-    d_model: D, the residual stream width.
-    num_layers: number of decoder layers.
-    num_heads: H query heads.
-    num_kv_heads: KV heads (grouped-query attention; H % KV == 0).
-    head_dim: per-head width, independent of D / H (as in Qwen3).
-    d_ff: hidden width of the dense SwiGLU MLP layers.
-    moe_d_ff: hidden width of each expert's SwiGLU MLP.
-    num_experts: E (0 = a dense model).
-    top_k: K experts per token.
-    moe_every: layer i is MoE only if (i + 1) % moe_every == 0.
-    first_dense_layers: the first k layers are dense.
-    dense_layers: explicit dense layer indices (HF ``mlp_only_layers``).
-    renormalize_topk: divide the K gate weights by their sum (HF
-      ``norm_topk_prob``).
-    qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
-    qkv_bias: biases on the q, k and v projections (Qwen2).
-    tie_embeddings: the output projection is the embedding matrix transposed.
-    rope_theta: RoPE base.
-    norm_eps: RMSNorm epsilon.
-    param_dtype: storage dtype of parameters.
-    dtype: compute dtype (matmul inputs, residual stream).  Router, softmax,
-      norms' statistics and the returned logits are always f32.
-    scan_layers: ``lax.scan`` over repeated identical layer groups (one compiled
-      body) instead of unrolling.  The parameter layout is the same either way.
-    remat_policy: 'none' | 'full' (save nothing) | 'dots' (save matmul outputs)
-      | 'dots_no_batch' (save matmuls without batch dims).  Applied per scanned
-      layer group.
-    moe_backend: 'blocked' (sort-based, dropless, expert-blocked batched matmul;
-      fast on CPU), 'ragged' (sort-based, ``lax.ragged_dot``; for TPU/GPU) or
-      'dense' (every expert on every token, masked; the reference).
-    moe_block_size: rows per block of the 'blocked' backend (an upper bound;
-      shrunk for small token counts).
-    aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
-    z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
-    value_head: add a scalar value head (PPO critic).
-    logits_chunk_size: default chunk over T in `token_logprobs` (None = whole T).
-    init_std: stddev of the normal initialiser of matrices (HF
-      ``initializer_range``).
-    axis_rules: logical axis name -> mesh axis rules, see DEFAULT_AXIS_RULES.
-  """
+    Attributes:
+      vocab_size: V.
+      d_model: D, the residual stream width.
+      num_layers: number of decoder layers.
+      num_heads: H query heads.
+      num_kv_heads: KV heads (grouped-query attention; H % KV == 0).
+      head_dim: per-head width, independent of D / H (as in Qwen3).
+      d_ff: hidden width of the dense SwiGLU MLP layers.
+      moe_d_ff: hidden width of each expert's SwiGLU MLP.
+      num_experts: E (0 = a dense model).
+      top_k: K experts per token.
+      moe_every: layer i is MoE only if (i + 1) % moe_every == 0.
+      first_dense_layers: the first k layers are dense.
+      dense_layers: explicit dense layer indices (HF ``mlp_only_layers``).
+      renormalize_topk: divide the K gate weights by their sum (HF
+        ``norm_topk_prob``).
+      qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+      qkv_bias: biases on the q, k and v projections (Qwen2).
+      tie_embeddings: the output projection is the embedding matrix transposed.
+      rope_theta: RoPE base.
+      norm_eps: RMSNorm epsilon.
+      param_dtype: storage dtype of parameters.
+      dtype: compute dtype (matmul inputs, residual stream).  Router, softmax,
+        norms' statistics and the returned logits are always f32.
+      scan_layers: ``lax.scan`` over repeated identical layer groups (one compiled
+        body) instead of unrolling.  The parameter layout is the same either way.
+      remat_policy: 'none' | 'full' (save nothing) | 'dots' (save matmul outputs)
+        | 'dots_no_batch' (save matmuls without batch dims).  Applied per scanned
+        layer group.
+      moe_backend: 'blocked' (sort-based, dropless, expert-blocked batched matmul;
+        fast on CPU), 'ragged' (sort-based, ``lax.ragged_dot``; for TPU/GPU) or
+        'dense' (every expert on every token, masked; the reference).
+      moe_block_size: rows per block of the 'blocked' backend (an upper bound;
+        shrunk for small token counts).
+      aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
+      z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
+      value_head: add a scalar value head (PPO critic).
+      logits_chunk_size: default chunk over T in `token_logprobs` (None = whole T).
+      init_std: stddev of the normal initialiser of matrices (HF
+        ``initializer_range``).
+      axis_rules: logical axis name -> mesh axis rules, see DEFAULT_AXIS_RULES.
+    """
 
-  vocab_size: int
-  d_model: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  d_ff: int
-  moe_d_ff: int = 0
-  num_experts: int = 0
-  top_k: int = 0
-  moe_every: int = 1
-  first_dense_layers: int = 0
-  dense_layers: tuple[int, ...] = ()
-  renormalize_topk: bool = True
-  qk_norm: bool = True
-  qkv_bias: bool = False
-  tie_embeddings: bool = False
-  rope_theta: float = 10_000.0
-  norm_eps: float = 1e-6
-  param_dtype: str = "float32"
-  dtype: str = "float32"
-  scan_layers: bool = True
-  remat_policy: str = "none"
-  moe_backend: str = "blocked"
-  moe_block_size: int = 64
-  aux_loss_coef: float = 0.0
-  z_loss_coef: float = 0.0
-  value_head: bool = False
-  logits_chunk_size: Optional[int] = None
-  init_std: float = 0.02
-  axis_rules: tuple[tuple[str, object], ...] = DEFAULT_AXIS_RULES
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    moe_d_ff: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    dense_layers: tuple[int, ...] = ()
+    renormalize_topk: bool = True
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    moe_backend: str = "blocked"
+    moe_block_size: int = 64
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    value_head: bool = False
+    logits_chunk_size: Optional[int] = None
+    init_std: float = 0.02
+    axis_rules: tuple[tuple[str, object], ...] = DEFAULT_AXIS_RULES
 
-  def __post_init__(self):
-    def need(cond, field, msg):
-      if not cond:
-        raise ValueError(f"ModelConfig.{field}: {msg} (got {getattr(self, field)!r})")
+    def __post_init__(self):
+        def need(cond, field, msg):
+            if not cond:
+                raise ValueError(f"ModelConfig.{field}: {msg} (got {getattr(self, field)!r})")
 
-    for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-              "head_dim", "d_ff", "moe_every", "moe_block_size"):
-      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
-           "must be a positive int")
-    need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-         f"must divide num_heads={self.num_heads}")
-    need(self.head_dim % 2 == 0, "head_dim", "must be even (rotary embedding)")
-    need(self.num_experts >= 0, "num_experts", "must be >= 0")
-    if self.num_experts > 0:
-      need(1 <= self.top_k <= self.num_experts, "top_k",
-           f"must be in [1, num_experts={self.num_experts}]")
-      need(self.moe_d_ff > 0, "moe_d_ff", "must be > 0 when num_experts > 0")
-    need(self.first_dense_layers >= 0, "first_dense_layers", "must be >= 0")
-    need(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
-         f"indices must be in [0, num_layers={self.num_layers})")
-    need(self.param_dtype in DTYPES, "param_dtype", f"must be one of {DTYPES}")
-    need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
-    need(self.remat_policy in REMAT_POLICIES, "remat_policy",
-         f"must be one of {REMAT_POLICIES}")
-    need(self.moe_backend in MOE_BACKENDS, "moe_backend",
-         f"must be one of {MOE_BACKENDS}")
-    need(self.logits_chunk_size is None or self.logits_chunk_size > 0,
-         "logits_chunk_size", "must be None or > 0")
-    need(self.rope_theta > 0, "rope_theta", "must be > 0")
-    need(self.norm_eps > 0, "norm_eps", "must be > 0")
-    for rule in self.axis_rules:
-      ok = (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str))
-      targets = rule[1] if ok and isinstance(rule[1], tuple) else (rule[1],) if ok else ()
-      ok = ok and all(t is None or t in MESH_AXES for t in targets)
-      need(ok, "axis_rules", f"each rule must be (logical_name, mesh axis in "
-           f"{MESH_AXES} | tuple of them | None); bad rule {rule!r}")
+        for f in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "d_ff",
+            "moe_every",
+            "moe_block_size",
+        ):
+            need(
+                isinstance(getattr(self, f), int) and getattr(self, f) > 0,
+                f,
+                "must be a positive int",
+            )
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"must divide num_heads={self.num_heads}",
+        )
+        need(self.head_dim % 2 == 0, "head_dim", "must be even (rotary embedding)")
+        need(self.num_experts >= 0, "num_experts", "must be >= 0")
+        if self.num_experts > 0:
+            need(
+                1 <= self.top_k <= self.num_experts,
+                "top_k",
+                f"must be in [1, num_experts={self.num_experts}]",
+            )
+            need(self.moe_d_ff > 0, "moe_d_ff", "must be > 0 when num_experts > 0")
+        need(self.first_dense_layers >= 0, "first_dense_layers", "must be >= 0")
+        need(
+            all(0 <= i < self.num_layers for i in self.dense_layers),
+            "dense_layers",
+            f"indices must be in [0, num_layers={self.num_layers})",
+        )
+        need(self.param_dtype in DTYPES, "param_dtype", f"must be one of {DTYPES}")
+        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        need(
+            self.remat_policy in REMAT_POLICIES, "remat_policy", f"must be one of {REMAT_POLICIES}"
+        )
+        need(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {MOE_BACKENDS}")
+        need(
+            self.logits_chunk_size is None or self.logits_chunk_size > 0,
+            "logits_chunk_size",
+            "must be None or > 0",
+        )
+        need(self.rope_theta > 0, "rope_theta", "must be > 0")
+        need(self.norm_eps > 0, "norm_eps", "must be > 0")
+        for rule in self.axis_rules:
+            ok = isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+            targets = rule[1] if ok and isinstance(rule[1], tuple) else (rule[1],) if ok else ()
+            ok = ok and all(t is None or t in MESH_AXES for t in targets)
+            need(
+                ok,
+                "axis_rules",
+                f"each rule must be (logical_name, mesh axis in "
+                f"{MESH_AXES} | tuple of them | None); bad rule {rule!r}",
+            )
 
-  # ---------------------------------------------------------------- derived
-  def is_moe(self, layer: int) -> bool:
-    """Whether decoder layer `layer` (0-based) has an MoE feed-forward."""
-    return (self.num_experts > 0 and layer >= self.first_dense_layers
-            and layer not in self.dense_layers and (layer + 1) % self.moe_every == 0)
+    # ---------------------------------------------------------------- derived
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has an MoE feed-forward."""
+        return (
+            self.num_experts > 0
+            and layer >= self.first_dense_layers
+            and layer not in self.dense_layers
+            and (layer + 1) % self.moe_every == 0
+        )
 
-  @property
-  def layer_kinds(self) -> tuple[bool, ...]:
-    """is_moe for every layer, in order."""
-    return tuple(self.is_moe(i) for i in range(self.num_layers))
+    @property
+    def layer_kinds(self) -> tuple[bool, ...]:
+        """is_moe for every layer, in order."""
+        return tuple(self.is_moe(i) for i in range(self.num_layers))
 
-  @property
-  def num_moe_layers(self) -> int:
-    """L, the number of MoE layers (the L axis of RouterAux and replay)."""
-    return sum(self.layer_kinds)
+    @property
+    def num_moe_layers(self) -> int:
+        """L, the number of MoE layers (the L axis of RouterAux and replay)."""
+        return sum(self.layer_kinds)
 
-  @property
-  def jnp_dtype(self):
-    return jnp.dtype(self.dtype)
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
 
-  @property
-  def jnp_param_dtype(self):
-    return jnp.dtype(self.param_dtype)
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)
 
-  def replace(self, **kw) -> "ModelConfig":
-    return dataclasses.replace(self, **kw)
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
 
-  def num_params(self, active: bool = False) -> int:
-    """Parameter count (active=True: only K of E experts per MoE layer)."""
-    d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
-    attn = d * hd * (h + 2 * kv) + h * hd * d + 2 * d
-    attn += 2 * hd if self.qk_norm else 0
-    attn += hd * (h + 2 * kv) if self.qkv_bias else 0
-    total = 0
-    for moe in self.layer_kinds:
-      if moe:
-        e = self.top_k if active else self.num_experts
-        total += attn + self.num_experts * d + e * 3 * d * self.moe_d_ff
-      else:
-        total += attn + 3 * d * self.d_ff
-    total += self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
-    total += d + 1 if self.value_head else 0
-    return total
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (active=True: only K of E experts per MoE layer)."""
+        d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * hd * (h + 2 * kv) + h * hd * d + 2 * d
+        attn += 2 * hd if self.qk_norm else 0
+        attn += hd * (h + 2 * kv) if self.qkv_bias else 0
+        total = 0
+        for moe in self.layer_kinds:
+            if moe:
+                e = self.top_k if active else self.num_experts
+                total += attn + self.num_experts * d + e * 3 * d * self.moe_d_ff
+            else:
+                total += attn + 3 * d * self.d_ff
+        total += self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+        total += d + 1 if self.value_head else 0
+        return total
 
-  # ---------------------------------------------------------------- presets
-  @classmethod
-  def tiny(cls, **overrides) -> "ModelConfig":
-    """A few-thousand-parameter MoE model for tests: 4 layers (first dense,
-    then MoE / dense alternating ... see `first_dense_layers` / `moe_every`
-    overrides), 8 experts top-2, vocab 97."""
-    base = dict(vocab_size=97, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2,
-                head_dim=16, d_ff=64, moe_d_ff=24, num_experts=8, top_k=2,
-                first_dense_layers=1, renormalize_topk=True, qk_norm=True,
-                rope_theta=10_000.0, moe_block_size=8)
-    base.update(overrides)
-    return cls(**base)
+    # ---------------------------------------------------------------- presets
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """A few-thousand-parameter MoE model for tests: 4 layers (first dense,
+        then MoE / dense alternating ... see `first_dense_layers` / `moe_every`
+        overrides), 8 experts top-2, vocab 97."""
+        base = dict(
+            vocab_size=97,
+            d_model=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            d_ff=64,
+            moe_d_ff=24,
+            num_experts=8,
+            top_k=2,
+            first_dense_layers=1,
+            renormalize_topk=True,
+            qk_norm=True,
+            rope_theta=10_000.0,
+            moe_block_size=8,
+        )
+        base.update(overrides)
+        return cls(**base)

@@ -8,6 +8,7 @@ ever sees one layer's parameters.
 Conventions: B batch, T query length, S key length, D d_model, H query heads,
 G = H / KV query heads per KV head, hd head_dim, F MLP width.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,201 +25,223 @@ from gspo_jax.models.config import ModelConfig
 NEG_INF = -1e30
 
 
-def make_param(rngs: Optional[nnx.Rngs], stack: Sequence[int], shape: Sequence[int],
-               names: Sequence[Optional[str]], dtype, init: str = "normal",
-               std: float = 0.02) -> nnx.Param:
-  """A parameter of shape stack + shape with logical axis names.
+def make_param(
+    rngs: Optional[nnx.Rngs],
+    stack: Sequence[int],
+    shape: Sequence[int],
+    names: Sequence[Optional[str]],
+    dtype,
+    init: str = "normal",
+    std: float = 0.02,
+) -> nnx.Param:
+    """A parameter of shape stack + shape with logical axis names.
 
-  init: 'normal' (N(0, std^2)), 'ones' or 'zeros'.  `rngs` may be None for
-  'ones' / 'zeros'.
-  """
-  full = tuple(stack) + tuple(shape)
-  if init == "normal":
-    value = std * jax.random.normal(rngs.params(), full, jnp.float32)
-  elif init == "ones":
-    value = jnp.ones(full, jnp.float32)
-  elif init == "zeros":
-    value = jnp.zeros(full, jnp.float32)
-  else:
-    raise ValueError(f"make_param: unknown init {init!r}")
-  names = ("layers",) * len(stack) + tuple(names)
-  return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
+    init: 'normal' (N(0, std^2)), 'ones' or 'zeros'.  `rngs` may be None for
+    'ones' / 'zeros'.
+    """
+    full = tuple(stack) + tuple(shape)
+    if init == "normal":
+        value = std * jax.random.normal(rngs.params(), full, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(full, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(full, jnp.float32)
+    else:
+        raise ValueError(f"make_param: unknown init {init!r}")
+    names = ("layers",) * len(stack) + tuple(names)
+    return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
-  """y = w * x / sqrt(mean(x^2) + eps), statistics in f32, result in x.dtype.
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in f32, result in x.dtype.
 
-  Matches Qwen's RMSNorm: normalise in f32, cast back to the input dtype, then
-  scale.
-  """
+    Matches Qwen's RMSNorm: normalise in f32, cast back to the input dtype, then
+    scale.
+    """
 
-  def __init__(self, dim: int, eps: float, *, stack=(), param_dtype=jnp.float32):
-    self.eps = eps
-    self.scale = make_param(None, stack, (dim,), ("norm",), param_dtype, "ones")
+    def __init__(self, dim: int, eps: float, *, stack=(), param_dtype=jnp.float32):
+        self.eps = eps
+        self.scale = make_param(None, stack, (dim,), ("norm",), param_dtype, "ones")
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
-    scale = self.scale[...].astype(x.dtype)
-    return scale.reshape((1,) * (y.ndim - 1) + scale.shape) * y
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        scale = self.scale[...].astype(x.dtype)
+        return scale.reshape((1,) * (y.ndim - 1) + scale.shape) * y
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float):
-  """cos, sin f32[B, T, head_dim] for integer positions [B, T].
+    """cos, sin f32[B, T, head_dim] for integer positions [B, T].
 
-  inv_freq_j = theta^(-2j / head_dim), j < head_dim / 2; the angle table is
-  duplicated over the two halves (the rotate-half convention of Llama/Qwen).
-  """
-  inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  ang = positions.astype(jnp.float32)[..., None] * inv[None, None, :]  # [B, T, hd/2]
-  ang = jnp.concatenate([ang, ang], axis=-1)
-  return jnp.cos(ang), jnp.sin(ang)
+    inv_freq_j = theta^(-2j / head_dim), j < head_dim / 2; the angle table is
+    duplicated over the two halves (the rotate-half convention of Llama/Qwen).
+    """
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv[None, None, :]  # [B, T, hd/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x [B, T, N, hd] rotated: x*cos + rotate_half(x)*sin, rotate_half(a,b)=(-b,a)."""
-  half = x.shape[-1] // 2
-  rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  c = cos[:, :, None, :].astype(x.dtype)
-  s = sin[:, :, None, :].astype(x.dtype)
-  return x * c + rot * s
+    """x [B, T, N, hd] rotated: x*cos + rotate_half(x)*sin, rotate_half(a,b)=(-b,a)."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c = cos[:, :, None, :].astype(x.dtype)
+    s = sin[:, :, None, :].astype(x.dtype)
+    return x * c + rot * s
 
 
 def attention_mask(q_slots: jax.Array, k_slots: jax.Array, k_valid: jax.Array) -> jax.Array:
-  """bool[B, T, S]: query at slot q may see key slot s iff s <= q and s is valid.
+    """bool[B, T, S]: query at slot q may see key slot s iff s <= q and s is valid.
 
-  q_slots int32[T], k_slots int32[S], k_valid bool[B, S].
-  """
-  causal = k_slots[None, :] <= q_slots[:, None]  # [T, S]
-  return causal[None, :, :] & k_valid[:, None, :]
+    q_slots int32[T], k_slots int32[S], k_valid bool[B, S].
+    """
+    causal = k_slots[None, :] <= q_slots[:, None]  # [T, S]
+    return causal[None, :, :] & k_valid[:, None, :]
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with RoPE, optional q/k RMSNorm and q/k/v bias.
+    """Grouped-query self-attention with RoPE, optional q/k RMSNorm and q/k/v bias.
 
-  Parameters: q [D, H, hd], k/v [D, KV, hd], o [H, hd, D] (+ biases [H|KV, hd],
-  q_norm / k_norm scales [hd]).
-  """
-
-  def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
-    d, h, kv, hd, pd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
-    self.cfg = cfg
-    std = cfg.init_std
-    self.q = make_param(rngs, stack, (d, h, hd), ("embed", "heads", "head_dim"), pd, std=std)
-    self.k = make_param(rngs, stack, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, std=std)
-    self.v = make_param(rngs, stack, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, std=std)
-    self.o = make_param(rngs, stack, (h, hd, d), ("heads", "head_dim", "embed"), pd, std=std)
-    if cfg.qkv_bias:
-      self.q_bias = make_param(None, stack, (h, hd), ("heads", "head_dim"), pd, "zeros")
-      self.k_bias = make_param(None, stack, (kv, hd), ("kv_heads", "head_dim"), pd, "zeros")
-      self.v_bias = make_param(None, stack, (kv, hd), ("kv_heads", "head_dim"), pd, "zeros")
-    if cfg.qk_norm:
-      self.q_norm = RMSNorm(hd, cfg.norm_eps, stack=stack, param_dtype=pd)
-      self.k_norm = RMSNorm(hd, cfg.norm_eps, stack=stack, param_dtype=pd)
-
-  def __call__(self, x, cos, sin, mask, cache=None):
-    """Self-attention of x [B, T, D].
-
-    cos/sin f32[B, T, hd] at the tokens' positions; mask bool[B, T, T] over the
-    T tokens themselves (query t may see token s).
-
-    With cache = (k_layers, v_layers, layer, cache_mask): the KV cache of every
-    layer (sequences of arrays holding earlier tokens, in the cache's dtype:
-    keys [B, KV, hd, S], values [B, KV, S, hd]), this layer's index (a Python int, or an int32 scalar inside
-    a scan over layers) and cache_mask bool[B, T, S].  The queries attend to
-    the S cached slots and the T new tokens at once, one softmax over S + T
-    scores:
-
-        p_t = softmax([q_t . k_s / sqrt(hd)]_{s < S} ++ [q_t . k_u / sqrt(hd)]_{u < T}),
-        out_t = sum_s p_ts v_s (cached) + sum_u p_tu v_u (new),
-
-    which equals attention over a cache into which the new keys had been
-    written first.  The cache is only read here; the caller writes the returned
-    new keys/values into it.  A traced `layer` selects the layer's arrays with
-    `lax.switch` around the attention itself, so each branch reads its layer's
-    buffer where it lies (a dynamic slice of a stacked cache would copy the
-    whole layer every token).  The new keys/values are rounded to the cache's
-    dtype before use, as if read back from it.
-
-    Keys are cached transposed, [hd, S] per KV head, so that the scores of a
-    decode step are a plain [G, hd] x [hd, S] product per (row, KV head); with
-    [S, hd] keys XLA:CPU ran that product about 3x slower than the [G, S] x
-    [S, hd] value product (experiments/rollout.md).
-
-    Returns (out [B, T, D], (k, v) of the T new tokens: with a cache, keys
-    [B, KV, hd, T] and values [B, KV, T, hd] in the cache's dtype; without one,
-    both [B, KV, T, hd] in x's dtype).
+    Parameters: q [D, H, hd], k/v [D, KV, hd], o [H, hd, D] (+ biases [H|KV, hd],
+    q_norm / k_norm scales [hd]).
     """
-    cfg = self.cfg
-    dt = x.dtype
-    b, t, _ = x.shape
-    q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
-    k = jnp.einsum("btd,dnh->btnh", x, self.k[...].astype(dt))
-    v = jnp.einsum("btd,dnh->btnh", x, self.v[...].astype(dt))
-    if cfg.qkv_bias:
-      q = q + self.q_bias[...].astype(dt)[None, None]
-      k = k + self.k_bias[...].astype(dt)[None, None]
-      v = v + self.v_bias[...].astype(dt)[None, None]
-    if cfg.qk_norm:
-      q = self.q_norm(q)
-      k = self.k_norm(k)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    k = k.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
-    v = v.swapaxes(1, 2)
-    kvh = cfg.num_kv_heads
-    g = cfg.num_heads // kvh
-    qg = q.reshape(b, t, kvh, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
-    scale = cfg.head_dim ** -0.5
 
-    def scores(keys, m, spec="bkgth,bksh->bkgts"):
-      # keys [B, KV, S', hd] (or [B, KV, hd, S'] with spec "...,bkhs->..."),
-      # m bool[B, T, S'] -> f32[B, KV, G, T, S']
-      s = jnp.einsum(spec, qg, keys.astype(dt), preferred_element_type=jnp.float32) * scale
-      return jnp.where(m[:, None, None, :, :], s, NEG_INF)
+    def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
+        d, h, kv, hd, pd = (
+            cfg.d_model,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.jnp_param_dtype,
+        )
+        self.cfg = cfg
+        std = cfg.init_std
+        self.q = make_param(rngs, stack, (d, h, hd), ("embed", "heads", "head_dim"), pd, std=std)
+        self.k = make_param(
+            rngs, stack, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, std=std
+        )
+        self.v = make_param(
+            rngs, stack, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, std=std
+        )
+        self.o = make_param(rngs, stack, (h, hd, d), ("heads", "head_dim", "embed"), pd, std=std)
+        if cfg.qkv_bias:
+            self.q_bias = make_param(None, stack, (h, hd), ("heads", "head_dim"), pd, "zeros")
+            self.k_bias = make_param(None, stack, (kv, hd), ("kv_heads", "head_dim"), pd, "zeros")
+            self.v_bias = make_param(None, stack, (kv, hd), ("kv_heads", "head_dim"), pd, "zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, stack=stack, param_dtype=pd)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, stack=stack, param_dtype=pd)
 
-    def mix(p, values):  # p [B, KV, G, T, S'], values [B, KV, S', hd] -> [B, KV, G, T, hd]
-      return jnp.einsum("bkgts,bksh->bkgth", p.astype(dt), values.astype(dt))
+    def __call__(self, x, cos, sin, mask, cache=None):
+        """Self-attention of x [B, T, D].
 
-    if cache is None:
-      out = mix(jax.nn.softmax(scores(k, mask), axis=-1), v)
-    else:
-      k_layers, v_layers, layer, cache_mask = cache
-      k = k.astype(k_layers[0].dtype)
-      v = v.astype(v_layers[0].dtype)
-      s_new = scores(k, mask)
+        cos/sin f32[B, T, hd] at the tokens' positions; mask bool[B, T, T] over the
+        T tokens themselves (query t may see token s).
 
-      def attend(j):  # attention of this layer's queries over layer j's cache + the new tokens
-        kc, vc = k_layers[j], v_layers[j]  # [B, KV, hd, S], [B, KV, S, hd]
-        s_cached = scores(kc, cache_mask, "bkgth,bkhs->bkgts")
-        p = jax.nn.softmax(jnp.concatenate([s_cached, s_new], axis=-1), axis=-1)
-        return mix(p[..., :vc.shape[2]], vc) + mix(p[..., vc.shape[2]:], v)
+        With cache = (k_layers, v_layers, layer, cache_mask): the KV cache of every
+        layer (sequences of arrays holding earlier tokens, in the cache's dtype:
+        keys [B, KV, hd, S], values [B, KV, S, hd]), this layer's index (a Python int, or an int32 scalar inside
+        a scan over layers) and cache_mask bool[B, T, S].  The queries attend to
+        the S cached slots and the T new tokens at once, one softmax over S + T
+        scores:
 
-      if isinstance(layer, int):
-        out = attend(layer)
-      else:
-        out = jax.lax.switch(layer, [functools.partial(attend, j) for j in range(len(k_layers))])
-      k = k.swapaxes(2, 3)  # [B, KV, hd, T]: the cached keys' layout
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
+            p_t = softmax([q_t . k_s / sqrt(hd)]_{s < S} ++ [q_t . k_u / sqrt(hd)]_{u < T}),
+            out_t = sum_s p_ts v_s (cached) + sum_u p_tu v_u (new),
+
+        which equals attention over a cache into which the new keys had been
+        written first.  The cache is only read here; the caller writes the returned
+        new keys/values into it.  A traced `layer` selects the layer's arrays with
+        `lax.switch` around the attention itself, so each branch reads its layer's
+        buffer where it lies (a dynamic slice of a stacked cache would copy the
+        whole layer every token).  The new keys/values are rounded to the cache's
+        dtype before use, as if read back from it.
+
+        Keys are cached transposed, [hd, S] per KV head, so that the scores of a
+        decode step are a plain [G, hd] x [hd, S] product per (row, KV head); with
+        [S, hd] keys XLA:CPU ran that product about 3x slower than the [G, S] x
+        [S, hd] value product (experiments/rollout.md).
+
+        Returns (out [B, T, D], (k, v) of the T new tokens: with a cache, keys
+        [B, KV, hd, T] and values [B, KV, T, hd] in the cache's dtype; without one,
+        both [B, KV, T, hd] in x's dtype).
+        """
+        cfg = self.cfg
+        dt = x.dtype
+        b, t, _ = x.shape
+        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
+        k = jnp.einsum("btd,dnh->btnh", x, self.k[...].astype(dt))
+        v = jnp.einsum("btd,dnh->btnh", x, self.v[...].astype(dt))
+        if cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dt)[None, None]
+            k = k + self.k_bias[...].astype(dt)[None, None]
+            v = v + self.v_bias[...].astype(dt)[None, None]
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k = k.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
+        v = v.swapaxes(1, 2)
+        kvh = cfg.num_kv_heads
+        g = cfg.num_heads // kvh
+        qg = q.reshape(b, t, kvh, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
+        scale = cfg.head_dim**-0.5
+
+        def scores(keys, m, spec="bkgth,bksh->bkgts"):
+            # keys [B, KV, S', hd] (or [B, KV, hd, S'] with spec "...,bkhs->..."),
+            # m bool[B, T, S'] -> f32[B, KV, G, T, S']
+            s = jnp.einsum(spec, qg, keys.astype(dt), preferred_element_type=jnp.float32) * scale
+            return jnp.where(m[:, None, None, :, :], s, NEG_INF)
+
+        def mix(p, values):  # p [B, KV, G, T, S'], values [B, KV, S', hd] -> [B, KV, G, T, hd]
+            return jnp.einsum("bkgts,bksh->bkgth", p.astype(dt), values.astype(dt))
+
+        if cache is None:
+            out = mix(jax.nn.softmax(scores(k, mask), axis=-1), v)
+        else:
+            k_layers, v_layers, layer, cache_mask = cache
+            k = k.astype(k_layers[0].dtype)
+            v = v.astype(v_layers[0].dtype)
+            s_new = scores(k, mask)
+
+            def attend(
+                j,
+            ):  # attention of this layer's queries over layer j's cache + the new tokens
+                kc, vc = k_layers[j], v_layers[j]  # [B, KV, hd, S], [B, KV, S, hd]
+                s_cached = scores(kc, cache_mask, "bkgth,bkhs->bkgts")
+                p = jax.nn.softmax(jnp.concatenate([s_cached, s_new], axis=-1), axis=-1)
+                return mix(p[..., : vc.shape[2]], vc) + mix(p[..., vc.shape[2] :], v)
+
+            if isinstance(layer, int):
+                out = attend(layer)
+            else:
+                out = jax.lax.switch(
+                    layer, [functools.partial(attend, j) for j in range(len(k_layers))]
+                )
+            k = k.swapaxes(2, 3)  # [B, KV, hd, T]: the cached keys' layout
+        out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
 
 
 def swiglu(x, w_gate, w_up, w_down):
-  """down(silu(x @ gate) * (x @ up)) for x [..., D], gate/up [D, F], down [F, D]."""
-  h = jax.nn.silu(x @ w_gate) * (x @ w_up)
-  return h @ w_down
+    """down(silu(x @ gate) * (x @ up)) for x [..., D], gate/up [D, F], down [F, D]."""
+    h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+    return h @ w_down
 
 
 class MLP(nnx.Module):
-  """Dense SwiGLU feed-forward: gate/up [D, F], down [F, D]."""
+    """Dense SwiGLU feed-forward: gate/up [D, F], down [F, D]."""
 
-  def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
-    d, f, pd = cfg.d_model, cfg.d_ff, cfg.jnp_param_dtype
-    self.gate = make_param(rngs, stack, (d, f), ("embed", "mlp"), pd, std=cfg.init_std)
-    self.up = make_param(rngs, stack, (d, f), ("embed", "mlp"), pd, std=cfg.init_std)
-    self.down = make_param(rngs, stack, (f, d), ("mlp", "embed"), pd, std=cfg.init_std)
+    def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.d_ff, cfg.jnp_param_dtype
+        self.gate = make_param(rngs, stack, (d, f), ("embed", "mlp"), pd, std=cfg.init_std)
+        self.up = make_param(rngs, stack, (d, f), ("embed", "mlp"), pd, std=cfg.init_std)
+        self.down = make_param(rngs, stack, (f, d), ("mlp", "embed"), pd, std=cfg.init_std)
 
-  def __call__(self, x):
-    dt = x.dtype
-    return swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+    def __call__(self, x):
+        dt = x.dtype
+        return swiglu(
+            x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt)
+        )

@@ -29,6 +29,7 @@ the used experts (renormalised as in a free forward), so the router keeps its
 gradient.  The mismatch rate is the share of replayed choices (valid tokens,
 replayed rows) that are not in the free router's top-K.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -42,70 +43,72 @@ from gspo_jax.models.layers import make_param
 
 
 class MoEStats(NamedTuple):
-  """Per-layer routing record (one MoE layer).
+    """Per-layer routing record (one MoE layer).
 
-  router_logits f32[N, E]; topk_indices int32[N, K] (the experts used);
-  topk_weights f32[N, K] (the gates used); expert_load f32[E] (share of the
-  valid tokens' assignments per expert, sums to 1); aux_loss, z_loss,
-  mismatch: f32 scalars.
-  """
-  router_logits: jax.Array
-  topk_indices: jax.Array
-  topk_weights: jax.Array
-  expert_load: jax.Array
-  aux_loss: jax.Array
-  z_loss: jax.Array
-  mismatch: jax.Array
+    router_logits f32[N, E]; topk_indices int32[N, K] (the experts used);
+    topk_weights f32[N, K] (the gates used); expert_load f32[E] (share of the
+    valid tokens' assignments per expert, sums to 1); aux_loss, z_loss,
+    mismatch: f32 scalars.
+    """
+
+    router_logits: jax.Array
+    topk_indices: jax.Array
+    topk_weights: jax.Array
+    expert_load: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    mismatch: jax.Array
 
 
 def dispatch_dense(x, idx, gates, wg, wu, wd):
-  """Reference: y [N, D] = sum_e C[n, e] SwiGLU_e(x_n), C = scatter of gates."""
-  e = wg.shape[0]
-  combine = jnp.sum(jax.nn.one_hot(idx, e, dtype=gates.dtype) * gates[..., None], axis=1)
-  h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, wg)) * jnp.einsum("nd,edf->enf", x, wu)
-  ye = jnp.einsum("enf,efd->end", h, wd)
-  return jnp.einsum("ne,end->nd", combine.astype(x.dtype), ye)
+    """Reference: y [N, D] = sum_e C[n, e] SwiGLU_e(x_n), C = scatter of gates."""
+    e = wg.shape[0]
+    combine = jnp.sum(jax.nn.one_hot(idx, e, dtype=gates.dtype) * gates[..., None], axis=1)
+    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, wg)) * jnp.einsum("nd,edf->enf", x, wu)
+    ye = jnp.einsum("enf,efd->end", h, wd)
+    return jnp.einsum("ne,end->nd", combine.astype(x.dtype), ye)
 
 
 def _sort_assignments(idx):
-  """Flatten [N, K] assignments and sort them by expert (stable)."""
-  flat_e = idx.reshape(-1)
-  order = jnp.argsort(flat_e, stable=True)
-  return flat_e, order
+    """Flatten [N, K] assignments and sort them by expert (stable)."""
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    return flat_e, order
 
 
 def _combine(y_assign, gates, n, k):
-  """y [N, D] = sum_k gates[n, k] * y_assign[n*K + k]."""
-  y = y_assign.reshape(n, k, -1)
-  return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype))
+    """y [N, D] = sum_k gates[n, k] * y_assign[n*K + k]."""
+    y = y_assign.reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype))
 
 
 def dispatch_ragged(x, idx, gates, wg, wu, wd):
-  """Sort-based dropless dispatch through `jax.lax.ragged_dot`."""
-  n, k = idx.shape
-  e = wg.shape[0]
-  flat_e, order = _sort_assignments(idx)
-  xs = x[order // k]  # [NK, D], grouped by expert
-  sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-  ys = jax.lax.ragged_dot(h, wd, sizes)  # [NK, D], sorted order
-  inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  return _combine(ys[inv], gates, n, k)
+    """Sort-based dropless dispatch through `jax.lax.ragged_dot`."""
+    n, k = idx.shape
+    e = wg.shape[0]
+    flat_e, order = _sort_assignments(idx)
+    xs = x[order // k]  # [NK, D], grouped by expert
+    sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+    ys = jax.lax.ragged_dot(h, wd, sizes)  # [NK, D], sorted order
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return _combine(ys[inv], gates, n, k)
 
 
-def block_size_for(num_rows: int, num_experts: int, max_block: int,
-                   max_padding: float = 0.5) -> int:
-  """Rows per block of the blocked dispatch.
+def block_size_for(
+    num_rows: int, num_experts: int, max_block: int, max_padding: float = 0.5
+) -> int:
+    """Rows per block of the blocked dispatch.
 
-  The largest power of two bk <= max_block whose worst-case padding
-  E * (bk - 1) is at most `max_padding` times the N*K real rows (at least 1):
-  big blocks for training-sized batches (few blocks, so little per-block weight
-  gathering), down to per-row blocks for decode steps.
-  """
-  bk = 1
-  while 2 * bk <= max_block and num_experts * (2 * bk - 1) <= max_padding * num_rows:
-    bk *= 2
-  return bk
+    The largest power of two bk <= max_block whose worst-case padding
+    E * (bk - 1) is at most `max_padding` times the N*K real rows (at least 1):
+    big blocks for training-sized batches (few blocks, so little per-block weight
+    gathering), down to per-row blocks for decode steps.
+    """
+    bk = 1
+    while 2 * bk <= max_block and num_experts * (2 * bk - 1) <= max_padding * num_rows:
+        bk *= 2
+    return bk
 
 
 # The blocked dispatch's padding bound (`block_size_for`'s max_padding) for
@@ -124,139 +127,162 @@ COMPARE_RANK_MAX_ROWS = 512
 
 
 def _rank_within_expert(flat_e, e: int, method: str):
-  """rank[j] = #{i < j : flat_e[i] == flat_e[j]}: the stable position of
-  assignment j among its expert's assignments (int32[NK])."""
-  nk = flat_e.shape[0]
-  if method == "compare":
-    j = jnp.arange(nk, dtype=jnp.int32)
-    earlier_same = (flat_e[None, :] == flat_e[:, None]) & (j[None, :] < j[:, None])  # [j, i]
-    return jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
-  order = jnp.argsort(flat_e, stable=True)
-  sorted_e = flat_e[order]
-  counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-  start = jnp.cumsum(counts) - counts
-  rank_sorted = jnp.arange(nk, dtype=jnp.int32) - start[sorted_e]
-  return jnp.zeros((nk,), jnp.int32).at[order].set(rank_sorted)
+    """rank[j] = #{i < j : flat_e[i] == flat_e[j]}: the stable position of
+    assignment j among its expert's assignments (int32[NK])."""
+    nk = flat_e.shape[0]
+    if method == "compare":
+        j = jnp.arange(nk, dtype=jnp.int32)
+        earlier_same = (flat_e[None, :] == flat_e[:, None]) & (j[None, :] < j[:, None])  # [j, i]
+        return jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
+    order = jnp.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    start = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(nk, dtype=jnp.int32) - start[sorted_e]
+    return jnp.zeros((nk,), jnp.int32).at[order].set(rank_sorted)
 
 
-def dispatch_blocked(x, idx, gates, wg, wu, wd, *, max_block: int, block_size: int | None = None,
-                     rank: str | None = None):
-  """Sort-based dropless dispatch as a batched matmul over expert blocks.
+def dispatch_blocked(
+    x,
+    idx,
+    gates,
+    wg,
+    wu,
+    wd,
+    *,
+    max_block: int,
+    block_size: int | None = None,
+    rank: str | None = None,
+):
+    """Sort-based dropless dispatch as a batched matmul over expert blocks.
 
-  block_size: rows per block (default `block_size_for(N*K, E, max_block)`,
-    with max_padding SMALL_BATCH_MAX_PADDING up to COMPARE_RANK_MAX_ROWS
-    assignments).
-  rank: how assignments are ordered within an expert, 'compare' ([NK, NK]
-    comparison) or 'sort' (stable argsort); default 'compare' up to
-    COMPARE_RANK_MAX_ROWS assignments.  Same result either way.
-  """
-  n, k = idx.shape
-  e, d, _ = wg.shape
-  nk = n * k
-  small = nk <= COMPARE_RANK_MAX_ROWS
-  bk = block_size or block_size_for(nk, e, max_block,
-                                    SMALL_BATCH_MAX_PADDING if small else 0.5)
-  nb = (nk + e * (bk - 1)) // bk
-  if rank is None:
-    rank = "compare" if small else "sort"
-  if rank not in ("compare", "sort"):
-    raise ValueError(f"rank: expected 'compare' or 'sort', got {rank!r}")
-  flat_e = idx.reshape(-1).astype(jnp.int32)
-  counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-  padded = (counts + bk - 1) // bk * bk
-  pad_end = jnp.cumsum(padded)
-  pad_start = pad_end - padded
-  # Row of the padded block layout that assignment j (= token j // K) fills.
-  dest = pad_start[flat_e] + _rank_within_expert(flat_e, e, rank)
-  row_tok = jnp.full((nb * bk,), n, jnp.int32).at[dest].set(
-      jnp.arange(nk, dtype=jnp.int32) // k, unique_indices=True)
-  xp = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)  # row n = padding
-  xb = xp[row_tok].reshape(nb, bk, d)
-  # Expert of each block: the number of experts whose padded range ends at or
-  # before the block's first row (blocks past the end hold padding only).
-  block_start = jnp.arange(nb, dtype=jnp.int32) * bk
-  block_e = jnp.sum(pad_end[None, :] <= block_start[:, None], axis=1, dtype=jnp.int32)
-  block_e = jnp.minimum(block_e, e - 1)
-  h = (jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wg[block_e]))
-       * jnp.einsum("bcd,bdf->bcf", xb, wu[block_e]))
-  yb = jnp.einsum("bcf,bfd->bcd", h, wd[block_e]).reshape(nb * bk, d)
-  return _combine(yb[dest], gates, n, k)
+    block_size: rows per block (default `block_size_for(N*K, E, max_block)`,
+      with max_padding SMALL_BATCH_MAX_PADDING up to COMPARE_RANK_MAX_ROWS
+      assignments).
+    rank: how assignments are ordered within an expert, 'compare' ([NK, NK]
+      comparison) or 'sort' (stable argsort); default 'compare' up to
+      COMPARE_RANK_MAX_ROWS assignments.  Same result either way.
+    """
+    n, k = idx.shape
+    e, d, _ = wg.shape
+    nk = n * k
+    small = nk <= COMPARE_RANK_MAX_ROWS
+    bk = block_size or block_size_for(nk, e, max_block, SMALL_BATCH_MAX_PADDING if small else 0.5)
+    nb = (nk + e * (bk - 1)) // bk
+    if rank is None:
+        rank = "compare" if small else "sort"
+    if rank not in ("compare", "sort"):
+        raise ValueError(f"rank: expected 'compare' or 'sort', got {rank!r}")
+    flat_e = idx.reshape(-1).astype(jnp.int32)
+    counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    padded = (counts + bk - 1) // bk * bk
+    pad_end = jnp.cumsum(padded)
+    pad_start = pad_end - padded
+    # Row of the padded block layout that assignment j (= token j // K) fills.
+    dest = pad_start[flat_e] + _rank_within_expert(flat_e, e, rank)
+    row_tok = (
+        jnp.full((nb * bk,), n, jnp.int32)
+        .at[dest]
+        .set(jnp.arange(nk, dtype=jnp.int32) // k, unique_indices=True)
+    )
+    xp = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)  # row n = padding
+    xb = xp[row_tok].reshape(nb, bk, d)
+    # Expert of each block: the number of experts whose padded range ends at or
+    # before the block's first row (blocks past the end hold padding only).
+    block_start = jnp.arange(nb, dtype=jnp.int32) * bk
+    block_e = jnp.sum(pad_end[None, :] <= block_start[:, None], axis=1, dtype=jnp.int32)
+    block_e = jnp.minimum(block_e, e - 1)
+    h = jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wg[block_e])) * jnp.einsum(
+        "bcd,bdf->bcf", xb, wu[block_e]
+    )
+    yb = jnp.einsum("bcf,bfd->bcd", h, wd[block_e]).reshape(nb * bk, d)
+    return _combine(yb[dest], gates, n, k)
 
 
 def route(logits, top_k: int, renormalize: bool, replay=None):
-  """Top-K routing from f32 logits [N, E].
+    """Top-K routing from f32 logits [N, E].
 
-  Returns (idx int32[N, K], gates f32[N, K], probs f32[N, E], free_idx,
-  replayed bool[N]).
-  """
-  probs = jax.nn.softmax(logits, axis=-1)
-  free_w, free_idx = jax.lax.top_k(probs, top_k)
-  free_idx = free_idx.astype(jnp.int32)
-  if replay is None:
-    idx, w = free_idx, free_w
-    replayed = jnp.zeros(logits.shape[:1], bool)
-  else:
-    replayed = jnp.all(replay >= 0, axis=-1)
-    idx = jnp.where(replayed[:, None], replay.astype(jnp.int32), free_idx)
-    w = jnp.take_along_axis(probs, idx, axis=-1)
-  if renormalize:
-    w = w / jnp.sum(w, axis=-1, keepdims=True)
-  return idx, w, probs, free_idx, replayed
+    Returns (idx int32[N, K], gates f32[N, K], probs f32[N, E], free_idx,
+    replayed bool[N]).
+    """
+    probs = jax.nn.softmax(logits, axis=-1)
+    free_w, free_idx = jax.lax.top_k(probs, top_k)
+    free_idx = free_idx.astype(jnp.int32)
+    if replay is None:
+        idx, w = free_idx, free_w
+        replayed = jnp.zeros(logits.shape[:1], bool)
+    else:
+        replayed = jnp.all(replay >= 0, axis=-1)
+        idx = jnp.where(replayed[:, None], replay.astype(jnp.int32), free_idx)
+        w = jnp.take_along_axis(probs, idx, axis=-1)
+    if renormalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return idx, w, probs, free_idx, replayed
 
 
 class MoE(nnx.Module):
-  """MoE SwiGLU layer.  router [D, E] (f32 compute), experts gate/up [E, D, F],
-  down [E, F, D]."""
+    """MoE SwiGLU layer.  router [D, E] (f32 compute), experts gate/up [E, D, F],
+    down [E, F, D]."""
 
-  def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
-    d, f, e, pd = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.jnp_param_dtype
-    self.cfg = cfg
-    self.router = make_param(rngs, stack, (d, e), ("embed", None), pd, std=cfg.init_std)
-    self.gate = make_param(rngs, stack, (e, d, f), ("expert", "embed", "mlp"), pd, std=cfg.init_std)
-    self.up = make_param(rngs, stack, (e, d, f), ("expert", "embed", "mlp"), pd, std=cfg.init_std)
-    self.down = make_param(rngs, stack, (e, f, d), ("expert", "mlp", "embed"), pd, std=cfg.init_std)
+    def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
+        d, f, e, pd = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.jnp_param_dtype
+        self.cfg = cfg
+        self.router = make_param(rngs, stack, (d, e), ("embed", None), pd, std=cfg.init_std)
+        self.gate = make_param(
+            rngs, stack, (e, d, f), ("expert", "embed", "mlp"), pd, std=cfg.init_std
+        )
+        self.up = make_param(
+            rngs, stack, (e, d, f), ("expert", "embed", "mlp"), pd, std=cfg.init_std
+        )
+        self.down = make_param(
+            rngs, stack, (e, f, d), ("expert", "mlp", "embed"), pd, std=cfg.init_std
+        )
 
-  def __call__(self, x, token_mask, replay=None):
-    """x [B, T, D] (compute dtype); token_mask bool[B, T] (False = padding:
-    excluded from losses, load and mismatch); replay int32[B, T, K] or None.
+    def __call__(self, x, token_mask, replay=None):
+        """x [B, T, D] (compute dtype); token_mask bool[B, T] (False = padding:
+        excluded from losses, load and mismatch); replay int32[B, T, K] or None.
 
-    Returns (y [B, T, D], MoEStats with leading [B, T] on per-token fields).
-    """
-    cfg = self.cfg
-    b, t, d = x.shape
-    n, k, e = b * t, cfg.top_k, cfg.num_experts
-    xf = x.reshape(n, d)
-    logits = xf.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [N, E]
-    rep = None if replay is None else replay.reshape(n, k)
-    idx, gates, probs, free_idx, replayed = route(logits, k, cfg.renormalize_topk, rep)
+        Returns (y [B, T, D], MoEStats with leading [B, T] on per-token fields).
+        """
+        cfg = self.cfg
+        b, t, d = x.shape
+        n, k, e = b * t, cfg.top_k, cfg.num_experts
+        xf = x.reshape(n, d)
+        logits = xf.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [N, E]
+        rep = None if replay is None else replay.reshape(n, k)
+        idx, gates, probs, free_idx, replayed = route(logits, k, cfg.renormalize_topk, rep)
 
-    dt = x.dtype
-    wg, wu, wd = (self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
-    if cfg.moe_backend == "dense":
-      y = dispatch_dense(xf, idx, gates, wg, wu, wd)
-    elif cfg.moe_backend == "ragged":
-      y = dispatch_ragged(xf, idx, gates, wg, wu, wd)
-    else:
-      y = dispatch_blocked(xf, idx, gates, wg, wu, wd, max_block=cfg.moe_block_size)
+        dt = x.dtype
+        wg, wu, wd = (self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+        if cfg.moe_backend == "dense":
+            y = dispatch_dense(xf, idx, gates, wg, wu, wd)
+        elif cfg.moe_backend == "ragged":
+            y = dispatch_ragged(xf, idx, gates, wg, wu, wd)
+        else:
+            y = dispatch_blocked(xf, idx, gates, wg, wu, wd, max_block=cfg.moe_block_size)
 
-    m = token_mask.reshape(n).astype(jnp.float32)
-    n_valid = jnp.maximum(jnp.sum(m), 1.0)
-    assign = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1)  # [N, E]
-    load = jnp.einsum("n,ne->e", m, assign) / (n_valid * k)
-    mean_prob = jnp.einsum("n,ne->e", m, probs) / n_valid
-    aux_loss = e * jnp.sum(load * mean_prob)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    z_loss = jnp.sum(m * lse * lse) / n_valid
-    if rep is None:
-      mismatch = jnp.zeros((), jnp.float32)
-    else:
-      hit = jnp.any(rep[:, :, None] == free_idx[:, None, :], axis=-1)  # [N, K]
-      w_rep = m * replayed.astype(jnp.float32)
-      missed = jnp.einsum("n,nk->", w_rep, (~hit).astype(jnp.float32))
-      mismatch = missed / jnp.maximum(k * jnp.sum(w_rep), 1.0)
-    stats = MoEStats(
-        router_logits=logits.reshape(b, t, e),
-        topk_indices=idx.reshape(b, t, k),
-        topk_weights=gates.astype(jnp.float32).reshape(b, t, k),
-        expert_load=load, aux_loss=aux_loss, z_loss=z_loss, mismatch=mismatch)
-    return y.reshape(b, t, d), stats
+        m = token_mask.reshape(n).astype(jnp.float32)
+        n_valid = jnp.maximum(jnp.sum(m), 1.0)
+        assign = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1)  # [N, E]
+        load = jnp.einsum("n,ne->e", m, assign) / (n_valid * k)
+        mean_prob = jnp.einsum("n,ne->e", m, probs) / n_valid
+        aux_loss = e * jnp.sum(load * mean_prob)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        z_loss = jnp.sum(m * lse * lse) / n_valid
+        if rep is None:
+            mismatch = jnp.zeros((), jnp.float32)
+        else:
+            hit = jnp.any(rep[:, :, None] == free_idx[:, None, :], axis=-1)  # [N, K]
+            w_rep = m * replayed.astype(jnp.float32)
+            missed = jnp.einsum("n,nk->", w_rep, (~hit).astype(jnp.float32))
+            mismatch = missed / jnp.maximum(k * jnp.sum(w_rep), 1.0)
+        stats = MoEStats(
+            router_logits=logits.reshape(b, t, e),
+            topk_indices=idx.reshape(b, t, k),
+            topk_weights=gates.astype(jnp.float32).reshape(b, t, k),
+            expert_load=load,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            mismatch=mismatch,
+        )
+        return y.reshape(b, t, d), stats

@@ -6,76 +6,83 @@ mesh (or a tuple of them, or None).  A mesh axis is used at most once per
 array; a mesh axis that is absent from the mesh, or whose size does not divide
 the dimension, is dropped for that dimension (it is replicated instead).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gspo_jax.models.config import ModelConfig
 
 
-def logical_to_mesh_spec(names: Sequence[Optional[str]], shape: Sequence[int],
-                         rules, mesh: Mesh) -> P:
-  """PartitionSpec for an array of `shape` with logical axis `names`."""
-  table = dict(rules)
-  used, out = set(), []
-  for name, dim in zip(names, shape):
-    target = table.get(name) if name is not None else None
-    targets = target if isinstance(target, tuple) else (target,)
-    chosen, size = [], 1
-    for ax in targets:
-      if ax is None or ax not in mesh.shape or ax in used:
-        continue
-      if dim % (size * mesh.shape[ax]) != 0:
-        continue
-      chosen.append(ax)
-      size *= mesh.shape[ax]
-    used.update(chosen)
-    out.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
-  return P(*out)
+def logical_to_mesh_spec(
+    names: Sequence[Optional[str]], shape: Sequence[int], rules, mesh: Mesh
+) -> P:
+    """PartitionSpec for an array of `shape` with logical axis `names`."""
+    table = dict(rules)
+    used, out = set(), []
+    for name, dim in zip(names, shape):
+        target = table.get(name) if name is not None else None
+        targets = target if isinstance(target, tuple) else (target,)
+        chosen, size = [], 1
+        for ax in targets:
+            if ax is None or ax not in mesh.shape or ax in used:
+                continue
+            if dim % (size * mesh.shape[ax]) != 0:
+                continue
+            chosen.append(ax)
+            size *= mesh.shape[ax]
+        used.update(chosen)
+        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return P(*out)
 
 
 def _names(var) -> tuple:
-  meta = var.get_metadata()
-  names = meta.get("out_sharding", meta.get("sharding_names"))
-  return tuple(names) if names is not None else (None,) * len(var.shape)
+    meta = var.get_metadata()
+    names = meta.get("out_sharding", meta.get("sharding_names"))
+    return tuple(names) if names is not None else (None,) * len(var.shape)
 
 
 def param_shardings(model_or_state, mesh: Mesh, cfg: ModelConfig):
-  """NamedSharding pytree matching `nnx.state(model)` (or the given state)."""
-  state = (model_or_state if isinstance(model_or_state, nnx.State)
-           else nnx.state(model_or_state))
+    """NamedSharding pytree matching `nnx.state(model)` (or the given state)."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
 
-  def one(var):
-    if isinstance(var, nnx.Variable):
-      return var.replace(NamedSharding(mesh, logical_to_mesh_spec(_names(var), var.shape,
-                                                                  cfg.axis_rules, mesh)))
-    return NamedSharding(mesh, P())
-  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    def one(var):
+        if isinstance(var, nnx.Variable):
+            return var.replace(
+                NamedSharding(
+                    mesh, logical_to_mesh_spec(_names(var), var.shape, cfg.axis_rules, mesh)
+                )
+            )
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh, cfg: ModelConfig, ndim: int, batch_size: int) -> NamedSharding:
-  """Sharding of a [B, ...] activation/batch array by the 'batch' rule."""
-  spec = logical_to_mesh_spec(("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1),
-                              cfg.axis_rules, mesh)
-  return NamedSharding(mesh, spec)
+    """Sharding of a [B, ...] activation/batch array by the 'batch' rule."""
+    spec = logical_to_mesh_spec(
+        ("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), cfg.axis_rules, mesh
+    )
+    return NamedSharding(mesh, spec)
 
 
 def init_sharded(cfg: ModelConfig, mesh: Mesh, *, seed: int = 0):
-  """A Transformer whose parameters are created directly in their sharding
-  (`jax.jit(init, out_shardings=...)`; no full replica is ever materialised)."""
-  from gspo_jax.models.transformer import Transformer
+    """A Transformer whose parameters are created directly in their sharding
+    (`jax.jit(init, out_shardings=...)`; no full replica is ever materialised)."""
+    from gspo_jax.models.transformer import Transformer
 
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
-  gdef, abs_state = nnx.split(abstract)
-  shardings = param_shardings(abs_state, mesh, cfg)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    gdef, abs_state = nnx.split(abstract)
+    shardings = param_shardings(abs_state, mesh, cfg)
 
-  @jax.jit
-  def init():
-    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+    @jax.jit
+    def init():
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
 
-  state = jax.jit(init, out_shardings=shardings)()
-  return nnx.merge(gdef, state)
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(gdef, state)

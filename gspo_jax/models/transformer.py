@@ -14,6 +14,7 @@ slots are 0..T-1; in `decode` they are the KV cache's slots, so left-padded
 prompts and one-token steps give the full forward's logits.  Positions (RoPE)
 are separate and given by the caller (default arange(T)).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,84 +25,87 @@ import numpy as np
 from flax import nnx, struct
 
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.layers import (MLP, Attention, RMSNorm, attention_mask, make_param,
-                                    rope_tables)
+from gspo_jax.models.layers import MLP, Attention, RMSNorm, attention_mask, make_param, rope_tables
 from gspo_jax.models.moe import MoE, MoEStats
 
 
 @struct.dataclass
 class RouterAux:
-  """Routing record of one forward, stacked over the L MoE layers.
+    """Routing record of one forward, stacked over the L MoE layers.
 
-  Attributes:
-    router_logits: f32[B, T, L, E], router logits (before softmax).
-    topk_indices: int32[B, T, L, K], the experts used (same layout as `replay`:
-      pass it back as `replay=` to force the same routing).
-    topk_weights: f32[B, T, L, K], the gates used.
-    expert_load: f32[L, E], share of the valid tokens' K assignments per expert.
-    aux_loss: f32[], load-balancing loss E * sum_e f_e P_e (f_e: load, P_e: mean
-      router probability over valid tokens), averaged over layers; 1 when
-      balanced.
-    z_loss: f32[], mean over valid tokens and layers of logsumexp(logits)^2.
-    replay_mismatch: f32[L], share of replayed choices the free router would
-      not have made (0 without replay).
-  """
-  router_logits: jax.Array
-  topk_indices: jax.Array
-  topk_weights: jax.Array
-  expert_load: jax.Array
-  aux_loss: jax.Array
-  z_loss: jax.Array
-  replay_mismatch: jax.Array
+    Attributes:
+      router_logits: f32[B, T, L, E], router logits (before softmax).
+      topk_indices: int32[B, T, L, K], the experts used (same layout as `replay`:
+        pass it back as `replay=` to force the same routing).
+      topk_weights: f32[B, T, L, K], the gates used.
+      expert_load: f32[L, E], share of the valid tokens' K assignments per expert.
+      aux_loss: f32[], load-balancing loss E * sum_e f_e P_e (f_e: load, P_e: mean
+        router probability over valid tokens), averaged over layers; 1 when
+        balanced.
+      z_loss: f32[], mean over valid tokens and layers of logsumexp(logits)^2.
+      replay_mismatch: f32[L], share of replayed choices the free router would
+        not have made (0 without replay).
+    """
 
-  def loss(self, aux_loss_coef: float, z_loss_coef: float) -> jax.Array:
-    """aux_loss_coef * aux_loss + z_loss_coef * z_loss."""
-    return aux_loss_coef * self.aux_loss + z_loss_coef * self.z_loss
+    router_logits: jax.Array
+    topk_indices: jax.Array
+    topk_weights: jax.Array
+    expert_load: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    replay_mismatch: jax.Array
+
+    def loss(self, aux_loss_coef: float, z_loss_coef: float) -> jax.Array:
+        """aux_loss_coef * aux_loss + z_loss_coef * z_loss."""
+        return aux_loss_coef * self.aux_loss + z_loss_coef * self.z_loss
 
 
 @struct.dataclass
 class KVCache:
-  """Decoding state.
+    """Decoding state.
 
-  Attributes:
-    k: tuple of num_layers arrays [B, KV, hd, S] (keys transposed: the scores
-      of a decode step are then a plain [G, hd] x [hd, S] product).
-    v: tuple of num_layers arrays [B, KV, S, hd].
-      Both in the compute dtype unless `init_cache` was given another; one
-      buffer per layer.
-    valid: bool[B, S], slot holds a real token.
-    index: int32[], next slot to write.
+    Attributes:
+      k: tuple of num_layers arrays [B, KV, hd, S] (keys transposed: the scores
+        of a decode step are then a plain [G, hd] x [hd, S] product).
+      v: tuple of num_layers arrays [B, KV, S, hd].
+        Both in the compute dtype unless `init_cache` was given another; one
+        buffer per layer.
+      valid: bool[B, S], slot holds a real token.
+      index: int32[], next slot to write.
 
-  Static shapes: a carry of lax.while_loop / scan.  One buffer per layer, not
-  one stacked [L, ...] array: the layer scan reads layer l's buffer in place
-  (`lax.switch` over the layers), where a dynamic slice of a stacked array
-  copies the layer every token.  A `decode` call writes the new tokens'
-  keys/values with one `dynamic_update_slice` per buffer, which XLA performs in
-  place when the cache is a loop carry or a donated argument.
-  """
-  k: jax.Array
-  v: jax.Array
-  valid: jax.Array
-  index: jax.Array
+    Static shapes: a carry of lax.while_loop / scan.  One buffer per layer, not
+    one stacked [L, ...] array: the layer scan reads layer l's buffer in place
+    (`lax.switch` over the layers), where a dynamic slice of a stacked array
+    copies the layer every token.  A `decode` call writes the new tokens'
+    keys/values with one `dynamic_update_slice` per buffer, which XLA performs in
+    place when the cache is a loop carry or a donated argument.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    index: jax.Array
 
 
-def plan_segments(kinds: tuple[bool, ...], max_period: int = 4) -> list[tuple[tuple[bool, ...], int]]:
-  """Greedy cut of layer kinds into (unit, repeats): at each point, the unit of
-  <= max_period layers whose repeats cover the most layers (ties: shorter)."""
-  out, i, n = [], 0, len(kinds)
-  while i < n:
-    best = None
-    for p in range(1, min(max_period, n - i) + 1):
-      unit = kinds[i:i + p]
-      r = 1
-      while i + (r + 1) * p <= n and kinds[i + r * p:i + (r + 1) * p] == unit:
-        r += 1
-      score = r * p if r > 1 else 1  # a unit that does not repeat: take 1 layer
-      if best is None or score > best[0]:
-        best = (score, unit, r)
-    out.append((best[1], best[2]))
-    i += len(best[1]) * best[2]
-  return out
+def plan_segments(
+    kinds: tuple[bool, ...], max_period: int = 4
+) -> list[tuple[tuple[bool, ...], int]]:
+    """Greedy cut of layer kinds into (unit, repeats): at each point, the unit of
+    <= max_period layers whose repeats cover the most layers (ties: shorter)."""
+    out, i, n = [], 0, len(kinds)
+    while i < n:
+        best = None
+        for p in range(1, min(max_period, n - i) + 1):
+            unit = kinds[i : i + p]
+            r = 1
+            while i + (r + 1) * p <= n and kinds[i + r * p : i + (r + 1) * p] == unit:
+                r += 1
+            score = r * p if r > 1 else 1  # a unit that does not repeat: take 1 layer
+            if best is None or score > best[0]:
+                best = (score, unit, r)
+        out.append((best[1], best[2]))
+        i += len(best[1]) * best[2]
+    return out
 
 
 _REMAT = {
@@ -112,322 +116,378 @@ _REMAT = {
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder layer: x + Attn(norm(x)), then x + FFN(norm(x))."""
+    """Pre-norm decoder layer: x + Attn(norm(x)), then x + FFN(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, moe: bool, *, stack=(), rngs: nnx.Rngs):
-    pd = cfg.jnp_param_dtype
-    self.is_moe = moe
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
-    self.attn = Attention(cfg, stack=stack, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
-    self.mlp = MoE(cfg, stack=stack, rngs=rngs) if moe else MLP(cfg, stack=stack, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, moe: bool, *, stack=(), rngs: nnx.Rngs):
+        pd = cfg.jnp_param_dtype
+        self.is_moe = moe
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
+        self.attn = Attention(cfg, stack=stack, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
+        self.mlp = MoE(cfg, stack=stack, rngs=rngs) if moe else MLP(cfg, stack=stack, rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask, token_mask, replay=None, cache=None):
-    a, kv = self.attn(self.attn_norm(x), cos, sin, mask, cache)
-    x = x + a
-    h = self.mlp_norm(x)
-    if self.is_moe:
-      y, stats = self.mlp(h, token_mask, replay)
-    else:
-      y, stats = self.mlp(h), None
-    return x + y, stats, kv
+    def __call__(self, x, cos, sin, mask, token_mask, replay=None, cache=None):
+        a, kv = self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        x = x + a
+        h = self.mlp_norm(x)
+        if self.is_moe:
+            y, stats = self.mlp(h, token_mask, replay)
+        else:
+            y, stats = self.mlp(h), None
+        return x + y, stats, kv
 
 
 class Segment(nnx.Module):
-  """`repeats` copies of a unit of layers; parameters stacked over repeats."""
+    """`repeats` copies of a unit of layers; parameters stacked over repeats."""
 
-  def __init__(self, cfg: ModelConfig, unit: tuple[bool, ...], repeats: int, *, rngs):
-    self.unit = tuple(unit)
-    self.repeats = repeats
-    self.blocks = nnx.List([Block(cfg, kind, stack=(repeats,), rngs=rngs) for kind in unit])
+    def __init__(self, cfg: ModelConfig, unit: tuple[bool, ...], repeats: int, *, rngs):
+        self.unit = tuple(unit)
+        self.repeats = repeats
+        self.blocks = nnx.List([Block(cfg, kind, stack=(repeats,), rngs=rngs) for kind in unit])
 
 
 class Transformer(nnx.Module):
-  """The policy model.  See the package docstring for the public API."""
+    """The policy model.  See the package docstring for the public API."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    pd = cfg.jnp_param_dtype
-    self.embed = make_param(rngs, (), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd,
-                            std=cfg.init_std)
-    self.plan = tuple(plan_segments(cfg.layer_kinds))
-    self.segments = nnx.List([Segment(cfg, u, r, rngs=rngs) for u, r in self.plan])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
-    if not cfg.tie_embeddings:
-      self.lm_head = make_param(rngs, (), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
-                                std=cfg.init_std)
-    if cfg.value_head:
-      self.value_w = make_param(rngs, (), (cfg.d_model,), ("embed",), pd, std=cfg.init_std)
-      self.value_b = make_param(None, (), (), (), pd, "zeros")
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.jnp_param_dtype
+        self.embed = make_param(
+            rngs, (), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=cfg.init_std
+        )
+        self.plan = tuple(plan_segments(cfg.layer_kinds))
+        self.segments = nnx.List([Segment(cfg, u, r, rngs=rngs) for u, r in self.plan])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+        if not cfg.tie_embeddings:
+            self.lm_head = make_param(
+                rngs, (), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd, std=cfg.init_std
+            )
+        if cfg.value_head:
+            self.value_w = make_param(rngs, (), (cfg.d_model,), ("embed",), pd, std=cfg.init_std)
+            self.value_b = make_param(None, (), (), (), pd, "zeros")
 
-  # ------------------------------------------------------------------ checks
-  def _check_inputs(self, tokens, positions, attn_mask, replay):
-    cfg = self.cfg
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"tokens: expected int[B, T], got {tokens.dtype}{list(tokens.shape)}")
-    b, t = tokens.shape
-    if positions is not None and tuple(positions.shape) != (b, t):
-      raise ValueError(f"positions: expected shape {(b, t)}, got {tuple(positions.shape)}")
-    if attn_mask is not None and tuple(attn_mask.shape) != (b, t):
-      raise ValueError(f"attn_mask: expected shape {(b, t)}, got {tuple(attn_mask.shape)}")
-    if replay is not None:
-      want = (b, t, cfg.num_moe_layers, cfg.top_k)
-      if tuple(replay.shape) != want:
-        raise ValueError(f"replay: expected int32[B, T, L, K] = {want}, got {tuple(replay.shape)}")
-      if not isinstance(replay, jax.core.Tracer):
-        r = np.asarray(replay)
-        if r.size and (r.min() < -1 or r.max() >= cfg.num_experts):
-          raise ValueError(f"replay: entries must be -1 or in [0, {cfg.num_experts}), "
-                           f"got range [{r.min()}, {r.max()}]")
+    # ------------------------------------------------------------------ checks
+    def _check_inputs(self, tokens, positions, attn_mask, replay):
+        cfg = self.cfg
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens: expected int[B, T], got {tokens.dtype}{list(tokens.shape)}")
+        b, t = tokens.shape
+        if positions is not None and tuple(positions.shape) != (b, t):
+            raise ValueError(f"positions: expected shape {(b, t)}, got {tuple(positions.shape)}")
+        if attn_mask is not None and tuple(attn_mask.shape) != (b, t):
+            raise ValueError(f"attn_mask: expected shape {(b, t)}, got {tuple(attn_mask.shape)}")
+        if replay is not None:
+            want = (b, t, cfg.num_moe_layers, cfg.top_k)
+            if tuple(replay.shape) != want:
+                raise ValueError(
+                    f"replay: expected int32[B, T, L, K] = {want}, got {tuple(replay.shape)}"
+                )
+            if not isinstance(replay, jax.core.Tracer):
+                r = np.asarray(replay)
+                if r.size and (r.min() < -1 or r.max() >= cfg.num_experts):
+                    raise ValueError(
+                        f"replay: entries must be -1 or in [0, {cfg.num_experts}), "
+                        f"got range [{r.min()}, {r.max()}]"
+                    )
 
-  # ------------------------------------------------------------------ core
-  def _run(self, tokens, positions, attn_mask, replay, cache: Optional[KVCache]):
-    cfg = self.cfg
-    self._check_inputs(tokens, positions, attn_mask, replay)
-    b, t = tokens.shape
-    dt = cfg.jnp_dtype
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    token_mask = (jnp.ones((b, t), bool) if attn_mask is None else attn_mask.astype(bool))
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    slots = jnp.arange(t, dtype=jnp.int32)
-    mask = attention_mask(slots, slots, token_mask)  # [B, T, T] among the T tokens
-    if cache is None:
-      kc = vc = cache_mask = None
-    else:
-      # Every cached slot is earlier than every new token: it is visible iff
-      # it holds a real token.  The new tokens' keys go to [index, index + T).
-      kc, vc = tuple(cache.k), tuple(cache.v)
-      cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
-      valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
-    rep_l = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 2, 0)  # [L,B,T,K]
+    # ------------------------------------------------------------------ core
+    def _run(self, tokens, positions, attn_mask, replay, cache: Optional[KVCache]):
+        cfg = self.cfg
+        self._check_inputs(tokens, positions, attn_mask, replay)
+        b, t = tokens.shape
+        dt = cfg.jnp_dtype
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        token_mask = jnp.ones((b, t), bool) if attn_mask is None else attn_mask.astype(bool)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        slots = jnp.arange(t, dtype=jnp.int32)
+        mask = attention_mask(slots, slots, token_mask)  # [B, T, T] among the T tokens
+        if cache is None:
+            kc = vc = cache_mask = None
+        else:
+            # Every cached slot is earlier than every new token: it is visible iff
+            # it holds a real token.  The new tokens' keys go to [index, index + T).
+            kc, vc = tuple(cache.k), tuple(cache.v)
+            cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
+            valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
+        rep_l = (
+            None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
+        )  # [L,B,T,K]
 
-    all_stats, new_kv, layer0, moe0 = [], [], 0, 0
-    for seg in self.segments:
-      u, n = len(seg.unit), seg.repeats
-      m = sum(seg.unit)
-      rep_seg = None
-      if rep_l is not None and m:
-        rep_seg = rep_l[moe0:moe0 + n * m].reshape((n, m) + rep_l.shape[1:])
-      gdef, state = nnx.split(seg.blocks)
+        all_stats, new_kv, layer0, moe0 = [], [], 0, 0
+        for seg in self.segments:
+            u, n = len(seg.unit), seg.repeats
+            m = sum(seg.unit)
+            rep_seg = None
+            if rep_l is not None and m:
+                rep_seg = rep_l[moe0 : moe0 + n * m].reshape((n, m) + rep_l.shape[1:])
+            gdef, state = nnx.split(seg.blocks)
 
-      def body(x, xs, gdef=gdef, layer0=layer0, u=u):
-        st, i, rep = xs
-        blocks = nnx.merge(gdef, st)
-        stats, kvs, jm = [], [], 0
-        for j, blk in enumerate(blocks):
-          c = None
-          if kc is not None:  # all layers' caches (read only) and this layer's index
-            c = (kc, vc, layer0 + i * u + j, cache_mask)
-          r = None if (rep is None or not blk.is_moe) else rep[jm]
-          x, s, kv = blk(x, cos, sin, mask, token_mask, r, c)
-          kvs.append(kv)
-          if s is not None:
-            stats.append(s)
-            jm += 1
-        stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs) if xs else None
-        return x, (stack(stats), stack(kvs) if kc is not None else None)
+            def body(x, xs, gdef=gdef, layer0=layer0, u=u):
+                st, i, rep = xs
+                blocks = nnx.merge(gdef, st)
+                stats, kvs, jm = [], [], 0
+                for j, blk in enumerate(blocks):
+                    c = None
+                    if kc is not None:  # all layers' caches (read only) and this layer's index
+                        c = (kc, vc, layer0 + i * u + j, cache_mask)
+                    r = None if (rep is None or not blk.is_moe) else rep[jm]
+                    x, s, kv = blk(x, cos, sin, mask, token_mask, r, c)
+                    kvs.append(kv)
+                    if s is not None:
+                        stats.append(s)
+                        jm += 1
+                stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs) if xs else None
+                return x, (stack(stats), stack(kvs) if kc is not None else None)
 
-      if cfg.remat_policy != "none":
-        body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=False)
-      steps = jnp.arange(n, dtype=jnp.int32)
-      if cfg.scan_layers:
-        x, (stats, kvs) = jax.lax.scan(body, x, (state, steps, rep_seg))
-      else:
-        outs = []
-        for i in range(n):
-          st, rep = jax.tree.map(lambda a: a[i], (state, rep_seg))
-          x, o = body(x, (st, i, rep))  # a Python int i: static layer indices
-          outs.append(o)
-        stats, kvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs else (None, None)
-      flat = lambda a, k: a.reshape((n * k,) + a.shape[2:])  # [n, k, ...] -> [n * k, ...]
-      if m:
-        all_stats.append(jax.tree.map(lambda a: flat(a, m), stats))
-      if kc is not None:
-        new_kv.append(jax.tree.map(lambda a: flat(a, u), kvs))
-      layer0 += n * u
-      moe0 += n * m
+            if cfg.remat_policy != "none":
+                body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=False)
+            steps = jnp.arange(n, dtype=jnp.int32)
+            if cfg.scan_layers:
+                x, (stats, kvs) = jax.lax.scan(body, x, (state, steps, rep_seg))
+            else:
+                outs = []
+                for i in range(n):
+                    st, rep = jax.tree.map(lambda a: a[i], (state, rep_seg))
+                    x, o = body(x, (st, i, rep))  # a Python int i: static layer indices
+                    outs.append(o)
+                stats, kvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs else (None, None)
+            flat = lambda a, k: a.reshape((n * k,) + a.shape[2:])  # [n, k, ...] -> [n * k, ...]
+            if m:
+                all_stats.append(jax.tree.map(lambda a: flat(a, m), stats))
+            if kc is not None:
+                new_kv.append(jax.tree.map(lambda a: flat(a, u), kvs))
+            layer0 += n * u
+            moe0 += n * m
 
-    h = self.final_norm(x)
-    aux = self._router_aux(all_stats, b, t)
-    new_cache = None
-    if cache is not None:
-      # Each layer's new keys [B, KV, hd, T] / values [B, KV, T, hd] go to
-      # slots [index, index + T) of its buffers, in place.
-      k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # leading L
-      write = lambda bufs, new, at: tuple(jax.lax.dynamic_update_slice(buf, new[j], at)
-                                          for j, buf in enumerate(bufs))
-      new_cache = KVCache(k=write(kc, k_new, (0, 0, 0, cache.index)),
-                          v=write(vc, v_new, (0, 0, cache.index, 0)), valid=valid,
-                          index=cache.index + t)
-    return h, aux, new_cache
+        h = self.final_norm(x)
+        aux = self._router_aux(all_stats, b, t)
+        new_cache = None
+        if cache is not None:
+            # Each layer's new keys [B, KV, hd, T] / values [B, KV, T, hd] go to
+            # slots [index, index + T) of its buffers, in place.
+            k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # leading L
+            write = lambda bufs, new, at: tuple(
+                jax.lax.dynamic_update_slice(buf, new[j], at) for j, buf in enumerate(bufs)
+            )
+            new_cache = KVCache(
+                k=write(kc, k_new, (0, 0, 0, cache.index)),
+                v=write(vc, v_new, (0, 0, cache.index, 0)),
+                valid=valid,
+                index=cache.index + t,
+            )
+        return h, aux, new_cache
 
-  def _router_aux(self, all_stats, b, t) -> RouterAux:
-    cfg = self.cfg
-    if not all_stats:
-      e, k = cfg.num_experts, cfg.top_k
-      z = jnp.zeros((), jnp.float32)
-      return RouterAux(router_logits=jnp.zeros((b, t, 0, e), jnp.float32),
-                       topk_indices=jnp.zeros((b, t, 0, k), jnp.int32),
-                       topk_weights=jnp.zeros((b, t, 0, k), jnp.float32),
-                       expert_load=jnp.zeros((0, e), jnp.float32), aux_loss=z, z_loss=z,
-                       replay_mismatch=jnp.zeros((0,), jnp.float32))
-    s = MoEStats(*[jnp.concatenate(f, axis=0) for f in zip(*all_stats)])  # leading L
-    per_tok = lambda a: jnp.moveaxis(a, 0, 2)  # [L, B, T, X] -> [B, T, L, X]
-    return RouterAux(router_logits=per_tok(s.router_logits), topk_indices=per_tok(s.topk_indices),
-                     topk_weights=per_tok(s.topk_weights), expert_load=s.expert_load,
-                     aux_loss=jnp.mean(s.aux_loss), z_loss=jnp.mean(s.z_loss),
-                     replay_mismatch=s.mismatch)
+    def _router_aux(self, all_stats, b, t) -> RouterAux:
+        cfg = self.cfg
+        if not all_stats:
+            e, k = cfg.num_experts, cfg.top_k
+            z = jnp.zeros((), jnp.float32)
+            return RouterAux(
+                router_logits=jnp.zeros((b, t, 0, e), jnp.float32),
+                topk_indices=jnp.zeros((b, t, 0, k), jnp.int32),
+                topk_weights=jnp.zeros((b, t, 0, k), jnp.float32),
+                expert_load=jnp.zeros((0, e), jnp.float32),
+                aux_loss=z,
+                z_loss=z,
+                replay_mismatch=jnp.zeros((0,), jnp.float32),
+            )
+        s = MoEStats(*[jnp.concatenate(f, axis=0) for f in zip(*all_stats)])  # leading L
+        per_tok = lambda a: jnp.moveaxis(a, 0, 2)  # [L, B, T, X] -> [B, T, L, X]
+        return RouterAux(
+            router_logits=per_tok(s.router_logits),
+            topk_indices=per_tok(s.topk_indices),
+            topk_weights=per_tok(s.topk_weights),
+            expert_load=s.expert_load,
+            aux_loss=jnp.mean(s.aux_loss),
+            z_loss=jnp.mean(s.z_loss),
+            replay_mismatch=s.mismatch,
+        )
 
-  # ------------------------------------------------------------------ head
-  def _head_weight(self):
-    """[D, V] output projection (embedding transposed when tied)."""
-    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    # ------------------------------------------------------------------ head
+    def _head_weight(self):
+        """[D, V] output projection (embedding transposed when tied)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
-  @staticmethod
-  def _project(h, w):
-    """f32 logits [..., V] = h [..., D] @ w [D, V] in h's dtype, f32 accumulation."""
-    return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    @staticmethod
+    def _project(h, w):
+        """f32 logits [..., V] = h [..., D] @ w [D, V] in h's dtype, f32 accumulation."""
+        return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
-  def logits(self, h: jax.Array) -> jax.Array:
-    """f32[B, T, V] from final-normed hidden states [B, T, D]."""
-    return self._project(h, self._head_weight())
+    def logits(self, h: jax.Array) -> jax.Array:
+        """f32[B, T, V] from final-normed hidden states [B, T, D]."""
+        return self._project(h, self._head_weight())
 
-  # ------------------------------------------------------------------ public
-  def __call__(self, tokens, *, positions=None, attn_mask=None, replay=None):
-    """Full forward.
+    # ------------------------------------------------------------------ public
+    def __call__(self, tokens, *, positions=None, attn_mask=None, replay=None):
+        """Full forward.
 
-    Args:
-      tokens: int32[B, T].
-      positions: int32[B, T] RoPE positions (default arange(T) per row).
-      attn_mask: [B, T], 1 = real token, 0 = padding (never attended to;
-        excluded from router losses and load).
-      replay: int32[B, T, L, K] experts to force, -1 = free (a row is replayed
-        iff all its K entries are >= 0).
+        Args:
+          tokens: int32[B, T].
+          positions: int32[B, T] RoPE positions (default arange(T) per row).
+          attn_mask: [B, T], 1 = real token, 0 = padding (never attended to;
+            excluded from router losses and load).
+          replay: int32[B, T, L, K] experts to force, -1 = free (a row is replayed
+            iff all its K entries are >= 0).
 
-    Returns: (logits f32[B, T, V], RouterAux).
-    """
-    h, aux = self.hidden(tokens, positions=positions, attn_mask=attn_mask, replay=replay)
-    return self.logits(h), aux
+        Returns: (logits f32[B, T, V], RouterAux).
+        """
+        h, aux = self.hidden(tokens, positions=positions, attn_mask=attn_mask, replay=replay)
+        return self.logits(h), aux
 
-  def hidden(self, tokens, *, positions=None, attn_mask=None, replay=None):
-    """(final-normed hidden states [B, T, D] in compute dtype, RouterAux)."""
-    h, aux, _ = self._run(tokens, positions, attn_mask, replay, None)
-    return h, aux
+    def hidden(self, tokens, *, positions=None, attn_mask=None, replay=None):
+        """(final-normed hidden states [B, T, D] in compute dtype, RouterAux)."""
+        h, aux, _ = self._run(tokens, positions, attn_mask, replay, None)
+        return h, aux
 
-  def token_logprobs(self, tokens, targets, *, positions=None, attn_mask=None, replay=None,
-                     chunk_size=None):
-    """Log-probabilities and entropies of next tokens, chunked over T.
+    def token_logprobs(
+        self, tokens, targets, *, positions=None, attn_mask=None, replay=None, chunk_size=None
+    ):
+        """Log-probabilities and entropies of next tokens, chunked over T.
 
-    logp[b, t] = log pi(targets[b, t] | tokens[b, :t+1]) = z[targets] - logsumexp(z)
-    entropy[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v
-    with z = logits[b, t] (the same f32 logits as `__call__`).  The sequence is
-    processed in chunks of `chunk_size` (default cfg.logits_chunk_size, else
-    T) under `jax.checkpoint`, so at most one chunk's [B, c, V] logits exist at
-    a time, in the forward and the backward pass.
+        logp[b, t] = log pi(targets[b, t] | tokens[b, :t+1]) = z[targets] - logsumexp(z)
+        entropy[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v
+        with z = logits[b, t] (the same f32 logits as `__call__`).  The sequence is
+        processed in chunks of `chunk_size` (default cfg.logits_chunk_size, else
+        T) under `jax.checkpoint`, so at most one chunk's [B, c, V] logits exist at
+        a time, in the forward and the backward pass.
 
-    Returns: (logp f32[B, T], entropy f32[B, T], RouterAux).
-    """
-    if tuple(targets.shape) != tuple(tokens.shape):
-      raise ValueError(f"targets: expected shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-    if not isinstance(targets, jax.core.Tracer):
-      tg = np.asarray(targets)
-      if tg.size and (tg.min() < 0 or tg.max() >= self.cfg.vocab_size):
-        raise ValueError(f"targets: entries must be in [0, {self.cfg.vocab_size}), "
-                         f"got range [{tg.min()}, {tg.max()}]")
-    h, aux = self.hidden(tokens, positions=positions, attn_mask=attn_mask, replay=replay)
-    lp, ent = self.logprobs_from_hidden(h, targets, chunk_size=chunk_size)
-    return lp, ent, aux
+        Returns: (logp f32[B, T], entropy f32[B, T], RouterAux).
+        """
+        if tuple(targets.shape) != tuple(tokens.shape):
+            raise ValueError(
+                f"targets: expected shape {tuple(tokens.shape)}, got {tuple(targets.shape)}"
+            )
+        if not isinstance(targets, jax.core.Tracer):
+            tg = np.asarray(targets)
+            if tg.size and (tg.min() < 0 or tg.max() >= self.cfg.vocab_size):
+                raise ValueError(
+                    f"targets: entries must be in [0, {self.cfg.vocab_size}), "
+                    f"got range [{tg.min()}, {tg.max()}]"
+                )
+        h, aux = self.hidden(tokens, positions=positions, attn_mask=attn_mask, replay=replay)
+        lp, ent = self.logprobs_from_hidden(h, targets, chunk_size=chunk_size)
+        return lp, ent, aux
 
-  def logprobs_from_hidden(self, h, targets, *, chunk_size=None):
-    """`token_logprobs` from final hidden states h [B, T, D] (for callers that
-    also need h, e.g. the value head): (logp f32[B, T], entropy f32[B, T])."""
-    b, t, d = h.shape
-    c = chunk_size or self.cfg.logits_chunk_size or t
-    if c <= 0:
-      raise ValueError(f"chunk_size: must be > 0, got {c}")
-    c = min(c, t)
-    nc = -(-t // c)
-    pad = nc * c - t
-    hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, d).swapaxes(0, 1)
-    tp = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
-    w = self._head_weight()
-    project = self._project
+    def logprobs_from_hidden(self, h, targets, *, chunk_size=None):
+        """`token_logprobs` from final hidden states h [B, T, D] (for callers that
+        also need h, e.g. the value head): (logp f32[B, T], entropy f32[B, T])."""
+        b, t, d = h.shape
+        c = chunk_size or self.cfg.logits_chunk_size or t
+        if c <= 0:
+            raise ValueError(f"chunk_size: must be > 0, got {c}")
+        c = min(c, t)
+        nc = -(-t // c)
+        pad = nc * c - t
+        hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, d).swapaxes(0, 1)
+        tp = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+        w = self._head_weight()
+        project = self._project
 
-    @jax.checkpoint
-    def chunk(hc, tc):
-      z = project(hc, w)  # [B, c, V] f32
-      lse = jax.nn.logsumexp(z, axis=-1)
-      zt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
-      p = jnp.exp(z - lse[..., None])
-      ent = lse - jnp.sum(p * z, axis=-1)
-      return zt - lse, ent
+        @jax.checkpoint
+        def chunk(hc, tc):
+            z = project(hc, w)  # [B, c, V] f32
+            lse = jax.nn.logsumexp(z, axis=-1)
+            zt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
+            p = jnp.exp(z - lse[..., None])
+            ent = lse - jnp.sum(p * z, axis=-1)
+            return zt - lse, ent
 
-    _, (lp, ent) = jax.lax.scan(lambda _, xs: (None, chunk(*xs)), None, (hp, tp))
-    lp = lp.swapaxes(0, 1).reshape(b, nc * c)[:, :t]
-    ent = ent.swapaxes(0, 1).reshape(b, nc * c)[:, :t]
-    return lp, ent
+        _, (lp, ent) = jax.lax.scan(lambda _, xs: (None, chunk(*xs)), None, (hp, tp))
+        lp = lp.swapaxes(0, 1).reshape(b, nc * c)[:, :t]
+        ent = ent.swapaxes(0, 1).reshape(b, nc * c)[:, :t]
+        return lp, ent
 
-  def value(self, h: jax.Array) -> jax.Array:
-    """Value head: f32[B, T] = h @ w + b (requires cfg.value_head)."""
-    if not self.cfg.value_head:
-      raise ValueError("value: ModelConfig.value_head is False; the model has no value head")
-    return (jnp.einsum("btd,d->bt", h.astype(jnp.float32), self.value_w[...].astype(jnp.float32))
-            + self.value_b[...].astype(jnp.float32))
+    def value(self, h: jax.Array) -> jax.Array:
+        """Value head: f32[B, T] = h @ w + b (requires cfg.value_head)."""
+        if not self.cfg.value_head:
+            raise ValueError("value: ModelConfig.value_head is False; the model has no value head")
+        return jnp.einsum(
+            "btd,d->bt", h.astype(jnp.float32), self.value_w[...].astype(jnp.float32)
+        ) + self.value_b[...].astype(jnp.float32)
 
-  def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """Empty KV cache for `batch_size` sequences of up to `max_len` slots."""
-    cfg = self.cfg
-    if batch_size <= 0 or max_len <= 0:
-      raise ValueError(f"init_cache: batch_size and max_len must be > 0, got {batch_size}, {max_len}")
-    v_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-    k_shape = (batch_size, cfg.num_kv_heads, cfg.head_dim, max_len)
-    dt = jnp.dtype(dtype) if dtype is not None else cfg.jnp_dtype
-    zeros = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    return KVCache(k=zeros(k_shape), v=zeros(v_shape),
-                   valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """Empty KV cache for `batch_size` sequences of up to `max_len` slots."""
+        cfg = self.cfg
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(
+                f"init_cache: batch_size and max_len must be > 0, got {batch_size}, {max_len}"
+            )
+        v_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+        k_shape = (batch_size, cfg.num_kv_heads, cfg.head_dim, max_len)
+        dt = jnp.dtype(dtype) if dtype is not None else cfg.jnp_dtype
+        zeros = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+        return KVCache(
+            k=zeros(k_shape),
+            v=zeros(v_shape),
+            valid=jnp.zeros((batch_size, max_len), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
 
-  def decode(self, tokens, cache: KVCache, *, positions, attn_mask=None, replay=None,
-             last_only: bool = False):
-    """Write tokens [B, T'] at cache slots [index, index + T') and attend causally
-    to all valid slots.  T' = prompt length for prefill, 1 for a step.
+    def decode(
+        self,
+        tokens,
+        cache: KVCache,
+        *,
+        positions,
+        attn_mask=None,
+        replay=None,
+        last_only: bool = False,
+    ):
+        """Write tokens [B, T'] at cache slots [index, index + T') and attend causally
+        to all valid slots.  T' = prompt length for prefill, 1 for a step.
 
-    Args:
-      tokens: int32[B, T'].
-      cache: KVCache of batch B (from `init_cache`).
-      positions: int32[B, T'] RoPE positions.
-      attn_mask: [B, T'], 1 = real token (default all 1).
-      replay: int32[B, T', L, K] experts to force (see `__call__`).
-      last_only: return the logits of the last position only (what a sampler
-        needs after a prefill): the [B, T', V] projection is skipped.
+        Args:
+          tokens: int32[B, T'].
+          cache: KVCache of batch B (from `init_cache`).
+          positions: int32[B, T'] RoPE positions.
+          attn_mask: [B, T'], 1 = real token (default all 1).
+          replay: int32[B, T', L, K] experts to force (see `__call__`).
+          last_only: return the logits of the last position only (what a sampler
+            needs after a prefill): the [B, T', V] projection is skipped.
 
-    The caller keeps index + T' <= max_len (not checkable under jit:
-    `dynamic_update_slice` would clamp the write).
+        The caller keeps index + T' <= max_len (not checkable under jit:
+        `dynamic_update_slice` would clamp the write).
 
-    Returns: (logits f32[B, T', V] (f32[B, 1, V] with last_only), RouterAux
-    over all T' tokens, updated KVCache).
-    """
-    b, t = tokens.shape
-    if tuple(cache.valid.shape[:1]) != (b,):
-      raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
-    kv, s_len, hd = self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim
-    layouts = {"k": ("[B, KV, hd, S]", (b, kv, hd, s_len)), "v": ("[B, KV, S, hd]", (b, kv, s_len, hd))}
-    for name, (layout, want) in layouts.items():
-      bufs = getattr(cache, name)
-      got = ([tuple(a.shape) for a in bufs] if isinstance(bufs, (tuple, list))
-             else tuple(bufs.shape))
-      if got != [want] * self.cfg.num_layers:
-        raise ValueError(f"cache.{name}: expected {self.cfg.num_layers} arrays {layout} = "
-                         f"{want}, got shapes {got}")
-    if t > cache.valid.shape[1]:
-      raise ValueError(f"tokens: length {t} exceeds the cache's max_len {cache.valid.shape[1]}")
-    if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.valid.shape[1]:
-      raise ValueError(f"cache: index {int(cache.index)} + {t} tokens exceeds max_len "
-                       f"{cache.valid.shape[1]}")
-    if positions is None:
-      raise ValueError("positions: decode needs explicit positions int32[B, T']")
-    h, aux, cache = self._run(tokens, positions, attn_mask, replay, cache)
-    if last_only:
-      h = h[:, -1:]
-    return self.logits(h), aux, cache
+        Returns: (logits f32[B, T', V] (f32[B, 1, V] with last_only), RouterAux
+        over all T' tokens, updated KVCache).
+        """
+        b, t = tokens.shape
+        if tuple(cache.valid.shape[:1]) != (b,):
+            raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
+        kv, s_len, hd = self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim
+        layouts = {
+            "k": ("[B, KV, hd, S]", (b, kv, hd, s_len)),
+            "v": ("[B, KV, S, hd]", (b, kv, s_len, hd)),
+        }
+        for name, (layout, want) in layouts.items():
+            bufs = getattr(cache, name)
+            got = (
+                [tuple(a.shape) for a in bufs]
+                if isinstance(bufs, (tuple, list))
+                else tuple(bufs.shape)
+            )
+            if got != [want] * self.cfg.num_layers:
+                raise ValueError(
+                    f"cache.{name}: expected {self.cfg.num_layers} arrays {layout} = "
+                    f"{want}, got shapes {got}"
+                )
+        if t > cache.valid.shape[1]:
+            raise ValueError(
+                f"tokens: length {t} exceeds the cache's max_len {cache.valid.shape[1]}"
+            )
+        if (
+            not isinstance(cache.index, jax.core.Tracer)
+            and int(cache.index) + t > cache.valid.shape[1]
+        ):
+            raise ValueError(
+                f"cache: index {int(cache.index)} + {t} tokens exceeds max_len "
+                f"{cache.valid.shape[1]}"
+            )
+        if positions is None:
+            raise ValueError("positions: decode needs explicit positions int32[B, T']")
+        h, aux, cache = self._run(tokens, positions, attn_mask, replay, cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.logits(h), aux, cache

@@ -31,8 +31,17 @@ class CISPOHparams(TokenHparams):
         check_ratio_eps(self, low_optional=True)
 
 
-def cispo(logp, old_logp, advantages, mask, hp: CISPOHparams = CISPOHparams(), *,
-          ref_logp=None, router_shift=None, normalizer=None):
+def cispo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: CISPOHparams = CISPOHparams(),
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""CISPO: l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t, by ``hp.agg``.
 
     Every valid token keeps the gradient -w_t A_t grad logp_t, w_t the clipped weight.
@@ -46,7 +55,8 @@ def cispo(logp, old_logp, advantages, mask, hp: CISPOHparams = CISPOHparams(), *
       (loss, metrics); ``is_weight_mean/max`` describe w.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp)
+        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+    )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     ratio = sg(jnp.exp(delta))

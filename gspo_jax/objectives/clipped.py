@@ -61,8 +61,17 @@ class DAPOHparams(PPOHparams):
     eps_high: float = 0.28
 
 
-def clipped_surrogate(logp, old_logp, advantages, mask, hp: PPOHparams, *,
-                      ref_logp=None, router_shift=None, normalizer=None):
+def clipped_surrogate(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: PPOHparams,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), aggregated by ``hp.agg``.
 
     With a dual clip c (A < 0 only): l_t = min(l_t, -A c). Then + kl_coef * agg(k).
@@ -85,7 +94,8 @@ def clipped_surrogate(logp, old_logp, advantages, mask, hp: PPOHparams, *,
       (loss, metrics): the scalar to minimise and mergeable metrics.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp)
+        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+    )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     ratio = jnp.exp(delta)
@@ -100,10 +110,12 @@ def clipped_surrogate(logp, old_logp, advantages, mask, hp: PPOHparams, *,
     ratio = sg(ratio)
     metrics = {
         **common.log_ratio_metrics(delta, mask),
-        **common.clip_fractions((adv < 0) & (ratio < 1.0 - hp.eps_low),
-                                (adv > 0) & (ratio > 1.0 + hp.eps_high), mask),
+        **common.clip_fractions(
+            (adv < 0) & (ratio < 1.0 - hp.eps_low), (adv > 0) & (ratio > 1.0 + hp.eps_high), mask
+        ),
         "dual_clip_frac": Mean.masked(
-            (adv < 0) & (ratio > hp.dual_clip) if hp.dual_clip else jnp.zeros_like(mask), mask),
+            (adv < 0) & (ratio > hp.dual_clip) if hp.dual_clip else jnp.zeros_like(mask), mask
+        ),
         **kl_metrics,
     }
     return loss + kl_loss, metrics

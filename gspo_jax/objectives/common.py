@@ -120,10 +120,10 @@ def aggregate(
 ) -> Array:
     """Per-token losses l_{i,t} -> one scalar, with the mini-batch's denominators.
 
-      token-mean               sum_{i,t} mask*l / num_tokens
-      seq-mean-token-mean      sum_i (sum_t mask*l / n_i) / num_seqs
-      seq-mean-token-sum       sum_{i,t} mask*l / num_seqs
-      seq-mean-token-sum-norm  sum_{i,t} mask*l / (num_seqs * norm_len), norm_len=None: T
+    token-mean               sum_{i,t} mask*l / num_tokens
+    seq-mean-token-mean      sum_i (sum_t mask*l / n_i) / num_seqs
+    seq-mean-token-sum       sum_{i,t} mask*l / num_seqs
+    seq-mean-token-sum-norm  sum_{i,t} mask*l / (num_seqs * norm_len), norm_len=None: T
     """
     row_sum = jnp.sum(jnp.where(mask > 0, loss_t, 0.0), axis=-1)
     num_tokens = jnp.maximum(sg(norm.num_tokens), 1.0)
@@ -285,7 +285,9 @@ def check_inputs(
         )
     for field, x in zip(norm._fields, norm):
         if jnp.shape(x) != ():
-            raise ValueError(f"{name}: normalizer.{field} must be a scalar, got shape {jnp.shape(x)}")
+            raise ValueError(
+                f"{name}: normalizer.{field} must be a scalar, got shape {jnp.shape(x)}"
+            )
     return (
         logp.astype(dtype),
         old_logp.astype(dtype),

@@ -12,9 +12,17 @@ from gspo_jax.objectives.common import AGG_MODES, Normalizer, sg
 from gspo_jax.objectives.hparams import _is_number
 
 
-def value_loss(values, old_values, returns, mask, *, clip_eps: float | None = 0.2,
-               agg: str = "token-mean", norm_len: int | None = None,
-               normalizer: Normalizer | None = None) -> tuple[jax.Array, dict]:
+def value_loss(
+    values,
+    old_values,
+    returns,
+    mask,
+    *,
+    clip_eps: float | None = 0.2,
+    agg: str = "token-mean",
+    norm_len: int | None = None,
+    normalizer: Normalizer | None = None,
+) -> tuple[jax.Array, dict]:
     r"""PPO's clipped value loss, aggregated like a policy loss:
 
       l_t = 1/2 max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)
@@ -33,19 +41,38 @@ def value_loss(values, old_values, returns, mask, *, clip_eps: float | None = 0.
       (loss, metrics): ``value_clip_frac`` (share of tokens where the clipped term is
       the larger) and ``value_error`` (masked mean of (V - R)^2), as numbers.
     """
-    loss, metrics = value_loss_mergeable(values, old_values, returns, mask, clip_eps=clip_eps,
-                                         agg=agg, norm_len=norm_len, normalizer=normalizer)
+    loss, metrics = value_loss_mergeable(
+        values,
+        old_values,
+        returns,
+        mask,
+        clip_eps=clip_eps,
+        agg=agg,
+        norm_len=norm_len,
+        normalizer=normalizer,
+    )
     return loss, {k: m.compute() for k, m in metrics.items()}
 
 
-def value_loss_mergeable(values, old_values, returns, mask, *, clip_eps=0.2, agg="token-mean",
-                         norm_len=None, normalizer=None) -> tuple[jax.Array, MetricDict]:
+def value_loss_mergeable(
+    values,
+    old_values,
+    returns,
+    mask,
+    *,
+    clip_eps=0.2,
+    agg="token-mean",
+    norm_len=None,
+    normalizer=None,
+) -> tuple[jax.Array, MetricDict]:
     """`value_loss` with metrics that merge across micro-batches (`gspo_jax.metrics`)."""
     values = jnp.asarray(values)
     for arg, x in (("old_values", old_values), ("returns", returns), ("mask", mask)):
         if jnp.shape(x) != values.shape or values.ndim != 2:
-            raise ValueError(f"value_loss: {arg} shape {jnp.shape(x)} != values shape "
-                             f"{values.shape} (both f32[N,T])")
+            raise ValueError(
+                f"value_loss: {arg} shape {jnp.shape(x)} != values shape "
+                f"{values.shape} (both f32[N,T])"
+            )
     if clip_eps is not None and not (_is_number(clip_eps) and clip_eps >= 0):
         raise ValueError(f"value_loss: clip_eps must be None or >= 0, got {clip_eps!r}")
     if agg not in AGG_MODES:
@@ -64,8 +91,10 @@ def value_loss_mergeable(values, old_values, returns, mask, *, clip_eps=0.2, agg
         err_clipped = (v_old + jnp.clip(v - v_old, -clip_eps, clip_eps) - ret) ** 2
         loss_t, clipped = 0.5 * jnp.maximum(err, err_clipped), err_clipped > err
     loss = common.aggregate(loss_t, mask, agg, norm, norm_len)
-    return loss, {"value_clip_frac": Mean.masked(clipped, mask),
-                  "value_error": Mean.masked(sg(err), mask)}
+    return loss, {
+        "value_clip_frac": Mean.masked(clipped, mask),
+        "value_error": Mean.masked(sg(err), mask),
+    }
 
 
 def token_entropy(logits) -> jax.Array:
@@ -74,9 +103,15 @@ def token_entropy(logits) -> jax.Array:
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
-def entropy_bonus(entropy, mask, *, coef: float = 0.01, agg: str = "token-mean",
-                  norm_len: int | None = None,
-                  normalizer: Normalizer | None = None) -> tuple[jax.Array, dict]:
+def entropy_bonus(
+    entropy,
+    mask,
+    *,
+    coef: float = 0.01,
+    agg: str = "token-mean",
+    norm_len: int | None = None,
+    normalizer: Normalizer | None = None,
+) -> tuple[jax.Array, dict]:
     """Entropy bonus as a loss term, -coef * agg(H_t).
 
     Args:
@@ -90,8 +125,10 @@ def entropy_bonus(entropy, mask, *, coef: float = 0.01, agg: str = "token-mean",
     """
     entropy = jnp.asarray(entropy)
     if entropy.ndim != 2 or jnp.shape(mask) != entropy.shape:
-        raise ValueError(f"entropy_bonus: entropy {entropy.shape} and mask {jnp.shape(mask)} "
-                         "must both be f32[N,T]")
+        raise ValueError(
+            f"entropy_bonus: entropy {entropy.shape} and mask {jnp.shape(mask)} "
+            "must both be f32[N,T]"
+        )
     if not (_is_number(coef) and coef >= 0):
         raise ValueError(f"entropy_bonus: coef must be a number >= 0, got {coef!r}")
     if agg not in AGG_MODES:

@@ -41,8 +41,17 @@ class RSPOHparams(GMPOHparams):
     name = "rspo"
 
 
-def gmpo(logp, old_logp, advantages, mask, hp: GMPOHparams = GMPOHparams(), *,
-         ref_logp=None, router_shift=None, normalizer=None):
+def gmpo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: GMPOHparams = GMPOHparams(),
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""GMPO: l_i = -A_i exp(sum_t mask delta*_t / n_i), mean over sequences,
 
       delta*_t = min(delta_t, eps_high) if A_i >= 0,  max(delta_t, -eps_low) if A_i < 0,
@@ -60,8 +69,17 @@ def gmpo(logp, old_logp, advantages, mask, hp: GMPOHparams = GMPOHparams(), *,
     return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, None, normalizer)
 
 
-def rspo(logp, old_logp, advantages, mask, hp: RSPOHparams = RSPOHparams(), *,
-         ref_logp=None, router_shift=None, normalizer=None):
+def rspo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: RSPOHparams = RSPOHparams(),
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i).
 
     GMPO's ratio times the geometric mean of the router shift gamma in (0, 1], a
@@ -82,8 +100,18 @@ def rspo(logp, old_logp, advantages, mask, hp: RSPOHparams = RSPOHparams(), *,
 def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer):
     """GMPO (router_shift None) and RSPO: the two differ only in the gamma factor."""
     logp, old_logp, advantages, mask, ref_logp, gamma, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, router_shift=router_shift,
-        norm=normalizer, hp=hp, sequence_level=True, needs_router_shift=hp.name == "rspo")
+        hp.name,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        hp=hp,
+        sequence_level=True,
+        needs_router_shift=hp.name == "rspo",
+    )
     adv = common.seq_advantages(advantages, mask)[:, None]  # f[N,1]
     delta = common.log_ratio(logp, old_logp, mask)
     high, low = (adv >= 0) & (delta > hp.eps_high), (adv < 0) & (delta < -hp.eps_low)

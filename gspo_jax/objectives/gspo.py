@@ -43,8 +43,17 @@ class GSPOTokenHparams(TokenHparams):
         check_ratio_eps(self)
 
 
-def gspo(logp, old_logp, advantages, mask, hp: GSPOHparams = GSPOHparams(), *,
-         ref_logp=None, router_shift=None, normalizer=None):
+def gspo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: GSPOHparams = GSPOHparams(),
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),
 
     s_i = exp(sum_t mask delta_t / n_i), the geometric mean of the token ratios, and
@@ -62,8 +71,16 @@ def gspo(logp, old_logp, advantages, mask, hp: GSPOHparams = GSPOHparams(), *,
       ``clip_frac_low/high`` the shares of tokens in clipped sequences.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp,
-        sequence_level=True)
+        hp.name,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        norm=normalizer,
+        hp=hp,
+        sequence_level=True,
+    )
     adv = common.seq_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     s = jnp.exp(common.seq_mean(delta, mask))  # f[N]
@@ -86,8 +103,17 @@ def gspo(logp, old_logp, advantages, mask, hp: GSPOHparams = GSPOHparams(), *,
     return loss + kl_loss, metrics
 
 
-def gspo_token(logp, old_logp, advantages, mask, hp: GSPOTokenHparams = GSPOTokenHparams(), *,
-               ref_logp=None, router_shift=None, normalizer=None):
+def gspo_token(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: GSPOTokenHparams = GSPOTokenHparams(),
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""GSPO-token: the sequence ratio with a per-token gradient path,
 
       s_hat_{i,t} = sg(s_i) * exp(delta_t - sg(delta_t))   (value s_i, d/dlogp_t = s_i),
@@ -105,7 +131,8 @@ def gspo_token(logp, old_logp, advantages, mask, hp: GSPOTokenHparams = GSPOToke
       (loss, metrics).
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp)
+        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+    )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     s = sg(jnp.exp(common.seq_mean(delta, mask)))  # f[N]
@@ -119,8 +146,9 @@ def gspo_token(logp, old_logp, advantages, mask, hp: GSPOTokenHparams = GSPOToke
     s_tok = s[:, None]
     metrics = {
         **common.log_ratio_metrics(delta, mask),
-        **common.clip_fractions((adv < 0) & (s_tok < 1.0 - hp.eps_low),
-                                (adv > 0) & (s_tok > 1.0 + hp.eps_high), mask),
+        **common.clip_fractions(
+            (adv < 0) & (s_tok < 1.0 - hp.eps_low), (adv > 0) & (s_tok > 1.0 + hp.eps_high), mask
+        ),
         "seq_ratio_mean": Mean.masked(s, jnp.any(mask > 0, axis=-1)),
         **kl_metrics,
     }

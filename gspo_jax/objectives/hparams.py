@@ -26,8 +26,7 @@ def fail(hp, key: str, what: str) -> None:
     raise ValueError(f"{hp.name}: {key} {what}, got {getattr(hp, key)!r}")
 
 
-def check_number(hp, key: str, *, low=None, low_open=False, high_open=None,
-                 optional=False) -> None:
+def check_number(hp, key: str, *, low=None, low_open=False, high_open=None, optional=False) -> None:
     """``hp.key`` is a static finite number in the range (or None if ``optional``)."""
     v = getattr(hp, key)
     if v is None and optional:
@@ -78,7 +77,9 @@ class TokenHparams(Hparams):
         super().__post_init__()
         check_choice(self, "agg", AGG_MODES)
         v = self.norm_len
-        if v is not None and not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0):
+        if v is not None and not (
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
+        ):
             fail(self, "norm_len", "must be None or a positive int")
 
 

@@ -44,54 +44,135 @@ class Objective:
         """The validated hyperparameters; ValueError naming any unknown or bad one."""
         unknown = sorted(set(hyperparameters) - set(self.defaults))
         if unknown:
-            raise ValueError(f"{self.name}: unknown hyperparameter(s) {unknown}; "
-                             f"accepted: {sorted(self.defaults)}")
+            raise ValueError(
+                f"{self.name}: unknown hyperparameter(s) {unknown}; "
+                f"accepted: {sorted(self.defaults)}"
+            )
         return self.hparams_class(**hyperparameters)
 
     def validate_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults updated by ``hyperparameters``, validated, as a dict."""
         return self.hparams(**hyperparameters).as_dict()
 
-    def apply(self, logp, old_logp, advantages, mask, *, ref_logp=None, router_shift=None,
-              normalizer=None, **hyperparameters) -> tuple[Any, MetricDict]:
+    def apply(
+        self,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        *,
+        ref_logp=None,
+        router_shift=None,
+        normalizer=None,
+        **hyperparameters,
+    ) -> tuple[Any, MetricDict]:
         """(loss, metrics) with metrics that merge across micro-batches exactly."""
-        return self.fn(logp, old_logp, advantages, mask, self.hparams(**hyperparameters),
-                       ref_logp=ref_logp, router_shift=router_shift, normalizer=normalizer)
+        return self.fn(
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            self.hparams(**hyperparameters),
+            ref_logp=ref_logp,
+            router_shift=router_shift,
+            normalizer=normalizer,
+        )
 
-    def __call__(self, logp, old_logp, advantages, mask, *, ref_logp=None, router_shift=None,
-                 normalizer=None, **hyperparameters):
-        loss, metrics = self.apply(logp, old_logp, advantages, mask, ref_logp=ref_logp,
-                                   router_shift=router_shift, normalizer=normalizer,
-                                   **hyperparameters)
+    def __call__(
+        self,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        *,
+        ref_logp=None,
+        router_shift=None,
+        normalizer=None,
+        **hyperparameters,
+    ):
+        loss, metrics = self.apply(
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            ref_logp=ref_logp,
+            router_shift=router_shift,
+            normalizer=normalizer,
+            **hyperparameters,
+        )
         return loss, compute_all(metrics)
 
 
-_REGISTRY = {o.name: o for o in (
-    Objective("ppo", clipped.clipped_surrogate, clipped.PPOHparams,
-              "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0."),
-    Objective("grpo", clipped.clipped_surrogate, clipped.GRPOHparams,
-              "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04."),
-    Objective("dr_grpo", clipped.clipped_surrogate, clipped.DrGRPOHparams,
-              "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL."),
-    Objective("dapo", clipped.clipped_surrogate, clipped.DAPOHparams,
-              "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL."),
-    Objective("gspo", gspo.gspo, gspo.GSPOHparams,
-              "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
-              sequence_level=True),
-    Objective("gspo_token", gspo.gspo_token, gspo.GSPOTokenHparams,
-              "GSPO-token: s_i with a per-token gradient path, for per-token advantages."),
-    Objective("cispo", cispo.cispo, cispo.CISPOHparams,
-              "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight."),
-    Objective("gmpo", geometric.gmpo, geometric.GMPOHparams,
-              "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
-              sequence_level=True),
-    Objective("rspo", geometric.rspo, geometric.RSPOHparams,
-              "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
-              "sgn(A) power, so routing drift damps the update for either sign of A).",
-              sequence_level=True, needs_router_shift=True),
-    Objective("sapo", sapo.sapo, sapo.SAPOHparams,
-              "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg."),
-)}
+_REGISTRY = {
+    o.name: o
+    for o in (
+        Objective(
+            "ppo",
+            clipped.clipped_surrogate,
+            clipped.PPOHparams,
+            "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0.",
+        ),
+        Objective(
+            "grpo",
+            clipped.clipped_surrogate,
+            clipped.GRPOHparams,
+            "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04.",
+        ),
+        Objective(
+            "dr_grpo",
+            clipped.clipped_surrogate,
+            clipped.DrGRPOHparams,
+            "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL.",
+        ),
+        Objective(
+            "dapo",
+            clipped.clipped_surrogate,
+            clipped.DAPOHparams,
+            "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL.",
+        ),
+        Objective(
+            "gspo",
+            gspo.gspo,
+            gspo.GSPOHparams,
+            "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
+            sequence_level=True,
+        ),
+        Objective(
+            "gspo_token",
+            gspo.gspo_token,
+            gspo.GSPOTokenHparams,
+            "GSPO-token: s_i with a per-token gradient path, for per-token advantages.",
+        ),
+        Objective(
+            "cispo",
+            cispo.cispo,
+            cispo.CISPOHparams,
+            "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight.",
+        ),
+        Objective(
+            "gmpo",
+            geometric.gmpo,
+            geometric.GMPOHparams,
+            "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
+            sequence_level=True,
+        ),
+        Objective(
+            "rspo",
+            geometric.rspo,
+            geometric.RSPOHparams,
+            "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
+            "sgn(A) power, so routing drift damps the update for either sign of A).",
+            sequence_level=True,
+            needs_router_shift=True,
+        ),
+        Objective(
+            "sapo",
+            sapo.sapo,
+            sapo.SAPOHparams,
+            "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg.",
+        ),
+    )
+}
 
 
 def get(name: str) -> Objective:

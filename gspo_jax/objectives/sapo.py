@@ -30,8 +30,17 @@ class SAPOHparams(TokenHparams):
         check_number(self, "tau_neg", low=0.0, low_open=True)
 
 
-def sapo(logp, old_logp, advantages, mask, hp: SAPOHparams = SAPOHparams(), *,
-         ref_logp=None, router_shift=None, normalizer=None):
+def sapo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp: SAPOHparams = SAPOHparams(),
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+):
     r"""SAPO: l_t = -A_t (4 / tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A_t > 0 else
     tau_neg, aggregated by ``hp.agg`` (+ the KL term).
 
@@ -47,7 +56,8 @@ def sapo(logp, old_logp, advantages, mask, hp: SAPOHparams = SAPOHparams(), *,
       (loss, metrics); ``sapo_gate_mean/min`` describe the gate g.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp)
+        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+    )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     ratio = jnp.exp(delta)
