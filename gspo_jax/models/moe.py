@@ -12,8 +12,7 @@ Dispatch backends (same math, tests compare them, values and gradients):
   that is zero off the chosen experts.  O(E) compute; the reference.
 * ``ragged``: the N*K (token, expert) assignments are sorted by expert and fed
   to ``jax.lax.ragged_dot`` (grouped matmul) with the per-expert group sizes.
-  Dropless.  The right primitive on TPU / GPU; slow on CPU (see
-  /work/shared/design/measurements.md).
+  Dropless.  The right primitive on TPU / GPU; slow on CPU (experiments/model.md).
 * ``blocked``: the sorted assignments are laid out in fixed-size blocks of
   `bk` rows, each block holding rows of one expert only (each expert's group is
   padded to a multiple of bk); a batched matmul runs every block against its
