@@ -32,15 +32,7 @@ class CISPOHparams(TokenHparams):
 
 
 def cispo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: CISPOHparams = CISPOHparams(),
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
     r"""CISPO: l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t, by ``hp.agg``.
 
@@ -55,7 +47,7 @@ def cispo(
       (loss, metrics); ``is_weight_mean/max`` describe w.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)

@@ -62,39 +62,25 @@ class DAPOHparams(PPOHparams):
 
 
 def clipped_surrogate(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: PPOHparams,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
-    r"""l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), aggregated by ``hp.agg``.
+    r"""l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), aggregated by ``hp.agg``;
+    with a dual clip c, l_t = -A c where A < 0 and r > c; then + kl_coef * agg(k).
 
-    With a dual clip c (A < 0 only): l_t = min(l_t, -A c). Then + kl_coef * agg(k).
-
-    The gradient of a token is exactly zero where the clip binds (A > 0 and
-    r > 1 + eps_high; A < 0 and r < 1 - eps_low; A < 0 and r > c), and -A r grad logp
-    elsewhere.
+    A token's gradient is exactly zero where a clip binds (A > 0 and r > 1 + eps_high;
+    A < 0 and r < 1 - eps_low; A < 0 and r > c), and -A r grad logp elsewhere.
 
     Args:
-      logp: f32[N,T] log pi_theta of the sampled tokens (differentiated).
-      old_logp: f32[N,T] log pi_old (constant).
-      advantages: f32[N] or f32[N,T].
-      mask: f32[N,T] 1 on tokens that count.
-      hp: `PPOHparams` or a subclass (`GRPOHparams`, `DrGRPOHparams`, `DAPOHparams`).
-      ref_logp: f32[N,T] log pi_ref, needed when hp.kl_coef > 0.
-      router_shift: unused.
+      logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
+      hp: `PPOHparams`, `GRPOHparams`, `DrGRPOHparams` or `DAPOHparams`.
+      ref_logp: f32[N,T] log pi_ref when hp.kl_coef > 0. router_shift: unused.
       normalizer: the mini-batch's `common.Normalizer` (None: this batch's).
 
     Returns:
       (loss, metrics): the scalar to minimise and mergeable metrics.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
@@ -108,14 +94,12 @@ def clipped_surrogate(
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     ratio = sg(ratio)
+    low, high = (adv < 0) & (ratio < 1.0 - hp.eps_low), (adv > 0) & (ratio > 1.0 + hp.eps_high)
+    dual = (adv < 0) & (ratio > hp.dual_clip) if hp.dual_clip else jnp.zeros_like(mask)
     metrics = {
         **common.log_ratio_metrics(delta, mask),
-        **common.clip_fractions(
-            (adv < 0) & (ratio < 1.0 - hp.eps_low), (adv > 0) & (ratio > 1.0 + hp.eps_high), mask
-        ),
-        "dual_clip_frac": Mean.masked(
-            (adv < 0) & (ratio > hp.dual_clip) if hp.dual_clip else jnp.zeros_like(mask), mask
-        ),
+        **common.clip_fractions(low, high, mask),
+        "dual_clip_frac": Mean.masked(dual, mask),
         **kl_metrics,
     }
     return loss + kl_loss, metrics

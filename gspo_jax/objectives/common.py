@@ -217,26 +217,16 @@ def clip_fractions(clipped_low: Array, clipped_high: Array, mask: Array) -> Metr
 # ----------------------------------------------------------------------------------
 
 
-def check_inputs(
-    name: str,
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    norm=None,
-    hp=None,
-    sequence_level: bool = False,
-    needs_router_shift: bool = False,
-):
+def check_inputs(hp, logp, old_logp, advantages, mask, ref_logp=None, router_shift=None, norm=None):
     """Checks shapes and dtypes and returns the arrays in the compute dtype.
 
-    Raises ValueError naming the argument. Shapes are static, so the checks fire
+    ``hp`` (the objective's `Hparams`) gives the name used in messages, whether the
+    objective is sequence-level and whether it needs the router shift. Raises
+    ValueError naming the argument. Shapes are static, so the checks fire
     under ``jax.jit`` too. Returns (logp, old_logp, advantages, mask, ref_logp,
     router_shift, normalizer); ``normalizer`` is the batch's own when None.
     """
+    name = hp.name
     logp = _as_array(logp, "logp", name)
     if logp.ndim != 2:
         raise ValueError(f"{name}: logp must be f32[N,T], got shape {logp.shape}")
@@ -247,7 +237,7 @@ def check_inputs(
     for arg, x in (("old_logp", old_logp), ("mask", mask)):
         if x.shape != shape:
             raise ValueError(f"{name}: {arg} shape {x.shape} != logp shape {shape}")
-    if sequence_level and advantages.shape != shape[:1]:
+    if hp.sequence_level and advantages.shape != shape[:1]:
         raise ValueError(
             f"{name}: advantages must be f32[N] = {shape[:1]} for a sequence-level "
             f"objective, got shape {advantages.shape}"
@@ -262,7 +252,7 @@ def check_inputs(
         if ref_logp.shape != shape:
             raise ValueError(f"{name}: ref_logp shape {ref_logp.shape} != logp shape {shape}")
         ref_logp = ref_logp.astype(dtype)
-    elif hp is not None and getattr(hp, "kl_coef", 0) > 0:
+    elif hp.kl_coef > 0:
         raise ValueError(
             f"{name}: kl_coef={hp.kl_coef} > 0 needs ref_logp (pass ref_logp, or kl_coef=0.0)"
         )
@@ -273,7 +263,7 @@ def check_inputs(
                 f"{name}: router_shift shape {router_shift.shape} != logp shape {shape}"
             )
         router_shift = router_shift.astype(dtype)
-    elif needs_router_shift:
+    elif hp.needs_router_shift:
         raise ValueError(
             f"{name}: router_shift (f32[N,T], gspo_jax.routing.router_shift) is required"
         )

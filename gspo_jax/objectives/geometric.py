@@ -25,6 +25,7 @@ class GMPOHparams(Hparams):
     e^{-eps_low}, e^{eps_high}; any value >= 0 is meaningful)."""
 
     name = "gmpo"
+    sequence_level = True
     eps_low: float = 0.4
     eps_high: float = 0.4
 
@@ -39,18 +40,11 @@ class RSPOHparams(GMPOHparams):
     """As GMPO. The router-shift floor gamma_min belongs to `gspo_jax.routing`."""
 
     name = "rspo"
+    needs_router_shift = True
 
 
 def gmpo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: GMPOHparams = GMPOHparams(),
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
     r"""GMPO: l_i = -A_i exp(sum_t mask delta*_t / n_i), mean over sequences,
 
@@ -70,15 +64,7 @@ def gmpo(
 
 
 def rspo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: RSPOHparams = RSPOHparams(),
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
     r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i).
 
@@ -100,17 +86,7 @@ def rspo(
 def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer):
     """GMPO (router_shift None) and RSPO: the two differ only in the gamma factor."""
     logp, old_logp, advantages, mask, ref_logp, gamma, norm = common.check_inputs(
-        hp.name,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp=ref_logp,
-        router_shift=router_shift,
-        norm=normalizer,
-        hp=hp,
-        sequence_level=True,
-        needs_router_shift=hp.name == "rspo",
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
     )
     adv = common.seq_advantages(advantages, mask)[:, None]  # f[N,1]
     delta = common.log_ratio(logp, old_logp, mask)

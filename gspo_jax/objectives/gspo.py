@@ -22,6 +22,7 @@ class GSPOHparams(Hparams):
     """
 
     name = "gspo"
+    sequence_level = True
     eps_low: float = 3e-4
     eps_high: float = 4e-4
 
@@ -44,15 +45,7 @@ class GSPOTokenHparams(TokenHparams):
 
 
 def gspo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: GSPOHparams = GSPOHparams(),
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
     r"""GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),
 
@@ -71,15 +64,7 @@ def gspo(
       ``clip_frac_low/high`` the shares of tokens in clipped sequences.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp=ref_logp,
-        norm=normalizer,
-        hp=hp,
-        sequence_level=True,
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
     )
     adv = common.seq_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
@@ -104,15 +89,7 @@ def gspo(
 
 
 def gspo_token(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: GSPOTokenHparams = GSPOTokenHparams(),
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
     r"""GSPO-token: the sequence ratio with a per-token gradient path,
 
@@ -131,7 +108,7 @@ def gspo_token(
       (loss, metrics).
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)

@@ -48,12 +48,15 @@ def check_choice(hp, key: str, choices) -> None:
 class Hparams:
     """Base of every objective's hyperparameters.
 
-    ``name`` is the objective's registry name (used in error messages). Subclasses
+    ``name`` is the objective's registry name (used in error messages);
+    ``sequence_level`` and ``needs_router_shift`` describe its inputs. Subclasses
     check their fields in ``__post_init__``; this base checks the KL term, which every
     objective has.
     """
 
     name: ClassVar[str] = "objective"
+    sequence_level: ClassVar[bool] = False  # one loss per sequence: advantages f32[N]
+    needs_router_shift: ClassVar[bool] = False  # RSPO
 
     kl_coef: float = 0.0  # beta of the KL term; 0 turns it (and the reference pass) off
     kl_estimator: str = "k3"  # k1, k2 or k3 (docs/objectives.md, "KL to a reference policy")
@@ -94,7 +97,7 @@ def field_types(cls) -> dict[str, type]:
     placeholders of None defaults)."""
     out = {}
     for key, tp in typing.get_type_hints(cls).items():
-        if key == "name":
+        if key in ("name", "sequence_level", "needs_router_shift"):
             continue
         if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
             tp = next(a for a in typing.get_args(tp) if a is not type(None))

@@ -24,16 +24,21 @@ class Objective:
         router_shift, normalizer) -> (loss, metrics).
       hparams_class: its frozen hyperparameter dataclass.
       description: one line on what it is.
-      sequence_level: one loss per sequence (advantages must be f32[N]).
-      needs_router_shift: RSPO.
     """
 
     name: str
     fn: Callable
     hparams_class: type[Hparams]
     description: str
-    sequence_level: bool = False
-    needs_router_shift: bool = False
+
+    @property
+    def sequence_level(self) -> bool:
+        """One loss per sequence: advantages must be f32[N]."""
+        return self.hparams_class.sequence_level
+
+    @property
+    def needs_router_shift(self) -> bool:
+        return self.hparams_class.needs_router_shift
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -135,7 +140,6 @@ _REGISTRY = {
             gspo.gspo,
             gspo.GSPOHparams,
             "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
-            sequence_level=True,
         ),
         Objective(
             "gspo_token",
@@ -154,7 +158,6 @@ _REGISTRY = {
             geometric.gmpo,
             geometric.GMPOHparams,
             "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
-            sequence_level=True,
         ),
         Objective(
             "rspo",
@@ -162,8 +165,6 @@ _REGISTRY = {
             geometric.RSPOHparams,
             "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
             "sgn(A) power, so routing drift damps the update for either sign of A).",
-            sequence_level=True,
-            needs_router_shift=True,
         ),
         Objective(
             "sapo",

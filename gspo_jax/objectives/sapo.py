@@ -31,15 +31,7 @@ class SAPOHparams(TokenHparams):
 
 
 def sapo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp: SAPOHparams = SAPOHparams(),
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
+    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
 ):
     r"""SAPO: l_t = -A_t (4 / tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A_t > 0 else
     tau_neg, aggregated by ``hp.agg`` (+ the KL term).
@@ -56,7 +48,7 @@ def sapo(
       (loss, metrics); ``sapo_gate_mean/min`` describe the gate g.
     """
     logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp.name, logp, old_logp, advantages, mask, ref_logp=ref_logp, norm=normalizer, hp=hp
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
