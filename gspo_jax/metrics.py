@@ -169,13 +169,6 @@ Metric = Union[Mean, Sum, Max, Min, Std]
 MetricDict = dict[str, Metric]
 
 
-def merge_all(a: MetricDict, b: MetricDict) -> MetricDict:
-    """Merges two dicts of metrics with the same keys."""
-    if set(a) != set(b):
-        raise ValueError(f"metrics differ in keys: {sorted(set(a) ^ set(b))}")
-    return {k: a[k].merge(b[k]) for k in a}
-
-
 def reduce_all(stacked: MetricDict) -> MetricDict:
     """Merges metrics stacked along a leading axis (e.g. the ys of a `lax.scan`)."""
     return {k: v.reduce() for k, v in stacked.items()}

@@ -4,9 +4,8 @@ stacked leading axis, inside jit and scan."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from gspo_jax.metrics import Max, Mean, Min, Std, Sum, compute_all, merge_all, reduce_all
+from gspo_jax.metrics import Max, Mean, Min, Std, Sum, compute_all, reduce_all
 
 
 def test_mean_masked_and_merge():
@@ -67,10 +66,3 @@ def test_reduce_over_a_scan_equals_merge():
     np.testing.assert_allclose(out["min"], valid.min())
     np.testing.assert_allclose(out["n"], valid.size)
     np.testing.assert_allclose(out["std"], valid.std(), rtol=1e-5)
-
-
-def test_merge_all_refuses_different_keys():
-    with pytest.raises(ValueError, match="keys"):
-        merge_all({"a": Sum.of(1.0)}, {"b": Sum.of(1.0)})
-    merged = merge_all({"a": Sum.of(1.0)}, {"a": Sum.of(2.0)})
-    assert float(merged["a"].compute()) == 3.0

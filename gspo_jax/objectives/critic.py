@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from gspo_jax.metrics import Mean, MetricDict
 from gspo_jax.objectives import common
 from gspo_jax.objectives.common import AGG_MODES, Normalizer, sg
-from gspo_jax.objectives.hparams import _is_number
+from gspo_jax.objectives.hparams import is_static_number
 
 
 def value_loss(
@@ -73,7 +73,7 @@ def value_loss_mergeable(
                 f"value_loss: {arg} shape {jnp.shape(x)} != values shape "
                 f"{values.shape} (both f32[N,T])"
             )
-    if clip_eps is not None and not (_is_number(clip_eps) and clip_eps >= 0):
+    if clip_eps is not None and not (is_static_number(clip_eps) and clip_eps >= 0):
         raise ValueError(f"value_loss: clip_eps must be None or >= 0, got {clip_eps!r}")
     if agg not in AGG_MODES:
         raise ValueError(f"value_loss: agg must be one of {AGG_MODES}, got {agg!r}")
@@ -129,7 +129,7 @@ def entropy_bonus(
             f"entropy_bonus: entropy {entropy.shape} and mask {jnp.shape(mask)} "
             "must both be f32[N,T]"
         )
-    if not (_is_number(coef) and coef >= 0):
+    if not (is_static_number(coef) and coef >= 0):
         raise ValueError(f"entropy_bonus: coef must be a number >= 0, got {coef!r}")
     if agg not in AGG_MODES:
         raise ValueError(f"entropy_bonus: agg must be one of {AGG_MODES}, got {agg!r}")

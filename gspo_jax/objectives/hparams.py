@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 from gspo_jax.objectives.common import AGG_MODES, KL_KINDS
 
 
-def _is_number(v) -> bool:
+def is_static_number(v) -> bool:
+    """A Python real number (not a bool, not an array)."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
@@ -31,7 +32,7 @@ def check_number(hp, key: str, *, low=None, low_open=False, high_open=None, opti
     v = getattr(hp, key)
     if v is None and optional:
         return
-    if not (_is_number(v) and math.isfinite(v)):
+    if not (is_static_number(v) and math.isfinite(v)):
         fail(hp, key, "must be a static finite Python number" + (" or None" if optional else ""))
     if low is not None and (v <= low if low_open else v < low):
         fail(hp, key, f"must be {'>' if low_open else '>='} {low}")

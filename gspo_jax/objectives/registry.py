@@ -17,19 +17,22 @@ class Objective:
     Calling it validates the hyperparameters (keyword arguments, defaults from
     ``hparams_class``), runs ``fn`` and returns ``(loss, metrics)`` with the metrics
     as f32 numbers; `apply` returns them as mergeable values (`gspo_jax.metrics`).
+    Its name, input contract and defaults are those of ``hparams_class``.
 
     Attributes:
-      name: the registry name.
       fn: the plain function, fn(logp, old_logp, advantages, mask, hp, *, ref_logp,
         router_shift, normalizer) -> (loss, metrics).
       hparams_class: its frozen hyperparameter dataclass.
       description: one line on what it is.
     """
 
-    name: str
     fn: Callable
     hparams_class: type[Hparams]
     description: str
+
+    @property
+    def name(self) -> str:
+        return self.hparams_class.name
 
     @property
     def sequence_level(self) -> bool:
@@ -47,11 +50,11 @@ class Objective:
 
     def hparams(self, **hyperparameters) -> Hparams:
         """The validated hyperparameters; ValueError naming any unknown or bad one."""
-        unknown = sorted(set(hyperparameters) - set(self.defaults))
+        accepted = self.defaults
+        unknown = sorted(set(hyperparameters) - set(accepted))
         if unknown:
             raise ValueError(
-                f"{self.name}: unknown hyperparameter(s) {unknown}; "
-                f"accepted: {sorted(self.defaults)}"
+                f"{self.name}: unknown hyperparameter(s) {unknown}; accepted: {sorted(accepted)}"
             )
         return self.hparams_class(**hyperparameters)
 
@@ -72,39 +75,13 @@ class Objective:
         **hyperparameters,
     ) -> tuple[Any, MetricDict]:
         """(loss, metrics) with metrics that merge across micro-batches exactly."""
-        return self.fn(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            self.hparams(**hyperparameters),
-            ref_logp=ref_logp,
-            router_shift=router_shift,
-            normalizer=normalizer,
-        )
+        hp = self.hparams(**hyperparameters)
+        kw = dict(ref_logp=ref_logp, router_shift=router_shift, normalizer=normalizer)
+        return self.fn(logp, old_logp, advantages, mask, hp, **kw)
 
-    def __call__(
-        self,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        *,
-        ref_logp=None,
-        router_shift=None,
-        normalizer=None,
-        **hyperparameters,
-    ):
-        loss, metrics = self.apply(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            ref_logp=ref_logp,
-            router_shift=router_shift,
-            normalizer=normalizer,
-            **hyperparameters,
-        )
+    def __call__(self, logp, old_logp, advantages, mask, **kwargs):
+        """As `apply` (same arguments), with the metrics computed to f32 numbers."""
+        loss, metrics = self.apply(logp, old_logp, advantages, mask, **kwargs)
         return loss, compute_all(metrics)
 
 
@@ -112,62 +89,52 @@ _REGISTRY = {
     o.name: o
     for o in (
         Objective(
-            "ppo",
             clipped.clipped_surrogate,
             clipped.PPOHparams,
             "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0.",
         ),
         Objective(
-            "grpo",
             clipped.clipped_surrogate,
             clipped.GRPOHparams,
             "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04.",
         ),
         Objective(
-            "dr_grpo",
             clipped.clipped_surrogate,
             clipped.DrGRPOHparams,
             "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL.",
         ),
         Objective(
-            "dapo",
             clipped.clipped_surrogate,
             clipped.DAPOHparams,
             "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL.",
         ),
         Objective(
-            "gspo",
             gspo.gspo,
             gspo.GSPOHparams,
             "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
         ),
         Objective(
-            "gspo_token",
             gspo.gspo_token,
             gspo.GSPOTokenHparams,
             "GSPO-token: s_i with a per-token gradient path, for per-token advantages.",
         ),
         Objective(
-            "cispo",
             cispo.cispo,
             cispo.CISPOHparams,
             "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight.",
         ),
         Objective(
-            "gmpo",
             geometric.gmpo,
             geometric.GMPOHparams,
             "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
         ),
         Objective(
-            "rspo",
             geometric.rspo,
             geometric.RSPOHparams,
             "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
             "sgn(A) power, so routing drift damps the update for either sign of A).",
         ),
         Objective(
-            "sapo",
             sapo.sapo,
             sapo.SAPOHparams,
             "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg.",
