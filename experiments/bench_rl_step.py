@@ -91,7 +91,7 @@ def main(argv=None):
     rl = train.RLPhase(trainer, trainer.init_params)
 
     rl.step(0)  # compiles everything
-    ms = [rl.step(s) for s in range(1, args.steps + 1)]
+    ms = [rl.step(s)[0] for s in range(1, args.steps + 1)]
 
     # FLOPs of one update (one mini-batch) from XLA's cost analysis.
     host, _ = trainer.collect(rl.state.params, 0, jax.random.key(0))

@@ -2,7 +2,7 @@
 
     python experiments/plot_curves.py --workdir runs/default --out experiments/default_curve.png
     python experiments/plot_curves.py --workdir runs/a --workdir runs/b --label GSPO --label GRPO \
-        --metric eval_reward_mean --metric expert_flip_frac --out cmp.png
+        --metric eval_reward_mean --metric flip_frac --out cmp.png
 
 One panel per metric, RL phase only; several workdirs are overlaid.
 """
@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gspo_jax.metrics_log import read_metrics  # noqa: E402
 
-DEFAULT_METRICS = ("eval_reward_mean", "reward_mean", "clip_frac", "expert_flip_frac")
+DEFAULT_METRICS = ("eval_reward_mean", "reward_mean", "clip_frac", "flip_frac")
 
 
 def series(records, metric):

@@ -41,20 +41,20 @@ PLOT_METRICS = (
     "reward_mean",
     "entropy",
     "clip_frac",
-    "expert_flip_frac",
+    "flip_frac",
     "replay_mismatch",
     "router_shift_mean",
     "frac_ratio_gt_2",
     "logratio_std",
 )
-# expert_flip_frac compares the routing the update used with the sampler's: 0 under
-# replay, where replay_mismatch is the share of replayed choices the free router
-# would have made differently.
+# flip_frac compares the current free router's top-K with pi_old's free top-K: the
+# same quantity under every replay mode. replay_mismatch is the share of replayed
+# choices the free router would have made differently.
 # Averaged per seed, then over seeds, in seeds.md.
-SEED_METRICS = ("expert_flip_frac", "replay_mismatch", "router_shift_mean", "frac_ratio_gt_2")
+SEED_METRICS = ("flip_frac", "replay_mismatch", "router_shift_mean", "frac_ratio_gt_2")
 SUMMARY_METRICS = (
     "clip_frac",
-    "expert_flip_frac",
+    "flip_frac",
     "replay_mismatch",
     "router_shift_mean",
     "frac_ratio_gt_2",

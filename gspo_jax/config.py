@@ -11,6 +11,7 @@ comma-separated list of ``key=value`` items and flags, for example
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ml_collections
@@ -82,8 +83,22 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 24
     c.rollout.temperature = 1.0
+    # RL trains on the log-probs of the distribution that sampled: softmax(logits /
+    # temperature). top_p < 1 or top_k > 0 would sample from a truncated distribution
+    # whose log-probs the trainer does not compute, so RL refuses them (`validate`).
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
+    # Gaussian noise of this standard deviation on the sampler's router logits (never
+    # the trainer's): a controlled train-inference routing mismatch for CPU studies
+    # (experiments/router_noise.md).
+    c.rollout.router_noise_std = 0.0
+
+    # Rollout correction: importance weights pi_old / pi_sampler on the per-token
+    # loss (docs/objectives.md, "Rollout correction"). mode: none, token_tis,
+    # seq_tis, token_mask, seq_mask.
+    c.rollout_correction = ml_collections.ConfigDict(
+        dict(mode="none", cap=2.0, c_low=2.0, c_high=2.0, seq_ratio="geometric")
+    )
 
     # Objective: name and every hyperparameter it takes (`set_objective`).
     c.objective = ml_collections.ConfigDict()
@@ -108,8 +123,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.updates.micro_batches = 1  # gradient accumulation inside a mini-batch
     c.updates.routing_replay = "none"
     c.updates.gamma_min = 0.5  # RSPO's floor on the router-shift weight
-    c.updates.aux_loss_coef = 0.01
-    c.updates.z_loss_coef = 0.001
+    # Router losses in RL: off by default (the warm start keeps its own, sft.*). When
+    # on, the load-balancing loss's expert load is the free router's, even under replay.
+    c.updates.aux_loss_coef = 0.0
+    c.updates.z_loss_coef = 0.0
+    # A mini-batch whose advantages are all zero carries no RL signal; by default it
+    # makes no update (router losses, KL or entropy alone would drive one). Counted
+    # as ``no_signal_minibatches``.
+    c.updates.update_without_signal = False
+    # Non-finite losses or gradients skip the update; more than this many in a row
+    # stop the run with an error.
+    c.updates.max_consecutive_skips = 8
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.lr = 2e-4
@@ -127,6 +151,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.batch_size = 64
     c.sft.lr = 3e-3
     c.sft.warmup_steps = 20
+    c.sft.aux_loss_coef = 0.01  # the warm start's load-balancing loss
 
     c.eval_every = 10
     c.log_every = 1
@@ -347,12 +372,40 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     for field in ("prompts_per_step", "max_new_tokens"):
         if int(c.rollout[field]) < 1:
             raise _err(f"rollout.{field}", f"must be >= 1, got {c.rollout[field]}")
-    if not c.rollout.temperature >= 0:
-        raise _err("rollout.temperature", f"must be >= 0, got {c.rollout.temperature}")
+    temperature = float(c.rollout.temperature)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise _err(
+            "rollout.temperature",
+            f"must be finite and > 0 (RL samples, and trains on softmax(logits / "
+            f"temperature)), got {c.rollout.temperature}",
+        )
     if not 0 < c.rollout.top_p <= 1:
         raise _err("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+    if c.rollout.top_p != 1:
+        raise _err(
+            "rollout.top_p",
+            f"{c.rollout.top_p} truncates the sampling distribution, whose log-probs "
+            "the trainer does not compute (the gradient would be biased); RL needs "
+            'top_p = 1 (docs/objectives.md, "Conventions")',
+        )
     if int(c.rollout.top_k) < 0:
         raise _err("rollout.top_k", f"must be >= 0, got {c.rollout.top_k}")
+    if int(c.rollout.top_k) != 0:
+        raise _err(
+            "rollout.top_k",
+            f"{c.rollout.top_k} truncates the sampling distribution, whose log-probs "
+            "the trainer does not compute (the gradient would be biased); RL needs "
+            'top_k = 0 (docs/objectives.md, "Conventions")',
+        )
+    noise = float(c.rollout.router_noise_std)
+    if not (math.isfinite(noise) and noise >= 0):
+        raise _err("rollout.router_noise_std", f"must be finite and >= 0, got {noise}")
+    from gspo_jax.objectives.correction import RolloutCorrection
+
+    try:
+        RolloutCorrection(**dict(c.rollout_correction))
+    except (TypeError, ValueError) as e:
+        raise _err("rollout_correction", str(e)) from None
     for field in ("eval_size", "eval_samples"):
         if int(c.task[field]) < 1:
             raise _err(f"task.{field}", f"must be >= 1, got {c.task[field]}")
@@ -402,6 +455,15 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         raise _err(
             "updates.routing_replay",
             f"unknown mode {c.updates.routing_replay!r}; known: {REPLAY_MODES}",
+        )
+    if not c.model.pretrained and int(f.num_experts) == 0 and noise > 0:
+        raise _err(
+            "rollout.router_noise_std",
+            f"{noise} needs MoE layers; model.fields.num_experts=0 is a dense model",
+        )
+    if int(c.updates.max_consecutive_skips) < 0:
+        raise _err(
+            "updates.max_consecutive_skips", f"must be >= 0, got {c.updates.max_consecutive_skips}"
         )
     if not 0 < c.updates.gamma_min <= 1:
         raise _err("updates.gamma_min", f"must be in (0, 1], got {c.updates.gamma_min}")

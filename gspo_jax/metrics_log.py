@@ -1,9 +1,12 @@
-"""Where a run's metrics go: ``metrics.jsonl``, TensorBoard, and the console.
+"""Where a run's metrics go: ``metrics.jsonl``, ``updates.jsonl``, TensorBoard, and
+the console.
 
-``metrics.jsonl`` holds one JSON object per logged step and is flushed after
-every line, so it survives a crash. On resume, :class:`MetricsWriter` drops the
-lines of steps after the restored checkpoint: the resumed run writes them again,
-and the file then reads as if the run had never stopped.
+``metrics.jsonl`` holds one JSON object per logged step; ``updates.jsonl`` one per
+optimizer update of RL (its RL ``step``, its index ``k`` within the rollout, its
+epoch and mini-batch). Both are flushed after every line, so they survive a crash.
+On resume, :class:`MetricsWriter` drops the lines of steps after the restored
+checkpoint: the resumed run writes them again, and the file then reads as if the
+run had never stopped.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ def _scalar(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends metrics to ``<workdir>/metrics.jsonl`` and TensorBoard events."""
+    """Appends records to ``<workdir>/<filename>`` and TensorBoard events.
+
+    TensorBoard tags are ``<phase>/<metric>`` (``<tb_prefix>/<metric>`` when a
+    prefix is given), at the record's step or the ``tb_step`` given to `write`.
+    """
 
     def __init__(
         self,
@@ -38,9 +45,12 @@ class MetricsWriter:
         resume_step: int | None = None,
         resume_phase: str | None = None,
         tensorboard: bool = True,
+        filename: str = "metrics.jsonl",
+        tb_prefix: str | None = None,
     ):
         os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = os.path.join(workdir, filename)
+        self.tb_prefix = tb_prefix
         if resume_step is not None:
             self._truncate_after(resume_step, resume_phase)
         self._f = open(self.path, "a", encoding="utf-8")
@@ -48,7 +58,9 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            # A prefixed writer gets its own event directory (a TensorBoard run).
+            tb_dir = os.path.join(workdir, "tb", *([tb_prefix] if tb_prefix else []))
+            self._tb = SummaryWriter(tb_dir)
 
     def _truncate_after(self, step: int, phase: str | None) -> None:
         """Keep lines up to (phase, step) of the checkpoint we resume from (step -1:
@@ -71,20 +83,23 @@ class MetricsWriter:
             f.writelines(keep)
         os.replace(tmp, self.path)
 
-    def write(self, step: int, phase: str, metrics: Mapping[str, Any]) -> dict:
+    def write(
+        self, step: int, phase: str, metrics: Mapping[str, Any], *, tb_step: int | None = None
+    ) -> dict:
         rec = {"step": int(step), "phase": phase}
         rec.update({k: _scalar(v) for k, v in metrics.items()})
         self._f.write(json.dumps(rec, sort_keys=True) + "\n")
         self._f.flush()
         if self._tb is not None:
+            prefix, at = self.tb_prefix or phase, int(step if tb_step is None else tb_step)
             for k, v in rec.items():
                 if k in ("step", "phase"):
                     continue
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(f"{phase}/{k}", v, int(step))
+                    self._tb.add_scalar(f"{prefix}/{k}", v, at)
                 elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
                     for i, x in enumerate(v):
-                        self._tb.add_scalar(f"{phase}/{k}/{i}", x, int(step))
+                        self._tb.add_scalar(f"{prefix}/{k}/{i}", x, at)
         return rec
 
     def flush(self) -> None:
@@ -98,13 +113,13 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_metrics(workdir: str) -> list[dict]:
-    """All records of ``<workdir>/metrics.jsonl``.
+def read_metrics(workdir: str, filename: str = "metrics.jsonl") -> list[dict]:
+    """All records of ``<workdir>/metrics.jsonl`` (or ``updates.jsonl``).
 
     A last line cut short by a crash is skipped; a bad line anywhere else raises
     ValueError naming the file and line.
     """
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = os.path.join(workdir, filename)
     with open(path, encoding="utf-8") as f:
         lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
     out = []

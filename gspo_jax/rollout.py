@@ -49,6 +49,21 @@ so a row's sample does not depend on the other rows of the batch, on the
 buckets, or on the prompt's position in the list (pass the same ``prompt_ids``
 to reproduce a prompt's samples in another batch).
 
+Router noise (``router_noise_std`` σ > 0): a controllable sampler/trainer
+mismatch.  The sampler adds N(0, σ²) noise to the router logits of every MoE
+layer at every token it feeds (prefill and decode steps), before top-K and the
+gates; the trainer's forwards never do.  The noise of row r at the token of
+RoPE position p is σ · normal(fold_in(k_r, p)) of shape [L, E], with
+``k_r = fold_in(fold_in(fold_in(rng, NOISE_STREAM), prompt_ids[i]), g)``
+(NOISE_STREAM = 2**31, outside the prompt ids' range, so the uniforms' keys are
+untouched); the prompt's prefill, shared by its G rows, uses sample 0's key.
+So it is independent per token, layer and expert, and, like the uniforms, a
+row's noise does not depend on the batch or the buckets.  Everything recorded
+is the noisy forward's: ``experts`` holds the experts actually used, ``logp``
+and ``logp_sampling`` the log-probs of the distribution that drew the token.
+σ is a traced value (changing it does not recompile); σ = 0 (the default)
+runs the noise-free program, bit for bit.
+
 Stopping: a row stops after emitting any ``eos_id`` token or the last token of
 any ``stop_sequences`` entry (matched on token ids), inside the response only;
 the stop token(s) belong to the response (mask 1).  A row that emits
@@ -72,6 +87,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 __all__ = ["Rollout", "Sampler"]
 
 _NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
+NOISE_STREAM = 2**31  # folded into rng for the router noise's keys (prompt ids are < 2**31)
 
 
 @flax.struct.dataclass
@@ -98,7 +114,9 @@ class Rollout:
         top-K chosen by every MoE layer at the forward position whose output
         produced o_t, i.e. the input position (P - 1 + t) of the padded sequence
         ``concat(prompt_tokens, tokens)`` (the last prompt token for t = 0).  It
-        is aligned with logp[r, t].  -1 where mask is 0.
+        is aligned with logp[r, t].  -1 where mask is 0.  With router noise, the
+        experts actually used (the noisy router's top-K); logp and
+        logp_sampling are then those of the noisy forward too.
       prompt_tokens: int32[N, P], the prompts, left-padded with ``pad_id``.
       prompt_mask: bool[N, P], True on real prompt tokens.
       prompt_experts: int32[N, P, L, K], the prefill's top-K at every prompt
@@ -314,6 +332,7 @@ class _Spec(NamedTuple):
     mode: _Mode
     pad_id: int
     batch_sharding: Optional[NamedSharding]  # of [rows, ...] arrays
+    router_noise: bool  # router_noise_std > 0 (the value itself is traced)
 
 
 class _Carry(NamedTuple):
@@ -353,6 +372,7 @@ def _generate(
     stop_table,
     temperature,
     top_p,
+    router_noise_std,
     spec: _Spec,
 ):
     """Prefill + on-device decode loop; see the module docstring.
@@ -360,8 +380,8 @@ def _generate(
     Shapes, with b prompts (bucketed) and B = b * G rows: prompt_tokens
     int32[b, P] (left-padded), prompt_mask bool[b, P], prompt_ids int32[b] (the
     keys), live bool[B] (False on padding rows), stop_table int32[S, M] (stop
-    sequences right-aligned, -1 = wildcard on the left), temperature / top_p
-    f32[].
+    sequences right-aligned, -1 = wildcard on the left), temperature / top_p /
+    router_noise_std f32[] (the last used when ``spec.router_noise``).
     """
     nb, plen = prompt_tokens.shape
     G = spec.num_samples
@@ -378,6 +398,7 @@ def _generate(
         return shard(jnp.repeat(x, G, axis=0))
 
     # One uniform per (row, step), from the row's own key.
+    sample_ids = jnp.tile(jnp.arange(G, dtype=jnp.int32), nb)
     if spec.mode.greedy:
         uniforms = jnp.zeros((batch, steps), jnp.float32)
     else:
@@ -386,8 +407,25 @@ def _generate(
             key = jax.random.fold_in(jax.random.fold_in(rng, i), g)
             return jax.random.uniform(key, (steps,), jnp.float32)
 
-        sample_ids = jnp.tile(jnp.arange(G, dtype=jnp.int32), nb)
         uniforms = shard(jax.vmap(row_uniforms)(rows(prompt_ids), sample_ids))
+
+    # Router noise keys (module docstring): one per prompt (its sample 0's, for
+    # the shared prefill) and one per row.
+    prompt_keys = row_keys = None
+    if spec.router_noise:
+        noise_root = jax.random.fold_in(rng, NOISE_STREAM)
+        row_key = lambda i, g: jax.random.fold_in(jax.random.fold_in(noise_root, i), g)
+        prompt_keys = jax.vmap(row_key)(prompt_ids, jnp.zeros_like(prompt_ids))
+        row_keys = jax.vmap(row_key)(rows(prompt_ids), sample_ids)
+
+    def router_noise(keys, positions):
+        """None when off, else σ · N(0, 1) f32[R, T', L, E]: entry [r, t] drawn
+        from fold_in(keys[r], positions[r, t])."""
+        if not spec.router_noise:
+            return None
+        shape = (model.cfg.num_moe_layers, model.cfg.num_experts)
+        draw = lambda key, p: jax.random.normal(jax.random.fold_in(key, p), shape, jnp.float32)
+        return router_noise_std * jax.vmap(jax.vmap(draw, (None, 0)))(keys, positions)
 
     # Prefill, once per prompt; positions count real tokens only, so left
     # padding is invisible.  Then each prompt's cache is copied to its G rows.
@@ -395,7 +433,12 @@ def _generate(
     positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
     cache = model.init_cache(nb, plen + steps - 1)
     logits, aux, cache = model.decode(
-        prompt_tokens, cache, positions=positions, attn_mask=prompt_mask, last_only=True
+        prompt_tokens,
+        cache,
+        positions=positions,
+        attn_mask=prompt_mask,
+        last_only=True,
+        router_noise=router_noise(prompt_keys, positions),
     )
     cache = _repeat_rows(cache, G)
     cache = cache.replace(
@@ -449,8 +492,12 @@ def _generate(
 
     def body(c: _Carry) -> _Carry:
         c, tok = emit(c)
+        positions = (n_prompt + c.t)[:, None]
         logits, aux, cache = model.decode(
-            tok[:, None], c.cache, positions=(n_prompt + c.t)[:, None]
+            tok[:, None],
+            c.cache,
+            positions=positions,
+            router_noise=router_noise(row_keys, positions),
         )
         return c._replace(
             t=c.t + 1,
@@ -520,9 +567,10 @@ class Sampler:
     it every RL step (passing the latest parameters as ``state=``).
 
     Compiled functions are cached per (batch bucket, prompt bucket,
-    max_new_tokens, sampling mode, stop-table shapes): temperature and top_p are
-    traced values, so changing them does not recompile; greedy-vs-sampling,
-    top_k and whether top-p is on (top_p < 1) are static.
+    max_new_tokens, sampling mode, stop-table shapes): temperature, top_p and
+    router_noise_std are traced values, so changing them does not recompile;
+    greedy-vs-sampling, top_k, whether top-p is on (top_p < 1) and whether
+    router noise is on (router_noise_std > 0) are static.
 
     Args:
       graphdef, state: ``nnx.split(model)`` of a model with the
@@ -630,6 +678,7 @@ class Sampler:
         pad_id: int = 0,
         prompt_ids: Optional[Sequence[int]] = None,
         state=None,
+        router_noise_std: float = 0.0,
     ) -> Rollout:
         """Samples ``num_samples`` responses for every prompt.
 
@@ -648,6 +697,9 @@ class Sampler:
             (default 0 .. len(prompts) - 1).  The same prompt with the same
             prompt id and rng gives the same samples in any batch.
           state: parameters to use instead of ``self.state`` (same structure).
+          router_noise_std: σ >= 0 of the Gaussian noise added to the sampler's
+            router logits (every MoE layer, every token fed; module docstring):
+            a controllable sampler/trainer routing mismatch.  0 = none.
 
         Returns:
           a `Rollout` with N = len(prompts) * num_samples rows (device arrays).
@@ -665,6 +717,7 @@ class Sampler:
             pad_id=pad_id,
             prompt_ids=prompt_ids,
             state=state,
+            router_noise_std=router_noise_std,
         )
         out = _generate_jit(*args, spec=spec)
         if n_rows < out["tokens"].shape[0]:
@@ -686,6 +739,7 @@ class Sampler:
         pad_id: int = 0,
         prompt_ids: Optional[Sequence[int]] = None,
         state=None,
+        router_noise_std: float = 0.0,
     ):
         """Validates the arguments of `__call__` and builds the compiled
         function's arguments: (positional args, spec, number of real rows)."""
@@ -706,6 +760,15 @@ class Sampler:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p!r}")
         if not (_is_int(top_k) and top_k >= 0):
             raise ValueError(f"top_k: must be an int >= 0, got {top_k!r}")
+        if not (
+            isinstance(router_noise_std, (int, float, np.integer, np.floating))
+            and not isinstance(router_noise_std, (bool, np.bool_))
+            and math.isfinite(router_noise_std)
+            and router_noise_std >= 0
+        ):
+            raise ValueError(
+                f"router_noise_std: must be a finite float >= 0, got {router_noise_std!r}"
+            )
         if not (_is_int(pad_id) and 0 <= pad_id < V):
             raise ValueError(f"pad_id: must be a token id in [0, {V}), got {pad_id!r}")
         if eos_id is None:
@@ -769,6 +832,7 @@ class Sampler:
             mode=mode,
             pad_id=int(pad_id),
             batch_sharding=self._sharding,
+            router_noise=bool(router_noise_std > 0),
         )
         if self._sharding is None:
             put = put_prompts = jnp.asarray
@@ -793,5 +857,6 @@ class Sampler:
             jnp.asarray(table),
             jnp.float32(temperature if temperature > 0 else 1.0),
             jnp.float32(top_p),
+            jnp.float32(router_noise_std),
         )
         return args, spec, N

@@ -3,11 +3,17 @@ r"""RSPO's router shift and the MoE routing diagnostics (docs/objectives.md, "Ro
 Shapes: N sequences, T positions, L MoE layers, E experts, K experts per token.
 
   topk_router_logp   router log-softmax gathered at given expert indices.
-  router_shift       gamma_{i,t} = max(gamma_min, exp(-(1/L) sum_l (1/K) sum_k
-                     |log p_theta^l(e_k) - log p_old^l(e_k)|)), stop-gradient, with e_k
-                     the experts pi_old's router selected.
+  router_logp_shift  per token and layer, (1/K) sum_k |log p_theta^l(e_k) - log p_old^l(e_k)|,
+                     e_k the experts pi_old's router selected: the raw router shift.
+  router_shift       gamma_{i,t} = max(gamma_min, exp(-(1/L) sum_l router_logp_shift)),
+                     stop-gradient: RSPO's weight. gamma_min=None gives the raw gamma.
   expert_flip_fraction  per layer, mean over tokens of |topK_old \ topK_theta| / K.
   token_flip_rate       share of tokens whose top-K set changed in any layer.
+
+The flip diagnostics compare whatever top-K sets they are given; the trainer gives
+them the *free* router's choices (``RouterAux.free_topk_indices``), which replay
+does not change, so a flip means the same under no replay, R2 and R3
+(docs/objectives.md, "Stability diagnostics").
 """
 
 from __future__ import annotations
@@ -45,11 +51,36 @@ def topk_router_logp(router_logits: Array, topk_idx: Array) -> Array:
     return jnp.take_along_axis(logp, topk_idx, axis=-1, mode="clip")
 
 
+def router_logp_shift(
+    old_router_logp_at_old_topk: Array, new_router_logp_at_old_topk: Array
+) -> Array:
+    """The raw router shift per token and layer: mean_k |log p_theta^l(e_k) - log p_old^l(e_k)|.
+
+    Args:
+      old_router_logp_at_old_topk: f32[N,T,L,K] log p_old^l at pi_old's top-K experts.
+      new_router_logp_at_old_topk: f32[N,T,L,K] log p_theta^l at the same experts.
+
+    Returns:
+      f32[N,T,L] (stop-gradient); f32[N,T,0] for a model with no MoE layer.
+    """
+    old = jnp.asarray(old_router_logp_at_old_topk)
+    new = jnp.asarray(new_router_logp_at_old_topk)
+    if old.ndim != 4 or new.shape != old.shape:
+        raise ValueError(
+            f"router_logp_shift: old_router_logp_at_old_topk {old.shape} and "
+            f"new_router_logp_at_old_topk {new.shape} must both be f32[N,T,L,K]"
+        )
+    if old.shape[3] == 0:
+        return jnp.zeros(old.shape[:3], jnp.float32)
+    diff = jnp.abs(new.astype(jnp.float32) - old.astype(jnp.float32))
+    return jax.lax.stop_gradient(jnp.mean(diff, axis=3))
+
+
 def router_shift(
     old_router_logp_at_old_topk: Array,
     new_router_logp_at_old_topk: Array,
     *,
-    gamma_min: float = 0.5,
+    gamma_min: float | None = 0.5,
 ) -> Array:
     """RSPO's per-token router-shift weight gamma in [gamma_min, 1] (stop-gradient).
 
@@ -57,27 +88,23 @@ def router_shift(
       old_router_logp_at_old_topk: f32[N,T,L,K] log p_old^l at pi_old's top-K experts.
       new_router_logp_at_old_topk: f32[N,T,L,K] log p_theta^l at the same experts.
       gamma_min: floor in (0, 1]; the paper does not fix it (default 0.5, to be swept).
+        None: no floor, the raw gamma in (0, 1] (a diagnostic: drift below the floor
+        is invisible in the floored one).
 
     Returns:
-      f32[N,T] gamma.
+      f32[N,T] gamma; 1 for a model with no MoE layer (no router to shift).
     """
-    old = jnp.asarray(old_router_logp_at_old_topk)
-    new = jnp.asarray(new_router_logp_at_old_topk)
-    if old.ndim != 4 or new.shape != old.shape:
-        raise ValueError(
-            f"router_shift: old_router_logp_at_old_topk {old.shape} and "
-            f"new_router_logp_at_old_topk {new.shape} must both be f32[N,T,L,K]"
-        )
-    if (
+    if gamma_min is not None and (
         isinstance(gamma_min, bool)
         or not isinstance(gamma_min, (int, float))
         or not 0.0 < gamma_min <= 1.0
     ):
-        raise ValueError(f"router_shift: gamma_min must be in (0, 1], got {gamma_min!r}")
-    if old.shape[2] * old.shape[3] == 0:  # no MoE layer (a dense model): no router to shift
-        return jnp.ones(old.shape[:2], jnp.float32)
-    shift = jnp.mean(jnp.abs(new.astype(jnp.float32) - old.astype(jnp.float32)), axis=(2, 3))
-    return jax.lax.stop_gradient(jnp.maximum(gamma_min, jnp.exp(-shift)))
+        raise ValueError(f"router_shift: gamma_min must be in (0, 1] or None, got {gamma_min!r}")
+    shift = router_logp_shift(old_router_logp_at_old_topk, new_router_logp_at_old_topk)
+    if shift.shape[2] == 0:
+        return jnp.ones(shift.shape[:2], jnp.float32)
+    gamma = jnp.exp(-jnp.mean(shift, axis=2))
+    return gamma if gamma_min is None else jnp.maximum(gamma_min, gamma)
 
 
 def _missing(old_idx: Array, new_idx: Array, mask: Array, fn: str):

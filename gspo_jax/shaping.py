@@ -66,8 +66,12 @@ def overlong_mask(truncated: Array, mask: Array) -> Array:
 def dynamic_sampling_keep(rewards: Array) -> Array:
     """DAPO's dynamic sampling filter: keep groups whose rewards are not all equal.
 
+    DAPO filters on accuracy: the trainer passes the verifier's 0/1 correctness, not
+    the shaped reward (a length penalty would keep groups that are all right or all
+    wrong).
+
     Args:
-      rewards: f32[P,G] rewards of P groups of G samples.
+      rewards: f32[P,G] rewards (or correctness) of P groups of G samples.
 
     Returns:
       bool[P], True for groups to keep (0 < #correct < G for 0/1 rewards).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax
@@ -37,10 +38,27 @@ Batch = dict[str, jax.Array]
 class TrainState:
     """Everything a train step changes; a pytree, donated to each step."""
 
-    step: jax.Array  # int32[]: optimizer updates applied or skipped
+    step: jax.Array  # int32[]: updates attempted (applied or skipped)
     params: Any  # nnx.State of the model (its variables are all nnx.Param)
     opt_state: Any
     skipped: jax.Array  # int32[]: updates skipped for a non-finite loss or gradient
+    skipped_in_a_row: jax.Array  # int32[]: the current run of such skips
+    applied: jax.Array  # int32[]: updates the optimizer applied (its schedule's count)
+
+    @classmethod
+    def create(cls, params, opt_state) -> "TrainState":
+        # One buffer per counter: the state is donated, and a buffer may be donated once.
+        def zero():
+            return jnp.zeros((), jnp.int32)
+
+        return cls(
+            step=zero(),
+            params=params,
+            opt_state=opt_state,
+            skipped=zero(),
+            skipped_in_a_row=zero(),
+            applied=zero(),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +75,11 @@ class StepConfig:
     # PPO with a critic: the value head's clipped regression loss.
     value_coef: float = 0.0  # 0 = no critic
     value_clip: float | None = 0.2
+    # The sampling temperature: log-probs are those of softmax(logits / temperature).
+    temperature: float = 1.0
+    # Update on a mini-batch whose advantages are all zero (router losses, KL and
+    # entropy would be its only drive); off: such a mini-batch changes nothing.
+    update_without_signal: bool = False
 
     @property
     def hparam_dict(self) -> dict[str, Any]:
@@ -101,26 +124,39 @@ def make_optimizer(
     return optax.chain(*parts), sched
 
 
-def _apply_update(state: TrainState, grads, loss, optimizer):
-    """Optimizer update that is skipped, parameters and moments untouched, when
-    the loss or the gradient is not finite."""
-    grad_norm = optax.global_norm(grads)
+def _apply_update(state: TrainState, grads, loss, optimizer, schedule, apply=True):
+    """The optimizer update, unless the loss or the gradient is not finite (counted in
+    ``skipped`` and ``skipped_in_a_row``) or ``apply`` is False (a mini-batch with no
+    signal): then parameters and optimizer moments stay as they were.
+
+    ``lr`` is the schedule at the optimizer's own count of applied updates: the rate
+    this update applies (or would have applied, when skipped).
+    """
+    grad_norm = optax.tree.norm(grads)
     updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    ok = finite & apply
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    nonfinite = jnp.where(finite, 0, 1).astype(jnp.int32)
     new_state = TrainState(
         step=state.step + 1,
         params=keep(new_params, state.params),
         opt_state=keep(new_opt, state.opt_state),
-        skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+        skipped=state.skipped + nonfinite,
+        skipped_in_a_row=jnp.where(
+            finite, jnp.where(ok, 0, state.skipped_in_a_row), state.skipped_in_a_row + 1
+        ),
+        applied=state.applied + ok.astype(jnp.int32),
     )
     norms = {
         "grad_norm": grad_norm,
-        "update_norm": jnp.where(ok, optax.global_norm(updates), 0.0),
-        "param_norm": optax.global_norm(new_state.params),
-        "skipped_update": jnp.where(ok, 0.0, 1.0),
+        "update_norm": jnp.where(ok, optax.tree.norm(updates), 0.0),
+        "param_norm": optax.tree.norm(new_state.params),
+        "lr": jnp.asarray(schedule(state.applied), jnp.float32),
+        "skipped_update": 1.0 - finite.astype(jnp.float32),
         "skipped_total": new_state.skipped,
+        "skipped_in_a_row": new_state.skipped_in_a_row,
     }
     return new_state, norms
 
@@ -177,8 +213,9 @@ def response_slice(x: jax.Array, prompt_len: int, resp_len: int) -> jax.Array:
     return jax.lax.slice_in_dim(x, prompt_len - 1, prompt_len - 1 + resp_len, axis=1)
 
 
-def _forward(model, batch: Batch, replay, *, values: bool = False):
-    """Response log-probs, entropies (and critic values V(s_t)) of one forward.
+def _forward(model, batch: Batch, replay, *, values: bool = False, temperature: float = 1.0):
+    """Response log-probs under softmax(logits / temperature), their entropies (and
+    critic values V(s_t)) of one forward.
 
     Returns (logp, entropy, values or None, aux); per-token arrays f32[N,T].
     """
@@ -186,31 +223,43 @@ def _forward(model, batch: Batch, replay, *, values: bool = False):
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
     if values:
         h, aux = model.hidden(inputs, positions=positions, attn_mask=attn, replay=replay)
-        logp, entropy = model.logprobs_from_hidden(h, targets)
+        logp, entropy = model.logprobs_from_hidden(h, targets, temperature=temperature)
         v = response_slice(model.value(h), p, t)
     else:
         logp, entropy, aux = model.token_logprobs(
-            inputs, targets, positions=positions, attn_mask=attn, replay=replay
+            inputs,
+            targets,
+            positions=positions,
+            attn_mask=attn,
+            replay=replay,
+            temperature=temperature,
         )
         v = None
     return response_slice(logp, p, t), response_slice(entropy, p, t), v, aux
 
 
 def logprob_pass(
-    params, batch: Batch, *, graphdef, replay_key: str | None = None, values: bool = False
+    params,
+    batch: Batch,
+    *,
+    graphdef,
+    replay_key: str | None = None,
+    values: bool = False,
+    temperature: float = 1.0,
 ):
     """Per-token log-probs of the response under ``params`` (no gradient).
 
     Used for the old policy (recomputed by the training model) and for the
-    reference policy. Also returns the routing record of this forward:
-    ``topk`` int32[N,P+T-1,L,K] over all input positions (the R2 replay), and
-    at the response positions the router log-softmax at those top-K experts
-    (RSPO's old router log-probs) and the top-K themselves; with ``values``,
-    the critic's V(s_t) too.
+    reference policy (always routed freely). Also returns the routing record of
+    this forward: ``topk`` int32[N,P+T-1,L,K], the experts used at every input
+    position (the R2 replay); at the response positions those experts
+    (``topk_resp``), the router log-softmax there (RSPO's old router log-probs) and
+    the free router's top-K (``free_topk_resp``, what it chooses whatever replay
+    forced); with ``values``, the critic's V(s_t) too.
     """
     model = nnx.merge(graphdef, params)
     replay = batch[replay_key] if replay_key else None
-    logp, entropy, v, aux = _forward(model, batch, replay, values=values)
+    logp, entropy, v, aux = _forward(model, batch, replay, values=values, temperature=temperature)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
     topk_resp = response_slice(aux.topk_indices, p, t)
     router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), topk_resp)
@@ -219,10 +268,44 @@ def logprob_pass(
         "entropy": entropy,
         "topk": aux.topk_indices,
         "topk_resp": topk_resp,
+        "free_topk_resp": response_slice(aux.free_topk_indices, p, t),
         "router_logp": router_lp,
     }
     if values:
         out["values"] = v
+    return out
+
+
+def has_signal(advantages: jax.Array, mask: jax.Array) -> jax.Array:
+    """bool[]: some valid token has a non-zero advantage (f32[N] or f32[N,T])."""
+    adv = advantages if advantages.ndim == 2 else advantages[:, None]
+    return jnp.any((adv != 0) & (mask > 0))
+
+
+def mismatch_metrics(sampler_logp, old_logp, mask, sampler_topk=None, old_free_topk=None):
+    """Train-inference mismatch: the sampler against the old-policy pass on the same
+    tokens (docs/objectives.md, "Stability diagnostics").
+
+    With r_t = pi_old(o_t) / pi_sampler(o_t) over valid tokens: ``mismatch_kl`` the k3
+    estimate of KL(pi_sampler || pi_old), mean (r - 1) - log r (tokens are the
+    sampler's); ``mismatch_f2`` the share with r outside [1/2, 2] (R3's F(tau), tau=2);
+    ``mismatch_logp_abs`` mean |log r|. With the routing records, the share of the
+    sampler's top-K choices the old pass's free router would not make, per layer and
+    overall, and the share of tokens with any such choice.
+    """
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    log_r = jnp.where(m > 0, old_logp - sampler_logp, 0.0)
+    out = {
+        "mismatch_kl": jnp.sum(m * (jnp.expm1(log_r) - log_r)) / n,
+        "mismatch_f2": jnp.sum(m * (jnp.abs(log_r) > math.log(2.0))) / n,
+        "mismatch_logp_abs": jnp.sum(m * jnp.abs(log_r)) / n,
+    }
+    if sampler_topk is not None:
+        layer = routing.expert_flip_fraction(sampler_topk, old_free_topk, m)
+        out["mismatch_route_layer"] = layer
+        out["mismatch_route"] = jnp.mean(layer) if layer.size else jnp.zeros(())
+        out["mismatch_route_token"] = routing.token_flip_rate(sampler_topk, old_free_topk, m)
     return out
 
 
@@ -246,17 +329,19 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     model = nnx.merge(graphdef, params)
     replay = batch.get("replay")
     critic = cfg.value_coef > 0
-    logp, entropy, values, aux = _forward(model, batch, replay, values=critic)
+    logp, entropy, values, aux = _forward(
+        model, batch, replay, values=critic, temperature=cfg.temperature
+    )
     mask = batch["mask"].astype(jnp.float32)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    num_tokens = jnp.sum(mask)  # this micro-batch's response tokens
 
-    # Routing: the current router's log-probs at the old top-K experts give
-    # RSPO's γ; the current top-K against the old one gives the flip rates.
+    # RSPO's gamma: the current router's log-probs at the experts pi_old used.
     new_router_lp = routing.topk_router_logp(
         response_slice(aux.router_logits, p, t), batch["old_topk"]
     )
-    gamma = routing.router_shift(batch["old_router_logp"], new_router_lp, gamma_min=cfg.gamma_min)
+    shift = routing.router_logp_shift(batch["old_router_logp"], new_router_lp)  # [N,T,L]
+    gamma_raw = routing.router_shift(batch["old_router_logp"], new_router_lp, gamma_min=None)
+    gamma = jnp.maximum(cfg.gamma_min, gamma_raw)  # the floored weight the loss uses
     fn = objectives.get(cfg.objective)
     loss, metrics = fn.apply(
         logp,
@@ -266,6 +351,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         ref_logp=batch.get("ref_logp"),
         router_shift=gamma if fn.needs_router_shift else None,
         normalizer=norm,
+        weight=batch.get("rc_weight"),  # rollout correction (None: off)
         **cfg.hparam_dict,
     )
     if cfg.entropy_coef:
@@ -293,40 +379,77 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches
         + cfg.z_loss_coef * aux.z_loss * z_share
     )
-
-    cur_topk = response_slice(aux.topk_indices, p, t)
-    flips = routing.expert_flip_fraction(batch["old_topk"], cur_topk, mask)  # f32[L]
+    metrics.update(entropy=Mean.masked(jax.lax.stop_gradient(entropy), mask))
     metrics.update(
-        {
-            "entropy": Mean.masked(jax.lax.stop_gradient(entropy), mask),
-            "aux_loss": Mean.of(aux.aux_loss),  # the mean over micro-batches
-            "z_loss": Mean.of(aux.z_loss, weight=router_positions),
-            "router_shift_mean": Mean.masked(gamma, mask),
-            "router_shift_min": Min.masked(gamma, mask, empty=1.0),
-            "expert_flip_frac_layer": Mean.of(flips, weight=num_tokens),
-            "expert_flip_frac": Mean.of(jnp.mean(flips) if flips.size else 0.0, weight=num_tokens),
-            "token_flip_rate": Mean.of(
-                routing.token_flip_rate(batch["old_topk"], cur_topk, mask), weight=num_tokens
-            ),
-        }
+        aux_loss=Mean.of(aux.aux_loss), z_loss=Mean.of(aux.z_loss, weight=router_positions)
     )
-    if replay is not None:
-        mismatch = aux.replay_mismatch  # f32[L], a rate over all routed positions
-        metrics["replay_mismatch_layer"] = Mean.of(mismatch)
-        metrics["replay_mismatch"] = Mean.of(jnp.mean(mismatch) if mismatch.size else 0.0)
+    metrics.update(routing_metrics(batch, aux, mask, shift, gamma_raw, gamma))
     return loss, metrics
 
 
+def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
+    """The routing diagnostics of one update (docs/objectives.md, "Stability diagnostics").
+
+    Flips compare the current *free* router's top-K (what it would choose, whatever
+    replay forces) with pi_old's free top-K (``old_free_topk``) and with the
+    sampler's routing (``sampler_topk``, when given), so they read the same under no
+    replay, R2 and R3. The router shift is reported raw (mean |delta log p| at pi_old's
+    experts, and gamma before the floor) besides the floored gamma of RSPO's loss.
+    """
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    num_tokens = jnp.sum(mask)
+    free_topk = response_slice(aux.free_topk_indices, p, t)
+
+    def per_layer(name, layer_values):  # f32[L] -> the layer vector and its mean
+        overall = jnp.mean(layer_values) if layer_values.size else jnp.zeros(())
+        return {
+            f"{name}_layer": Mean.of(layer_values, weight=num_tokens),
+            name: Mean.of(overall, weight=num_tokens),
+        }
+
+    layer_shift = jnp.einsum("ntl,nt->l", shift, mask) / jnp.maximum(num_tokens, 1.0)
+    out = {
+        **per_layer(
+            "flip_frac", routing.expert_flip_fraction(batch["old_free_topk"], free_topk, mask)
+        ),
+        "token_flip_rate": Mean.of(
+            routing.token_flip_rate(batch["old_free_topk"], free_topk, mask), weight=num_tokens
+        ),
+        **per_layer("router_shift_raw", layer_shift),
+        "gamma_raw_mean": Mean.masked(gamma_raw, mask),
+        "gamma_raw_min": Min.masked(gamma_raw, mask, empty=1.0),
+        "router_shift_mean": Mean.masked(gamma, mask),
+        "router_shift_min": Min.masked(gamma, mask, empty=1.0),
+    }
+    if "sampler_topk" in batch:
+        flips = routing.expert_flip_fraction(batch["sampler_topk"], free_topk, mask)
+        out.update(per_layer("flip_frac_vs_sampler", flips))
+    if batch.get("replay") is not None:
+        mismatch = aux.replay_mismatch  # f32[L], a rate over all routed positions
+        out["replay_mismatch_layer"] = Mean.of(mismatch)
+        out["replay_mismatch"] = Mean.of(jnp.mean(mismatch) if mismatch.size else 0.0)
+    return out
+
+
 def train_step(
-    state: TrainState, batch: Batch, rng: jax.Array, *, graphdef, optimizer, cfg: StepConfig
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    graphdef,
+    optimizer,
+    schedule,
+    cfg: StepConfig,
 ):
     """One optimizer update on a mini-batch, accumulated over micro-batches.
 
-    ``batch`` holds the rollout layout of the module docstring plus
-    ``old_logp``, ``advantages``, ``old_topk``, ``old_router_logp`` and,
-    optionally, ``ref_logp`` and ``replay``. ``rng`` is unused by the current
-    objectives (no dropout) and kept so that stochastic regularisers need no
-    API change.
+    ``batch`` holds the rollout layout of the module docstring plus ``old_logp``,
+    ``advantages``, ``old_topk``, ``old_free_topk``, ``old_router_logp`` and,
+    optionally, ``ref_logp``, ``replay``, ``sampler_topk`` and ``rc_weight`` (the
+    rollout correction). A mini-batch whose advantages are all zero makes no update
+    unless ``cfg.update_without_signal`` (``no_signal`` = 1 in its metrics).
+    ``rng`` is unused by the current objectives (no dropout) and kept so that
+    stochastic regularisers need no API change.
     """
     del rng
     norm = objectives.normalizer(batch["mask"])
@@ -334,8 +457,12 @@ def train_step(
         policy_loss, graphdef=graphdef, cfg=cfg, norm=norm, num_router_tokens=router_tokens(batch)
     )
     loss, metrics, grads = _accumulate(loss_fn, state.params, batch, cfg.micro_batches)
-    new_state, norms = _apply_update(state, grads, loss, optimizer)
-    return new_state, dict(metrics, loss=loss, **norms)
+    signal = has_signal(batch["advantages"], batch["mask"])
+    new_state, norms = _apply_update(
+        state, grads, loss, optimizer, schedule, apply=signal | cfg.update_without_signal
+    )
+    no_signal = 1.0 - signal.astype(jnp.float32)
+    return new_state, dict(metrics, loss=loss, no_signal=no_signal, **norms)
 
 
 # --------------------------------------------------------------------------
@@ -365,6 +492,7 @@ def sft_step(
     *,
     graphdef,
     optimizer,
+    schedule,
     micro_batches: int = 1,
     aux_loss_coef: float = 0.0,
 ):
@@ -379,5 +507,5 @@ def sft_step(
         aux_loss_coef=aux_loss_coef,
     )
     loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches)
-    new_state, norms = _apply_update(state, grads, loss, optimizer)
+    new_state, norms = _apply_update(state, grads, loss, optimizer, schedule)
     return new_state, dict(metrics, loss=loss, **norms)

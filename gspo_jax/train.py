@@ -47,11 +47,13 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
+from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, rewards, shaping, step
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
 from gspo_jax.metrics_log import MetricsWriter
 from gspo_jax.models import ModelConfig, from_pretrained, init_sharded
+from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
@@ -160,18 +162,45 @@ def _left_pad_to(x: np.ndarray, length: int, value) -> np.ndarray:
     return np.pad(x, widths, constant_values=value)
 
 
-def _mean_metrics(ms: list[dict]) -> dict:
-    """One RL step's summary of its updates' metrics: the mean over updates, but the
-    max of maxima (and of the running skip count) and the min of minima."""
+# Metrics whose value after the first update (k = 0) and after the last update of a
+# rollout the RL-step record keeps besides their mean: how far the policy and its
+# router drift from pi_old within one rollout.
+DRIFT_METRICS = (
+    "flip_frac",
+    "flip_frac_vs_sampler",
+    "token_flip_rate",
+    "router_shift_raw",
+    "gamma_raw_mean",
+    "ppo_kl",
+    "logratio_abs_max",
+    "frac_ratio_gt_2",
+    "clip_frac",
+)
+
+
+def summarize_updates(ms: list[dict]) -> dict:
+    """One RL step's summary of its updates' metrics (``updates.jsonl`` has each).
+
+    The mean over updates, but: the max of maxima and of the running skip counts, the
+    min of minima, the learning rate of the last update, the count of mini-batches
+    with no signal (``no_signal_minibatches``) and, for `DRIFT_METRICS`, the values
+    of the first (``<name>_k0``) and last (``<name>_klast``) update as well.
+    """
     out = {}
     for k in ms[0]:
         vals = [np.asarray(m[k], np.float64) for m in ms]
-        if k.endswith("_max") or k == "skipped_total":
+        if k.endswith("_max") or k in ("skipped_total", "skipped_in_a_row"):
             out[k] = np.max(vals, axis=0)
         elif k.endswith("_min"):
             out[k] = np.min(vals, axis=0)
+        elif k == "lr":
+            out[k] = vals[-1]
+        elif k == "no_signal":
+            out["no_signal_minibatches"] = np.sum(vals, axis=0)
         else:
             out[k] = np.mean(vals, axis=0)
+        if k in DRIFT_METRICS:
+            out[f"{k}_k0"], out[f"{k}_klast"] = vals[0], vals[-1]
     return out
 
 
@@ -254,7 +283,10 @@ class Trainer:
             entropy_coef=float(c.entropy_coef),
             value_coef=float(c.gae.value_coef) if c.advantage == "gae" else 0.0,
             value_clip=float(c.gae.value_clip),
+            temperature=float(c.rollout.temperature),
+            update_without_signal=bool(c.updates.update_without_signal),
         )
+        self.rollout_correction = RolloutCorrection(**dict(c.rollout_correction))
         self.kl_coef = float(
             objectives.get(c.objective.name)
             .validate_hyperparameters(dict(c.objective.hparams))
@@ -276,13 +308,7 @@ class Trainer:
     def new_state(self, params, optimizer) -> step.TrainState:
         """A fresh state whose every leaf lives on the mesh: parameters (and the
         optimizer moments that follow them) sharded, scalars replicated."""
-        opt_state = jax.jit(optimizer.init)(params)
-        state = step.TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=opt_state,
-            skipped=jnp.zeros((), jnp.int32),
-        )
+        state = step.TrainState.create(params, jax.jit(optimizer.init)(params))
         replicated = NamedSharding(self.mesh, P())
 
         def on_mesh(x):
@@ -358,8 +384,9 @@ class Trainer:
             step.sft_step,
             state,
             optimizer=optimizer,
+            schedule=sched,
             micro_batches=1,
-            aux_loss_coef=float(c.updates.aux_loss_coef),
+            aux_loss_coef=float(c.sft.aux_loss_coef),
         )
         bar = _progress(c, steps, start, "sft")
         base = jax.random.key(c.seed)
@@ -367,10 +394,10 @@ class Trainer:
             t0 = time.perf_counter()
             batch = self.put_batch(self.sft_batch(i * int(c.sft.batch_size)))
             state, m = fn(state, batch, jax.random.fold_in(base, i))
+            check_skips(int(state.skipped_in_a_row), c, f"sft step {i + 1}")
             if (i + 1) % c.log_every == 0 or i + 1 == steps:
                 m = jax.device_get(m)
                 dt = time.perf_counter() - t0
-                m["lr"] = float(sched(i))
                 m["step_time"] = dt
                 m["tokens_per_s"] = float(np.sum(batch["mask"])) / dt
                 writer.write(i + 1, "sft", m)
@@ -392,10 +419,13 @@ class Trainer:
         greedy: bool = False,
         num_samples: int | None = None,
         prompt_ids=None,
+        router_noise: bool = False,
     ):
         """Samples ``num_samples`` (default: the group size) per example. ``prompt_ids``
         (distinct, one per example) key each prompt's samples; default: the examples'
-        split indices."""
+        split indices. ``router_noise``: add ``rollout.router_noise_std`` to the
+        sampler's router logits (training rollouts; evaluation measures the policy
+        itself)."""
         c, tok = self.c, self.tokenizer
         ids = [encode_prompt(tok, ex.prompt) for ex in examples]
         g = num_samples or int(c.rollout.group_size)
@@ -411,6 +441,7 @@ class Trainer:
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
             state=params,
+            router_noise_std=float(c.rollout.router_noise_std) if router_noise else 0.0,
         )
 
     def _texts(self, ro) -> list[str]:
@@ -456,7 +487,7 @@ class Trainer:
             pos = (step_idx * max_rounds + rnd) * n_prompts
             examples, ro, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
             r, components, fails = self.score(examples, ro)
-            shaped, rows, groups_kept = self.shape_and_filter(ro, r)
+            shaped, rows, groups_kept = self.shape_and_filter(ro, r, components["correct"])
             rounds.append(_Round(ro, shaped, components, fails, rows, groups_kept, seconds))
             if sum(r.groups_kept for r in rounds) >= n_prompts:
                 break
@@ -474,7 +505,11 @@ class Trainer:
         # Keyed by data stream id, not split index: a batch across an epoch boundary
         # may hold one example twice, and the sampler needs distinct ids.
         ro = self._rollout(
-            params, examples, rng, prompt_ids=self.train_data.stream_ids(pos, n).tolist()
+            params,
+            examples,
+            rng,
+            prompt_ids=self.train_data.stream_ids(pos, n).tolist(),
+            router_noise=True,
         )
         ro = jax.device_get(ro)
         return examples, ro, time.perf_counter() - t0
@@ -490,12 +525,17 @@ class Trainer:
             c.task.name, self._texts(ro), metas, format_weight=float(c.task.format_reward)
         )
 
-    def shape_and_filter(self, ro, r: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+    def shape_and_filter(
+        self, ro, r: np.ndarray, correct: np.ndarray
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
         """Stage 3, shape and filter (DAPO), on one round: the soft overlong
         punishment added to the rewards ``r``; dynamic sampling keeps only the groups
-        whose rewards differ; overlong filtering zeroes the mask of truncated
-        responses. Returns (the shaped rewards of every response, the batch rows of
-        the kept groups, the number of groups kept)."""
+        whose correctness differs (``correct``, the verifier's 0/1 per response: DAPO
+        filters on accuracy, not on the shaped reward, so a length penalty or a format
+        reward cannot keep a group whose answers are all right or all wrong);
+        overlong filtering zeroes the mask of truncated responses. Returns (the shaped
+        rewards of every response, the batch rows of the kept groups, the number of
+        groups kept)."""
         c = self.c
         g, T = int(c.rollout.group_size), int(c.rollout.max_new_tokens)
         if c.dapo.soft_overlong:
@@ -505,11 +545,10 @@ class Trainer:
                     jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)
                 )
             )
-        rg = r.reshape(-1, g)
         keep = (
-            np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(rg)))
+            np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(correct).reshape(-1, g)))
             if c.dapo.dynamic_sampling
-            else np.ones(rg.shape[0], bool)
+            else np.ones(len(r) // g, bool)
         )
         mask = np.asarray(ro.mask, np.float32)
         if c.dapo.overlong_filter:
@@ -520,7 +559,8 @@ class Trainer:
             "tokens": np.asarray(ro.tokens),
             "mask": mask,
             "rewards": r,
-            "rollout_logp": np.asarray(ro.logp),
+            # The sampler's log-probs under the distribution that drew the tokens.
+            "rollout_logp": np.asarray(ro.logp_sampling),
             # R3: the rollout's routing at every input position [0, P+T-1).
             "replay_r3": np.asarray(ro.replay())[:, :-1],
         }
@@ -616,11 +656,17 @@ def _progress(c, total: int, start: int, desc: str):
     return _Null()
 
 
-def _clip_frac(m: dict) -> float:
-    """The objective's clip fraction: sequence-level for GSPO, low+high otherwise."""
-    if "seq_clip_frac" in m:
-        return float(m["seq_clip_frac"])
-    return float(m.get("clip_frac_low", 0.0)) + float(m.get("clip_frac_high", 0.0))
+def check_skips(in_a_row: int, c: ml_collections.ConfigDict, where: str) -> None:
+    """Stop the run once more than ``updates.max_consecutive_skips`` updates in a row
+    were skipped for a non-finite loss or gradient."""
+    limit = int(c.updates.max_consecutive_skips)
+    if in_a_row > limit:
+        raise FloatingPointError(
+            f"{where}: {in_a_row} updates in a row were skipped for a non-finite loss or "
+            f"gradient (config.updates.max_consecutive_skips={limit}); the run stops. "
+            "Skipped updates leave the parameters as they were; lower the learning rate "
+            "or inspect the data."
+        )
 
 
 def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
@@ -658,26 +704,40 @@ class RLPhase:
         self.ref_params = jax.tree.map(jnp.copy, params) if trainer.kl_coef else None
         self.state = trainer.new_state(params, self.optimizer)
         self.train_fn = trainer.jit_step(
-            step.train_step, self.state, optimizer=self.optimizer, cfg=trainer.step_cfg
+            step.train_step,
+            self.state,
+            optimizer=self.optimizer,
+            schedule=self.sched,
+            cfg=trainer.step_cfg,
         )
         replay = c.updates.routing_replay
         self.critic = c.advantage == "gae"
-        self.logp_fn = jax.jit(
-            functools.partial(
-                step.logprob_pass,
-                graphdef=trainer.graphdef,
-                replay_key="replay_r3" if replay == "R3" else None,
-                values=self.critic,
-            )
+        self.moe = trainer.model_cfg.num_moe_layers > 0
+        logp_pass = functools.partial(
+            step.logprob_pass,
+            graphdef=trainer.graphdef,
+            values=self.critic,
+            temperature=float(c.rollout.temperature),
         )
+        # The old policy's pass replays the sampler's routing under R3; the reference
+        # policy's always routes freely (it is pi_ref, not pi_ref under pi's routing).
+        self.logp_fn = jax.jit(
+            functools.partial(logp_pass, replay_key="replay_r3" if replay == "R3" else None)
+        )
+        self.ref_logp_fn = jax.jit(functools.partial(logp_pass, replay_key=None))
         self.gae_fn = jax.jit(
             functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam))
         )
+        self.correction_fn = jax.jit(
+            functools.partial(rollout_correction, rc=trainer.rollout_correction)
+        )
+        self.mismatch_fn = jax.jit(step.mismatch_metrics)
 
     def prepare(
         self, host_batch: dict[str, np.ndarray]
-    ) -> tuple[dict[str, jax.Array], dict[str, float]]:
-        """Device batch with old (and reference) log-probs and routing records."""
+    ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        """Device batch with old (and reference) log-probs, routing records and the
+        rollout correction; and the step's train-inference mismatch metrics."""
         c = self.t.c
         dev = self.t.put_batch(host_batch)
         old = self.logp_fn(self.state.params, dev)
@@ -685,8 +745,14 @@ class RLPhase:
             k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask", "advantages")
         }
         batch.update(
-            old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"]
+            old_logp=old["logp"],
+            old_topk=old["topk_resp"],
+            old_free_topk=old["free_topk_resp"],
+            old_router_logp=old["router_logp"],
         )
+        if self.moe:  # the sampler's routing at the response positions
+            p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
+            batch["sampler_topk"] = step.response_slice(dev["replay_r3"], p, t)
         if c.updates.routing_replay == "R2":
             batch["replay"] = old["topk"]
         elif c.updates.routing_replay == "R3":
@@ -697,20 +763,23 @@ class RLPhase:
             )
             batch["old_values"] = old["values"]
         if self.ref_params is not None:
-            batch["ref_logp"] = self.logp_fn(self.ref_params, dev)["logp"]
-        mask = dev["mask"]
-        n = jnp.maximum(jnp.sum(mask), 1.0)
-        # How far the recomputed old log-probs are from the sampler's: the
-        # training-inference mismatch that R3 exists to remove.
-        info = {
-            "rollout_logp_abs_diff": float(
-                jnp.sum(jnp.abs(old["logp"] - dev["rollout_logp"]) * mask) / n
-            )
-        }
+            batch["ref_logp"] = self.ref_logp_fn(self.ref_params, dev)["logp"]
+        info = self.mismatch_fn(
+            dev["rollout_logp"],
+            old["logp"],
+            dev["mask"],
+            batch.get("sampler_topk"),
+            old["free_topk_resp"] if self.moe else None,
+        )
+        if self.t.rollout_correction.mode != "none":
+            weight, rc_metrics = self.correction_fn(old["logp"], dev["rollout_logp"], dev["mask"])
+            batch["rc_weight"] = weight
+            info.update(metrics_lib.compute_all(rc_metrics))
         return batch, info
 
-    def step(self, s: int) -> dict[str, Any]:
-        """One RL step: collect, prepare, update. Returns the step's metrics."""
+    def step(self, s: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One RL step: collect, prepare, update. Returns the step's summary metrics
+        and one record per optimizer update (``k``: its index within the rollout)."""
         t, c = self.t, self.t.c
         rng = jax.random.fold_in(jax.random.key(c.seed + 1), s)
         t0 = time.perf_counter()
@@ -722,7 +791,7 @@ class RLPhase:
         n = batch["tokens"].shape[0]
         mb = n // int(c.updates.num_minibatches)
         perm_key = jax.random.fold_in(rng, 1_000_003)
-        ms = []
+        ms, where = [], []
         for epoch in range(int(c.updates.num_epochs)):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
             for j in range(int(c.updates.num_minibatches)):
@@ -732,13 +801,13 @@ class RLPhase:
                     self.state, mini, jax.random.fold_in(rng, 7 + len(ms))
                 )
                 ms.append(m)
-        ms = jax.device_get(ms)
+                where.append({"k": len(where), "epoch": epoch, "minibatch": j})
+        ms, pinfo = jax.device_get((ms, pinfo))
         t3 = time.perf_counter()
-        m = _mean_metrics(ms)
+        updates = [dict(w, **u) for w, u in zip(where, ms)]
+        m = summarize_updates(ms)
         m.update(info)
         m.update(pinfo)
-        m["clip_frac"] = _clip_frac(m)
-        m["lr"] = float(self.sched(int(self.state.step) - 1))
         step_time = t3 - t0
         trained_tokens = float(np.sum(host_batch["mask"])) * int(c.updates.num_epochs)
         m.update(
@@ -748,7 +817,7 @@ class RLPhase:
             update_time=t3 - t2,
             tokens_per_s=(info["gen_tokens"] + trained_tokens) / step_time,
         )
-        return m
+        return m, updates
 
 
 def enable_compilation_cache(path: str) -> str | None:
@@ -807,6 +876,14 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     rl = RLPhase(trainer, params)
     if rl_start:
         rl.state, _, rl_start = rl_ckpt.restore(rl.state)
+    # One record per optimizer update, cut back to the RL checkpoint like metrics.jsonl.
+    update_writer = MetricsWriter(
+        workdir,
+        resume_step=rl_start,
+        resume_phase="rl",
+        filename="updates.jsonl",
+        tb_prefix="updates",
+    )
     records = []
     steps = int(c.total_rl_steps)
     if rl_start == 0:
@@ -814,7 +891,10 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         records.append(rec)
     bar = _progress(c, steps, rl_start, "rl")
     for s in range(rl_start, steps):
-        m = rl.step(s)
+        m, updates = rl.step(s)
+        for u in updates:
+            update_writer.write(s + 1, "rl", u, tb_step=s * rl.updates_per_step + u["k"])
+        check_skips(int(m["skipped_in_a_row"]), c, f"rl step {s + 1}")
         if (s + 1) % int(c.eval_every) == 0 or s + 1 == steps:
             m.update(trainer.evaluate(rl.state.params))
         if (s + 1) % int(c.log_every) == 0 or "eval_reward_mean" in m or s + 1 == steps:
@@ -822,12 +902,13 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         bar.set_postfix(
             reward=f"{m['reward_mean']:.3f}",
             clip=f"{m['clip_frac']:.3f}",
-            flip=f"{m['expert_flip_frac']:.3f}",
+            flip=f"{m.get('flip_frac', 0.0):.3f}",
         )
         bar.update(1)
         rl_ckpt.save(s + 1, rl.state, {"phase": "rl", "step": s + 1}, force=(s + 1 == steps))
     bar.close()
     rl_ckpt.close()
+    update_writer.close()
     writer.close()
     return records
 

@@ -34,7 +34,7 @@ def _left_pad_mask():
 def _fwd(model, method="__call__", *args, **kw):
   """Jitted `getattr(model, method)(*args, **kw)` (eager op-by-op is slow)."""
   graphdef, state = nnx.split(model)
-  static = {k: v for k, v in kw.items() if v is None or isinstance(v, int)}
+  static = {k: v for k, v in kw.items() if v is None or isinstance(v, (int, float))}
   arrays = {k: v for k, v in kw.items() if k not in static}
   f = jax.jit(lambda st, a, k: getattr(nnx.merge(graphdef, st), method)(*a, **k, **static))
   return f(state, args, arrays)
@@ -139,12 +139,22 @@ def test_router_aux_shapes_and_hand_values():
   assert logits.shape == (2, 12, V) and logits.dtype == jnp.float32
   assert aux.router_logits.shape == (2, 12, 3, 8)
   assert aux.topk_indices.shape == (2, 12, 3, 2) and aux.topk_indices.dtype == jnp.int32
+  assert aux.free_topk_indices.dtype == jnp.int32
+  np.testing.assert_array_equal(aux.free_topk_indices, aux.topk_indices)  # no replay
   np.testing.assert_allclose(aux.z_loss, np.log(8.0) ** 2, rtol=1e-6)
   np.testing.assert_allclose(aux.aux_loss, 1.0, rtol=1e-6)
   np.testing.assert_allclose(aux.topk_weights, 0.5, rtol=1e-6)  # renormalised 1/8, 1/8
   np.testing.assert_allclose(aux.expert_load[:, :2], 0.5)
   np.testing.assert_allclose(aux.replay_mismatch, 0.0)
   assert cfg.num_moe_layers == 3
+
+
+def test_dense_model_router_aux_is_empty():
+  model = _model(num_experts=0)
+  _, aux = _fwd(model, "__call__", _tokens())
+  for x in (aux.topk_indices, aux.free_topk_indices):
+    assert x.shape == (2, 12, 0, model.cfg.top_k) and x.dtype == jnp.int32
+  assert aux.router_logits.shape == (2, 12, 0, 0) and aux.expert_load.shape == (0, 0)
 
 
 def test_padding_tokens_do_not_change_real_tokens():
@@ -172,6 +182,14 @@ def test_token_logprobs_match_full_logits(chunk):
   lp, ent, _ = _fwd(model, "token_logprobs", tokens, targets, chunk_size=chunk)
   np.testing.assert_allclose(lp, ref_lp, atol=1e-5)
   np.testing.assert_allclose(ent, ref_ent, atol=1e-5)
+  # A temperature divides the logits (the sampler's tempered distribution).
+  logz_t = jax.nn.log_softmax(logits / 0.7)
+  lp_t, ent_t, _ = _fwd(model, "token_logprobs", tokens, targets, chunk_size=chunk,
+                        temperature=0.7)
+  np.testing.assert_allclose(lp_t, jnp.take_along_axis(logz_t, targets[..., None], -1)[..., 0],
+                             atol=1e-5)
+  np.testing.assert_allclose(ent_t, -jnp.sum(jnp.exp(logz_t) * logz_t, -1), atol=1e-5)
+  assert float(jnp.max(jnp.abs(lp_t - lp))) > 1e-2
   if chunk != 5:
     return  # gradients: checked once, with a chunk that does not divide T
 
@@ -185,6 +203,22 @@ def test_token_logprobs_match_full_logits(chunk):
   _, g1 = _value_and_grad(model, via_full)
   _, g2 = _value_and_grad(model, via_chunks)
   assert _max_tree_diff(g1, g2) < 1e-5
+
+
+def test_temperature_one_is_bitwise_the_default_and_bad_values_raise():
+  model = _model()
+  tokens = _tokens()
+  targets = jnp.roll(tokens, -1, axis=1)
+  lp, ent, _ = _fwd(model, "token_logprobs", tokens, targets)
+  lp1, ent1, _ = _fwd(model, "token_logprobs", tokens, targets, temperature=1.0)
+  np.testing.assert_array_equal(lp1, lp)
+  np.testing.assert_array_equal(ent1, ent)
+  h, _ = _fwd(model, "hidden", tokens)
+  for bad in (0.0, -0.5, float("nan"), float("inf"), True, jnp.float32(0.7)):
+    with pytest.raises(ValueError, match="temperature"):
+      model.token_logprobs(tokens, targets, temperature=bad)
+    with pytest.raises(ValueError, match="temperature"):
+      model.logprobs_from_hidden(h, targets, temperature=bad)
 
 
 def test_value_head_and_errors():
@@ -253,6 +287,28 @@ def test_replay_other_experts_changes_output_and_router_gets_gradient():
 
   _, g = _value_and_grad(model, loss)
   assert float(jnp.max(jnp.abs(g["segments"][1]["blocks"][0]["mlp"]["router"][...][0]))) > 0
+
+
+def test_load_balancing_loss_counts_the_free_router_under_replay():
+  # One MoE layer (dense, then MoE): a replay there changes nothing upstream of
+  # its router, so its free choices, load and aux_loss are the free forward's,
+  # while the experts used are the replayed ones.
+  model = _model(num_layers=2)
+  assert model.cfg.num_moe_layers == 1
+  mask, pos = _left_pad_mask()
+  tokens = _tokens(3, seed=4)
+  _, aux = _fwd(model, "__call__", tokens, positions=pos, attn_mask=mask)
+  other = (aux.topk_indices + 3) % model.cfg.num_experts
+  _, aux_r = _fwd(model, "__call__", tokens, positions=pos, attn_mask=mask, replay=other)
+  assert float(aux_r.replay_mismatch[0]) > 0.5
+  np.testing.assert_array_equal(aux_r.topk_indices, other)
+  np.testing.assert_array_equal(aux_r.free_topk_indices, aux.topk_indices)
+  np.testing.assert_allclose(aux_r.expert_load, aux.expert_load, rtol=1e-6)
+  np.testing.assert_allclose(aux_r.aux_loss, aux.aux_loss, rtol=1e-6)
+  # The replayed assignment's load is another one (what the loss used to count).
+  m = np.asarray(mask, bool)
+  replayed = np.bincount(np.asarray(other)[m].ravel(), minlength=8) / (2 * m.sum())
+  assert np.abs(replayed - np.asarray(aux.expert_load[0])).max() > 0.05
 
 
 # ------------------------------------------------------------------ layers

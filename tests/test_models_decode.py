@@ -90,3 +90,40 @@ def test_cache_layout_is_checked():
     model.decode(toks, untransposed, positions=pos)
   with pytest.raises(ValueError, match=r"cache\.v"):
     model.decode(toks, cache.replace(v=cache.v[:-1]), positions=pos)
+
+
+def test_router_noise_is_added_to_the_router_logits():
+  # Zero noise is no noise (bit for bit); noise enters every MoE layer's logits
+  # before top-K: the first MoE layer's logits are the clean ones plus the noise
+  # (its input does not depend on the noise), and the top-K is theirs.
+  model = _model()
+  cfg = model.cfg
+  tokens, mask, pos = _inputs()
+  graphdef, state = nnx.split(model)
+  shape = tokens.shape + (cfg.num_moe_layers, cfg.num_experts)
+  noise = 2.0 * jax.random.normal(jax.random.key(0), shape)
+
+  @jax.jit
+  def prefill(state, noise):
+    mdl = nnx.merge(graphdef, state)
+    cache = mdl.init_cache(*tokens.shape)
+    logits, aux, _ = mdl.decode(tokens, cache, positions=pos, attn_mask=mask, router_noise=noise)
+    return logits, aux
+
+  clean, aux = prefill(state, None)
+  zero, aux0 = prefill(state, jnp.zeros(shape))
+  for a, b in zip(jax.tree.leaves((clean, aux)), jax.tree.leaves((zero, aux0))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  noisy, aux_n = prefill(state, noise)
+  np.testing.assert_allclose(aux_n.router_logits[:, :, 0],
+                             aux.router_logits[:, :, 0] + noise[:, :, 0], atol=1e-6)
+  want = jax.lax.top_k(aux_n.router_logits, cfg.top_k)[1]
+  np.testing.assert_array_equal(aux_n.topk_indices, want)
+  np.testing.assert_array_equal(aux_n.free_topk_indices, want)
+  m = np.asarray(mask, bool)
+  flipped = np.any(np.asarray(aux_n.topk_indices) != np.asarray(aux.topk_indices), axis=(-2, -1))
+  assert flipped[m].mean() > 0.5
+  assert float(jnp.max(jnp.abs(noisy - clean))) > 1e-3
+  with pytest.raises(ValueError, match="router_noise"):
+    model.decode(tokens, model.init_cache(*tokens.shape), positions=pos,
+                 router_noise=jnp.zeros(shape[:-1] + (cfg.num_experts + 1,)))

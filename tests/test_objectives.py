@@ -100,7 +100,8 @@ def test_clipped_surrogate_hand_values(name, agg):
     loss, m = O.get(name)(lp, old, adv, mask, agg=agg, kl_coef=0.0)
     np.testing.assert_allclose(loss, PPO_EXPECTED[agg], rtol=1e-6)
     # One clipped-high token (seq0 r=1.5), one clipped-low (seq1 r=0.7), of 5.
-    np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"]], [0.2, 0.2], rtol=1e-6)
+    np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"], m["clip_frac"]],
+                               [0.2, 0.2, 0.4], rtol=1e-6)
     assert m["num_tokens"] == 5 and m["num_seqs"] == 2
 
 
@@ -116,6 +117,7 @@ def test_dapo_hand_value():
     loss, m = O.get("dapo")(lp, old, adv, mask)
     np.testing.assert_allclose(loss, (-1.28 - 0.5 - 1.1 + 4.2) / 5, rtol=1e-6)
     np.testing.assert_allclose(m["clip_frac_high"], 0.2, rtol=1e-6)
+    np.testing.assert_allclose(m["clip_frac"], 0.4, rtol=1e-6)  # and seq1's r = 0.7 < 0.8
 
 
 def test_dual_clip_hand_value():
@@ -124,6 +126,8 @@ def test_dual_clip_hand_value():
     loss, m = O.get("ppo")(lp, old, adv, mask, dual_clip=1.25)
     np.testing.assert_allclose(loss, (-2.8 + 1.6 + 2.5) / 5, rtol=1e-6)
     np.testing.assert_allclose(m["dual_clip_frac"], 0.2, rtol=1e-6)
+    # Three of 5 tokens lose their gradient: r=1.5 (high), r=0.7 (low), r=1.3 (dual).
+    np.testing.assert_allclose(m["clip_frac"], 0.6, rtol=1e-6)
     g = grad_of("ppo", lp, old, adv, mask, dual_clip=1.25)
     assert g[1, 1] == 0.0  # dual-clipped; a bug that ignores the dual clip gives 2*1.3/5
 
@@ -204,6 +208,7 @@ def test_gspo_hand_value():
     np.testing.assert_allclose([m["seq_clip_frac"], m["seq_clip_frac_low"],
                                 m["seq_clip_frac_high"]], [0.5, 0.5, 0.0])
     np.testing.assert_allclose(m["clip_frac_low"], 2 / 5, rtol=1e-6)  # seq1's 2 tokens
+    np.testing.assert_allclose([m["clip_frac"], m["clip_frac_high"]], [2 / 5, 0.0], rtol=1e-6)
     np.testing.assert_allclose(m["seq_ratio_mean"], (s0 + s1) / 2, rtol=1e-6)
 
 
@@ -213,7 +218,7 @@ def test_gspo_token_hand_value():
     loss, m = O.get("gspo_token")(lp, old, adv, mask)
     # Per token -A s_i (or the clipped constant), seq-mean-token-mean.
     np.testing.assert_allclose(loss, (-s0 + 2 * (1 - 3e-4)) / 2, rtol=1e-6)
-    np.testing.assert_allclose(m["clip_frac_low"], 2 / 5, rtol=1e-6)
+    np.testing.assert_allclose([m["clip_frac_low"], m["clip_frac"]], [2 / 5, 2 / 5], rtol=1e-6)
 
 
 def test_cispo_hand_value():
@@ -225,14 +230,18 @@ def test_cispo_hand_value():
     loss, m = O.get("cispo")(lp, old, adv, mask)
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
     np.testing.assert_allclose(m["is_weight_mean"], (1.28 + 0.5 + 1.1 + 0.7 + 1.28) / 5, rtol=1e-6)
-    np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"]], [0.4, 0.0])
+    # The weight is capped on seq0's r=1.5 and seq1's r=1.3; no gradient is removed.
+    np.testing.assert_allclose([m["is_weight_clip_frac_high"], m["is_weight_clip_frac_low"]],
+                               [0.4, 0.0])
+    assert float(m["clip_frac"]) == 0.0 and "clip_frac_high" not in m
     np.testing.assert_allclose(m["is_weight_max"], 1.28, rtol=1e-6)
     # With eps_low = 0.2, the weights of seq0's r = 0.5 and seq1's r = 0.7 become 0.8.
     loss2, m2 = O.get("cispo")(lp, old, adv, mask, eps_low=0.2)
     np.testing.assert_allclose(
         loss2, expected - ((0.8 - 0.5) * 1 * logp[0, 1] + (0.8 - 0.7) * -2 * logp[1, 0]) / 5,
         rtol=1e-6)
-    np.testing.assert_allclose(m2["clip_frac_low"], 0.4, rtol=1e-6)
+    np.testing.assert_allclose(m2["is_weight_clip_frac_low"], 0.4, rtol=1e-6)
+    assert float(m2["clip_frac"]) == 0.0
 
 
 def gmpo_hand():
@@ -248,7 +257,8 @@ def test_gmpo_hand_value():
     g0, g1 = gmpo_hand()
     loss, m = O.get("gmpo")(lp, old, adv, mask)
     np.testing.assert_allclose(loss, (-1 * g0 + 2 * g1) / 2, rtol=1e-6)
-    np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"]], [0.2, 0.0])
+    np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"], m["clip_frac"]],
+                               [0.2, 0.0, 0.2])
 
 
 def test_rspo_hand_value():
@@ -293,6 +303,7 @@ def test_sapo_hand_value():
              for t, r in ((1, 1.5), (1, 0.5), (1, 1.1), (1.05, 0.7), (1.05, 1.3))]
     np.testing.assert_allclose(m["sapo_gate_mean"], sum(gates) / 5, rtol=1e-6)
     np.testing.assert_allclose(m["sapo_gate_min"], min(gates), rtol=1e-6)
+    assert float(m["clip_frac"]) == 0.0  # a soft gate removes no gradient
 
 
 def test_base_metrics_hand_values():
@@ -336,6 +347,52 @@ def test_clip_at_exact_boundary_keeps_gradient():
     np.testing.assert_allclose(g, [[-1.25]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", O.names())
+def test_clip_frac_is_the_share_of_tokens_whose_gradient_is_removed(name):
+    """docs/objectives.md, "Diagnostics": clip_frac, in one unit for every objective, is
+    the share of valid tokens whose gradient a clip removes. Here every valid token has
+    A != 0 and |delta| < 20, so exactly those tokens have a gradient of exactly 0."""
+    lp, old, adv, mask = smooth_batch()
+    kw = extra_kwargs(name, lp.shape, gamma=np.full(lp.shape, 0.7, np.float32))
+    if name in ("gspo", "gspo_token"):
+        kw.update(eps_low=0.1, eps_high=0.1)  # clips seq1 (A < 0, s = e^-0.18) low
+    if name == "ppo":
+        kw["dual_clip"] = 1.5  # smooth_batch's r = e^0.9 at A < 0 binds it
+    _, m = O.get(name)(lp, old, adv, mask, **kw)
+    g = grad_of(name, lp, old, adv, mask, **kw)
+    valid = np.asarray(mask) > 0
+    removed = (g == 0) & valid
+    np.testing.assert_allclose(m["clip_frac"], removed.sum() / valid.sum(), rtol=1e-6)
+    if name in ("cispo", "sapo"):
+        assert float(m["clip_frac"]) == 0.0
+    else:
+        assert float(m["clip_frac"]) > 0, name  # the batch has clipped tokens
+    if "clip_frac_low" in m:
+        share = m["clip_frac_low"] + m["clip_frac_high"] + m.get("dual_clip_frac", 0.0)
+        np.testing.assert_allclose(m["clip_frac"], share, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", O.names())
+def test_zero_advantage_is_never_clipped(name):
+    """A token with A = 0 has no gradient to remove: no clip share counts it, whatever
+    its ratio (GMPO/RSPO once counted it as clipped high)."""
+    lp, old, _, mask = hand_batch()
+    lp = old + jnp.asarray([[3.0, -3.0, 0.9, 0.0], [-0.9, 3.0, 0, 0], [0, 0, 0, 0]], jnp.float32)
+    kw = extra_kwargs(name, lp.shape)
+    for adv in (jnp.zeros(3), jnp.zeros((3, 4))):
+        if O.get(name).sequence_level and adv.ndim == 2:
+            continue
+        _, m = O.get(name)(lp, old, adv, mask, **kw)
+        clip_keys = [k for k in m if "clip_frac" in k]
+        assert "clip_frac" in clip_keys
+        for k in clip_keys:
+            assert float(m[k]) == 0.0, (name, k)
+    # The same ratios with A != 0 are clipped (GMPO's high side: delta = 3 > 0.4).
+    if name == "gmpo":
+        _, m = O.get(name)(lp, old, jnp.array([1.0, 0.0, 0.0]), mask)
+        np.testing.assert_allclose(m["clip_frac_high"], 2 / 5, rtol=1e-6)
+
+
 def test_gspo_gradient_is_A_s_mean_grad_logp():
     lp, old, adv, mask = hand_batch()
     s0, s1 = gspo_hand()
@@ -366,8 +423,9 @@ def test_gspo_token_equals_gspo_with_constant_advantage(eps):
         lt, mt = O.get("gspo_token")(lp, old, a, mask, **hp)
         np.testing.assert_allclose(lt, lg, rtol=1e-6)
         # Same clipping: the token-weighted clip fractions agree.
-        np.testing.assert_allclose([mt["clip_frac_low"], mt["clip_frac_high"]],
-                                   [mg["clip_frac_low"], mg["clip_frac_high"]], rtol=1e-6)
+        np.testing.assert_allclose([mt["clip_frac_low"], mt["clip_frac_high"], mt["clip_frac"]],
+                                   [mg["clip_frac_low"], mg["clip_frac_high"], mg["clip_frac"]],
+                                   rtol=1e-6)
         np.testing.assert_allclose(grad_of("gspo_token", lp, old, a, mask, **hp),
                                    grad_of("gspo", lp, old, adv, mask, **hp), rtol=1e-5, atol=1e-8)
 

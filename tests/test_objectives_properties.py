@@ -47,6 +47,7 @@ def test_gspo_token_equals_gspo(shape, seed, scale, eps):
     np.testing.assert_allclose(lt, lg, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(mt["clip_frac_high"], mg["clip_frac_high"], atol=1e-7)
     np.testing.assert_allclose(mt["clip_frac_low"], mg["clip_frac_low"], atol=1e-7)
+    np.testing.assert_allclose(mt["clip_frac"], mg["clip_frac"], atol=1e-7)
     np.testing.assert_allclose(grad("gspo_token", lp, old, adv2, mask, **hp),
                                grad("gspo", lp, old, adv, mask, **hp), rtol=1e-5, atol=1e-8)
 
@@ -66,6 +67,9 @@ def test_ppo_clip_zeroes_exactly_the_clipped_tokens(shape, seed, scale):
     expected = np.where(clipped, 0.0, -a * r * m) / max(m.sum(), 1.0)
     np.testing.assert_allclose(g, expected, rtol=2e-5, atol=1e-9)
     assert (g[clipped | (m == 0)] == 0).all()
+    # clip_frac: the share of valid tokens whose gradient the clip removes.
+    clip_frac = O.get("ppo")(lp, old, adv, mask)[1]["clip_frac"]
+    np.testing.assert_allclose(clip_frac, (clipped & (m > 0)).sum() / max(m.sum(), 1.0), atol=1e-7)
 
 
 @SETTINGS

@@ -213,10 +213,12 @@ def reference_loss(name, hp, logp, old, adv, mask, ref=None, gamma=None, logp_sg
 def reference_metrics(name, hp, logp, old, adv, mask, gamma=None, ref=None):
     """Metrics as defined in docs/objectives.md, "Diagnostics" (valid tokens only).
 
-    Clip fractions count where the clip *binds*: A > 0 and the ratio above 1+eps_high
-    (high), A < 0 and below 1-eps_low (low); GMPO/RSPO in log space with A >= 0 / A < 0;
-    CISPO's weight whatever the sign of A; GSPO's token-level fractions count the
-    tokens of clipped sequences.
+    Clip fractions count where the clip *binds*, i.e. removes the token's gradient:
+    A > 0 and the ratio above 1+eps_high (high), A < 0 and below 1-eps_low (low), and
+    PPO's dual clip; GMPO/RSPO in log space; a token with A = 0 never counts. GSPO's
+    token-level fractions count the tokens of clipped sequences. clip_frac is the share
+    of tokens clipped on any side; 0 for CISPO (its capped IS weight keeps the gradient:
+    is_weight_clip_frac_low/high, A != 0) and SAPO.
     """
     valid = mask > 0
     n = mask.sum(1)
@@ -244,10 +246,11 @@ def reference_metrics(name, hp, logp, old, adv, mask, gamma=None, ref=None):
         m["kl"] = tok_mean(_kl_per_token(logp, ref, hp["kl_estimator"]))  # without beta
     el, eh = hp.get("eps_low"), hp.get("eps_high")
     if name in CLIPPED:
-        m["clip_frac_high"] = frac((adv_tok > 0) & (r > 1 + eh))
-        m["clip_frac_low"] = frac((adv_tok < 0) & (r < 1 - el))
+        high, low = (adv_tok > 0) & (r > 1 + eh), (adv_tok < 0) & (r < 1 - el)
         c = hp["dual_clip"]
-        m["dual_clip_frac"] = 0.0 if c is None else frac((adv_tok < 0) & (r > c))
+        dual = np.zeros_like(high) if c is None else (adv_tok < 0) & (r > c)
+        m["clip_frac_high"], m["clip_frac_low"], m["dual_clip_frac"] = frac(high), frac(low), frac(dual)
+        m["clip_frac"] = frac(high | low | dual)
     elif name in ("gspo", "gspo_token"):
         s = np.exp(mean_delta)
         m["seq_ratio_mean"] = seq_mean(s)
@@ -259,26 +262,31 @@ def reference_metrics(name, hp, logp, old, adv, mask, gamma=None, ref=None):
             m["seq_clip_frac"] = (high | low).sum() / nseq
             m["clip_frac_high"] = (high * n).sum() / ntok
             m["clip_frac_low"] = (low * n).sum() / ntok
+            m["clip_frac"] = ((high | low) * n).sum() / ntok
         else:
-            m["clip_frac_high"] = frac((adv_tok > 0) & (s[:, None] > 1 + eh))
-            m["clip_frac_low"] = frac((adv_tok < 0) & (s[:, None] < 1 - el))
+            high = (adv_tok > 0) & (s[:, None] > 1 + eh)
+            low = (adv_tok < 0) & (s[:, None] < 1 - el)
+            m["clip_frac_high"], m["clip_frac_low"] = frac(high), frac(low)
+            m["clip_frac"] = frac(high | low)
     elif name == "cispo":
         lower = -np.inf if el is None else 1 - el
         w = np.clip(r, lower, 1 + eh)
         m["is_weight_mean"] = tok_mean(w)
         m["is_weight_max"] = w[valid].max()
-        m["clip_frac_high"] = frac(r > 1 + eh)
-        m["clip_frac_low"] = frac(r < lower)
+        m["is_weight_clip_frac_high"] = frac((adv_tok != 0) & (r > 1 + eh))
+        m["is_weight_clip_frac_low"] = frac((adv_tok != 0) & (r < lower))
+        m["clip_frac"] = 0.0
     elif name == "sapo":
         tau = np.where(adv_tok > 0, hp["tau_pos"], hp["tau_neg"])
         p = _sigmoid(tau * (r - 1.0))
         gate = 4 * p * (1 - p)
         m["sapo_gate_mean"] = tok_mean(gate)
         m["sapo_gate_min"] = gate[valid].min()
+        m["clip_frac"] = 0.0
     elif name in ("gmpo", "rspo"):
-        pos = (adv >= 0)[:, None]
-        m["clip_frac_high"] = frac(pos & (delta > eh))
-        m["clip_frac_low"] = frac(~pos & (delta < -el))
+        pos = (adv >= 0)[:, None]  # the loss's branch; A = 0 is never counted as clipped
+        high, low = (adv > 0)[:, None] & (delta > eh), (adv < 0)[:, None] & (delta < -el)
+        m["clip_frac_high"], m["clip_frac_low"], m["clip_frac"] = frac(high), frac(low), frac(high | low)
         delta_star = np.where(pos, np.minimum(delta, eh), np.maximum(delta, -el))
         g = np.exp(np.where(valid, delta_star, 0.0).sum(1) / safe_n)
         if name == "rspo":
@@ -409,9 +417,10 @@ def assert_clipping_exercised(name, hp, batch):
     m = reference_metrics(name, hp, batch.logp, batch.old, batch.adv, batch.mask, batch.gamma, batch.ref)
     if name == "sapo":
         return
-    assert m["clip_frac_high"] > 0, m
+    prefix = "is_weight_" if name == "cispo" else ""
+    assert m[prefix + "clip_frac_high"] > 0, m
     if not (name == "cispo" and hp["eps_low"] is None):
-        assert m["clip_frac_low"] > 0, m
+        assert m[prefix + "clip_frac_low"] > 0, m
     if name in CLIPPED and hp["dual_clip"] is not None:
         assert m["dual_clip_frac"] > 0, m
 

@@ -263,6 +263,27 @@ def test_truncated_sampling_records_unmodified_and_sampling_logp(sampler):
     np.testing.assert_allclose(np.asarray(r.logp_sampling), want, atol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _jit_token_logprobs(graphdef, state, tokens, positions, mask, temperature):
+  return nnx.merge(graphdef, state).token_logprobs(
+      tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask,
+      temperature=temperature)[0]
+
+
+def test_training_forward_at_the_sampling_temperature_gives_logp_sampling(sampler):
+  # No top-k / top-p: the sampler draws from softmax(logits / 0.7), so the
+  # training forward at temperature 0.7 gives logp_sampling, at 1.0 logp.
+  r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7,
+              eos_id=5)
+  tokens, positions, mask = _sequence(r)
+  P = r.prompt_tokens.shape[1]
+  assert float(jnp.max(jnp.abs(r.logp_sampling - r.logp))) > 0.1
+  for temperature, want in ((0.7, r.logp_sampling), (1.0, r.logp)):
+    lp = _jit_token_logprobs(sampler.graphdef, sampler.state, tokens, positions, mask, temperature)
+    got = np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0.0)
+    np.testing.assert_allclose(got, np.asarray(want), atol=1e-5, rtol=0)
+
+
 def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, compile_counts):
     # What the sampler runs off CPU (`rollout._use_cpu_sampling()` False: sort,
     # jnp.cumsum, argmax), here on CPU: a program of its own, the same rollout.

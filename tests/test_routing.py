@@ -17,6 +17,9 @@ def test_router_shift_hand_value():
     np.testing.assert_allclose(routing.router_shift(old, new), [[math.exp(-0.15)]], rtol=1e-6)
     np.testing.assert_allclose(routing.router_shift(old, new, gamma_min=0.9), [[0.9]])
     np.testing.assert_allclose(routing.router_shift(old, old), [[1.0]])
+    # The raw weight is not floored: drift below gamma_min stays visible.
+    np.testing.assert_allclose(routing.router_shift(old, new, gamma_min=None), [[math.exp(-0.15)]], rtol=1e-6)
+    np.testing.assert_allclose(routing.router_logp_shift(old, new), [[[0.1, 0.2]]], rtol=1e-6)
 
 
 def test_no_moe_layer_means_no_shift_and_no_flips():

@@ -36,8 +36,8 @@ def test_copy_warm_start_copies_sft_and_data_only_once(tmp_path):
 def test_finished_and_summary(tmp_path):
     wd = tmp_path / "gspo"
     recs = [{"phase": "sft", "step": 1}, {"phase": "rl", "step": 0, "eval_reward_mean": 0.2},
-            {"phase": "rl", "step": 1, "clip_frac": 0.1, "expert_flip_frac": 0.02},
-            {"phase": "rl", "step": 2, "clip_frac": 0.3, "expert_flip_frac": 0.04,
+            {"phase": "rl", "step": 1, "clip_frac": 0.1, "flip_frac": 0.02},
+            {"phase": "rl", "step": 2, "clip_frac": 0.3, "flip_frac": 0.04,
              "eval_reward_mean": 0.5}]
     _write(wd, recs[:3])
     assert not stability.finished(str(wd), 2)
@@ -56,8 +56,8 @@ def test_summarize_and_plot_seeds(tmp_path):
         wd = tmp_path / f"seed{seed}" / "grpo"
         _write(wd, [{"phase": "sft", "step": 5, "eval_reward_mean": 0.9},
                     {"phase": "rl", "step": 0, "eval_reward_mean": 0.2},
-                    {"phase": "rl", "step": 1, "expert_flip_frac": flips},
-                    {"phase": "rl", "step": 2, "expert_flip_frac": 3 * flips,
+                    {"phase": "rl", "step": 1, "flip_frac": flips},
+                    {"phase": "rl", "step": 2, "flip_frac": 3 * flips,
                      "eval_reward_mean": last}])
         runs[seed] = {"grpo": str(wd)}
     lines = stability.summarize_seeds(runs).splitlines()
@@ -66,7 +66,7 @@ def test_summarize_and_plot_seeds(tmp_path):
     assert cols[1:3] == ["last eval reward, seed 0", "last eval reward, seed 3"]
     assert row[1:6] == ["0.000", "0.500", "0.250", "0.000", "0.500"]
     # per-seed means 0.2 and 0.6, then their mean
-    assert row[cols.index("mean expert_flip_frac")] == "0.4"
+    assert row[cols.index("mean flip_frac")] == "0.4"
     assert row[cols.index("mean replay_mismatch")].startswith("-")
     out = tmp_path / "seeds.png"
     stability.plot_seeds(runs, str(out))

@@ -193,7 +193,9 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
 
 
-REQUIRED = {"step", "phase", "reward_mean", "entropy", "grad_norm", "clip_frac", "expert_flip_frac", "tokens_per_s"}
+REQUIRED = {"step", "phase", "reward_mean", "entropy", "grad_norm", "clip_frac", "flip_frac", "flip_frac_k0",
+            "flip_frac_klast", "flip_frac_vs_sampler", "router_shift_raw", "gamma_raw_mean", "mismatch_kl",
+            "mismatch_f2", "mismatch_route", "no_signal_minibatches", "lr", "tokens_per_s"}
 
 
 # The whole loop for each code path of the trainer: the default objective,
@@ -233,12 +235,20 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
 def test_rl_step_summary_of_updates():
     from gspo_jax import train
 
-    ms = [{"loss": 1.0, "logratio_abs_max": 0.5, "router_shift_min": 0.9, "skipped_total": 0, "layer": [1.0, 2.0]},
-          {"loss": 3.0, "logratio_abs_max": 0.2, "router_shift_min": 0.7, "skipped_total": 1, "layer": [3.0, 0.0]}]
-    out = train._mean_metrics(ms)
+    ms = [{"loss": 1.0, "logratio_abs_max": 0.5, "router_shift_min": 0.9, "skipped_total": 0, "layer": [1.0, 2.0],
+           "lr": 0.1, "no_signal": 1.0, "flip_frac": 0.0},
+          {"loss": 3.0, "logratio_abs_max": 0.2, "router_shift_min": 0.7, "skipped_total": 1, "layer": [3.0, 0.0],
+           "lr": 0.2, "no_signal": 0.0, "flip_frac": 0.1},
+          {"loss": 2.0, "logratio_abs_max": 0.1, "router_shift_min": 0.8, "skipped_total": 1, "layer": [0.0, 1.0],
+           "lr": 0.3, "no_signal": 1.0, "flip_frac": 0.5}]
+    out = train.summarize_updates(ms)
     assert out["loss"] == 2.0 and out["logratio_abs_max"] == 0.5
     assert out["router_shift_min"] == 0.7 and out["skipped_total"] == 1
-    np.testing.assert_array_equal(out["layer"], [2.0, 1.0])
+    np.testing.assert_allclose(out["layer"], [4 / 3, 1.0])
+    assert out["lr"] == 0.3 and out["no_signal_minibatches"] == 2 and "no_signal" not in out
+    assert out["flip_frac"] == pytest.approx(0.2)
+    assert out["flip_frac_k0"] == 0.0 and out["flip_frac_klast"] == 0.5
+    assert out["logratio_abs_max_k0"] == 0.5 and out["logratio_abs_max_klast"] == 0.1
 
 
 def test_routing_replay_on_a_dense_model_is_refused():
@@ -265,8 +275,8 @@ def test_smoke_dense_model(data_dir, tmp_path):
     for step_ in (1, 2):
         r = rl[step_]
         assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["skipped_total"] == 0
-        assert r["router_shift_mean"] == 1.0 and r["expert_flip_frac"] == 0.0
-        assert r["expert_flip_frac_layer"] == []
+        assert r["router_shift_mean"] == 1.0 and r["flip_frac"] == 0.0
+        assert r["flip_frac_layer"] == [] and "mismatch_route" not in r
 
 
 def test_restart_without_sft_or_rl_checkpoint_keeps_one_step_zero(data_dir, tmp_path):

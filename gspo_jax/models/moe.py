@@ -26,7 +26,14 @@ A row whose K entries are all >= 0 uses exactly those experts; any other row
 uses the free router's top-K.  Gates are the current router's probabilities at
 the used experts (renormalised as in a free forward), so the router keeps its
 gradient.  The mismatch rate is the share of replayed choices (valid tokens,
-replayed rows) that are not in the free router's top-K.
+replayed rows) that are not in the free router's top-K.  The load-balancing
+loss counts the free router's choices, replayed or not: a replayed assignment
+is frozen, so a load computed from it would push the router the same way at
+every update whatever the router does.
+
+Router noise (the sampler's controllable mismatch, `gspo_jax.rollout`):
+`router_noise` f32[N, E] is added to the router logits before everything else
+(top-K, gates, statistics); training forwards pass None.
 """
 
 from __future__ import annotations
@@ -44,14 +51,17 @@ from gspo_jax.models.layers import make_param
 class MoEStats(NamedTuple):
     """Per-layer routing record (one MoE layer).
 
-    router_logits f32[N, E]; topk_indices int32[N, K] (the experts used);
+    router_logits f32[N, E] (router noise included, if any); topk_indices
+    int32[N, K] (the experts used); free_topk_indices int32[N, K] (the router's
+    own top-K, whatever replay forces; = topk_indices without replay);
     topk_weights f32[N, K] (the gates used); expert_load f32[E] (share of the
-    valid tokens' assignments per expert, sums to 1); aux_loss, z_loss,
-    mismatch: f32 scalars.
+    valid tokens' free-router assignments per expert, sums to 1); aux_loss,
+    z_loss, mismatch: f32 scalars.
     """
 
     router_logits: jax.Array
     topk_indices: jax.Array
+    free_topk_indices: jax.Array
     topk_weights: jax.Array
     expert_load: jax.Array
     aux_loss: jax.Array
@@ -237,9 +247,14 @@ class MoE(nnx.Module):
             rngs, stack, (e, f, d), ("expert", "mlp", "embed"), pd, std=cfg.init_std
         )
 
-    def __call__(self, x, token_mask, replay=None):
+    def __call__(self, x, token_mask, replay=None, router_noise=None):
         """x [B, T, D] (compute dtype); token_mask bool[B, T] (False = padding:
-        excluded from losses, load and mismatch); replay int32[B, T, K] or None.
+        excluded from losses, load and mismatch); replay int32[B, T, K] or None;
+        router_noise f32[B, T, E] added to the router logits, or None.
+
+        The load-balancing loss aux_loss = E * sum_e f_e P_e takes the load f_e
+        from the free router's top-K (not the replayed experts) and P_e, the mean
+        router probability, over the valid tokens.
 
         Returns (y [B, T, D], MoEStats with leading [B, T] on per-token fields).
         """
@@ -248,6 +263,8 @@ class MoE(nnx.Module):
         n, k, e = b * t, cfg.top_k, cfg.num_experts
         xf = x.reshape(n, d)
         logits = xf.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [N, E]
+        if router_noise is not None:
+            logits = logits + router_noise.reshape(n, e).astype(jnp.float32)
         rep = None if replay is None else replay.reshape(n, k)
         idx, gates, probs, free_idx, replayed = route(logits, k, cfg.renormalize_topk, rep)
 
@@ -262,7 +279,8 @@ class MoE(nnx.Module):
 
         m = token_mask.reshape(n).astype(jnp.float32)
         n_valid = jnp.maximum(jnp.sum(m), 1.0)
-        assign = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1)  # [N, E]
+        # The free router's load: under replay the used experts are fixed.
+        assign = jnp.sum(jax.nn.one_hot(free_idx, e, dtype=jnp.float32), axis=1)  # [N, E]
         load = jnp.einsum("n,ne->e", m, assign) / (n_valid * k)
         mean_prob = jnp.einsum("n,ne->e", m, probs) / n_valid
         aux_loss = e * jnp.sum(load * mean_prob)
@@ -278,6 +296,7 @@ class MoE(nnx.Module):
         stats = MoEStats(
             router_logits=logits.reshape(b, t, e),
             topk_indices=idx.reshape(b, t, k),
+            free_topk_indices=free_idx.reshape(b, t, k),
             topk_weights=gates.astype(jnp.float32).reshape(b, t, k),
             expert_load=load,
             aux_loss=aux_loss,

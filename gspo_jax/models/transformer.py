@@ -34,14 +34,20 @@ class RouterAux:
     """Routing record of one forward, stacked over the L MoE layers.
 
     Attributes:
-      router_logits: f32[B, T, L, E], router logits (before softmax).
+      router_logits: f32[B, T, L, E], router logits (before softmax; with the
+        router noise added when `decode` was given one).
       topk_indices: int32[B, T, L, K], the experts used (same layout as `replay`:
         pass it back as `replay=` to force the same routing).
+      free_topk_indices: int32[B, T, L, K], the top-K the router itself chooses
+        (from `router_logits`), whatever `replay` forces; equal to topk_indices
+        without replay.
       topk_weights: f32[B, T, L, K], the gates used.
-      expert_load: f32[L, E], share of the valid tokens' K assignments per expert.
-      aux_loss: f32[], load-balancing loss E * sum_e f_e P_e (f_e: load, P_e: mean
-        router probability over valid tokens), averaged over layers; 1 when
-        balanced.
+      expert_load: f32[L, E], share of the valid tokens' K assignments per expert,
+        counting the free router's choices (free_topk_indices), also under replay.
+      aux_loss: f32[], load-balancing loss E * sum_e f_e P_e (f_e: expert_load,
+        P_e: mean router probability over valid tokens), averaged over layers; 1
+        when balanced.  Under replay f_e still counts the free router's choices:
+        the replayed ones are frozen, so the loss would not respond to the router.
       z_loss: f32[], mean over valid tokens and layers of logsumexp(logits)^2.
       replay_mismatch: f32[L], share of replayed choices the free router would
         not have made (0 without replay).
@@ -49,6 +55,7 @@ class RouterAux:
 
     router_logits: jax.Array
     topk_indices: jax.Array
+    free_topk_indices: jax.Array
     topk_weights: jax.Array
     expert_load: jax.Array
     aux_loss: jax.Array
@@ -108,6 +115,16 @@ def plan_segments(
     return out
 
 
+def _check_temperature(temperature) -> float:
+    """A log-prob temperature: a static number > 0 (it decides the graph), as a float."""
+    ok = isinstance(temperature, (int, float, np.integer, np.floating)) and not isinstance(
+        temperature, (bool, np.bool_)
+    )
+    if not (ok and np.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: must be a Python float > 0, got {temperature!r}")
+    return float(temperature)
+
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -126,12 +143,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
         self.mlp = MoE(cfg, stack=stack, rngs=rngs) if moe else MLP(cfg, stack=stack, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, token_mask, replay=None, cache=None):
+    def __call__(self, x, cos, sin, mask, token_mask, replay=None, cache=None, router_noise=None):
         a, kv = self.attn(self.attn_norm(x), cos, sin, mask, cache)
         x = x + a
         h = self.mlp_norm(x)
         if self.is_moe:
-            y, stats = self.mlp(h, token_mask, replay)
+            y, stats = self.mlp(h, token_mask, replay, router_noise)
         else:
             y, stats = self.mlp(h), None
         return x + y, stats, kv
@@ -167,7 +184,7 @@ class Transformer(nnx.Module):
             self.value_b = make_param(None, (), (), (), pd, "zeros")
 
     # ------------------------------------------------------------------ checks
-    def _check_inputs(self, tokens, positions, attn_mask, replay):
+    def _check_inputs(self, tokens, positions, attn_mask, replay, router_noise=None):
         cfg = self.cfg
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens: expected int[B, T], got {tokens.dtype}{list(tokens.shape)}")
@@ -189,11 +206,20 @@ class Transformer(nnx.Module):
                         f"replay: entries must be -1 or in [0, {cfg.num_experts}), "
                         f"got range [{r.min()}, {r.max()}]"
                     )
+        if router_noise is not None:
+            want = (b, t, cfg.num_moe_layers, cfg.num_experts)
+            if tuple(router_noise.shape) != want:
+                raise ValueError(
+                    f"router_noise: expected f32[B, T, L, E] = {want}, "
+                    f"got {tuple(router_noise.shape)}"
+                )
 
     # ------------------------------------------------------------------ core
-    def _run(self, tokens, positions, attn_mask, replay, cache: Optional[KVCache]):
+    def _run(
+        self, tokens, positions, attn_mask, replay, cache: Optional[KVCache], router_noise=None
+    ):
         cfg = self.cfg
-        self._check_inputs(tokens, positions, attn_mask, replay)
+        self._check_inputs(tokens, positions, attn_mask, replay, router_noise)
         b, t = tokens.shape
         dt = cfg.jnp_dtype
         if positions is None:
@@ -211,29 +237,35 @@ class Transformer(nnx.Module):
             kc, vc = tuple(cache.k), tuple(cache.v)
             cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
             valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
-        rep_l = (
-            None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
-        )  # [L,B,T,K]
+        # Per-MoE-layer inputs, leading L: (replay [L, B, T, K], noise [L, B, T, E]).
+        per_layer = lambda a, dtype: None if a is None else jnp.moveaxis(a.astype(dtype), 2, 0)
+        moe_in = (per_layer(replay, jnp.int32), per_layer(router_noise, jnp.float32))
 
         all_stats, new_kv, layer0, moe0 = [], [], 0, 0
         for seg in self.segments:
             u, n = len(seg.unit), seg.repeats
             m = sum(seg.unit)
-            rep_seg = None
-            if rep_l is not None and m:
-                rep_seg = rep_l[moe0 : moe0 + n * m].reshape((n, m) + rep_l.shape[1:])
+            # This segment's MoE layers' inputs, [n, m, B, T, ...] (scanned over n).
+            moe_seg = (None, None)
+            if m:
+                moe_seg = jax.tree.map(
+                    lambda a: a[moe0 : moe0 + n * m].reshape((n, m) + a.shape[1:]), moe_in
+                )
             gdef, state = nnx.split(seg.blocks)
 
             def body(x, xs, gdef=gdef, layer0=layer0, u=u):
-                st, i, rep = xs
+                st, i, (rep, noise) = xs
                 blocks = nnx.merge(gdef, st)
                 stats, kvs, jm = [], [], 0
                 for j, blk in enumerate(blocks):
                     c = None
                     if kc is not None:  # all layers' caches (read only) and this layer's index
                         c = (kc, vc, layer0 + i * u + j, cache_mask)
-                    r = None if (rep is None or not blk.is_moe) else rep[jm]
-                    x, s, kv = blk(x, cos, sin, mask, token_mask, r, c)
+                    r = z = None
+                    if blk.is_moe:
+                        r = None if rep is None else rep[jm]
+                        z = None if noise is None else noise[jm]
+                    x, s, kv = blk(x, cos, sin, mask, token_mask, r, c, z)
                     kvs.append(kv)
                     if s is not None:
                         stats.append(s)
@@ -245,12 +277,12 @@ class Transformer(nnx.Module):
                 body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=False)
             steps = jnp.arange(n, dtype=jnp.int32)
             if cfg.scan_layers:
-                x, (stats, kvs) = jax.lax.scan(body, x, (state, steps, rep_seg))
+                x, (stats, kvs) = jax.lax.scan(body, x, (state, steps, moe_seg))
             else:
                 outs = []
                 for i in range(n):
-                    st, rep = jax.tree.map(lambda a: a[i], (state, rep_seg))
-                    x, o = body(x, (st, i, rep))  # a Python int i: static layer indices
+                    st, seg_i = jax.tree.map(lambda a: a[i], (state, moe_seg))
+                    x, o = body(x, (st, i, seg_i))  # a Python int i: static layer indices
                     outs.append(o)
                 stats, kvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs else (None, None)
             flat = lambda a, k: a.reshape((n * k,) + a.shape[2:])  # [n, k, ...] -> [n * k, ...]
@@ -287,6 +319,7 @@ class Transformer(nnx.Module):
             return RouterAux(
                 router_logits=jnp.zeros((b, t, 0, e), jnp.float32),
                 topk_indices=jnp.zeros((b, t, 0, k), jnp.int32),
+                free_topk_indices=jnp.zeros((b, t, 0, k), jnp.int32),
                 topk_weights=jnp.zeros((b, t, 0, k), jnp.float32),
                 expert_load=jnp.zeros((0, e), jnp.float32),
                 aux_loss=z,
@@ -298,6 +331,7 @@ class Transformer(nnx.Module):
         return RouterAux(
             router_logits=per_tok(s.router_logits),
             topk_indices=per_tok(s.topk_indices),
+            free_topk_indices=per_tok(s.free_topk_indices),
             topk_weights=per_tok(s.topk_weights),
             expert_load=s.expert_load,
             aux_loss=jnp.mean(s.aux_loss),
@@ -342,16 +376,26 @@ class Transformer(nnx.Module):
         return h, aux
 
     def token_logprobs(
-        self, tokens, targets, *, positions=None, attn_mask=None, replay=None, chunk_size=None
+        self,
+        tokens,
+        targets,
+        *,
+        positions=None,
+        attn_mask=None,
+        replay=None,
+        chunk_size=None,
+        temperature: float = 1.0,
     ):
         """Log-probabilities and entropies of next tokens, chunked over T.
 
         logp[b, t] = log pi(targets[b, t] | tokens[b, :t+1]) = z[targets] - logsumexp(z)
         entropy[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v
-        with z = logits[b, t] (the same f32 logits as `__call__`).  The sequence is
-        processed in chunks of `chunk_size` (default cfg.logits_chunk_size, else
-        T) under `jax.checkpoint`, so at most one chunk's [B, c, V] logits exist at
-        a time, in the forward and the backward pass.
+        with z = logits[b, t] / temperature (the same f32 logits as `__call__`;
+        temperature a Python float > 0, the sampler's: at 1.0 no division is
+        made).  The sequence is processed in chunks of `chunk_size` (default
+        cfg.logits_chunk_size, else T) under `jax.checkpoint`, so at most one
+        chunk's [B, c, V] logits exist at a time, in the forward and the backward
+        pass.
 
         Returns: (logp f32[B, T], entropy f32[B, T], RouterAux).
         """
@@ -366,13 +410,18 @@ class Transformer(nnx.Module):
                     f"targets: entries must be in [0, {self.cfg.vocab_size}), "
                     f"got range [{tg.min()}, {tg.max()}]"
                 )
+        _check_temperature(temperature)
         h, aux = self.hidden(tokens, positions=positions, attn_mask=attn_mask, replay=replay)
-        lp, ent = self.logprobs_from_hidden(h, targets, chunk_size=chunk_size)
+        lp, ent = self.logprobs_from_hidden(
+            h, targets, chunk_size=chunk_size, temperature=temperature
+        )
         return lp, ent, aux
 
-    def logprobs_from_hidden(self, h, targets, *, chunk_size=None):
+    def logprobs_from_hidden(self, h, targets, *, chunk_size=None, temperature: float = 1.0):
         """`token_logprobs` from final hidden states h [B, T, D] (for callers that
-        also need h, e.g. the value head): (logp f32[B, T], entropy f32[B, T])."""
+        also need h, e.g. the value head): (logp f32[B, T], entropy f32[B, T]) of
+        softmax(logits / temperature)."""
+        temperature = _check_temperature(temperature)
         b, t, d = h.shape
         c = chunk_size or self.cfg.logits_chunk_size or t
         if c <= 0:
@@ -388,6 +437,8 @@ class Transformer(nnx.Module):
         @jax.checkpoint
         def chunk(hc, tc):
             z = project(hc, w)  # [B, c, V] f32
+            if temperature != 1.0:
+                z = z / temperature
             lse = jax.nn.logsumexp(z, axis=-1)
             zt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
             p = jnp.exp(z - lse[..., None])
@@ -434,6 +485,7 @@ class Transformer(nnx.Module):
         attn_mask=None,
         replay=None,
         last_only: bool = False,
+        router_noise=None,
     ):
         """Write tokens [B, T'] at cache slots [index, index + T') and attend causally
         to all valid slots.  T' = prompt length for prefill, 1 for a step.
@@ -444,6 +496,10 @@ class Transformer(nnx.Module):
           positions: int32[B, T'] RoPE positions.
           attn_mask: [B, T'], 1 = real token (default all 1).
           replay: int32[B, T', L, K] experts to force (see `__call__`).
+          router_noise: f32[B, T', L, E] added to every MoE layer's router logits
+            before top-K and the gates (the sampler's controllable mismatch with
+            the trainer, `gspo_jax.rollout`), or None (no noise).  RouterAux then
+            records the noisy logits and choices.
           last_only: return the logits of the last position only (what a sampler
             needs after a prefill): the [B, T', V] projection is skipped.
 
@@ -487,7 +543,7 @@ class Transformer(nnx.Module):
             )
         if positions is None:
             raise ValueError("positions: decode needs explicit positions int32[B, T']")
-        h, aux, cache = self._run(tokens, positions, attn_mask, replay, cache)
+        h, aux, cache = self._run(tokens, positions, attn_mask, replay, cache, router_noise)
         if last_only:
             h = h[:, -1:]
         return self.logits(h), aux, cache

@@ -21,6 +21,7 @@ Where each one lives (one module per family):
   geometric.py  GMPO, RSPO                 (geometric mean, log-space clip, router shift)
   sapo.py       SAPO                       (soft gate)
   critic.py     PPO's value loss, entropy bonus
+  correction.py rollout correction: weights pi_old / pi_sampler for ``weight=``
   common.py     masking, the log-ratio, aggregation, the normaliser, KL estimators
   hparams.py    the hyperparameter base classes and their checks
   registry.py   names -> objectives
@@ -28,10 +29,11 @@ Where each one lives (one module per family):
 Signature of every registered objective::
 
     fn(logp, old_logp, advantages, mask, *, ref_logp=None, router_shift=None,
-       normalizer=None, **hyperparameters) -> (loss, metrics)
+       normalizer=None, weight=None, **hyperparameters) -> (loss, metrics)
 
-``logp``, ``old_logp``, ``mask``, ``ref_logp`` and ``router_shift`` are f32[N,T] (f64
-is kept as f64); ``advantages`` f32[N] or f32[N,T]. ``loss`` is the scalar minimised
+``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``router_shift`` and ``weight`` are
+f32[N,T] (f64 is kept as f64); ``advantages`` f32[N] or f32[N,T]. ``weight`` (a
+constant, e.g. ``rollout_correction``'s) multiplies the per-token policy loss. ``loss`` is the scalar minimised
 (L = -J); ``metrics`` a dict of f32 numbers (``fn.apply`` gives them as values that
 merge across micro-batches, `gspo_jax.metrics`). The exact math, the conventions (the
 +-20 log-ratio clamp, empty sequences, aggregation modes) and every metric are in
@@ -49,6 +51,7 @@ from gspo_jax.objectives.common import (
     kl,
     normalizer,
 )
+from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.objectives.critic import entropy_bonus, token_entropy, value_loss
 from gspo_jax.objectives.registry import Objective, describe, get, names
 
@@ -58,12 +61,14 @@ __all__ = [
     "LOG_RATIO_CLIP",
     "Normalizer",
     "Objective",
+    "RolloutCorrection",
     "describe",
     "entropy_bonus",
     "get",
     "kl",
     "names",
     "normalizer",
+    "rollout_correction",
     "token_entropy",
     "value_loss",
 ]

@@ -32,7 +32,16 @@ class CISPOHparams(TokenHparams):
 
 
 def cispo(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""CISPO: l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t, by ``hp.agg``.
 
@@ -42,28 +51,34 @@ def cispo(
       logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
       hp: `CISPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
       router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
+      weight: f32[N,T] rollout-correction weight on l_t (None: 1; not on the KL).
 
     Returns:
-      (loss, metrics); ``is_weight_mean/max`` describe w.
+      (loss, metrics); ``is_weight_mean/max`` describe w, ``is_weight_clip_frac_low/high``
+      the shares of tokens (A != 0) whose w is capped; ``clip_frac`` is 0: no
+      gradient is removed.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
+    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     ratio = sg(jnp.exp(delta))
     low_bound = -jnp.inf if hp.eps_low is None else 1.0 - hp.eps_low
-    weight = jnp.clip(ratio, low_bound, 1.0 + hp.eps_high)
+    is_weight = jnp.clip(ratio, low_bound, 1.0 + hp.eps_high)
 
-    loss_t = -weight * adv * jnp.where(mask > 0, logp, 0.0)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len)
+    loss_t = -is_weight * adv * jnp.where(mask > 0, logp, 0.0)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
+    signal = adv != 0  # a zero advantage is never counted as clipped
     metrics = {
         **common.log_ratio_metrics(delta, mask),
-        **common.clip_fractions(ratio < low_bound, ratio > 1.0 + hp.eps_high, mask),
-        "is_weight_mean": Mean.masked(weight, mask),
-        "is_weight_max": Max.masked(weight, mask),
+        **common.no_clip_fraction(mask),
+        "is_weight_clip_frac_low": Mean.masked(signal & (ratio < low_bound), mask),
+        "is_weight_clip_frac_high": Mean.masked(signal & (ratio > 1.0 + hp.eps_high), mask),
+        "is_weight_mean": Mean.masked(is_weight, mask),
+        "is_weight_max": Max.masked(is_weight, mask),
         **kl_metrics,
     }
     return loss + kl_loss, metrics

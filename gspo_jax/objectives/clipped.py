@@ -62,7 +62,16 @@ class DAPOHparams(PPOHparams):
 
 
 def clipped_surrogate(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), aggregated by ``hp.agg``;
     with a dual clip c, l_t = -A c where A < 0 and r > c; then + kl_coef * agg(k).
@@ -75,12 +84,13 @@ def clipped_surrogate(
       hp: `PPOHparams`, `GRPOHparams`, `DrGRPOHparams` or `DAPOHparams`.
       ref_logp: f32[N,T] log pi_ref when hp.kl_coef > 0. router_shift: unused.
       normalizer: the mini-batch's `common.Normalizer` (None: this batch's).
+      weight: f32[N,T] rollout-correction weight w_t on l_t (None: 1; not on the KL).
 
     Returns:
       (loss, metrics): the scalar to minimise and mergeable metrics.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
+    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
@@ -90,15 +100,15 @@ def clipped_surrogate(
     loss_t = common.clipped_max(-adv * ratio, -adv * clipped_ratio)
     if hp.dual_clip is not None:
         loss_t = jnp.where((adv < 0) & (ratio > hp.dual_clip), -adv * hp.dual_clip, loss_t)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     ratio = sg(ratio)
     low, high = (adv < 0) & (ratio < 1.0 - hp.eps_low), (adv > 0) & (ratio > 1.0 + hp.eps_high)
-    dual = (adv < 0) & (ratio > hp.dual_clip) if hp.dual_clip else jnp.zeros_like(mask)
+    dual = (adv < 0) & (ratio > hp.dual_clip) if hp.dual_clip else jnp.zeros(mask.shape, bool)
     metrics = {
         **common.log_ratio_metrics(delta, mask),
-        **common.clip_fractions(low, high, mask),
+        **common.clip_fractions(low, high, mask, dual),
         "dual_clip_frac": Mean.masked(dual, mask),
         **kl_metrics,
     }

@@ -116,7 +116,12 @@ def clipped_max(unclipped: Array, clipped: Array) -> Array:
 
 
 def aggregate(
-    loss_t: Array, mask: Array, agg: str, norm: Normalizer, norm_len: int | None = None
+    loss_t: Array,
+    mask: Array,
+    agg: str,
+    norm: Normalizer,
+    norm_len: int | None = None,
+    weight: Array | None = None,
 ) -> Array:
     """Per-token losses l_{i,t} -> one scalar, with the mini-batch's denominators.
 
@@ -124,7 +129,12 @@ def aggregate(
     seq-mean-token-mean      sum_i (sum_t mask*l / n_i) / num_seqs
     seq-mean-token-sum       sum_{i,t} mask*l / num_seqs
     seq-mean-token-sum-norm  sum_{i,t} mask*l / (num_seqs * norm_len), norm_len=None: T
+
+    ``weight`` (a constant f[N,T], 0 on padding; None: 1) multiplies l before the sums;
+    the denominators stay those above ("Rollout correction").
     """
+    if weight is not None:
+        loss_t = weight * loss_t
     row_sum = jnp.sum(jnp.where(mask > 0, loss_t, 0.0), axis=-1)
     num_tokens = jnp.maximum(sg(norm.num_tokens), 1.0)
     num_seqs = jnp.maximum(sg(norm.num_seqs), 1.0)
@@ -139,8 +149,16 @@ def aggregate(
     raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
 
 
-def mean_over_sequences(loss_i: Array, mask: Array, norm: Normalizer) -> Array:
-    """Sequence-level losses l_i -> their sum over rows with n_i > 0, / num_seqs."""
+def mean_over_sequences(
+    loss_i: Array, mask: Array, norm: Normalizer, weight: Array | None = None
+) -> Array:
+    """Sequence-level losses l_i -> their sum over rows with n_i > 0, / num_seqs.
+
+    ``weight`` (a constant f[N,T]; None: 1) multiplies l_i by its mean over the
+    sequence's valid tokens, w_bar_i ("Rollout correction").
+    """
+    if weight is not None:
+        loss_i = seq_mean(weight, mask) * loss_i
     has_tokens = jnp.any(mask > 0, axis=-1)
     return jnp.sum(jnp.where(has_tokens, loss_i, 0.0)) / jnp.maximum(sg(norm.num_seqs), 1.0)
 
@@ -204,12 +222,29 @@ def log_ratio_metrics(delta: Array, mask: Array) -> MetricDict:
     }
 
 
-def clip_fractions(clipped_low: Array, clipped_high: Array, mask: Array) -> MetricDict:
-    """Token shares of each clip side (bool[N,T] each, where the clip binds)."""
+def clip_fractions(
+    clipped_low: Array, clipped_high: Array, mask: Array, dual: Array | None = None
+) -> MetricDict:
+    """Token shares of the tokens whose gradient a clip removes (bool[N,T] each, where
+    the low / high side binds; ``dual``: where PPO's dual clip binds): ``clip_frac``
+    (any of them) and each side's share ("Diagnostics").
+
+    Callers pass only tokens with A != 0 (a zero advantage is never clipped).
+    """
+    removed = clipped_low | clipped_high
+    if dual is not None:
+        removed = removed | dual
     return {
+        "clip_frac": Mean.masked(removed, mask),
         "clip_frac_low": Mean.masked(clipped_low, mask),
         "clip_frac_high": Mean.masked(clipped_high, mask),
     }
+
+
+def no_clip_fraction(mask: Array) -> MetricDict:
+    """``clip_frac`` = 0 (a Mean over the valid tokens) for objectives whose clip, if
+    any, never removes a gradient (CISPO, SAPO)."""
+    return {"clip_frac": Mean.masked(jnp.zeros(mask.shape, bool), mask)}
 
 
 # ----------------------------------------------------------------------------------
@@ -217,14 +252,25 @@ def clip_fractions(clipped_low: Array, clipped_high: Array, mask: Array) -> Metr
 # ----------------------------------------------------------------------------------
 
 
-def check_inputs(hp, logp, old_logp, advantages, mask, ref_logp=None, router_shift=None, norm=None):
+def check_inputs(
+    hp,
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    ref_logp=None,
+    router_shift=None,
+    norm=None,
+    weight=None,
+):
     """Checks shapes and dtypes and returns the arrays in the compute dtype.
 
     ``hp`` (the objective's `Hparams`) gives the name used in messages, whether the
     objective is sequence-level and whether it needs the router shift. Raises
     ValueError naming the argument. Shapes are static, so the checks fire
     under ``jax.jit`` too. Returns (logp, old_logp, advantages, mask, ref_logp,
-    router_shift, normalizer); ``normalizer`` is the batch's own when None.
+    router_shift, normalizer, weight); ``normalizer`` is the batch's own when None;
+    ``weight`` (None stays None) is a constant, 0 where mask = 0.
     """
     name = hp.name
     logp = _as_array(logp, "logp", name)
@@ -267,6 +313,11 @@ def check_inputs(hp, logp, old_logp, advantages, mask, ref_logp=None, router_shi
         raise ValueError(
             f"{name}: router_shift (f32[N,T], gspo_jax.routing.router_shift) is required"
         )
+    if weight is not None:
+        weight = _as_array(weight, "weight", name)
+        if weight.shape != shape:
+            raise ValueError(f"{name}: weight shape {weight.shape} != logp shape {shape}")
+        weight = jnp.where(mask > 0, sg(weight.astype(dtype)), 0.0)
     if norm is None:
         norm = normalizer(mask)
     elif not isinstance(norm, Normalizer):
@@ -286,6 +337,7 @@ def check_inputs(hp, logp, old_logp, advantages, mask, ref_logp=None, router_shi
         ref_logp,
         router_shift,
         norm,
+        weight,
     )
 
 

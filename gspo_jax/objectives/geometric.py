@@ -44,7 +44,16 @@ class RSPOHparams(GMPOHparams):
 
 
 def gmpo(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""GMPO: l_i = -A_i exp(sum_t mask delta*_t / n_i), mean over sequences,
 
@@ -56,15 +65,26 @@ def gmpo(
       logp, old_logp, mask: f32[N,T]; advantages: f32[N].
       hp: `GMPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
       router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
+      weight: f32[N,T] rollout-correction weight; l_i is multiplied by its mean over
+        the sequence's valid tokens (None: 1; not on the KL).
 
     Returns:
       (loss, metrics).
     """
-    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, None, normalizer)
+    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, None, normalizer, weight)
 
 
 def rspo(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i).
 
@@ -80,13 +100,15 @@ def rspo(
     Returns:
       (loss, metrics) with ``gamma_mean`` and ``gamma_min``.
     """
-    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer)
+    return _geometric(
+        logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer, weight
+    )
 
 
-def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer):
+def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer, weight):
     """GMPO (router_shift None) and RSPO: the two differ only in the gamma factor."""
-    logp, old_logp, advantages, mask, ref_logp, gamma, norm = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
+    logp, old_logp, advantages, mask, ref_logp, gamma, norm, weight = common.check_inputs(
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
     )
     adv = common.seq_advantages(advantages, mask)[:, None]  # f[N,1]
     delta = common.log_ratio(logp, old_logp, mask)
@@ -96,12 +118,14 @@ def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, nor
     if gamma is not None:
         log_ratio_i += common.seq_mean(jnp.log(jnp.where(mask > 0, sg(gamma), 1.0)), mask)
 
-    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm)
+    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm, weight)
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
 
     metrics = {
         **common.log_ratio_metrics(delta, mask),
-        **common.clip_fractions(low, high, mask),
+        # The loss caps A = 0 rows from above too (value and gradient are 0 there);
+        # only A != 0 counts as clipped.
+        **common.clip_fractions(low, high & (adv > 0), mask),
         "seq_ratio_mean": Mean.masked(sg(jnp.exp(log_ratio_i)), jnp.any(mask > 0, axis=-1)),
         **kl_metrics,
     }

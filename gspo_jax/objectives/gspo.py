@@ -45,7 +45,16 @@ class GSPOTokenHparams(TokenHparams):
 
 
 def gspo(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),
 
@@ -58,20 +67,22 @@ def gspo(
       logp, old_logp, mask: f32[N,T]; advantages: f32[N] (one per sequence).
       hp: `GSPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
       router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
+      weight: f32[N,T] rollout-correction weight; l_i is multiplied by its mean over
+        the sequence's valid tokens (None: 1; not on the KL).
 
     Returns:
-      (loss, metrics); the sequence clip fractions are shares of sequences, and
-      ``clip_frac_low/high`` the shares of tokens in clipped sequences.
+      (loss, metrics); ``seq_clip_frac*`` are shares of sequences, ``clip_frac*``
+      the shares of tokens in clipped sequences.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
+    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
     )
     adv = common.seq_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
     s = jnp.exp(common.seq_mean(delta, mask))  # f[N]
 
     loss_i = common.clipped_max(-adv * s, -adv * jnp.clip(s, 1.0 - hp.eps_low, 1.0 + hp.eps_high))
-    loss = common.mean_over_sequences(loss_i, mask, norm)
+    loss = common.mean_over_sequences(loss_i, mask, norm, weight)
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
 
     s, has_tokens = sg(s), jnp.any(mask > 0, axis=-1)
@@ -89,7 +100,16 @@ def gspo(
 
 
 def gspo_token(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""GSPO-token: the sequence ratio with a per-token gradient path,
 
@@ -103,12 +123,13 @@ def gspo_token(
     Args:
       logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
       hp: `GSPOTokenHparams`. ref_logp, router_shift, normalizer: as for `gspo`.
+      weight: f32[N,T] rollout-correction weight w_t on l_t (None: 1; not on the KL).
 
     Returns:
       (loss, metrics).
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
+    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
@@ -117,7 +138,7 @@ def gspo_token(
 
     clipped = jnp.clip(s_hat, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
     loss_t = common.clipped_max(-adv * s_hat, -adv * clipped)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     s_tok = s[:, None]

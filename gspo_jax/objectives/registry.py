@@ -21,7 +21,7 @@ class Objective:
 
     Attributes:
       fn: the plain function, fn(logp, old_logp, advantages, mask, hp, *, ref_logp,
-        router_shift, normalizer) -> (loss, metrics).
+        router_shift, normalizer, weight) -> (loss, metrics).
       hparams_class: its frozen hyperparameter dataclass.
       description: one line on what it is.
     """
@@ -72,12 +72,17 @@ class Objective:
         ref_logp=None,
         router_shift=None,
         normalizer=None,
+        weight=None,
         **hyperparameters,
     ) -> tuple[Any, MetricDict]:
-        """(loss, metrics) with metrics that merge across micro-batches exactly."""
+        """(loss, metrics) with metrics that merge across micro-batches exactly.
+
+        ``weight``: an optional f32[N,T] constant on the per-token policy loss, e.g.
+        `correction.rollout_correction`'s (docs/objectives.md, "Rollout correction").
+        """
         hp = self.hparams(**hyperparameters)
         kw = dict(ref_logp=ref_logp, router_shift=router_shift, normalizer=normalizer)
-        return self.fn(logp, old_logp, advantages, mask, hp, **kw)
+        return self.fn(logp, old_logp, advantages, mask, hp, weight=weight, **kw)
 
     def __call__(self, logp, old_logp, advantages, mask, **kwargs):
         """As `apply` (same arguments), with the metrics computed to f32 numbers."""

@@ -31,7 +31,16 @@ class SAPOHparams(TokenHparams):
 
 
 def sapo(
-    logp, old_logp, advantages, mask, hp, *, ref_logp=None, router_shift=None, normalizer=None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    hp,
+    *,
+    ref_logp=None,
+    router_shift=None,
+    normalizer=None,
+    weight=None,
 ):
     r"""SAPO: l_t = -A_t (4 / tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A_t > 0 else
     tau_neg, aggregated by ``hp.agg`` (+ the KL term).
@@ -43,12 +52,14 @@ def sapo(
       logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
       hp: `SAPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
       router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
+      weight: f32[N,T] rollout-correction weight on l_t (None: 1; not on the KL).
 
     Returns:
-      (loss, metrics); ``sapo_gate_mean/min`` describe the gate g.
+      (loss, metrics); ``sapo_gate_mean/min`` describe the gate g; ``clip_frac`` is 0
+      (no hard clip).
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer
+    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
+        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
     )
     adv = common.token_advantages(advantages, mask)
     delta = common.log_ratio(logp, old_logp, mask)
@@ -57,12 +68,13 @@ def sapo(
 
     p = jax.nn.sigmoid(tau * (ratio - 1.0))
     loss_t = -adv * (4.0 / tau) * p
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
     kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     gate = sg(4.0 * p * (1.0 - p))
     metrics = {
         **common.log_ratio_metrics(delta, mask),
+        **common.no_clip_fraction(mask),
         "sapo_gate_mean": Mean.masked(gate, mask),
         "sapo_gate_min": Min.masked(gate, mask, empty=1.0),
         **kl_metrics,
