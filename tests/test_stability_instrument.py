@@ -57,7 +57,7 @@ def _move_router(params, scale, seed=1):
     out = []
     for i, (path, var) in enumerate(flat):
         if "router" in path:
-            var = var.replace(var.value + scale * jax.random.normal(jax.random.fold_in(key, i), var.value.shape))
+            var = var.replace(var[...] + scale * jax.random.normal(jax.random.fold_in(key, i), var[...].shape))
         out.append((path, var))
     return nnx.from_flat_state(out)
 
