@@ -64,20 +64,16 @@ class MetricsWriter:
 
     def _truncate_after(self, step: int, phase: str | None) -> None:
         """Keep lines up to (phase, step) of the checkpoint we resume from (step -1:
-        none of that phase, which starts afresh)."""
+        none of that phase, which starts afresh). Only a last line cut short by a crash
+        is dropped; any other bad line stops the resume (`read_metrics`)."""
         if not os.path.exists(self.path):
             return
         order = {"sft": 0, "rl": 1}
         keep = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-                key = (order.get(rec.get("phase"), 0), int(rec.get("step", 0)))
-                if phase is None or key <= (order[phase], step):
-                    keep.append(line if line.endswith("\n") else line + "\n")
+        for lineno, rec in _records(self.path):
+            key = (order[rec["phase"]], rec["step"])
+            if phase is None or key <= (order[phase], step):
+                keep.append(json.dumps(rec, sort_keys=True) + "\n")
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(keep)
@@ -116,18 +112,36 @@ class MetricsWriter:
 def read_metrics(workdir: str, filename: str = "metrics.jsonl") -> list[dict]:
     """All records of ``<workdir>/metrics.jsonl`` (or ``updates.jsonl``).
 
-    A last line cut short by a crash is skipped; a bad line anywhere else raises
+    A last line cut short by a crash is skipped; a bad line anywhere else (not JSON,
+    or not a record with an integer ``step`` and a ``phase`` of sft/rl) raises
     ValueError naming the file and line.
     """
-    path = os.path.join(workdir, filename)
+    return [rec for _, rec in _records(os.path.join(workdir, filename))]
+
+
+def _records(path: str) -> list[tuple[int, dict]]:
+    """(line number, record) of every record line of a metrics file (see `read_metrics`)."""
     with open(path, encoding="utf-8") as f:
         lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
     out = []
     for k, (i, line) in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError as e:
             if k == len(lines) - 1 and not line.endswith("\n"):
                 break  # the line a crash cut short
-            raise ValueError(f"{path}:{i}: not a JSON record ({e})") from None
+            raise ValueError(
+                f"{path}:{i}: not a JSON record ({e}); fix or delete the line to resume"
+            ) from None
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("step"), int)
+            or isinstance(rec.get("step"), bool)
+            or rec.get("phase") not in ("sft", "rl")
+        ):
+            raise ValueError(
+                f"{path}:{i}: not a metrics record (needs an integer 'step' and a 'phase' "
+                f"of 'sft' or 'rl'): {line.strip()[:80]!r}; fix or delete the line to resume"
+            )
+        out.append((i, rec))
     return out

@@ -1,11 +1,10 @@
-"""Rule-based verifiers: Countdown, integer arithmetic, GSM8K.
+r"""Rule-based verifiers: Countdown, integer arithmetic, GSM8K.
 
 Model output is never passed to ``eval`` or ``exec``. A Countdown answer goes
 through a small recursive-descent parser over ``+ - * /``, parentheses and
 ASCII integers, with limits on length, nesting depth and literal size, and is
-evaluated exactly with :class:`fractions.Fraction`. Numeric answers are
-normalised (``$``, thousands commas, a trailing period, surrounding text) and
-compared exactly as rationals.
+evaluated exactly with :class:`fractions.Fraction`. A numeric answer is read as
+one plain number (below) and compared exactly as a rational.
 
 Every response gets a reward and a status; garbage text gets reward 0 and a
 failure status, never an exception. The batch entry point is :func:`score`.
@@ -13,7 +12,40 @@ failure status, never an exception. The batch entry point is :func:`score`.
 Answer format (shared with the prompts in :mod:`gspo_jax.data`): the last
 ``<answer>...</answer>`` span of the response holds the answer. The closing
 tag is required, so a sampler that stops on ``</answer>`` must keep the stop
-string in the response text.
+string in the response text. Countdown needs the span.
+
+Numeric answers (arithmetic, GSM8K; :func:`read_final_answer`). The final-answer
+span is chosen by the first of these rules that finds its marker; a later rule
+is never consulted, even when that span is refused:
+
+1. The last ``<answer>...</answer>`` span. Rules 2-4 then look inside it only;
+   without their markers the whole content is the span.
+2. ``#### N``: the last ``####`` followed by a number, to the end of its line
+   (GSM8K's convention).
+3. ``\\boxed{...}``: the content of the last one.
+4. ``answer is`` / ``answer:`` in any case ("The final answer is 72.",
+   "Answer: 72"): the last one, to the end of its sentence or line, if that
+   holds a number.
+5. Otherwise (no answer tag) the last number of the text, with the rest of its
+   sentence back to the number before it.
+
+A span must state exactly one number (else AMBIGUOUS) and it must be plain (else
+NOT_PLAIN): an optional ``-`` and ``$`` (``$18``, ``-$5``), ASCII digits without a
+leading zero, thousands commas in groups of three (``1,234,567``; not ``1,00``),
+an optional decimal part (``72.0`` and ``72.00`` are 72); around it only quotes,
+brackets, markdown emphasis, ``$...$``, a trailing ``%`` (GSM8K writes 25% as 25)
+and punctuation. Words around it are allowed ("she has 72 apples", "18
+dollars"; units are not converted) unless they take it back or hedge it (HEDGED:
+``not 72``, ``isn't 72``, ``about 72``, ``at least 72``, ``72 or 73``, ``~72``)
+or make it part of something larger (NOT_PLAIN: ``100 minus 28``, ``72
+thousand``, ``72 and a half``). So ``100-28``, ``1/2``, ``3*4``, ``72e-1``,
+``1.5e3``, ``7²``, ``7^2``, ``0x48``, ``0b11``, ``½``, ``72nd`` and non-ASCII
+digits are refused, never read as the number inside them. In free text (rule 5)
+a number that follows another one of its sentence with nothing but punctuation or
+list words between (``72, 73``, ``70 to 72``, ``3 x 4``) is AMBIGUOUS, while ``48
++ 24 = 72`` states 72. A few LaTeX forms are read (``\\text{...}``, ``\\$``, ``\\%``,
+``1{,}000``, ``\\(...\\)``); others (``\\frac``) are refused. The reference answer
+must be a plain number with no words (:func:`parse_number`).
 
 Reward, per response::
 
@@ -32,7 +64,7 @@ import enum
 import logging
 import re
 from fractions import Fraction
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -45,8 +77,11 @@ class Status(str, enum.Enum):
 
     CORRECT = "correct"
     WRONG_ANSWER = "wrong_answer"  # parsed, valid, but not the right value
-    NO_ANSWER = "no_answer"  # no <answer>...</answer> span
-    PARSE_ERROR = "parse_error"  # content is not a valid expression/number
+    NO_ANSWER = "no_answer"  # Countdown: no <answer>...</answer> span; numeric: no number at all
+    PARSE_ERROR = "parse_error"  # not a valid expression; numeric: the answer span holds no number
+    NOT_PLAIN = "not_plain_number"  # numeric: a number inside a larger construct (1/2, 72e-1, 0x48)
+    HEDGED = "hedged"  # numeric: negated, hedged or compared ("not 72", "about 72", "72 or 73")
+    AMBIGUOUS = "ambiguous"  # numeric: more than one number where one answer belongs ("72, 73")
     WRONG_NUMBERS = "wrong_numbers"  # Countdown: not each given number exactly once
     DIV_BY_ZERO = "div_by_zero"  # Countdown: division by zero
     TOO_LONG = "too_long"  # answer content longer than the limit
@@ -60,7 +95,8 @@ class Limits:
     """Bounds that keep verification time and memory small on any input.
 
     Attributes:
-      max_answer_chars: longest answer content that is parsed at all.
+      max_answer_chars: longest answer-tag content, or numeric final-answer span,
+        that is parsed at all.
       max_depth: deepest parenthesis nesting in a Countdown expression.
       max_digits: most digits in one literal.
     """
@@ -71,6 +107,8 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+# For reference answers, which come from the dataset, not the model.
+_REFERENCE_LIMITS = Limits(max_answer_chars=10**6, max_digits=10**6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,108 +293,357 @@ def verify_countdown(
 
 
 # ---------------------------------------------------------------------------
-# Numeric answers.
+# Numeric answers (arithmetic, GSM8K). The rules are in the module docstring.
 
-# A number token in free text: a signed decimal with an optional "$" and commas
-# between digits ("1,200" but not the comma in "42," or "1,200, so"). Not a
-# piece of another number: no digit or "." before it (".5" is not 5, "10-3" has
-# no -3) and no exponent around it ("1e5" holds no number). Linear-time: fixed-width
-# lookarounds, no nested quantifiers.
-_NUMBER_RE = re.compile(
-    r"(?<![0-9.])(?<![0-9][eE])(?<![0-9][eE][-+])"
-    r"(?:-\$?|\$-?)?[0-9](?:[0-9]|,(?=[0-9]))*(?:\.[0-9]+)?"
-    r"(?![eE][-+]?[0-9])",
-    re.ASCII,
-)
 _UNICODE_MINUS = "\u2212"
-_GROUPED_RE = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+", re.ASCII)
+# A plain number: "-" and "$" in either order, digits without a leading zero,
+# thousands commas only in complete groups of three, an optional decimal part.
+_PLAIN_RE = re.compile(
+    r"(-\$|\$-|-|\$|)(0|[1-9][0-9]{0,2}(?:,[0-9]{3})+|[1-9][0-9]*)(?:\.([0-9]+))?", re.ASCII
+)
+
+
+def _parse_plain(s: str, limits: Limits) -> Fraction | Status:
+    """Exact value of ``s`` if it is a plain number (`_PLAIN_RE`), else the failure status."""
+    m = _PLAIN_RE.fullmatch(s)
+    if m is None:
+        return Status.NOT_PLAIN
+    sign, digits, frac = m.group(1), m.group(2).replace(",", ""), m.group(3) or ""
+    if len(digits) + len(frac) > limits.max_digits:
+        return Status.NUMBER_TOO_LARGE
+    value = Fraction(int(digits + frac), 10 ** len(frac))
+    return -value if "-" in sign else value
 
 
 def parse_number(s: str, limits: Limits = DEFAULT_LIMITS) -> Fraction | None:
-    """Exact value of a number written like ``-1,234.50``, ``$18``, ``18.`` or ``7``.
+    """Exact value of a plain number: ``72``, ``-3``, ``$18``, ``-$5``, ``1,234.50``, ``18.``.
 
-    Accepts surrounding whitespace, one leading ``$`` (before or after the
-    sign, which may be U+2212), thousands commas in correct groups of three, and
-    a trailing period.
-    Returns None for anything else (``1,23``, ``1e5``, ``½``, non-ASCII digits).
+    The form a reference answer must have (GSM8K's ``#### N``): surrounding
+    whitespace, one ``-`` (or U+2212) and one ``$`` in either order, ASCII digits
+    without a leading zero, thousands commas in groups of three, an optional
+    decimal part, and a trailing period. Returns None for anything else
+    (``1,00``, ``072``, ``1e5``, ``0x48``, ``1/2``, ``5 apples``, ``٣``).
     """
     s = s.strip().replace(_UNICODE_MINUS, "-")
     if s.endswith("."):
         s = s[:-1]
-    sign = 1
-    for _ in range(2):  # "-$5", "$-5"
-        if s.startswith("$"):
-            s = s[1:]
-        if s.startswith("-") and sign == 1:
-            sign, s = -1, s[1:]
-    if not s:
-        return None
-    intpart, dot, frac = s.partition(".")
-    if "," in intpart:
-        if not _GROUPED_RE.fullmatch(intpart):
-            return None
-        intpart = intpart.replace(",", "")
-    if not intpart or any(c not in _ASCII_DIGITS for c in intpart):
-        return None
-    if dot and (not frac or any(c not in _ASCII_DIGITS for c in frac)):
-        return None
-    if len(intpart) + len(frac) > limits.max_digits:
-        return None
-    return sign * Fraction(f"{intpart}.{frac}" if frac else intpart)
+    value = _parse_plain(s, limits)
+    return value if isinstance(value, Fraction) else None
 
 
-def extract_number(content: str, limits: Limits = DEFAULT_LIMITS) -> tuple[Fraction | None, Status]:
-    """The number an answer span states: the whole content if it is a number,
-    else the last number-like token in it (``"The answer is $1,200."``)."""
-    if len(content) > limits.max_answer_chars:
+class _Token(NamedTuple):
+    text: str
+    line_start: bool  # the first token of its line
+    number: bool  # holds a numeric character of any script (7, ², ½, ٣)
+
+
+# Runs of non-space characters; "=" and ":" are tokens of their own (except the
+# ":" of "12:30"), so "48+24=72" ends with the token "72".
+_TOKEN_RE = re.compile(r"=|:|(?:[^\s=:]|(?<=[0-9]):(?=[0-9]))+")
+
+
+def _tokens(text: str) -> list[_Token]:
+    tokens, end = [], 0
+    for m in _TOKEN_RE.finditer(text):
+        tok = m.group()
+        line_start = not tokens or "\n" in text[end : m.start()]
+        tokens.append(_Token(tok, line_start, any(map(str.isnumeric, tok))))
+        end = m.end()
+    return tokens
+
+
+# Around a number, characters that only quote, emphasise or punctuate it.
+_OPENERS = "([{\"'`*_$\u201c\u2018"
+_CLOSERS = ")]}\"'`*_$%\u201d\u2019"
+_TERMINATORS = ".!?;:\u2026"
+_PUNCT = frozenset(_OPENERS + _CLOSERS + _TERMINATORS + ",#=|\u2014")
+_PUNCT_CHARS = "".join(sorted(_PUNCT))
+
+
+def _read_number_token(tok: str, limits: Limits) -> tuple[Fraction | Status, bool]:
+    """Value of a token that holds a number, and whether a terminator (``.!?;:``)
+    followed the number. Only quotes, brackets, markdown emphasis, ``$`` and a
+    trailing ``%`` or punctuation may surround it: ``72e-1``, ``0x48``, ``1/2``,
+    ``100-28``, ``7²``, ``72nd`` and ``1,00`` are NOT_PLAIN."""
+    s = tok.replace(_UNICODE_MINUS, "-")
+    t = s.rstrip(_CLOSERS + _TERMINATORS + ",")
+    closed = any(c in _TERMINATORS for c in s[len(t) :])
+    return _parse_plain(t.lstrip(_OPENERS), limits), closed
+
+
+def _ends_sentence(tokens: list[_Token], i: int) -> bool:
+    """Whether a sentence (or line) ends after token ``i``."""
+    if i + 1 == len(tokens) or tokens[i + 1].line_start:
+        return True
+    return tokens[i].text.rstrip(_CLOSERS)[-1:] in (".", "!", "?")
+
+
+# Words on either side of an answer number that take it back or hedge it
+# ("not 72", "about 72", "72 or so", "72 is wrong").
+_HEDGE_WORDS = frozenset(
+    "not no never nor neither none nothing cannot without except instead rather wrong "
+    "incorrect false or either approximately approx about around roughly nearly almost "
+    "circa maybe perhaps possibly probably likely guess estimate estimated".split()
+)
+_HEDGE_SIGNS = frozenset("~\u2248\u2243\u2245\u223c<>\u2264\u2265\u00b1")
+# Before the number, words that compare it ("more than 72", "at least 72", "over
+# 72"); after it they state a difference ("72 more than Tommy") and are allowed.
+_COMPARISON_WORDS = frozenset("than least over under above below between exceeds".split())
+# Before the number, words that make it an operand ("100 minus 28", "3 times 72").
+_OPERATOR_WORDS = frozenset(
+    "plus minus times multiplied divided power root sqrt mod modulo".split()
+)
+# Right after the number (past "and", "a", "an"), words that raise, scale or extend
+# it ("7 squared", "72 thousand", "72 and a half"); later ones ("6 barrels on the
+# third day") and "72 times" (a count) are allowed.
+_EXTENSION_WORDS = frozenset(
+    "squared cubed factorial hundred hundreds thousand thousands million millions billion "
+    "billions trillion trillions k bn dozen dozens half halves third thirds quarter quarters "
+    "fourth fourths fifth fifths tenth tenths hundredth hundredths thousandth thousandths "
+    "point zero one two three four five six seven eight nine ten eleven twelve thirteen "
+    "fourteen fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty "
+    "seventy eighty ninety".split()
+)
+# Between two numbers of one sentence, words that make them a list, a range or a
+# product ("72 and 73", "70 to 72", "3 x 4"), so the second states no answer alone.
+_LIST_WORDS = frozenset("and or to through then vs versus x by of out from till until".split())
+_BULLETS = frozenset("-*+\u2022\u2013")
+_WORD_RE = re.compile(r"[^\W\d_]+(?:['\u2019/-][^\W\d_]+)*")
+
+
+def _context_status(tokens: Sequence[_Token], *, after: bool) -> Status | None:
+    """The failure status that the tokens before (``after=False``) or after an
+    answer number give it, or None when they are plain words and punctuation."""
+    prev, next_extends = "", after
+    for i, tok in enumerate(tokens):
+        if all(c in _PUNCT for c in tok.text):
+            if after and "=" in tok.text:  # "72 = 8*9": the number is one side of an equation
+                return Status.NOT_PLAIN
+            continue
+        if tok.line_start and tok.text in _BULLETS and (after or i + 1 < len(tokens)):
+            continue  # "- Total: 72"; but "- 72" may be a minus sign
+        core = tok.text.strip(_PUNCT_CHARS)
+        if not _WORD_RE.fullmatch(core):  # a symbol: "-", "/", "~", "\times"
+            return Status.HEDGED if _HEDGE_SIGNS & set(core) else Status.NOT_PLAIN
+        word = core.lower()
+        if word.endswith(("n't", "n\u2019t")):  # isn't, wasn't, can't
+            return Status.HEDGED
+        for part in re.split(r"[/-]", word):
+            if part in _HEDGE_WORDS:
+                return Status.HEDGED
+            if next_extends and part in _EXTENSION_WORDS:
+                return Status.NOT_PLAIN
+            if not after and (part in _COMPARISON_WORDS or (part == "most" and prev == "at")):
+                return Status.HEDGED
+            if not after and part in _OPERATOR_WORDS:
+                return Status.NOT_PLAIN
+        prev, next_extends = word, next_extends and word in ("and", "a", "an")
+    return None
+
+
+def _separates(tokens: Sequence[_Token]) -> bool:
+    """Whether the tokens between two numbers of a sentence make the second a
+    statement of its own ("= 72", "so she has 72") rather than a list ("72, 73")."""
+    for tok in tokens:
+        core = tok.text.strip(_PUNCT_CHARS).lower()
+        if tok.text == "=" or (_WORD_RE.fullmatch(core) and core not in _LIST_WORDS):
+            return True
+    return False
+
+
+def _read_span(span: str, limits: Limits) -> tuple[Fraction | None, Status]:
+    """The number a final-answer span states: exactly one number, plain, in its
+    span's only sentence, with words around it that neither take it back nor
+    extend it. Status CORRECT when a number was read."""
+    if len(span) > limits.max_answer_chars:
         return None, Status.TOO_LONG
-    content = content.replace(_UNICODE_MINUS, "-")
-    value = parse_number(content, limits)
-    if value is not None:
-        return value, Status.CORRECT
-    matches = _NUMBER_RE.findall(content)
-    if not matches:
+    tokens = _tokens(span)
+    at = [i for i, tok in enumerate(tokens) if tok.number]
+    if not at:
         return None, Status.PARSE_ERROR
-    value = parse_number(matches[-1], limits)
-    if value is None:
-        digits = sum(c in _ASCII_DIGITS for c in matches[-1])
-        return None, Status.NUMBER_TOO_LARGE if digits > limits.max_digits else Status.PARSE_ERROR
-    return value, Status.CORRECT
+    if len(at) > 1:
+        return None, Status.AMBIGUOUS
+    k = at[0]
+    value, closed = _read_number_token(tokens[k].text, limits)
+    if not isinstance(value, Fraction):
+        return None, value
+    if closed and k + 1 < len(tokens):  # "#### 2. Compute the total"
+        return None, Status.AMBIGUOUS
+    status = _context_status(tokens[:k], after=False) or _context_status(
+        tokens[k + 1 :], after=True
+    )
+    return (None, status) if status else (value, Status.CORRECT)
+
+
+def _read_last_number(text: str, limits: Limits) -> tuple[Fraction | None, Status]:
+    """The last number of free text, read with the rest of its sentence back to
+    the number before it: ``so she has 72 apples.`` and ``48 + 24 = 72`` give 72;
+    ``not 72``, ``100 - 28``, ``72, 73`` and ``72 thousand`` give a failure status."""
+    tokens = _tokens(text)
+    at = [i for i, tok in enumerate(tokens) if tok.number]
+    if not at:
+        return None, Status.NO_ANSWER
+    k = at[-1]
+    value, _ = _read_number_token(tokens[k].text, limits)
+    if not isinstance(value, Fraction):
+        return None, value
+    start, end = k, k
+    while start > 0 and not _ends_sentence(tokens, start - 1):
+        start -= 1
+    while not _ends_sentence(tokens, end):
+        end += 1
+    prev = at[-2] if len(at) > 1 else -1
+    lead = tokens[max(start, prev + 1) : k]
+    status = _context_status(lead, after=False) or _context_status(
+        tokens[k + 1 : end + 1], after=True
+    )
+    if status is None and prev >= start and not _separates(lead):
+        status = Status.AMBIGUOUS
+    return (None, status) if status else (value, Status.CORRECT)
+
+
+# LaTeX that model answers wrap numbers in: \text{ apples}, \$, \%, 1{,}000, \(72\).
+_TEX_TEXT_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_TEX_REPLACEMENTS = (
+    ("\\$", "$"),
+    ("\\%", "%"),
+    ("{,}", ","),
+    ("\\,", " "),
+    ("\\ ", " "),
+    ("\\(", " "),
+    ("\\)", " "),
+    ("\\[", " "),
+    ("\\]", " "),
+)
+_GSM8K_MARK_RE = re.compile(r"####[ \t]*(?=[-\u2212$*(]*[0-9])")
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+_ANSWER_IS_RE = re.compile(r"\banswer\s*(?:is\b|:)", re.IGNORECASE)
+_SENTENCE_END_RE = re.compile(r"[.!?](?=\s|$)|\n")
+
+
+def _untex(text: str) -> str:
+    text = _TEX_TEXT_RE.sub(r" \1 ", text)
+    for old, new in _TEX_REPLACEMENTS:
+        text = text.replace(old, new)
+    return text
+
+
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    m = None
+    for m in pattern.finditer(text):
+        pass
+    return m
+
+
+def _boxed_content(text: str, m: re.Match, limits: Limits) -> str | Status:
+    """The brace-balanced content of the ``\\boxed{`` that ``m`` matched."""
+    depth, stop = 1, min(len(text), m.end() + limits.max_answer_chars + 1)
+    for i in range(m.end(), stop):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[m.end() : i]
+    return Status.TOO_LONG if stop < len(text) else Status.PARSE_ERROR
+
+
+def _final_span(region: str, limits: Limits) -> tuple[str, str | Status] | None:
+    """(rule, span) of the first rule after the answer tag that finds its marker
+    in ``region``, or None when none does."""
+    m = _last_match(_GSM8K_MARK_RE, region)
+    if m:
+        end = region.find("\n", m.end())
+        return "####", region[m.end() : end if end >= 0 else len(region)]
+    m = _last_match(_BOXED_RE, region)
+    if m:
+        return "boxed", _boxed_content(region, m, limits)
+    m = _last_match(_ANSWER_IS_RE, region)
+    if m:
+        end = _SENTENCE_END_RE.search(region, m.end())
+        span = region[m.end() : end.start() if end else len(region)]
+        if any(map(str.isnumeric, span)):  # else "The answer is below:" states none
+            return "answer is", span
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """The final answer read from a response.
+
+    Attributes:
+      value: the number, or None when none was read.
+      status: CORRECT when a number was read, else why not (NO_ANSWER, PARSE_ERROR,
+        NOT_PLAIN, HEDGED, AMBIGUOUS, TOO_LONG, NUMBER_TOO_LARGE).
+      rule: the rule that chose the span: "####", "boxed", "answer is", "tag" (the
+        whole answer-tag content), "last number", or "" (the answer tag is too long).
+      tagged: the response has an ``<answer>...</answer>`` span.
+    """
+
+    value: Fraction | None
+    status: Status
+    rule: str
+    tagged: bool
+
+
+def read_final_answer(text: str, limits: Limits = DEFAULT_LIMITS) -> Reading:
+    """The final answer a response states, by the rules of the module docstring.
+
+    Linear in ``len(text)``; a span is parsed only up to ``limits.max_answer_chars``.
+    """
+    content = extract_answer(text)
+    tagged = content is not None
+    if tagged and len(content) > limits.max_answer_chars:
+        return Reading(None, Status.TOO_LONG, "", True)
+    if tagged:
+        region = _untex(content)
+    else:  # An unclosed tag marks nothing: "<answer>72" reads like "72".
+        region = _untex(text.replace(ANSWER_OPEN, " ").replace(ANSWER_CLOSE, " "))
+    found = _final_span(region, limits)
+    if found is None:
+        rule, span = ("tag", region) if tagged else ("last number", None)
+    else:
+        rule, span = found
+    if span is None:
+        value, status = _read_last_number(region, limits)
+    elif isinstance(span, Status):
+        value, status = None, span
+    else:
+        value, status = _read_span(span, limits)
+    return Reading(value, status, rule, tagged)
 
 
 def verify_numeric(text: str, answer: str | int, limits: Limits = DEFAULT_LIMITS) -> Verdict:
-    """Arithmetic / GSM8K check: the stated number equals ``answer`` exactly.
+    """Arithmetic / GSM8K check: the final answer (:func:`read_final_answer`)
+    equals ``answer`` exactly. ``formatted`` is True when the response has an
+    answer tag and a number was read.
 
     Raises:
       ValueError: if ``answer`` (the dataset's ground truth, not model output)
-        is not a number.
+        is not a plain number (:func:`parse_number`).
     """
-    truth = parse_number(str(answer), Limits(max_answer_chars=10**6, max_digits=10**6))
+    truth = parse_number(str(answer), _REFERENCE_LIMITS)
     if truth is None:
         raise ValueError(f"meta 'answer' is not a number: {answer!r}")
-    content = extract_answer(text)
-    if content is None:
-        return Verdict(False, False, Status.NO_ANSWER)
-    value, status = extract_number(content, limits)
-    if value is None:
-        return Verdict(False, False, status)
-    if value != truth:
-        return Verdict(False, True, Status.WRONG_ANSWER)
-    return Verdict(True, True, Status.CORRECT)
+    reading = read_final_answer(text, limits)
+    if reading.value is None:
+        return Verdict(False, False, reading.status)
+    if reading.value != truth:
+        return Verdict(False, reading.tagged, Status.WRONG_ANSWER)
+    return Verdict(True, reading.tagged, Status.CORRECT)
 
 
 def gsm8k_final_answer(solution: str) -> str:
-    """The ground-truth number of a GSM8K solution: the text after ``####``.
+    """The ground-truth number of a GSM8K solution: the text after its last
+    ``####``, which must be a plain number (:func:`parse_number`; ``#### 5 apples``
+    is not), with ``$`` and thousands commas removed.
 
     Raises:
-      ValueError: if the solution has no ``#### N`` line or N is not a number.
+      ValueError: if the solution has no ``#### N`` line or N is not a plain number.
     """
     head, sep, tail = solution.rpartition("####")
     if not sep:
         raise ValueError(f"GSM8K answer has no '#### N' line: {solution[-80:]!r}")
     tail = tail.strip()
-    if parse_number(tail, Limits(max_answer_chars=10**6, max_digits=10**6)) is None:
-        raise ValueError(f"GSM8K final answer is not a number: {tail!r}")
+    if parse_number(tail, _REFERENCE_LIMITS) is None:
+        raise ValueError(f"GSM8K final answer is not a plain number: {tail!r}")
     return tail.replace(",", "").replace("$", "")
 
 
@@ -389,8 +676,7 @@ def verify(
         if "answer" not in meta:
             raise ValueError(f"{task} meta needs 'answer', got keys {sorted(meta)}")
         answer = meta["answer"]
-        parse_ok = parse_number(str(answer), Limits(max_answer_chars=10**6, max_digits=10**6))
-        if parse_ok is None:
+        if parse_number(str(answer), _REFERENCE_LIMITS) is None:
             raise ValueError(f"{task} meta 'answer' is not a number: {answer!r}")
         fn = lambda: verify_numeric(text, answer, limits)
     else:

@@ -152,7 +152,10 @@ def _apply_update(state: TrainState, grads, loss, optimizer, schedule, apply=Tru
     norms = {
         "grad_norm": grad_norm,
         "update_norm": jnp.where(ok, optax.tree.norm(updates), 0.0),
-        "param_norm": optax.tree.norm(new_state.params),
+        "param_norm": optax.tree.norm(new_state.params),  # may overflow while all are finite
+        "params_finite": jnp.all(
+            jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state.params)])
+        ).astype(jnp.float32),
         "lr": jnp.asarray(schedule(state.applied), jnp.float32),
         "skipped_update": 1.0 - finite.astype(jnp.float32),
         "skipped_total": new_state.skipped,

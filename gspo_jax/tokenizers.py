@@ -6,9 +6,12 @@ Both satisfy :class:`Tokenizer`.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import functools
 import json
 import os
+import threading
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -163,17 +166,104 @@ def _token_content(value) -> str | None:
     raise ValueError(f"special token entry must be a string or {{'content': str}}, got {value!r}")
 
 
-def _compile_chat_template(source: str):
+# Limits on running a chat template (untrusted text from a checkpoint).
+CHAT_TEMPLATE_TIMEOUT_S = 5.0  # wall clock for one rendering
+CHAT_TEMPLATE_MAX_CHARS = 1 << 22  # output, and any string or list a template builds
+CHAT_TEMPLATE_MAX_SOURCE = 1 << 20  # characters of template source
+
+
+class ChatTemplateLimit(Exception):
+    """A chat template went past a limit (raised inside the rendering)."""
+
+
+class _ChatTemplateTimeout(BaseException):
+    """Raised asynchronously in a rendering thread that ran out of time."""
+
+
+def _limited_environment(max_chars: int):
+    """A jinja2 sandbox whose operators, ``~`` joins, block captures, macros, filters
+    and calls may not build a string or list longer than ``max_chars`` (``"x" * 10**10``
+    and joins are refused before they are allocated; other results are checked after,
+    which stops a doubling loop at the limit). ``range`` is already capped by the
+    sandbox (100,000 items). One filter or method call with a huge argument
+    (``"x"|center(10**10)``) can still allocate before its result is checked: only a
+    separate process could bound memory completely."""
+    import jinja2.compiler  # pylint: disable=g-import-not-at-top
+    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+
+    def checked(value):
+        if isinstance(value, (str, list, tuple, dict)) and len(value) > max_chars:
+            raise ChatTemplateLimit(f"it built a value of {len(value)} items (limit {max_chars})")
+        return value
+
+    def join(parts):  # jinja's concat: block captures, macro results
+        parts = list(parts)
+        if sum(map(len, parts)) > max_chars:
+            raise ChatTemplateLimit(f"it built a string longer than {max_chars} characters")
+        return "".join(parts)
+
+    class CodeGenerator(jinja2.compiler.CodeGenerator):
+        def visit_Concat(self, node, frame):  # ``a ~ b``: str_join, through the size check
+            if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+                return super().visit_Concat(node, frame)
+            self.write("environment.checked_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class Environment(sandbox.ImmutableSandboxedEnvironment):
+        code_generator_class = CodeGenerator
+        intercepted_binops = frozenset(["+", "*", "**", "%"])
+        concat = staticmethod(join)
+
+        @staticmethod
+        def checked_concat(parts):
+            return join(map(str, parts))
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, k in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(k, int):
+                        if len(seq) * k > max_chars:
+                            raise ChatTemplateLimit(
+                                f"it repeats a value {k} times (limit {max_chars} items)"
+                            )
+            if operator == "**" and isinstance(left, int) and isinstance(right, int):
+                if right > 0 and abs(left) > 1 and right * abs(left).bit_length() > 8 * max_chars:
+                    raise ChatTemplateLimit(f"{left} ** {right} is too large a number")
+            return checked(super().call_binop(context, operator, left, right))
+
+        def call(self, context, obj, /, *args, **kwargs):
+            return checked(super().call(context, obj, *args, **kwargs))
+
+    def limit_filter(f):
+        @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
+        def g(*args, **kwargs):
+            return checked(f(*args, **kwargs))
+
+        return g
+
+    return Environment, limit_filter
+
+
+def _compile_chat_template(source: str, where: str = "<chat template>"):
     """Compiles a chat template in a sandboxed jinja2 environment.
 
     Same environment as transformers renders templates in: trim_blocks,
     lstrip_blocks, the loopcontrols extension, a ``tojson`` that keeps
     non-ASCII text, ``raise_exception`` and ``strftime_now``. The sandbox keeps
-    a template (untrusted text from a checkpoint) from reaching Python internals.
+    a template (untrusted text from a checkpoint) from reaching Python internals,
+    and caps the size of what it builds (:data:`CHAT_TEMPLATE_MAX_CHARS`);
+    :func:`_render_limited` caps the time and the output.
     """
     import jinja2  # pylint: disable=g-import-not-at-top
     import jinja2.ext  # pylint: disable=g-import-not-at-top
-    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+
+    if len(source) > CHAT_TEMPLATE_MAX_SOURCE:
+        raise ValueError(
+            f"{where}: chat template is longer than {CHAT_TEMPLATE_MAX_SOURCE} characters"
+        )
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -193,13 +283,72 @@ def _compile_chat_template(source: str):
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
-    env = sandbox.ImmutableSandboxedEnvironment(
+    Environment, limit_filter = _limited_environment(CHAT_TEMPLATE_MAX_CHARS)
+    env = Environment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationTag]
     )
     env.filters["tojson"] = tojson
+    env.filters = {k: limit_filter(f) for k, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except (RecursionError, MemoryError) as e:
+        raise ValueError(f"{where}: chat template nests too deeply ({type(e).__name__})") from None
+
+
+def _stop_thread(thread: threading.Thread) -> None:
+    """Raises :class:`_ChatTemplateTimeout` in ``thread`` at its next Python bytecode
+    (CPython's ``PyThreadState_SetAsyncExc``; elsewhere the thread runs on, a daemon)."""
+    try:
+        set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    except AttributeError:
+        return
+    set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+    set_async_exc(thread.ident, _ChatTemplateTimeout)
+
+
+def _render_limited(
+    template, context: Mapping[str, Any], where: str, *, timeout_s: float, max_chars: int
+) -> str:
+    """``template.render(**context)`` under a time and an output-size limit.
+
+    The rendering runs in a daemon thread that the caller waits on for
+    ``timeout_s`` (a watchdog: Python cannot bound a jinja loop otherwise); past
+    it, an exception is raised in that thread to stop it and ValueError here. The
+    output is streamed and refused once past ``max_chars`` characters. A template
+    error (``raise_exception``, a sandbox refusal) is raised as it is.
+    """
+    result: dict[str, Any] = {}
+
+    def work():
+        try:
+            out, n = [], 0
+            for chunk in template.generate(**context):
+                n += len(chunk)
+                if n > max_chars:
+                    raise ChatTemplateLimit(f"its output passed {max_chars} characters")
+                out.append(chunk)
+            result["text"] = "".join(out)
+        except BaseException as e:  # pylint: disable=broad-except  # handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=work, name="chat-template", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        _stop_thread(thread)
+        raise ValueError(f"{where}: chat template did not finish within {timeout_s:g} s")
+    error = result.get("error")
+    if isinstance(error, ChatTemplateLimit):
+        raise ValueError(f"{where}: chat template refused: {error}") from None
+    if isinstance(error, (RecursionError, MemoryError)):
+        raise ValueError(
+            f"{where}: chat template refused: {type(error).__name__} (recursion or size)"
+        ) from None
+    if error is not None:
+        raise error
+    return result["text"]
 
 
 class HFTokenizer:
@@ -224,7 +373,16 @@ class HFTokenizer:
       chat_template: template source, or None.
       name: where it came from, for error messages.
       extra_stop_ids: further ids that end a response (generation_config.json).
+      chat_template_file: the file the template came from, for error messages
+        (default: ``name``).
+
+    The template is untrusted text: it runs in a jinja2 sandbox, for at most
+    ``template_timeout_s`` seconds, and may write at most ``template_max_chars``
+    characters (attributes; see :func:`_render_limited`).
     """
+
+    template_timeout_s: float = CHAT_TEMPLATE_TIMEOUT_S
+    template_max_chars: int = CHAT_TEMPLATE_MAX_CHARS
 
     def __init__(
         self,
@@ -233,6 +391,7 @@ class HFTokenizer:
         chat_template: str | None = None,
         name: str = "<tokenizer>",
         extra_stop_ids: Sequence[int] = (),
+        chat_template_file: str | None = None,
     ):
         self._tok = tokenizer
         self.config = dict(config or {})
@@ -259,7 +418,12 @@ class HFTokenizer:
                 )
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *extra_stop_ids]))
         self.chat_template = chat_template
-        self._template = None if chat_template is None else _compile_chat_template(chat_template)
+        self.chat_template_file = chat_template_file or name
+        self._template = (
+            None
+            if chat_template is None
+            else _compile_chat_template(chat_template, self.chat_template_file)
+        )
 
     def _special_id(self, field: str, token: str) -> int:
         idx = self._tok.token_to_id(token)
@@ -288,13 +452,14 @@ class HFTokenizer:
                     config = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{cfg_file}: invalid JSON: {e}") from None
-        template = None
+        template, template_file = None, None
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+                template = f.read(CHAT_TEMPLATE_MAX_SOURCE + 1)
+            template_file = jinja_file
         elif "chat_template" in config:
-            template = config["chat_template"]
+            template, template_file = config["chat_template"], cfg_file
             if isinstance(template, list):  # Named templates: [{"name": ..., "template": ...}].
                 named = {
                     t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)
@@ -318,7 +483,14 @@ class HFTokenizer:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{gen_file}: invalid JSON: {e}") from None
             stops = [] if eos is None else [eos] if not isinstance(eos, list) else eos
-        return cls(tokenizer, config, template, name=path, extra_stop_ids=stops)
+        return cls(
+            tokenizer,
+            config,
+            template,
+            name=path,
+            extra_stop_ids=stops,
+            chat_template_file=template_file,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``, without the post-processor's special tokens."""
@@ -347,8 +519,11 @@ class HFTokenizer:
         any ``kwargs`` (e.g. ``enable_thinking=False`` for Qwen3).
 
         Raises:
-          ValueError: if the checkpoint has no chat template, or a message lacks
-            "role"/"content".
+          ValueError: if the checkpoint has no chat template, a message lacks
+            "role"/"content", or the template runs past its time or size limit
+            (naming the file it came from).
+          jinja2.exceptions.TemplateError: the template's own error, or a sandbox
+            refusal (``SecurityError``).
         """
         if self._template is None:
             raise ValueError(
@@ -367,8 +542,12 @@ class HFTokenizer:
         context = {k: v for k, v in context.items() if v is not None}
         context.update(tools=None, documents=None)  # as transformers passes them: "is none" holds
         context.update(kwargs)
-        return self._template.render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **context,
+        context.update(messages=[dict(m) for m in messages])
+        context.update(add_generation_prompt=add_generation_prompt)
+        return _render_limited(
+            self._template,
+            context,
+            self.chat_template_file,
+            timeout_s=self.template_timeout_s,
+            max_chars=self.template_max_chars,
         )

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import objectives, rewards, shaping, step
+from gspo_jax import objectives, rewards, safety, shaping, step
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
 from gspo_jax.metrics_log import MetricsWriter
@@ -112,6 +112,8 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
         raise config_lib.ConfigError(
             f"config.model.fields.vocab_size: {fields['vocab_size']} is smaller than the tokenizer's {vocab_size}"
         )
+    elif fields["vocab_size"] > vocab_size:  # padding rows: never sampled
+        fields["num_valid_tokens"] = vocab_size
     for k, v in fields.items():
         if isinstance(v, list):
             fields[k] = tuple(v)
@@ -184,7 +186,10 @@ def summarize_updates(ms: list[dict]) -> dict:
     The mean over updates, but: the max of maxima and of the running skip counts, the
     min of minima, the learning rate of the last update, the count of mini-batches
     with no signal (``no_signal_minibatches``) and, for `DRIFT_METRICS`, the values
-    of the first (``<name>_k0``) and last (``<name>_klast``) update as well.
+    of the first (``<name>_k0``), second (``<name>_k1``) and last (``<name>_klast``)
+    update as well. An update's metrics are measured in its forward pass, at the
+    parameters before it: k = 0 is at pi_old (nothing has drifted yet), k = 1 after one
+    update.
     """
     out = {}
     for k in ms[0]:
@@ -201,6 +206,8 @@ def summarize_updates(ms: list[dict]) -> dict:
             out[k] = np.mean(vals, axis=0)
         if k in DRIFT_METRICS:
             out[f"{k}_k0"], out[f"{k}_klast"] = vals[0], vals[-1]
+            if len(vals) > 1:  # measured after one update (k = 0 is at pi_old itself)
+                out[f"{k}_k1"] = vals[1]
     return out
 
 
@@ -227,14 +234,12 @@ class Trainer:
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
         self.c = c
         self.workdir = workdir
-        mesh_shape = config_lib.validate(c, jax.device_count())
+        self.tokenizer = make_tokenizer(c)
+        mesh_shape = config_lib.validate(
+            c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
+        )
         self.mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
-        if jax.process_index() == 0:
-            with open(os.path.join(workdir, "config.json"), "w") as f:
-                json.dump(c.to_dict(), f, indent=2, sort_keys=True, default=str)
-
-        self.tokenizer = make_tokenizer(c)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
         difficulty = None if c.task.name == "gsm8k" else c.task.difficulty
         kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
@@ -249,6 +254,8 @@ class Trainer:
                 c.model.pretrained,
                 mesh=self.mesh,
                 value_head=c.advantage == "gae",
+                # Embedding rows past the tokenizer's vocabulary are padding: never sampled.
+                num_valid_tokens=self.tokenizer.vocab_size,
                 **{k: c.model[k] for k in RUNTIME_FIELDS},
             )
             self.model_cfg = model.cfg
@@ -355,16 +362,12 @@ class Trainer:
         rt, rm = pad_right(responses, T, tok.pad_id)
         return {"prompt_tokens": pt, "prompt_mask": pm, "tokens": rt, "mask": rm}
 
-    def run_sft(self, writer_factory) -> Any:
+    def _sft_optimizer(self):
         c = self.c
-        steps = int(c.sft.steps)
-        ckpt = PhaseCheckpointer(
-            self.workdir, "sft", every=int(c.checkpoint_every), keep=c.keep_checkpoints
-        )
-        optimizer, sched = step.make_optimizer(
+        return step.make_optimizer(
             lr=c.sft.lr,
             schedule="cosine",
-            total_steps=steps,
+            total_steps=int(c.sft.steps),
             warmup_steps=c.sft.warmup_steps,
             end_lr_ratio=0.1,
             weight_decay=0.0,
@@ -372,14 +375,39 @@ class Trainer:
             b2=0.99,
             grad_clip=1.0,
         )
+
+    def _restore_sft(self):
+        """(checkpointer, optimizer, schedule, state, step) of the warm start, resumed
+        from its newest checkpoint that restores (step 0: none)."""
+        c = self.c
+        ckpt = PhaseCheckpointer(
+            self.workdir, "sft", every=int(c.checkpoint_every), keep=c.keep_checkpoints
+        )
+        optimizer, sched = self._sft_optimizer()
         state = self.new_state(self.init_params, optimizer)
         start = 0
         if ckpt.latest_step() is not None:
-            state, meta, start = ckpt.restore(state)
-        writer = writer_factory("sft", start)
+            state, _, start = ckpt.restore(state)
+        return ckpt, optimizer, sched, state, start
+
+    def warm_start_params(self):
+        """The warm start's final parameters from its checkpoint, or None when that
+        checkpoint is gone or does not restore (RL, once begun, never repeats it)."""
+        ckpt, _, _, state, start = self._restore_sft()
+        ckpt.close()
+        return state.params if start >= int(self.c.sft.steps) else None
+
+    def run_sft(self, open_log, guard: safety.RunGuard | None = None) -> Any:
+        """The supervised warm start, resumed from its newest valid checkpoint. Returns
+        (its final parameters, the metrics writer it logged to, or None when it had
+        nothing left to do). ``open_log(phase, step)`` opens the log cut back to a step."""
+        c = self.c
+        steps = int(c.sft.steps)
+        ckpt, optimizer, sched, state, start = self._restore_sft()
         if start >= steps:
             ckpt.close()
-            return state.params, writer
+            return state.params, None
+        writer = open_log("sft", start)
         fn = self.jit_step(
             step.sft_step,
             state,
@@ -394,7 +422,11 @@ class Trainer:
             t0 = time.perf_counter()
             batch = self.put_batch(self.sft_batch(i * int(c.sft.batch_size)))
             state, m = fn(state, batch, jax.random.fold_in(base, i))
-            check_skips(int(state.skipped_in_a_row), c, f"sft step {i + 1}")
+            safety.check_health(
+                jax.device_get({k: m[k] for k in ("params_finite", "skipped_in_a_row")}),
+                c,
+                f"sft step {i + 1}",
+            )
             if (i + 1) % c.log_every == 0 or i + 1 == steps:
                 m = jax.device_get(m)
                 dt = time.perf_counter() - t0
@@ -403,7 +435,15 @@ class Trainer:
                 writer.write(i + 1, "sft", m)
                 bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
             bar.update(1)
-            ckpt.save(i + 1, state, {"phase": "sft", "step": i + 1}, force=(i + 1 == steps))
+            stop = guard is not None and guard.requested
+            meta = {"phase": "sft", "step": i + 1, "config": safety.config_record(c)}
+            ckpt.save(i + 1, state, meta, force=(i + 1 == steps) or stop)
+            if stop:
+                ckpt.close()
+                writer.close()
+                guard.exit(f"sft step {i + 1}")
+            if guard is not None:
+                guard.heartbeat()
         bar.close()
         ckpt.close()
         return state.params, writer
@@ -656,19 +696,6 @@ def _progress(c, total: int, start: int, desc: str):
     return _Null()
 
 
-def check_skips(in_a_row: int, c: ml_collections.ConfigDict, where: str) -> None:
-    """Stop the run once more than ``updates.max_consecutive_skips`` updates in a row
-    were skipped for a non-finite loss or gradient."""
-    limit = int(c.updates.max_consecutive_skips)
-    if in_a_row > limit:
-        raise FloatingPointError(
-            f"{where}: {in_a_row} updates in a row were skipped for a non-finite loss or "
-            f"gradient (config.updates.max_consecutive_skips={limit}); the run stops. "
-            "Skipped updates leave the parameters as they were; lower the learning rate "
-            "or inspect the data."
-        )
-
-
 def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
     """GAE over response tokens with the sequence reward on its last token."""
     mask = mask.astype(jnp.float32)
@@ -846,36 +873,47 @@ def enable_compilation_cache(path: str) -> str | None:
 
 
 def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
-    """Run (or resume) the whole job: supervised warm start, then RL."""
-    enable_compilation_cache(str(c.get("compilation_cache_dir", "")))
-    trainer = Trainer(c, workdir)
-    writers: dict[str, MetricsWriter] = {}
+    """Run (or resume) the whole job: supervised warm start, then RL.
 
+    The workdir is locked for this trainer; a resume with a config that changes what
+    its checkpoints mean is refused before anything is written; SIGTERM or SIGINT
+    ends the run after the current step with a checkpoint (`gspo_jax.safety`).
+    """
+    enable_compilation_cache(str(c.get("compilation_cache_dir", "")))
+    os.makedirs(workdir, exist_ok=True)
+    with safety.RunGuard(workdir, lock=jax.process_index() == 0) as guard:
+        safety.check_resume_config(c, workdir)
+        trainer = Trainer(c, workdir)  # validates the config
+        if jax.process_index() == 0:
+            safety.save_run_config(c, workdir)
+        return _run(trainer, guard)
+
+
+def _run(trainer: Trainer, guard: safety.RunGuard) -> list[dict]:
+    c, workdir = trainer.c, trainer.workdir
     rl_ckpt = PhaseCheckpointer(
         workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints)
     )
-    rl_start = rl_ckpt.latest_step() or 0
+    resuming_rl = rl_ckpt.latest_step() is not None
 
-    def writer_factory(phase: str, start: int) -> MetricsWriter:
-        if "w" not in writers:
-            # Cut the log back to where this run resumes: the RL checkpoint if
-            # there is one, else the SFT checkpoint.
-            if rl_start:
-                writers["w"] = MetricsWriter(workdir, resume_step=rl_start, resume_phase="rl")
-            elif phase == "rl":  # no SFT phase and no RL checkpoint: RL starts afresh at step 0
-                writers["w"] = MetricsWriter(workdir, resume_step=-1, resume_phase="rl")
-            else:
-                writers["w"] = MetricsWriter(workdir, resume_step=start, resume_phase=phase)
-        return writers["w"]
+    def open_log(phase: str, step_: int) -> MetricsWriter:
+        """metrics.jsonl cut back to (phase, step_): where this run resumes."""
+        return MetricsWriter(workdir, resume_step=step_, resume_phase=phase)
 
-    if int(c.sft.steps) > 0:
-        params, writer = trainer.run_sft(writer_factory)
-    else:
-        params, writer = trainer.init_params, writer_factory("rl", rl_start)
+    writer = None
+    if int(c.sft.steps) > 0 and not resuming_rl:
+        params, writer = trainer.run_sft(open_log, guard)
+    elif int(c.sft.steps) > 0 and trainer.kl_coef:  # RL resumes; its KL term needs pi_ref
+        params = _reference_for_resume(trainer)
+    else:  # no warm start, or RL resumes from its own checkpoint and needs nothing else
+        params = trainer.init_params
 
     rl = RLPhase(trainer, params)
-    if rl_start:
+    rl_start = 0
+    if resuming_rl:  # the newest checkpoint that restores (checkpoint.PhaseCheckpointer)
         rl.state, _, rl_start = rl_ckpt.restore(rl.state)
+    if writer is None:  # RL resumes at rl_start, or starts afresh (-1: no RL line kept)
+        writer = open_log("rl", rl_start if resuming_rl else -1)
     # One record per optimizer update, cut back to the RL checkpoint like metrics.jsonl.
     update_writer = MetricsWriter(
         workdir,
@@ -894,7 +932,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         m, updates = rl.step(s)
         for u in updates:
             update_writer.write(s + 1, "rl", u, tb_step=s * rl.updates_per_step + u["k"])
-        check_skips(int(m["skipped_in_a_row"]), c, f"rl step {s + 1}")
+        safety.check_health(m, c, f"rl step {s + 1}")
         if (s + 1) % int(c.eval_every) == 0 or s + 1 == steps:
             m.update(trainer.evaluate(rl.state.params))
         if (s + 1) % int(c.log_every) == 0 or "eval_reward_mean" in m or s + 1 == steps:
@@ -905,12 +943,37 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             flip=f"{m.get('flip_frac', 0.0):.3f}",
         )
         bar.update(1)
-        rl_ckpt.save(s + 1, rl.state, {"phase": "rl", "step": s + 1}, force=(s + 1 == steps))
+        meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c)}
+        rl_ckpt.save(s + 1, rl.state, meta, force=(s + 1 == steps) or guard.requested)
+        if guard.requested:
+            rl_ckpt.close()
+            update_writer.close()
+            writer.close()
+            guard.exit(f"rl step {s + 1}")
+        guard.heartbeat()
     bar.close()
     rl_ckpt.close()
     update_writer.close()
     writer.close()
     return records
+
+
+def _reference_for_resume(trainer: Trainer):
+    """RL resumes and its KL term needs pi_ref, the warm start's final parameters: from
+    the warm start's last checkpoint. The warm start is never repeated once RL has
+    begun; if that checkpoint is gone (or does not restore), the run stops and says so.
+    """
+    params = trainer.warm_start_params()
+    if params is None:
+        c = trainer.c
+        path = os.path.join(trainer.workdir, "checkpoints", "sft", str(c.sft.steps))
+        raise FileNotFoundError(
+            f"RL resumes from its checkpoint, but the warm start's last checkpoint ({path}) "
+            f"is gone or does not restore, and the KL term (kl_coef={trainer.kl_coef}) needs "
+            "the reference policy it holds. Restore that checkpoint to resume (a warm start "
+            "is never repeated once RL has begun)."
+        )
+    return params
 
 
 def main(argv: Sequence[str]) -> None:
@@ -937,8 +1000,45 @@ def _define_flags() -> None:
     )
 
 
+def unknown_override(argv: Sequence[str]) -> str | None:
+    """The one-line message for the first ``--config.<key>=...`` of ``argv`` that names no
+    field of the config ``--config=<file>[:arg]`` builds (None if every key exists)."""
+    import runpy
+
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        return None
+    path, _, arg = spec.partition(":")
+    c = runpy.run_path(path)["get_config"](arg or None)
+    for a in argv:
+        if not a.startswith("--config."):
+            continue
+        key = a[len("--config.") :].split("=", 1)[0]
+        node = c
+        for part in key.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                return config_lib.unknown_key_message(key, c)
+            node = node[part]
+    return None
+
+
+def _parse_flags(argv: Sequence[str]):
+    """absl's flag parsing, but an unknown ``--config.<key>`` is one line naming it and
+    its closest known key (ml_collections raises a long AttributeError)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError, flags.Error):
+        message = unknown_override(argv)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     from absl import app
 
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -1,5 +1,6 @@
 """Countdown / arithmetic builders, GSM8K through TFDS's builder, and PromptSource."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -263,10 +264,12 @@ def test_gsm8k_builder_from_supplied_files(tmp_path, gsm8k_files, no_network):
   assert "<<" not in ex.reference and ex.reference.endswith("<answer>72</answer>")
   r, comps, _ = rewards.score("gsm8k", [e.reference for e in exs], [e.meta for e in exs])
   np.testing.assert_array_equal(r, 1.0)
-  r, _, counts = rewards.score("gsm8k", ["<answer>$4,200.</answer>", "It is -3", "<answer>71</answer>"],
-                               [by_answer["4200"].meta, by_answer["-3"].meta, by_answer["72"].meta])
-  np.testing.assert_array_equal(r, [1, 0, 0])
-  assert counts["no_answer"] == 1 and counts["wrong_answer"] == 1
+  texts = ["<answer>$4,200.</answer>", "It is -3", "<answer>71</answer>", "I do not know", "not 72"]
+  metas = [by_answer[a].meta for a in ("4200", "-3", "72", "72", "72")]
+  r, comps, counts = rewards.score("gsm8k", texts, metas)
+  np.testing.assert_array_equal(r, [1, 1, 0, 0, 0])  # "It is -3": right, read as the last number
+  np.testing.assert_array_equal(comps["format"], [1, 0, 1, 0, 0])  # ... but not in the answer tag
+  assert counts["wrong_answer"] == counts["no_answer"] == counts["hedged"] == 1
 
 
 def test_gsm8k_other_files_for_a_prepared_dataset_are_refused(tmp_path, gsm8k_files, no_network):
@@ -292,3 +295,76 @@ def test_gsm8k_without_files_tries_the_network(tmp_path, no_network):
   # real builder asks the downloader for the openai/grade-school-math URLs.
   with pytest.raises(AssertionError, match="network download attempted: https://raw"):
     gsm8k_lib.prepare_gsm8k(tmp_path / "data")
+
+
+# ---------------------------------------------------------------------------
+# Supplied GSM8K files are checked line by line before anything is prepared.
+
+def _write_gsm8k(folder, train: bytes, split="train"):
+  """The four split files in ``folder``, valid except ``split``, which holds ``train``."""
+  folder.mkdir(exist_ok=True)
+  good = "".join(json.dumps(x) + "\n" for x in GSM8K_LINES).encode()
+  for s in gsm8k_lib.SPLITS:
+    (folder / f"{s}.jsonl").write_bytes(train if s == split else good)
+  return folder
+
+
+def test_gsm8k_files_with_bom_blank_lines_and_crlf_are_read(tmp_path, no_network):
+  lines = [json.dumps({**x, "id": k}) for k, x in enumerate(GSM8K_LINES)]  # extra fields are dropped
+  text = "\ufeff" + lines[0] + "\r\n\n   \n" + lines[1] + "\r\n" + lines[2] + "\n\n"
+  files = _write_gsm8k(tmp_path / "files", text.encode("utf-8"))
+  assert gsm8k_lib.read_gsm8k_file(files / "train.jsonl") == GSM8K_LINES
+  builder = gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=files)
+  assert builder.info.splits["train"].num_examples == 3
+  source = PromptSource("gsm8k", "train", data_dir=tmp_path / "data", shuffle=False)
+  assert sorted(e.meta["answer"] for e in source.first(3)) == ["-3", "4200", "72"]
+
+
+_GOOD = json.dumps(GSM8K_LINES[0])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"question": "How many?", "answer": "#### 5"', "not valid JSON"),
+    ("\ufeff" + _GOOD, "not valid JSON"),  # a BOM is stripped only at the start of the file
+    ('["How many?", "#### 5"]', "expected a JSON object with 'question' and 'answer', got an array"),
+    ('"#### 5"', "got a string"),
+    ('{"answer": "#### 5"}', "no 'question' field"),
+    ('{"question": "How many?", "solution": "#### 5"}', "no 'answer' field"),
+    ('{"question": 5, "answer": "#### 5"}', "'question' must be a string, got a number"),
+    ('{"question": "How many?", "answer": null}', "'answer' must be a string, got null"),
+    ('{"question": "  ", "answer": "#### 5"}', "'question' is empty"),
+    ('{"question": "How many?", "answer": "5 apples"}', "found 0 '####'"),
+    ('{"question": "How many?", "answer": "#### 4\\n#### 5"}', "found 2 '####'"),
+    ('{"question": "How many?", "answer": "####5"}', "needs a space after '####'"),
+    ('{"question": "How many?", "answer": "#### 5 apples"}', "not a plain number: '5 apples'"),
+    ('{"question": "How many?", "answer": "#### 1,00"}', "not a plain number: '1,00'"),
+    ('{"question": "How many?", "answer": "#### 1/2"}', "not a plain number: '1/2'"),
+    ('{"question": "How many?", "answer": "#### 7e2"}', "not a plain number: '7e2'"),
+    ('{"question": "How many?", "answer": "#### "}', "not a plain number: ''"),
+])
+def test_gsm8k_bad_line_names_file_and_line(tmp_path, bad, message):
+  # Line 3: after a good line and a blank one.
+  files = _write_gsm8k(tmp_path / "files", (_GOOD + "\n\n" + bad + "\n" + _GOOD + "\n").encode())
+  path = str(files / "train.jsonl")
+  with pytest.raises(ValueError, match=re.escape(f"GSM8K file {path!r}, line 3: ") + ".*" + re.escape(message)):
+    gsm8k_lib.read_gsm8k_file(path)
+
+
+def test_gsm8k_bad_files_fail_before_anything_is_prepared(tmp_path, no_network):
+  files = _write_gsm8k(tmp_path / "files", b"\xff\xfe{}\n", split="test_socratic")
+  where = re.escape(f"{str(files / 'test_socratic.jsonl')!r}, line 1: not UTF-8")
+  with pytest.raises(ValueError, match=where):
+    gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=files)
+  assert not (tmp_path / "data").exists()
+  with pytest.raises(ValueError, match=where):  # the trainer's data source, before any step
+    PromptSource("gsm8k", "train", data_dir=tmp_path / "data", gsm8k_files=files)
+  with pytest.raises(ValueError, match=where):
+    gsm8k_lib.supply_gsm8k_files(files, tmp_path / "downloads")
+  assert not (tmp_path / "downloads").exists()
+
+
+def test_gsm8k_bad_files_are_refused_even_for_a_prepared_dataset(tmp_path, gsm8k_files, no_network):
+  gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=gsm8k_files)
+  bad = _write_gsm8k(tmp_path / "bad", (_GOOD + "\n" + _GOOD.replace("#### 72", "#### 72 clips")).encode())
+  with pytest.raises(ValueError, match=r"line 2: GSM8K final answer is not a plain number: '72 clips'"):
+    gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=bad)

@@ -247,7 +247,7 @@ def test_rl_step_summary_of_updates():
     np.testing.assert_allclose(out["layer"], [4 / 3, 1.0])
     assert out["lr"] == 0.3 and out["no_signal_minibatches"] == 2 and "no_signal" not in out
     assert out["flip_frac"] == pytest.approx(0.2)
-    assert out["flip_frac_k0"] == 0.0 and out["flip_frac_klast"] == 0.5
+    assert out["flip_frac_k0"] == 0.0 and out["flip_frac_k1"] == 0.1 and out["flip_frac_klast"] == 0.5
     assert out["logratio_abs_max_k0"] == 0.5 and out["logratio_abs_max_klast"] == 0.1
 
 
@@ -305,9 +305,17 @@ def test_metrics_log_cut_lines(tmp_path):
     w.close()
     assert read_metrics(str(tmp_path)) == []
     with open(tmp_path / "metrics.jsonl", "w") as f:
-        f.write('{"step": 1}\n{"step": \n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics\.jsonl:2"):
+        f.write('{"step": 1, "phase": "rl"}\n{"step": \n{"step": 2, "phase": "rl"}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
         read_metrics(str(tmp_path))
+    # A damaged line that is not the last one is not silently dropped on resume either.
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2"):
+        MetricsWriter(str(tmp_path), resume_step=1, resume_phase="rl", tensorboard=False)
+    # Valid JSON that is not a record: the file and line, not a raw KeyError.
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write('{"step": 1, "phase": "rl"}\n[1, 2]\n{"step": 2, "phase": "rl"}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a metrics record"):
+        MetricsWriter(str(tmp_path), resume_step=1, resume_phase="rl", tensorboard=False)
 
 
 def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_path):

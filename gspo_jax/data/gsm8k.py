@@ -11,15 +11,20 @@ real builder and download manager then run unchanged and find them cached.
 The cache check is TFDS's own, so nothing is patched.
 
 Each jsonl line is ``{"question": ..., "answer": "...#### 72"}``; the builder
-splits the answer into ``annotation`` and ``short_answer``.
+splits the answer into ``annotation`` and ``short_answer``. Supplied files are
+checked line by line before anything is prepared (:func:`read_gsm8k_file`): a
+UTF-8 BOM and blank lines are accepted, anything the builder or the verifier
+could not read is a ValueError naming the file and line. The cache gets a
+normalised copy (one ASCII JSON object per line, only ``question`` and
+``answer``), so the builder reads exactly what was checked.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
-import shutil
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -30,6 +35,8 @@ from tensorflow_datasets.core.download import resource as tfds_resource
 # (tfds.list_builders() needs TensorFlow; this does not).
 from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
 
+from gspo_jax import rewards
+
 SPLITS = ("train", "test", "train_socratic", "test_socratic")
 
 
@@ -38,20 +45,67 @@ def gsm8k_urls() -> dict[str, str]:
     return dict(tfds_gsm8k._URLS)  # pylint: disable=protected-access
 
 
+def read_gsm8k_file(path: os.PathLike | str) -> list[dict[str, str]]:
+    """The examples of one GSM8K jsonl file, every line checked.
+
+    A UTF-8 BOM is stripped and blank lines are skipped. Each other line must be
+    a JSON object with a non-empty string ``question`` and a string ``answer``
+    holding one ``#### N`` mark, N a plain number (:func:`gspo_jax.rewards.parse_number`;
+    ``#### 5 apples`` is not). Other fields are dropped.
+
+    Raises:
+      ValueError: naming the file, the line number and what is wrong.
+    """
+    path = epath.Path(path)
+    data = path.read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    examples = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"GSM8K file {os.fspath(path)!r}, line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            example = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+        examples.append(_check_example(example, where))
+    return examples
+
+
+def read_gsm8k_files(files_dir: os.PathLike | str) -> dict[str, list[dict[str, str]]]:
+    """:func:`read_gsm8k_file` of ``<files_dir>/<split>.jsonl`` for every split in SPLITS.
+
+    Raises:
+      ValueError: naming a missing file, or the file and line of a bad example.
+    """
+    return {split: read_gsm8k_file(_split_file(files_dir, split)) for split in SPLITS}
+
+
 def supply_gsm8k_files(files_dir: os.PathLike | str, download_dir: os.PathLike | str) -> None:
-    """Places local GSM8K jsonl files in a TFDS download cache.
+    """Places local GSM8K jsonl files in a TFDS download cache, checked
+    (:func:`read_gsm8k_files`) and normalised.
 
     Args:
       files_dir: folder with ``<split>.jsonl`` for every split in SPLITS.
       download_dir: the ``download_dir`` later given to ``download_and_prepare``.
 
     Raises:
-      ValueError: naming the missing file if one is absent.
+      ValueError: naming the missing file if one is absent, or the file and line
+        of a bad example.
     """
-    files_dir = epath.Path(files_dir)
+    _supply(read_gsm8k_files(files_dir), download_dir)
+
+
+def _supply(examples: dict[str, list[dict[str, str]]], download_dir: os.PathLike | str) -> None:
+    """Writes each split's examples where TFDS's download manager looks for the
+    split's URL, as a finished download."""
     download_dir = epath.Path(download_dir)
     for split, url in gsm8k_urls().items():
-        src = _split_file(files_dir, split)
         resource = tfds_resource.Resource(url=url)
         # The path the download manager checks for a URL whose checksum is not
         # registered (gsm8k registers none): <download_dir>/<dataset>/<name(url)>.
@@ -62,7 +116,8 @@ def supply_gsm8k_files(files_dir: os.PathLike | str, download_dir: os.PathLike |
             / tfds_resource.get_dl_fname(url)
         )
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
+        # json.dumps escapes non-ASCII: the builder reads it under any locale.
+        dst.write_text("".join(json.dumps(ex) + "\n" for ex in examples[split]), encoding="utf-8")
         info_path = tfds_resource.get_info_path(dst)
         if info_path.exists():
             info_path.unlink()  # A new file replaces a previous supply.
@@ -73,6 +128,50 @@ def supply_gsm8k_files(files_dir: os.PathLike | str, download_dir: os.PathLike |
             original_fname=f"{split}.jsonl",
             url_info=tfds_checksums.compute_url_info(dst),
         )
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _check_example(example, where: str) -> dict[str, str]:
+    """``{"question", "answer"}`` of one decoded jsonl line; ValueError starting with ``where``."""
+    if not isinstance(example, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object with 'question' and 'answer', "
+            f"got {_json_type(example)}"
+        )
+    for key in ("question", "answer"):
+        if key not in example:
+            raise ValueError(f"{where}: no {key!r} field (fields: {sorted(example)})")
+        if not isinstance(example[key], str):
+            raise ValueError(f"{where}: {key!r} must be a string, got {_json_type(example[key])}")
+    question, answer = example["question"], example["answer"]
+    if not question.strip():
+        raise ValueError(f"{where}: 'question' is empty")
+    # TFDS's builder splits the answer at its one "#### " into annotation and short answer.
+    marks = answer.count("####")
+    if marks != 1:
+        raise ValueError(
+            f"{where}: 'answer' must hold one '#### N' final answer, found {marks} '####': "
+            f"{answer[-80:]!r}"
+        )
+    if "#### " not in answer:
+        raise ValueError(
+            f"{where}: 'answer' needs a space after '####' ('#### 72'): {answer[-80:]!r}"
+        )
+    try:
+        rewards.gsm8k_final_answer(answer)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return {"question": question, "answer": answer}
 
 
 def gsm8k_builder(data_dir: os.PathLike | str) -> tfds.core.DatasetBuilder:
@@ -90,8 +189,9 @@ def prepare_gsm8k(
 
     Args:
       data_dir: TFDS data dir.
-      files_dir: optional folder with the four jsonl files (no network needed). If
-        ``data_dir`` already holds GSM8K prepared from different files, ValueError.
+      files_dir: optional folder with the four jsonl files (no network needed), each
+        checked line by line (:func:`read_gsm8k_file`) first. If ``data_dir`` already
+        holds GSM8K prepared from different files, ValueError.
       download_dir: TFDS download cache; default ``<data_dir>/downloads``.
     """
     builder = gsm8k_builder(data_dir)
@@ -99,6 +199,7 @@ def prepare_gsm8k(
     if files_dir is None:
         builder.download_and_prepare(download_dir=download_dir, file_format="array_record")
         return builder
+    examples = read_gsm8k_files(files_dir)  # Every line checked before anything else.
     digests = _file_digests(files_dir)
     record = epath.Path(builder.data_dir) / _SOURCES_FILE
     if builder.is_prepared() and record.exists():
@@ -109,7 +210,7 @@ def prepare_gsm8k(
                 "use another data_dir"
             )
         return builder
-    supply_gsm8k_files(files_dir, download_dir)
+    _supply(examples, download_dir)
     builder.download_and_prepare(download_dir=download_dir, file_format="array_record")
     record.write_text(json.dumps(digests, sort_keys=True))
     return builder

@@ -86,6 +86,10 @@ class ModelConfig:
       z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
       value_head: add a scalar value head (PPO critic).
       logits_chunk_size: default chunk over T in `token_logprobs` (None = whole T).
+      num_valid_tokens: token ids >= this are padding rows of the embedding (a real
+        checkpoint pads its vocabulary beyond the tokenizer's); their logits are set
+        to -1e30 in every forward, so they are never sampled and carry no probability
+        mass in any log-prob (0 = every id is a token).
       init_std: stddev of the normal initialiser of matrices (HF
         ``initializer_range``).
       axis_rules: logical axis name -> mesh axis rules, see DEFAULT_AXIS_RULES.
@@ -120,6 +124,7 @@ class ModelConfig:
     z_loss_coef: float = 0.0
     value_head: bool = False
     logits_chunk_size: Optional[int] = None
+    num_valid_tokens: int = 0
     init_std: float = 0.02
     axis_rules: tuple[tuple[str, object], ...] = DEFAULT_AXIS_RULES
 
@@ -174,6 +179,11 @@ class ModelConfig:
             self.logits_chunk_size is None or self.logits_chunk_size > 0,
             "logits_chunk_size",
             "must be None or > 0",
+        )
+        need(
+            0 <= self.num_valid_tokens <= self.vocab_size,
+            "num_valid_tokens",
+            f"must be in [0, vocab_size={self.vocab_size}]",
         )
         need(self.rope_theta > 0, "rope_theta", "must be > 0")
         need(self.norm_eps > 0, "norm_eps", "must be > 0")

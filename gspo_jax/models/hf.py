@@ -228,18 +228,72 @@ def _layer_table(cfg: ModelConfig, moe: bool):
 
 
 # ---------------------------------------------------------------- files
+def _allowed_roots(path: str) -> list[str]:
+    """Where the weight files of the checkpoint folder ``path`` may really live: the
+    folder itself and, for a Hugging Face hub cache snapshot
+    (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs/``), that
+    repository's blob store."""
+    real = os.path.realpath(path)
+    roots = [real]
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) == "snapshots":
+        roots.append(os.path.realpath(os.path.join(path, "..", "..", "blobs")))
+    return roots
+
+
+def _weight_file(path: str, name, where: str) -> str:
+    """The file ``name`` inside the checkpoint folder ``path`` (``where`` names who
+    asked for it); refuses absolute paths, ``..``, links that lead elsewhere, and
+    names that are not an existing ``.safetensors`` file."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: weight file {name!r} is not a file name")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+        raise ValueError(f"{where}: weight file {name!r} is not inside the checkpoint folder")
+    if not name.endswith(".safetensors"):
+        raise ValueError(f"{where}: weight file {name!r} is not a .safetensors file")
+    full = os.path.join(path, *parts)
+    real = os.path.realpath(full)
+    if not any(os.path.commonpath([real, root]) == root for root in _allowed_roots(path)):
+        raise ValueError(
+            f"{where}: weight file {name!r} links to {real}, outside the checkpoint folder"
+        )
+    if not os.path.isfile(full):
+        raise ValueError(f"{where}: weight file {name!r} does not exist")
+    return full
+
+
+def _read_index(index: str) -> list[str]:
+    """The weight file names of ``model.safetensors.index.json`` (untrusted JSON)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deeply nested
+        raise ValueError(f"{index}: invalid JSON: {type(e).__name__}: {e}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"{index}: no 'weight_map' object") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: 'weight_map' is a {type(weight_map).__name__}, not an object")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{index}: tensor {tensor!r} maps to {name!r}, not a file name")
+    return sorted(set(weight_map.values()))
+
+
 def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [_weight_file(path, name, index) for name in _read_index(index)]
     else:
-        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+        files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+        files = [_weight_file(path, os.path.basename(p), path) for p in files]
     if not files:
         raise ValueError(f"{path}: no *.safetensors files (pickle checkpoints are not read)")
-    tensors = {}
-    for name in files:
-        tensors.update(read_safetensors(os.path.join(path, name)))
+    tensors, source = {}, {}
+    for file in files:
+        for name, array in read_safetensors(file).items():
+            if name in tensors:
+                raise ValueError(f"{path}: tensor {name!r} is in both {source[name]} and {file}")
+            tensors[name], source[name] = array, file
     return tensors
 
 

@@ -344,10 +344,15 @@ class Transformer(nnx.Module):
         """[D, V] output projection (embedding transposed when tied)."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
-    @staticmethod
-    def _project(h, w):
-        """f32 logits [..., V] = h [..., D] @ w [D, V] in h's dtype, f32 accumulation."""
-        return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    def _project(self, h, w):
+        """f32 logits [..., V] = h [..., D] @ w [D, V] in h's dtype, f32 accumulation;
+        -1e30 at the embedding's padding ids (`ModelConfig.num_valid_tokens`): finite, so
+        that softmax gives them exactly 0 and the entropy's 0 * z stays 0."""
+        z = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        n = self.cfg.num_valid_tokens
+        if 0 < n < z.shape[-1]:
+            z = jnp.where(jnp.arange(z.shape[-1]) < n, z, -1e30)
+        return z
 
     def logits(self, h: jax.Array) -> jax.Array:
         """f32[B, T, V] from final-normed hidden states [B, T, D]."""

@@ -1,0 +1,316 @@
+"""What keeps a run's work safe from its users and its cluster (docs/reliability.md).
+
+* `check_resume_config` / `save_run_config`: a workdir's checkpoints belong to the
+  config that made them; resuming with a config that changes what they mean is
+  refused, naming every field and both values, and ``config.json`` keeps the
+  original.
+* `WorkdirLock`: one trainer per workdir; a lock whose owner is gone is taken over.
+* `GracefulShutdown`: SIGTERM / SIGINT finish the current step, checkpoint and exit;
+  a second signal exits at once.
+* `check_health`: non-finite parameters, or too many skipped updates in a row, stop
+  the run with an error that says so.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+import ml_collections
+
+from gspo_jax.config import ConfigError
+
+# Fields that may change when a run resumes: its length, how it is logged, evaluated
+# and checkpointed, where its data lives, how it is laid out on devices, and safety
+# limits. Any other difference changes what the checkpoints mean and is refused.
+RESUMABLE_FIELDS = (
+    "total_rl_steps",
+    "eval_every",
+    "log_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "progress_bar",
+    "compilation_cache_dir",
+    "task.data_dir",
+    "task.gsm8k_files",
+    "task.eval_size",
+    "task.eval_samples",
+    "mesh.*",
+    "model.moe_backend",
+    "model.remat_policy",
+    "updates.max_consecutive_skips",
+)
+
+CONFIG_FILE = "config.json"
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_record(c: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as ``config.json`` (and each checkpoint's record) stores it: plain
+    JSON, so that a saved and a requested config compare alike."""
+    return json.loads(json.dumps(c.to_dict(), default=str))
+
+
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``config.<field>: <saved> -> <current>`` for every field outside
+    `RESUMABLE_FIELDS` whose value differs (or exists on one side only)."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_FIELDS):
+            continue
+        va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if va != vb:
+            out.append(f"config.{key}: {va!r} -> {vb!r}")
+    return out
+
+
+def has_checkpoints(workdir: str) -> bool:
+    """Whether a phase directory under ``<workdir>/checkpoints`` holds a step."""
+    root = os.path.join(workdir, "checkpoints")
+    for phase in ("sft", "rl"):
+        d = os.path.join(root, phase)
+        if os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d)):
+            return True
+    return False
+
+
+def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
+    """Refuse to resume a workdir's checkpoints with a config that changes what they
+    mean (ConfigError naming each field, saved -> requested). Nothing is written."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not (has_checkpoints(workdir) and os.path.exists(path)):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"{path}: cannot read the config of this workdir's checkpoints ({e}); restore it "
+            "or use a new --workdir"
+        ) from None
+    diffs = config_differences(saved, config_record(c))
+    if diffs:
+        raise ConfigError(
+            f"{workdir} holds checkpoints of another config; resuming would change what "
+            f"they mean ({len(diffs)} field(s), saved -> requested):\n  "
+            + "\n  ".join(diffs)
+            + f"\nUse the saved values ({path}) or a new --workdir. Fields that may change "
+            "on resume: " + ", ".join(RESUMABLE_FIELDS)
+        )
+
+
+def save_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
+    """Write ``config.json`` (atomically; after `check_resume_config` accepted it)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config_record(c), f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+class WorkdirLock:
+    """``<workdir>/.lock``: one live trainer per workdir.
+
+    The lock records the owner's host and pid and its heartbeat (the file's mtime,
+    touched every step). A lock is the owner's while its process lives (same host) or
+    its heartbeat is younger than ``stale_after`` seconds (another host, where the
+    process cannot be checked); otherwise it is taken over, with a message.
+    """
+
+    def __init__(self, workdir: str, *, stale_after: float = 3600.0):
+        self.path = os.path.join(workdir, ".lock")
+        self.stale_after = stale_after
+        self.held = False
+
+    def _owner(self) -> dict | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def _alive(self, owner: dict | None) -> bool:
+        if owner is None:  # unreadable: a crash mid-write; treat as gone
+            return False
+        if owner.get("host") == socket.gethostname():
+            try:
+                os.kill(int(owner.get("pid", -1)), 0)
+            except ProcessLookupError:
+                return False
+            except (PermissionError, OverflowError, ValueError):
+                return True
+            return True
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+        except OSError:
+            return False
+        return age < self.stale_after
+
+    def acquire(self) -> None:
+        record = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        )
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = self._owner()
+            if self._alive(owner):
+                raise RuntimeError(
+                    f"{os.path.dirname(self.path)} is in use by another trainer (pid "
+                    f"{owner.get('pid')} on {owner.get('host')}); two trainers in one "
+                    f"workdir would overwrite each other's checkpoints and logs. Stop it, "
+                    f"or remove {self.path} if it is gone"
+                ) from None
+            print(f"{self.path}: taking over the lock of a trainer that is gone ({owner})")
+            tmp = f"{self.path}.{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(record)
+            os.replace(tmp, self.path)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(record)
+        self.held = True
+
+    def heartbeat(self) -> None:
+        if self.held:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        if self.held:
+            owner = self._owner()
+            if owner and owner.get("pid") == os.getpid():
+                os.remove(self.path)
+            self.held = False
+
+
+class Preempted(SystemExit):
+    """The run stopped on a signal after saving a checkpoint (exit code 128 + signal)."""
+
+
+class GracefulShutdown:
+    """SIGTERM and SIGINT set `requested` (the loop checkpoints after its current step
+    and calls `exit`); a second signal exits at once. Installed only in the main
+    thread (signal handlers can live nowhere else)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"\n{name} again: exiting now, without a checkpoint", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self.signum = signum
+        print(
+            f"\n{name}: finishing the current step, then a checkpoint and exit "
+            f"(send {name} again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> "GracefulShutdown":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def exit(self, where: str) -> None:
+        """Say where the run stopped and exit with 128 + the signal's number."""
+        name = signal.Signals(self.signum).name
+        print(
+            f"stopped by {name} after {where}; the checkpoint of that step is saved: run the "
+            "same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise Preempted(128 + self.signum)
+
+
+def check_health(metrics: Mapping[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
+    """Stop the run when its parameters are no longer finite, or when more than
+    ``updates.max_consecutive_skips`` updates in a row were skipped for a non-finite
+    loss or gradient (FloatingPointError saying which)."""
+    if float(metrics["params_finite"]) < 1:  # a mean over the step's updates
+        raise FloatingPointError(
+            f"{where}: the parameters are no longer finite after an update with a finite "
+            "loss and gradient; the run stops before saving them. Lower the learning rate."
+        )
+    in_a_row = int(metrics["skipped_in_a_row"])
+    limit = int(c.updates.max_consecutive_skips)
+    if in_a_row > limit:
+        raise FloatingPointError(
+            f"{where}: {in_a_row} updates in a row were skipped for a non-finite loss or "
+            f"gradient (config.updates.max_consecutive_skips={limit}); the run stops. "
+            "Skipped updates leave the parameters as they were; lower the learning rate "
+            "or inspect the data."
+        )
+
+
+class RunGuard:
+    """A run's `WorkdirLock` (taken by process 0) and `GracefulShutdown`, as one context
+    manager that the training loops ask after every step: ``requested`` (checkpoint and
+    `exit`), and ``heartbeat`` (the lock's liveness)."""
+
+    def __init__(self, workdir: str, *, lock: bool = True):
+        self.lock = WorkdirLock(workdir) if lock else None
+        self.shutdown = GracefulShutdown()
+
+    def __enter__(self) -> "RunGuard":
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            self.shutdown.__enter__()
+        except BaseException:
+            self.lock and self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown.__exit__(*exc)
+        if self.lock is not None:
+            self.lock.release()
+
+    @property
+    def requested(self) -> bool:
+        return self.shutdown.requested
+
+    def exit(self, where: str) -> None:
+        self.shutdown.exit(where)
+
+    def heartbeat(self) -> None:
+        if self.lock is not None:
+            self.lock.heartbeat()

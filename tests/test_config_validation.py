@@ -1,0 +1,481 @@
+"""`config.validate`: every field's domain and every cross-field constraint, each
+error naming its ``config.`` path; `closest_key` / `unknown_key_message`; and every
+config file with its documented arguments still validating."""
+
+import dataclasses
+import importlib
+import math
+import pathlib
+import sys
+
+import ml_collections
+import pytest
+
+from gspo_jax import config as config_lib
+from gspo_jax import objectives
+from gspo_jax.models.config import ModelConfig
+from gspo_jax.objectives.hparams import field_types
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from configs import default as default_config  # noqa: E402
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _set(c, path, value):
+    """Set ``config.<path>``, type safety off (a config file, or ml_collections' int
+    field taking True, can put any value there)."""
+    *groups, last = path.split(".")
+    node = c
+    for g in groups:
+        node = node[g]
+    with c.ignore_type():
+        node[last] = value
+    return c
+
+
+def _smoke(objective="gspo"):
+    return default_config.get_config(f"objective={objective},smoke")
+
+
+def _raises(c, path, *, num_devices=8, **kw):
+    """validate(c) raises a ConfigError whose message starts with ``config.<path>:``."""
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.validate(c, num_devices, **kw)
+    assert str(e.value).startswith(f"config.{path}:"), str(e.value)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _leaves(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# --------------------------------------------------------------------------
+# The bad values the issue lists: each passed validation and ruined a run.
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("optimizer.lr", INF),
+        ("optimizer.lr", NAN),
+        ("optimizer.lr", 0.0),
+        ("sft.lr", -1.0),  # gradient ascent
+        ("sft.lr", INF),
+        ("task.format_reward", NAN),
+        ("task.format_reward", -0.5),
+        ("entropy_coef", NAN),
+        ("entropy_coef", -0.01),
+        ("updates.z_loss_coef", NAN),
+        ("updates.aux_loss_coef", -0.1),
+        ("sft.aux_loss_coef", -0.1),
+        ("optimizer.end_lr_ratio", -0.1),
+        ("optimizer.end_lr_ratio", 1.5),
+        ("optimizer.b1", 1.5),
+        ("optimizer.b1", 1.0),  # Adam's bias correction divides by 1 - b1^t = 0
+        ("optimizer.b2", -0.1),
+        ("optimizer.weight_decay", -0.01),
+        ("optimizer.grad_clip", 0.0),  # used to turn clipping off silently
+        ("optimizer.grad_clip", -1.0),
+        ("optimizer.grad_clip", INF),
+        ("total_rl_steps", -1),
+        ("sft.steps", -1),
+        ("optimizer.warmup_steps", -1),
+        ("sft.warmup_steps", -1),
+        ("rollout.temperature", INF),
+        ("rollout.temperature", 0.0),
+        ("seed", 2**32),
+        ("seed", -1),
+        ("sft.steps", 1.5),  # ints must be ints
+        ("total_rl_steps", True),  # a bool is not a count
+        ("keep_checkpoints", True),
+        ("keep_checkpoints", 0),
+        ("eval_every", 0),
+        ("updates.max_consecutive_skips", -1),
+        ("updates.num_epochs", 0),
+        ("dapo.max_sampling_rounds", 0),
+        ("dapo.overlong_cache_len", 0),
+        ("gae.gamma", 1.5),
+        ("gae.value_clip", -0.2),
+        ("gae.value_coef", -0.5),
+        ("rollout.router_noise_std", NAN),
+        ("rollout.top_p", NAN),
+        ("rollout_correction.cap", NAN),
+        ("rollout_correction.c_high", 0.5),
+        ("objective.hparams.eps_high", NAN),
+        ("objective.hparams.kl_coef", -1.0),
+        ("progress_bar", 1),  # bools must be bools
+        ("dapo.soft_overlong", "false"),
+        ("updates.update_without_signal", None),
+        ("model.scan_layers", "yes"),
+        ("model.dtype", "float64"),
+        ("model.param_dtype", "int8"),
+        ("model.remat_policy", "everything"),
+        ("model.moe_backend", "capacity"),
+        ("compilation_cache_dir", None),
+        ("tokenizer", ""),
+        ("mesh.data", 1.5),
+        ("mesh.tensor", 0),
+        ("mesh.expert", True),
+        ("model.fields.vocab_size", -1),
+        ("model.fields.d_model", 0),
+        ("model.fields.head_dim", 15),  # rotary embedding pairs dimensions
+        ("model.fields.num_experts", -1),
+        ("model.fields.moe_d_ff", 0),  # an MoE model needs expert widths
+        ("model.fields.top_k", 0),
+    ],
+)
+def test_bad_value_is_refused_naming_the_field(path, value):
+    _raises(_set(_smoke(), path, value), path)
+
+
+def test_message_style():
+    msg = _raises(_set(_smoke(), "optimizer.lr", INF), "optimizer.lr")
+    assert msg == "config.optimizer.lr: must be finite and > 0, got inf"
+    msg = _raises(_set(_smoke(), "sft.steps", 1.5), "sft.steps")
+    assert msg == "config.sft.steps: must be an int >= 0, got 1.5"
+    msg = _raises(_set(_smoke(), "progress_bar", 1), "progress_bar")
+    assert msg == "config.progress_bar: must be a bool (True or False), got 1"
+
+
+def test_the_edges_of_each_range_are_accepted():
+    c = _smoke()
+    for path, value in [
+        ("optimizer.end_lr_ratio", 0.0),
+        ("optimizer.end_lr_ratio", 1.0),
+        ("optimizer.b1", 0.0),
+        ("optimizer.b2", 0.999),
+        ("optimizer.weight_decay", 0.0),
+        ("optimizer.warmup_steps", 0),
+        ("sft.warmup_steps", 0),
+        ("sft.steps", 0),
+        ("total_rl_steps", 0),
+        ("seed", 2**32 - 1),
+        ("gae.gamma", 0.0),
+        ("gae.lam", 1.0),
+        ("updates.gamma_min", 1.0),
+        ("updates.max_consecutive_skips", 0),
+        ("task.format_reward", 0.1),
+        ("entropy_coef", 0.01),
+        ("rollout.temperature", 1e-3),
+        ("optimizer.grad_clip", 1e9),  # a large value: clipping in name only
+    ]:
+        config_lib.validate(_set(_smoke(), path, value), 8)
+    assert config_lib.validate(c, 8)["data"] == 8
+
+
+# --------------------------------------------------------------------------
+# Sweeps: every numeric field of the config, and of every objective's
+# hyperparameters, refuses nan, +inf and -inf naming exactly that field. No
+# field is skipped: none takes inf legitimately (a cap, a clip or a count of
+# infinity is always a mistake here; grad_clip must be finite, see validate).
+
+
+def _numeric_fields():
+    """(objective, path, type) of every int or float field: the smoke config's, and
+    each objective's hyperparameters (None defaults included, by their annotation)."""
+    c = _smoke()
+    out = [
+        ("gspo", path, type(value))
+        for path, value in _leaves(c)
+        if _is_number(value) and not path.startswith("objective.hparams.")
+    ]
+    for name in objectives.names():
+        for key, tp in field_types(objectives.get(name).hparams_class).items():
+            if tp in (int, float):
+                out.append((name, f"objective.hparams.{key}", tp))
+    return out
+
+
+NUMERIC = _numeric_fields()
+
+
+def test_the_sweep_sees_every_group():
+    paths = {p for _, p, _ in NUMERIC}
+    groups = {p.split(".")[0] for p in paths if "." in p}
+    assert groups >= {
+        "task",
+        "model",
+        "mesh",
+        "rollout",
+        "rollout_correction",
+        "objective",
+        "gae",
+        "dapo",
+        "updates",
+        "optimizer",
+        "sft",
+    }
+    assert {"seed", "total_rl_steps", "entropy_coef", "keep_checkpoints"} <= paths
+    assert "objective.hparams.dual_clip" in paths  # a None default, typed float
+    assert "objective.hparams.norm_len" in paths
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("objective, path, tp", NUMERIC, ids=[f"{o}:{p}" for o, p, _ in NUMERIC])
+def test_every_numeric_field_refuses_non_finite(objective, path, tp, value):
+    _raises(_set(_smoke(objective), path, value), path)
+
+
+@pytest.mark.parametrize("objective, path, tp", NUMERIC, ids=[f"{o}:{p}" for o, p, _ in NUMERIC])
+def test_every_numeric_field_refuses_the_wrong_type(objective, path, tp):
+    # True only for an int field: ml_collections stores True in a float field as 1.0.
+    bad = ["1", [1]] + ([1.5, True] if tp is int else [])
+    if not path.startswith("objective.hparams."):  # optional hyperparameters take None
+        bad.append(None)
+    for value in bad:
+        _raises(_set(_smoke(objective), path, value), path)
+
+
+BOOLS = [p for p, v in _leaves(_smoke()) if isinstance(v, bool)]
+STRINGS = [p for p, v in _leaves(_smoke()) if isinstance(v, str)]
+
+
+def test_sweeps_see_bools_and_strings():
+    assert {"progress_bar", "model.scan_layers", "dapo.soft_overlong"} <= set(BOOLS)
+    assert {"tokenizer", "model.dtype", "objective.name", "rollout_correction.mode"} <= set(STRINGS)
+
+
+@pytest.mark.parametrize("path", BOOLS)
+def test_every_bool_field_refuses_a_non_bool(path):
+    for value in (1, 0, "True", None):
+        _raises(_set(_smoke(), path, value), path)
+
+
+@pytest.mark.parametrize("path", STRINGS)
+def test_every_string_field_refuses_a_non_string(path):
+    _raises(_set(_smoke(), path, 3), path)
+
+
+# --------------------------------------------------------------------------
+# config.model.fields: every ModelConfig field it can hold, named by its config path.
+
+
+@pytest.mark.parametrize(
+    "key, bad, good",
+    [
+        ("moe_every", 0, 2),
+        ("moe_every", 1.5, 1),
+        ("first_dense_layers", -1, 1),
+        ("moe_block_size", 0, 16),
+        ("rope_theta", INF, 1e6),
+        ("rope_theta", 0.0, 500.0),
+        ("norm_eps", NAN, 1e-5),
+        ("norm_eps", 0.0, 1e-6),
+        ("init_std", -0.02, 0.02),
+        ("aux_loss_coef", NAN, 0.01),
+        ("z_loss_coef", -1.0, 0.001),
+        ("logits_chunk_size", 0, 8),
+        ("logits_chunk_size", 2.5, None),
+        ("renormalize_topk", 1, False),
+        ("qk_norm", "no", False),
+        ("qkv_bias", None, True),
+        ("tie_embeddings", 0, True),
+        ("value_head", 1, False),
+        ("dense_layers", [5], [1]),  # smoke: 2 layers
+        ("dense_layers", [0.5], []),
+        ("axis_rules", (("embed", "model"),), (("embed", "fsdp"),)),
+    ],
+)
+def test_every_model_config_field_is_checked(key, bad, good):
+    c = _smoke()
+    c.model.fields[key] = good
+    config_lib.validate(c, 8)
+    c = _smoke()
+    c.model.fields[key] = bad
+    msg = _raises(c, f"model.fields.{key}")
+    assert "ModelConfig" not in msg
+
+
+def test_the_sweep_covers_every_model_config_field():
+    """A field added to ModelConfig gets a case above or a domain in validate."""
+    checked = {
+        "moe_every",
+        "first_dense_layers",
+        "moe_block_size",
+        "rope_theta",
+        "norm_eps",
+        "init_std",
+        "aux_loss_coef",
+        "z_loss_coef",
+        "logits_chunk_size",
+        "renormalize_topk",
+        "qk_norm",
+        "qkv_bias",
+        "tie_embeddings",
+        "value_head",
+        "dense_layers",
+        "axis_rules",
+    }
+    in_base = set(_smoke().model.fields.keys())
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    derived = {"num_valid_tokens"}  # train.model_config sets it from the tokenizer
+    assert fields == checked | in_base | derived | set(config_lib.MODEL_RUNTIME_FIELDS)
+
+
+def test_model_fields_keys():
+    c = _smoke()
+    c.model.fields.d_modle = 32
+    msg = _raises(c, "model.fields.d_modle")
+    assert "did you mean config.model.fields.d_model?" in msg
+    c = _smoke()
+    c.model.fields.dtype = "bfloat16"  # train.model_config would overwrite it
+    assert "config.model.dtype" in _raises(c, "model.fields.dtype")
+
+
+def test_cross_field_model_constraints():
+    _raises(_set(_smoke(), "model.fields.num_kv_heads", 3), "model.fields.num_kv_heads")
+    _raises(_set(_smoke(), "model.fields.top_k", 5), "model.fields.top_k")  # 4 experts
+    c = _set(_smoke(), "model.fields.num_experts", 0)
+    c.model.fields.top_k = 0
+    c.model.fields.moe_d_ff = 0
+    config_lib.validate(c, 8)  # a dense model
+    _raises(_set(c, "rollout.router_noise_std", 0.1), "rollout.router_noise_std")
+    c.rollout.router_noise_std = 0.0
+    _raises(_set(c, "updates.routing_replay", "R2"), "updates.routing_replay")
+
+
+# --------------------------------------------------------------------------
+# The tokenizer's vocabulary.
+
+
+def test_vocab_size_against_the_tokenizer():
+    c = _set(_smoke(), "model.fields.vocab_size", 10)
+    msg = _raises(c, "model.fields.vocab_size", tokenizer_vocab_size=20)
+    assert "10" in msg and "20" in msg
+    for vocab in (0, 20, 32):  # 0: the tokenizer's; larger: a padded embedding
+        c = _set(_smoke(), "model.fields.vocab_size", vocab)
+        config_lib.validate(c, 8, tokenizer_vocab_size=20)
+    c = _set(_smoke(), "model.fields.vocab_size", 10)
+    config_lib.validate(c, 8)  # the tokenizer not known yet: nothing to compare
+
+
+def test_num_valid_tokens_is_the_trainers():
+    c = _set(_smoke(), "model.fields.vocab_size", 32)
+    c.model.fields.num_valid_tokens = 20  # fewer would mask real tokens
+    _raises(c, "model.fields.num_valid_tokens", tokenizer_vocab_size=20)
+
+
+def test_vocab_size_of_a_pretrained_model_is_the_checkpoints():
+    c = _set(_smoke(), "model.fields.vocab_size", 10)
+    c.model.pretrained = c.tokenizer = "/ckpt"
+    config_lib.validate(c, 8, tokenizer_vocab_size=20)  # model.fields are not used
+
+
+def test_char_tokenizer_default_validates():
+    from gspo_jax import train
+
+    c = _smoke()
+    tok = train.make_tokenizer(c)
+    config_lib.validate(c, 8, tokenizer_vocab_size=tok.vocab_size)
+    assert train.model_config(c, tok.vocab_size).vocab_size == tok.vocab_size
+
+
+# --------------------------------------------------------------------------
+# Other cross-field constraints.
+
+
+def test_gae_needs_a_critic_that_learns():
+    c = default_config.get_config("objective=ppo,smoke")
+    c.advantage = "gae"
+    config_lib.validate(c, 8)
+    c.gae.value_coef = 0.0
+    _raises(c, "gae.value_coef")
+
+
+def test_soft_overlong_cache_shorter_than_the_response():
+    c = _smoke()
+    c.dapo.soft_overlong = True
+    c.dapo.overlong_cache_len = c.rollout.max_new_tokens
+    _raises(c, "dapo.overlong_cache_len")
+    c.dapo.overlong_cache_len = c.rollout.max_new_tokens - 1
+    config_lib.validate(c, 8)
+
+
+# --------------------------------------------------------------------------
+# Keys.
+
+
+def test_closest_key():
+    c = _smoke()
+    assert config_lib.closest_key("config.optimizer.lrr", c) == "config.optimizer.lr"
+    assert config_lib.closest_key("optimzer.lr", c) == "config.optimizer.lr"
+    assert config_lib.closest_key("config.rollout.temprature", c) == "config.rollout.temperature"
+    assert config_lib.closest_key("config.seeed", c) == "config.seed"
+    assert config_lib.closest_key("config.updates.z_los_coef", c) == "config.updates.z_loss_coef"
+    assert config_lib.closest_key("config.lr", c) in ("config.sft.lr", "config.optimizer.lr")
+    assert config_lib.closest_key("config.xyzzy", c) is None
+    assert config_lib.closest_key("config.seed", c) != "config.seed"  # never itself
+
+
+def test_unknown_key_message():
+    c = _smoke()
+    assert config_lib.unknown_key_message("config.optimizer.lrr", c) == (
+        "config.optimizer.lrr: unknown config key; did you mean config.optimizer.lr?"
+    )
+    msg = config_lib.unknown_key_message("optimizer.xyzzy", c)
+    assert msg.startswith("config.optimizer.xyzzy: unknown config key; config.optimizer has: ")
+    assert "grad_clip" in msg and "\n" not in msg
+
+
+def test_unknown_and_missing_keys_are_refused():
+    c = _smoke()
+    c.optimizer.lrr = 1e-3  # a typo in a config file: a new key nothing reads
+    msg = _raises(c, "optimizer.lrr")
+    assert msg.endswith("did you mean config.optimizer.lr?")
+    c = _smoke()
+    del c.optimizer.b1
+    _raises(c, "optimizer.b1")
+    c = _smoke()
+    c.mesh.model = 1
+    _raises(c, "mesh.model")
+    c = _smoke()
+    c.objective.hparams.eps_hi = 0.3
+    assert "eps_high" in _raises(c, "objective.hparams.eps_hi")
+
+
+# --------------------------------------------------------------------------
+# Every config file, with its documented arguments.
+
+DOCUMENTED_ARGS = {
+    "cispo": [""],
+    "default": [""] + [f"objective={n}" for n in objectives.names()],
+    "gmpo_rspo": ["", "variant=gmpo", "variant=rspo,gamma_min=0.3,replay=R2", "replay=R3"],
+    "grpo": ["", "variant=grpo", "variant=dr_grpo", "variant=dapo"],
+    "gspo": ["", "variant=gspo_token", "eps=paper", "variant=gspo_token,eps=short"],
+    "ppo": [""],
+    "qwen3_moe_gsm8k": [
+        "ckpt=/ckpt",
+        "ckpt=/ckpt,gsm8k_files=/gsm8k,objective=grpo,replay=R3",
+    ],
+    "sapo": [""],
+    "stability": ["", "variant=grpo_r2", "minibatches=4,lr=1e-3"]
+    + [f"variant={v}" for v in ("grpo", "grpo_r3", "gspo", "rspo", "gmpo")],
+}
+
+
+def test_every_config_file_is_listed():
+    files = {p.stem for p in (REPO / "configs").glob("*.py") if p.stem != "__init__"}
+    assert files == set(DOCUMENTED_ARGS)
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+@pytest.mark.parametrize(
+    "module, arg", [(m, a) for m, args in DOCUMENTED_ARGS.items() for a in args]
+)
+def test_config_files_validate(module, arg, num_devices):
+    mod = importlib.import_module(f"configs.{module}")
+    for a in (arg, f"{arg},smoke" if arg else "smoke"):
+        c = mod.get_config(a)
+        shape = config_lib.validate(c, num_devices)
+        assert math.prod(shape.values()) == num_devices
