@@ -26,9 +26,12 @@ import numpy as np
 GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
 ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
 REPLAY_MODES = ("none", "R2", "R3")
-TASKS = ("countdown", "arithmetic", "gsm8k")
+TASKS = ("countdown", "arithmetic", "gsm8k", "file")
+FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
+BAD_ROWS = ("skip", "refuse")
 SCHEDULES = ("constant", "cosine", "linear")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 class ConfigError(ValueError):
@@ -52,7 +55,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.gsm8k_files = ""  # folder with GSM8K's jsonl files where TFDS cannot download them
     c.task.eval_size = 128  # held-out prompts scored every eval_every steps
     c.task.eval_samples = 4  # samples per held-out prompt (plus one greedy)
+    c.task.eval_pass_k = (1, 4)  # the k of eval/pass@k and eval/maj@k, each <= eval_samples
     c.task.format_reward = 0.0  # weight of the optional format reward
+    # Task "file": a user's prompts and answers (gspo_jax/data/user_file.py; configs/file_task.py).
+    c.task.file = ""  # the train rows: a .jsonl or .parquet file
+    c.task.test_file = ""  # the test rows; "" = hold out test_fraction of task.file
+    c.task.test_fraction = 0.1  # held-out fraction of task.file's valid rows without test_file
+    c.task.prompt_column = "prompt"
+    c.task.answer_column = "answer"  # the reference answer (countdown: the target integer)
+    c.task.messages_column = ""  # "" = off; else a list of {role, content} in place of the prompt
+    c.task.solution_column = ""  # "" = none (no warm start); else the SFT completion, verbatim
+    c.task.verifier = "numeric"  # one of FILE_VERIFIERS, or a reward function "module:function"
+    c.task.bad_rows = "skip"  # "skip" (each logged once) or "refuse" (the first raises)
 
     c.tokenizer = "char"  # "char" or a checkpoint directory holding tokenizer.json
 
@@ -170,6 +184,12 @@ def base_config() -> ml_collections.ConfigDict:
     # compiling them again.  "" turns it off; a JAX_COMPILATION_CACHE_DIR set in
     # the environment takes precedence.
     c.compilation_cache_dir = "~/.cache/gspo_jax/xla"
+    # Weights & Biases, beside TensorBoard and the JSONL files (pip install -e '.[wandb]').
+    # mode "auto": online when credentials are set and the server answers, else offline;
+    # name "" = the workdir's name; dir "" = the workdir (runs go to <dir>/wandb).
+    c.wandb = ml_collections.ConfigDict(
+        dict(enabled=False, project="gspo_jax", entity="", name="", mode="auto", dir="")
+    )
     return c
 
 
@@ -255,6 +275,7 @@ def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sft.batch_size = 8
     c.task.eval_size = 8
     c.task.eval_samples = 2
+    c.task.eval_pass_k = (1, 2)
     c.eval_every = 2
     c.checkpoint_every = 1
     c.rollout.prompts_per_step = 4
@@ -464,13 +485,24 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
         _int(c, path, low=1)
     _bool(c, "progress_bar")
     _str(c, "compilation_cache_dir")
+    _bool(c, "wandb.enabled")
+    for path in ("wandb.project", "wandb.entity", "wandb.name", "wandb.dir"):
+        _str(c, path)
+    _str(c, "wandb.mode", choices=WANDB_MODES)
 
     for path in ("task.name", "task.difficulty", "task.data_dir", "task.style"):
         _str(c, path)
     _str(c, "task.gsm8k_files")
     _int(c, "task.eval_size", low=1)
     _int(c, "task.eval_samples", low=1)
+    _check_pass_k(c)
     _finite(c, "task.format_reward", low=0)
+    for path in ("file", "test_file", "prompt_column", "answer_column", "messages_column"):
+        _str(c, "task." + path)
+    _str(c, "task.solution_column")
+    _str(c, "task.verifier", nonempty=True)
+    _str(c, "task.bad_rows", choices=BAD_ROWS)
+    _finite(c, "task.test_fraction", low=0, high=1, high_open=True)
 
     _str(c, "model.pretrained")
     _check_model_runtime(c)
@@ -526,6 +558,19 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
     _finite(c, "sft.lr", low=0, low_open=True)
     _int(c, "sft.warmup_steps", low=0)
     _finite(c, "sft.aux_loss_coef", low=0)
+
+
+def _check_pass_k(c: ml_collections.ConfigDict) -> None:
+    """``task.eval_pass_k``: the k of pass@k and maj@k, each in [1, task.eval_samples]."""
+    ks, n = c.task.eval_pass_k, c.task.eval_samples
+    if not (isinstance(ks, (list, tuple)) and ks and all(_is_int(k) for k in ks)):
+        raise _err("task.eval_pass_k", f"must be a non-empty tuple of ints, got {ks!r}")
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise _err(
+            "task.eval_pass_k",
+            f"{bad} not in [1, task.eval_samples={n}] (pass@k and maj@k need k <= the samples)",
+        )
 
 
 def _mesh_axis(c: ml_collections.ConfigDict, axis: str) -> int:
@@ -689,6 +734,40 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]
     return sizes
 
 
+def _check_file_task(c: ml_collections.ConfigDict) -> None:
+    """Task "file": the fields that make a user's file usable (the file is read later)."""
+    t = c.task
+    if not t.file:
+        raise _err("task.file", "task 'file' needs the path of a .jsonl or .parquet file")
+    for path in ("file", "test_file"):
+        if t[path] and not t[path].endswith((".jsonl", ".parquet")):
+            raise _err(f"task.{path}", f"must end in .jsonl or .parquet, got {t[path]!r}")
+    if not t.test_file and not t.test_fraction > 0:
+        raise _err("task.test_fraction", "must be > 0 without task.test_file (the test split)")
+    if not t.messages_column and not t.prompt_column:
+        raise _err("task.prompt_column", "must name a column (or set task.messages_column)")
+    if not t.answer_column:
+        raise _err("task.answer_column", "must name a column")
+    if int(c.sft.steps) > 0 and not t.solution_column:
+        raise _err(
+            "task.solution_column",
+            f"the warm start (sft.steps={c.sft.steps}) trains on reference solutions: "
+            "name the column holding them, or set sft.steps=0",
+        )
+    if ":" in t.verifier:
+        from gspo_jax import rewards  # local: keeps config import light
+
+        try:
+            rewards.load_reward_fn(t.verifier)
+        except ValueError as e:
+            raise _err("task.verifier", " ".join(str(e).split())) from None
+    elif t.verifier not in FILE_VERIFIERS:
+        raise _err(
+            "task.verifier",
+            f"unknown verifier {t.verifier!r}; known: {FILE_VERIFIERS} or 'module:function'",
+        )
+
+
 # --------------------------------------------------------------------------
 # Validation.
 
@@ -718,7 +797,9 @@ def validate(
     optimizer.warmup_steps, sft.warmup_steps               int >= 0 (optimizer updates)
     eval_every, log_every, checkpoint_every,               int >= 1
     keep_checkpoints
-    progress_bar                                           bool
+    progress_bar, wandb.enabled                            bool
+    wandb.project, entity, name, dir                       str ("" = default)
+    wandb.mode                                             auto, online, offline, disabled
     tokenizer                                              "char" or a directory (non-empty)
     compilation_cache_dir, task.data_dir,                  str ("" = off / default)
     task.gsm8k_files, model.pretrained
@@ -728,7 +809,17 @@ def validate(
     task.name / .difficulty / .style                       TASKS / the task's levels /
                                                            compact, instruct
     task.eval_size, task.eval_samples                      int >= 1
+    task.eval_pass_k                                       non-empty tuple of ints in
+                                                           [1, task.eval_samples]
     task.format_reward                                     finite >= 0
+    task.file, test_file, prompt_column, answer_column,    str; with task 'file': file set,
+    messages_column, solution_column                       prompt/answer columns non-empty,
+                                                           solution_column set if sft.steps > 0
+    task.verifier                                          one of FILE_VERIFIERS or an
+                                                           importable 'module:function'
+    task.bad_rows                                          skip, refuse
+    task.test_fraction                                     finite in [0, 1); > 0 with task
+                                                           'file' and no test_file
     model.dtype, model.param_dtype                         float32, bfloat16, float16
     model.moe_backend                                      blocked, ragged, dense
     model.remat_policy                                     none, full, dots, dots_no_batch
@@ -823,12 +914,14 @@ def validate(
     # The task.
     if c.task.name not in TASKS:
         raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
-    if c.task.name == "gsm8k":
+    if c.task.name in ("gsm8k", "file"):
         if c.task.difficulty:
             raise _err(
                 "task.difficulty",
-                f"gsm8k has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
+                f"{c.task.name} has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
             )
+        if c.task.name == "file":
+            _check_file_task(c)
     else:
         from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
 

@@ -1,5 +1,5 @@
-"""Where a run's metrics go: ``metrics.jsonl``, ``updates.jsonl``, TensorBoard, and
-the console.
+"""Where a run's metrics go: ``metrics.jsonl``, ``updates.jsonl``, TensorBoard,
+Weights & Biases (optional, `WandbWriter`), and the console.
 
 ``metrics.jsonl`` holds one JSON object per logged step; ``updates.jsonl`` one per
 optimizer update of RL (its RL ``step``, its index ``k`` within the rollout, its
@@ -11,6 +11,7 @@ run had never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,7 +36,8 @@ class MetricsWriter:
     """Appends records to ``<workdir>/<filename>`` and TensorBoard events.
 
     TensorBoard tags are ``<phase>/<metric>`` (``<tb_prefix>/<metric>`` when a
-    prefix is given), at the record's step or the ``tb_step`` given to `write`.
+    prefix is given), at the record's step or the ``tb_step`` given to `write`; a
+    `WandbWriter`, when given, gets each record under the same names.
     """
 
     def __init__(
@@ -47,10 +49,12 @@ class MetricsWriter:
         tensorboard: bool = True,
         filename: str = "metrics.jsonl",
         tb_prefix: str | None = None,
+        wandb: WandbWriter | None = None,
     ):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self.tb_prefix = tb_prefix
+        self._wandb = wandb
         if resume_step is not None:
             self._truncate_after(resume_step, resume_phase)
         self._f = open(self.path, "a", encoding="utf-8")
@@ -86,8 +90,10 @@ class MetricsWriter:
         rec.update({k: _scalar(v) for k, v in metrics.items()})
         self._f.write(json.dumps(rec, sort_keys=True) + "\n")
         self._f.flush()
+        prefix, at = self.tb_prefix or phase, int(step if tb_step is None else tb_step)
+        if self._wandb is not None:
+            self._wandb.log(prefix, at, rec)
         if self._tb is not None:
-            prefix, at = self.tb_prefix or phase, int(step if tb_step is None else tb_step)
             for k, v in rec.items():
                 if k in ("step", "phase"):
                     continue
@@ -145,3 +151,144 @@ def _records(path: str) -> list[tuple[int, dict]]:
             )
         out.append((i, rec))
     return out
+
+
+# --------------------------------------------------------------------------
+# Weights & Biases (optional: config.wandb, pip install -e '.[wandb]').
+
+WANDB_ID_FILE = "wandb_run_id"
+_WANDB_PHASES = ("sft", "rl", "updates")
+
+
+def wandb_mode(mode: str, *, timeout: float = 2.0) -> str:
+    """The W&B mode for ``config.wandb.mode``: any but "auto" as is. "auto": the
+    environment's WANDB_MODE when set; else "online" when an API key is known
+    (WANDB_API_KEY or ~/.netrc) and the server (WANDB_BASE_URL, default
+    api.wandb.ai) accepts a connection within ``timeout`` seconds; else "offline"
+    (``wandb sync <workdir>/wandb/offline-run-*`` uploads it later)."""
+    if mode != "auto":
+        return mode
+    env = os.environ.get("WANDB_MODE", "").strip()
+    if env:
+        return env
+    import netrc
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    key = os.environ.get("WANDB_API_KEY")
+    if not key:
+        try:
+            key = (netrc.netrc().authenticators(host) or (None, None, None))[2]
+        except (OSError, netrc.NetrcParseError):
+            key = None
+    if not key:
+        return "offline"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return "online"
+    except OSError:
+        return "offline"
+
+
+def wandb_run_id(workdir: str) -> str:
+    """The W&B run id of this workdir, made once and kept in ``<workdir>/wandb_run_id``,
+    so that a resumed run continues the same W&B run."""
+    path = os.path.join(workdir, WANDB_ID_FILE)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+        if run_id:
+            return run_id
+    import uuid
+
+    run_id = uuid.uuid4().hex[:12]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+class WandbWriter:
+    """One W&B run of a workdir; `MetricsWriter` logs each record to it too.
+
+    Keys are ``<phase>/<metric>`` like TensorBoard's tags: ``sft/*`` and ``rl/*`` at
+    the record's step, ``updates/*`` at the global update index, each against its own
+    step metric (``<phase>/step``; W&B's own step just counts the log calls).
+    """
+
+    def __init__(self, run: Any):
+        self.run = run
+        for phase in _WANDB_PHASES:
+            run.define_metric(f"{phase}/step")
+            run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+
+    @classmethod
+    def open(cls, wb: Any, workdir: str, config: Mapping[str, Any]) -> WandbWriter:
+        """Start (or resume) the workdir's run; ``wb`` is ``config.wandb``."""
+        try:
+            import wandb
+        except ImportError:
+            from gspo_jax.config import ConfigError
+
+            raise ConfigError(
+                "config.wandb.enabled: is True but the wandb package is not installed; "
+                "pip install -e '.[wandb]' (or set --config.wandb.enabled=False)"
+            ) from None
+        root = os.path.abspath(os.path.expanduser(wb.dir or workdir))
+        os.makedirs(os.path.join(root, "wandb"), exist_ok=True)
+        run = wandb.init(
+            project=wb.project or None,
+            entity=wb.entity or None,
+            name=wb.name or os.path.basename(os.path.abspath(workdir)),
+            dir=root,
+            id=wandb_run_id(workdir),
+            resume="allow",
+            mode=wandb_mode(wb.mode),
+            config=dict(config),
+            allow_val_change=True,  # a resume may change the fields that may change
+        )
+        return cls(run)
+
+    def log(self, prefix: str, at: int, rec: Mapping[str, Any]) -> None:
+        row: dict[str, Any] = {f"{prefix}/step": int(at)}
+        if prefix == "updates":
+            row["updates/rl_step"] = rec["step"]
+        for k, v in rec.items():
+            if k in ("step", "phase"):
+                continue
+            if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+                v = float(v)  # `_scalar` keeps non-finite values as strings
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[f"{prefix}/{k}"] = v
+            elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                row.update({f"{prefix}/{k}/{i}": x for i, x in enumerate(v)})
+        self.run.log(row)
+
+    def finish(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+@contextlib.contextmanager
+def open_wandb(wb: Any, workdir: str, config: Mapping[str, Any], *, enabled: bool = True):
+    """The workdir's `WandbWriter` while the block runs (None when ``wb.enabled`` or
+    ``enabled``, e.g. "this is process 0", is false), finished on the way out: with
+    exit code 0, the code of a SystemExit, or 1 for an exception."""
+    if not (enabled and wb.enabled):
+        yield None
+        return
+    writer = WandbWriter.open(wb, workdir, config)
+    code = 0
+    try:
+        yield writer
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        writer.finish(code)

@@ -1,4 +1,4 @@
-r"""Rule-based verifiers: Countdown, integer arithmetic, GSM8K.
+r"""Rule-based verifiers: Countdown, integer arithmetic, GSM8K, and a user's file.
 
 Model output is never passed to ``eval`` or ``exec``. A Countdown answer goes
 through a small recursive-descent parser over ``+ - * /``, parentheses and
@@ -47,6 +47,18 @@ list words between (``72, 73``, ``70 to 72``, ``3 x 4``) is AMBIGUOUS, while ``4
 ``1{,}000``, ``\\(...\\)``); others (``\\frac``) are refused. The reference answer
 must be a plain number with no words (:func:`parse_number`).
 
+A user's file (task "file", :mod:`gspo_jax.data.user_file`) picks a verifier by
+name from :data:`VERIFIERS`: ``numeric`` and ``countdown`` (the above),
+``exact_match`` (the answer-tag content, else the whole response, equals the
+reference after whitespace normalisation) and ``boxed_math`` (the last
+``\\boxed{...}``, else the answer tag, equals the reference after
+:func:`normalize_math`, as strings or as the same exact number). Or it names a
+plug-in reward ``module:function`` with the signature
+``fn(response: str, reference: str, row: dict) -> float`` (``row``: the file's whole
+row); its value replaces ``correct`` below (> 0 counts as correct). A plug-in that
+raises or returns anything but a finite real number gives 0 and the status
+``reward_fn_error`` (logged), never an exception.
+
 Reward, per response::
 
     reward = correct + format_weight * formatted
@@ -88,6 +100,7 @@ class Status(str, enum.Enum):
     TOO_DEEP = "too_deep"  # parenthesis nesting deeper than the limit
     NUMBER_TOO_LARGE = "number_too_large"  # a literal with more digits than the limit
     VERIFIER_ERROR = "verifier_error"  # an unexpected exception (a bug); logged
+    REWARD_FN_ERROR = "reward_fn_error"  # a plug-in reward function raised or gave no finite float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +131,7 @@ class Verdict:
     correct: bool
     formatted: bool
     status: Status
+    reward: float | None = None  # a plug-in reward function's value; None: ``float(correct)``
 
 
 class _Reject(Exception):
@@ -648,9 +662,252 @@ def gsm8k_final_answer(solution: str) -> str:
 
 
 # ---------------------------------------------------------------------------
+# Verifiers by name, for a user's own data (task "file"), and plug-in rewards.
+
+
+def normalize_text(s: str) -> str:
+    """Whitespace runs as one space, ends stripped: ``exact_match``'s normalisation."""
+    return " ".join(s.split())
+
+
+def verify_exact_match(text: str, answer: str, limits: Limits = DEFAULT_LIMITS) -> Verdict:
+    """The answer (the last ``<answer>`` span's content, else the whole response)
+    equals ``answer`` after :func:`normalize_text`. ``formatted``: the span exists."""
+    content = extract_answer(text)
+    tagged = content is not None
+    got = normalize_text(content if tagged else text)
+    if not got:
+        return Verdict(False, False, Status.NO_ANSWER)
+    if got != normalize_text(str(answer)):
+        return Verdict(False, tagged, Status.WRONG_ANSWER)
+    return Verdict(True, tagged, Status.CORRECT)
+
+
+_TEX_FRAC_RE = re.compile(r"\\[dt]?frac(?![a-zA-Z])")
+_TEX_SIZING_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)(?![a-zA-Z])")
+_TEX_SPACES = ("\\!", "\\,", "\\;", "\\:", "\\ ", "~")
+_SIMPLE_PARENS_RE = re.compile(r"(?<![\w)\]}])\((-?[\w.]+)\)(?![\w(\[{])")
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_TRAILING_ZEROS_RE = re.compile(r"(\d)\.0+(?![\d])")
+_SCRIPT_BRACES_RE = re.compile(r"(?<=[\^_])\{(\w)\}")
+_MATH_NUMBER_RE = re.compile(r"(-?)(\d+(?:\.\d+)?)(?:/(-?)(\d+(?:\.\d+)?))?", re.ASCII)
+
+
+def _braced(s: str, i: int) -> tuple[str, int] | None:
+    """(content, end) of the brace group opening at ``s[i]``, or None if unbalanced."""
+    if i >= len(s) or s[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(s)):
+        depth += {"{": 1, "}": -1}.get(s[j], 0)
+        if depth == 0:
+            return s[i + 1 : j], j + 1
+    return None
+
+
+def _unfrac(s: str) -> str:
+    """``\\frac{a}{b}`` (after the whitespace is gone) as ``(a)/(b)``, innermost first;
+    ``\\frac12`` as ``(1)/(2)``; a malformed one is left as it is."""
+    out, i = [], 0
+    while True:
+        m = _TEX_FRAC_RE.search(s, i)
+        if m is None:
+            out.append(s[i:])
+            return "".join(out)
+        out.append(s[i : m.start()])
+        j = m.end()
+        num = _braced(s, j)
+        if num is None and j < len(s):
+            num = (s[j], j + 1)
+        den = _braced(s, num[1]) if num else None
+        if num and den is None and num[1] < len(s):
+            den = (s[num[1]], num[1] + 1)
+        if num is None or den is None:
+            out.append(s[m.start() : m.end()])
+            i = m.end()
+            continue
+        out.append(f"({_unfrac(num[0])})/({_unfrac(den[0])})")
+        i = den[1]
+
+
+def normalize_math(s: str) -> str:
+    r"""``boxed_math``'s normal form of an answer: surrounding ``$``/``\(\)``/``\[\]``
+    dropped, ``\text{x}`` as ``x``, ``\left``/``\right`` and ``\!`` ``\,`` spacing
+    dropped, all whitespace removed, ``\dfrac``/``\tfrac`` as ``\frac`` and
+    ``\frac{a}{b}`` as ``a/b``, ``{,}`` and thousands separators removed, a trailing
+    ``.0`` and a final period dropped, ``x^{2}`` as ``x^2``, parentheses around one
+    plain atom dropped."""
+    s = s.strip()
+    for open_, close in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        while len(s) >= len(open_) + len(close) and s.startswith(open_) and s.endswith(close):
+            s = s[len(open_) : len(s) - len(close)].strip()
+    s = _TEX_TEXT_RE.sub(r"\1", s)
+    s = _TEX_SIZING_RE.sub("", s)
+    for space in _TEX_SPACES:
+        s = s.replace(space, " ")
+    s = "".join(s.split()).replace("{,}", ",").replace("\\%", "%")
+    s = _SCRIPT_BRACES_RE.sub(r"\1", _unfrac(s))
+    s = _THOUSANDS_RE.sub("", s)
+    s = _TRAILING_ZEROS_RE.sub(r"\1", s)
+    s = s.rstrip(".") if not s.endswith("..") else s
+    while True:
+        t = _SIMPLE_PARENS_RE.sub(r"\1", s)
+        if t == s:
+            return s
+        s = t
+
+
+def _math_number(s: str, limits: Limits) -> Fraction | None:
+    """The exact value of a normalised answer that is one number or a ratio of two."""
+    m = _MATH_NUMBER_RE.fullmatch(s)
+    if m is None or sum(map(str.isdigit, s)) > limits.max_digits:
+        return None
+    value = Fraction(m.group(2))
+    if m.group(4) is not None:
+        den = Fraction(m.group(4))
+        if den == 0:
+            return None
+        value /= den
+    return -value if (m.group(1) == "-") != (m.group(3) == "-") else value
+
+
+def boxed_answer(text: str, limits: Limits = DEFAULT_LIMITS) -> str | Status:
+    r"""The content of the last ``\boxed{...}`` (braces matched), else of the last
+    ``<answer>`` span; else NO_ANSWER (TOO_LONG / PARSE_ERROR for a bad box)."""
+    m = _last_match(_BOXED_RE, text)
+    if m is not None:
+        return _boxed_content(text, m, limits)
+    content = extract_answer(text)
+    if content is None:
+        return Status.NO_ANSWER
+    return Status.TOO_LONG if len(content) > limits.max_answer_chars else content
+
+
+def verify_boxed_math(text: str, answer: str, limits: Limits = DEFAULT_LIMITS) -> Verdict:
+    r"""The answer of :func:`boxed_answer` equals ``answer`` (itself read from its last
+    ``\boxed{}`` if it has one) after :func:`normalize_math`, as strings or as the
+    same exact number (``\frac{1}{2}`` = ``1/2`` = ``0.5``). ``formatted``: an
+    answer was found."""
+    got = boxed_answer(text, limits)
+    if isinstance(got, Status):
+        return Verdict(False, False, got)
+    got = normalize_math(got)
+    if not got:
+        return Verdict(False, False, Status.NO_ANSWER)
+    truth = _math_reference(str(answer))
+    if got == truth:
+        return Verdict(True, True, Status.CORRECT)
+    a, b = _math_number(got, limits), _math_number(truth, _REFERENCE_LIMITS)
+    if a is not None and a == b:
+        return Verdict(True, True, Status.CORRECT)
+    return Verdict(False, True, Status.WRONG_ANSWER)
+
+
+def _math_reference(answer: str) -> str:
+    ref = boxed_answer(answer, _REFERENCE_LIMITS) if "\\boxed" in answer else answer
+    return normalize_math(ref) if isinstance(ref, str) else ""
+
+
+def _countdown(text: str, meta: Mapping[str, Any], limits: Limits) -> Verdict:
+    return verify_countdown(text, meta["numbers"], int(meta["target"]), limits)
+
+
+# name -> fn(text, meta, limits) -> Verdict. meta: {"answer": str} (countdown:
+# {"numbers": tuple[int], "target": int}).
+VERIFIERS = {
+    "numeric": lambda text, meta, limits: verify_numeric(text, meta["answer"], limits),
+    "countdown": _countdown,
+    "exact_match": lambda text, meta, limits: verify_exact_match(text, meta["answer"], limits),
+    "boxed_math": lambda text, meta, limits: verify_boxed_math(text, meta["answer"], limits),
+}
+
+
+def reference_problem(verifier: str, meta: Mapping[str, Any]) -> str | None:
+    """Why ``meta`` (from a data row) cannot be verified by ``verifier``, or None.
+    A plug-in reward function takes any reference."""
+    if verifier == "numeric":
+        if parse_number(str(meta["answer"]), _REFERENCE_LIMITS) is None:
+            return f"answer {meta['answer']!r} is not a plain number (verifier 'numeric')"
+    elif verifier == "countdown":
+        nums, target = meta.get("numbers"), meta.get("target")
+        if not isinstance(target, int) or isinstance(target, bool):
+            return f"countdown target must be an integer, got {target!r}"
+        if (
+            not isinstance(nums, (list, tuple))
+            or not nums
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in nums)
+        ):
+            return (
+                f"countdown 'numbers' must be a non-empty list of positive integers, got {nums!r}"
+            )
+    elif verifier == "exact_match":
+        if not normalize_text(str(meta["answer"])):
+            return "answer is empty"
+    elif verifier == "boxed_math":
+        if not _math_reference(str(meta["answer"])):
+            return f"answer {meta['answer']!r} is empty after normalisation"
+    return None
+
+
+def is_reward_fn(verifier: str) -> bool:
+    """Whether a ``task.verifier`` value names a plug-in ``module:function``."""
+    return ":" in verifier
+
+
+_REWARD_FNS: dict[str, Any] = {}
+
+
+def load_reward_fn(spec: str):
+    """The function ``module:function`` names (imported once, then cached).
+
+    Raises:
+      ValueError: if ``spec`` is malformed, the module cannot be imported, or the
+        attribute is missing or not callable.
+    """
+    if spec in _REWARD_FNS:
+        return _REWARD_FNS[spec]
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name or ":" in name:
+        raise ValueError(f"a reward function is 'module:function', got {spec!r}")
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:
+        raise ValueError(f"cannot import module {module!r} of {spec!r}: {e}") from None
+    fn = mod
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ValueError(f"module {module!r} has no function {name!r}")
+    _REWARD_FNS[spec] = fn
+    return fn
+
+
+def _plugin_verdict(spec: str, text: str, meta: Mapping[str, Any]) -> Verdict:
+    """A plug-in reward ``fn(response, reference, row) -> float``: the value is the
+    reward's correctness component; > 0 counts as CORRECT. Raising, or returning
+    anything but a finite real number, gives reward 0 and REWARD_FN_ERROR."""
+    formatted = extract_answer(text) is not None
+    try:
+        value = load_reward_fn(spec)(text, str(meta["answer"]), dict(meta.get("row", {})))
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"returned {type(value).__name__}, not a float")
+        value = float(value)
+        if not np.isfinite(value):
+            raise ValueError(f"returned {value}")
+    except Exception:
+        _log.exception("reward function %s failed on text %r", spec, text[:200])
+        return Verdict(False, formatted, Status.REWARD_FN_ERROR, 0.0)
+    return Verdict(
+        value > 0, formatted, Status.CORRECT if value > 0 else Status.WRONG_ANSWER, value
+    )
+
+
+# ---------------------------------------------------------------------------
 # Batch API.
 
-TASKS = ("countdown", "arithmetic", "gsm8k")
+TASKS = ("countdown", "arithmetic", "gsm8k", "file")
 _log = logging.getLogger(__name__)
 
 
@@ -658,7 +915,9 @@ def verify(
     task: str, text: str, meta: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS
 ) -> Verdict:
     """Verdict for one response. ``meta`` as produced by :mod:`gspo_jax.data`:
-    Countdown ``{"numbers", "target"}``; arithmetic and GSM8K ``{"answer"}``.
+    Countdown ``{"numbers", "target"}``; arithmetic and GSM8K ``{"answer"}``; a
+    user's file (task "file") ``{"verifier", "answer", "row"}`` (plus Countdown's
+    fields), ``verifier`` a name in :data:`VERIFIERS` or a plug-in ``module:function``.
 
     Raises:
       ValueError: for an unknown task, a non-str text, or meta missing a field
@@ -679,6 +938,15 @@ def verify(
         if parse_number(str(answer), _REFERENCE_LIMITS) is None:
             raise ValueError(f"{task} meta 'answer' is not a number: {answer!r}")
         fn = lambda: verify_numeric(text, answer, limits)
+    elif task == "file":
+        verifier = meta.get("verifier")
+        if not isinstance(verifier, str) or "answer" not in meta:
+            raise ValueError(f"file meta needs 'verifier' and 'answer', got keys {sorted(meta)}")
+        if is_reward_fn(verifier):
+            return _plugin_verdict(verifier, text, meta)
+        if verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
+        fn = lambda: VERIFIERS[verifier](text, meta, limits)
     else:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     try:
@@ -699,7 +967,7 @@ def score(
     """Rewards for a batch of responses.
 
     Args:
-      task: "countdown", "arithmetic" or "gsm8k".
+      task: "countdown", "arithmetic", "gsm8k" or "file".
       texts: N decoded responses.
       metas: N task metadata dicts (one per response; repeat a prompt's meta
         for its G samples).
@@ -721,7 +989,7 @@ def score(
     counts = {s.value: 0 for s in Status}
     for i, (text, meta) in enumerate(zip(texts, metas)):
         v = verify(task, text, meta, limits)
-        correct[i] = v.correct
+        correct[i] = v.correct if v.reward is None else v.reward
         formatted[i] = v.formatted
         counts[v.status.value] += 1
     rewards = (correct + np.float32(format_weight) * formatted).astype(np.float32)

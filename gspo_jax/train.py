@@ -47,11 +47,12 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
+from gspo_jax import evaluation, objectives, rewards, safety, shaping, step
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import objectives, rewards, safety, shaping, step
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
-from gspo_jax.metrics_log import MetricsWriter
+from gspo_jax.data.user_file import FileTask
+from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.models import ModelConfig, from_pretrained, init_sharded
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.rollout import Sampler
@@ -120,11 +121,14 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Prompt text -> ids: the chat template where the tokenizer has one."""
+def encode_prompt(tokenizer, text: str, messages=None) -> list[int]:
+    """Prompt text -> ids: the chat template where the tokenizer has one. ``messages``
+    (an Example's, from a user's messages column) replace the one user message of
+    ``text`` in the template; without a template ``text`` (their joined contents) is used."""
     if isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
+            [dict(m) for m in messages] if messages else [{"role": "user", "content": text}],
+            add_generation_prompt=True,
         )
         return tokenizer.encode(text)
     ids = tokenizer.encode(text)
@@ -241,10 +245,12 @@ class Trainer:
         self.mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
-        difficulty = None if c.task.name == "gsm8k" else c.task.difficulty
+        difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
         kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
         if c.task.name == "gsm8k":
             kw["gsm8k_files"] = c.task.gsm8k_files or None
+        if c.task.name == "file":
+            kw["file_task"] = FileTask.from_config(c.task)
         self.train_data = PromptSource(c.task.name, "train", **kw)
         self.eval_data = PromptSource(c.task.name, "test", shuffle=False, **kw)
 
@@ -343,7 +349,7 @@ class Trainer:
     def sft_batch(self, position: int) -> dict[str, np.ndarray]:
         c, tok = self.c, self.tokenizer
         examples = self.train_data.batch(position, int(c.sft.batch_size))
-        prompts = [encode_prompt(tok, ex.prompt) for ex in examples]
+        prompts = [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples]
         T = int(c.rollout.max_new_tokens)
         responses = []
         for ex in examples:
@@ -467,7 +473,7 @@ class Trainer:
         sampler's router logits (training rollouts; evaluation measures the policy
         itself)."""
         c, tok = self.c, self.tokenizer
-        ids = [encode_prompt(tok, ex.prompt) for ex in examples]
+        ids = [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples]
         g = num_samples or int(c.rollout.group_size)
         return self.sampler(
             ids,
@@ -488,26 +494,43 @@ class Trainer:
         toks, mask = np.asarray(ro.tokens), np.asarray(ro.mask)
         return [self.tokenizer.decode(toks[i][mask[i] > 0].tolist()) for i in range(toks.shape[0])]
 
-    def evaluate(self, params) -> dict[str, float]:
-        """Held-out reward on the first ``task.eval_size`` test prompts.
+    def evaluate(self, params, examples=None) -> dict[str, float]:
+        """Held-out metrics on the first ``task.eval_size`` test prompts (or ``examples``).
 
         ``eval_reward_mean`` is the mean reward of ``task.eval_samples`` samples
         per prompt at the rollout's sampling settings: the RL objective itself,
         on prompts never trained on. ``eval_greedy_reward`` is greedy decoding's.
-        Both use fixed keys, so every evaluation sees the same randomness.
+        Both use fixed keys, so every evaluation sees the same randomness. From the
+        same samples, :func:`gspo_jax.evaluation.eval_metrics`: ``eval/pass@k`` and
+        ``eval/maj@k`` for k in ``task.eval_pass_k``, ``eval/mean@n`` (n the samples
+        per prompt) and ``eval/greedy``.
         """
         c = self.c
-        examples = self.eval_data.first(int(c.task.eval_size))
+        if examples is None:
+            examples = self.eval_data.first(int(c.task.eval_size))
         k = int(c.task.eval_samples)
         metas = [ex.meta for ex in examples for _ in range(k)]
         ro = self._rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
-        _, sampled, _ = rewards.score(c.task.name, self._texts(ro), metas)
+        texts = self._texts(ro)
+        _, sampled, _ = rewards.score(c.task.name, texts, metas)
+        # A user-file task's answers are read as its verifier reads them (numeric: values).
+        kind = c.task.get("verifier", "") if c.task.name == "file" else c.task.name
+        answers = evaluation.final_answers(kind, texts)
         ro = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
         _, greedy, _ = rewards.score(c.task.name, self._texts(ro), [ex.meta for ex in examples])
-        return {
+        out = {
             "eval_reward_mean": float(np.mean(sampled["correct"])),
             "eval_greedy_reward": float(np.mean(greedy["correct"])),
         }
+        out.update(
+            evaluation.eval_metrics(
+                np.asarray(sampled["correct"]).reshape(len(examples), k),
+                [answers[i * k : (i + 1) * k] for i in range(len(examples))],
+                ks=[int(x) for x in c.task.eval_pass_k],
+                greedy_correct=greedy["correct"],
+            )
+        )
+        return out
 
     def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Rollouts, rewards, advantages and DAPO's filters for one RL step.
@@ -886,10 +909,12 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         trainer = Trainer(c, workdir)  # validates the config
         if jax.process_index() == 0:
             safety.save_run_config(c, workdir)
-        return _run(trainer, guard)
+        record = safety.config_record(c)
+        with open_wandb(c.wandb, workdir, record, enabled=jax.process_index() == 0) as wb:
+            return _run(trainer, guard, wb)
 
 
-def _run(trainer: Trainer, guard: safety.RunGuard) -> list[dict]:
+def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
     c, workdir = trainer.c, trainer.workdir
     rl_ckpt = PhaseCheckpointer(
         workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints)
@@ -898,7 +923,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard) -> list[dict]:
 
     def open_log(phase: str, step_: int) -> MetricsWriter:
         """metrics.jsonl cut back to (phase, step_): where this run resumes."""
-        return MetricsWriter(workdir, resume_step=step_, resume_phase=phase)
+        return MetricsWriter(workdir, resume_step=step_, resume_phase=phase, wandb=wb)
 
     writer = None
     if int(c.sft.steps) > 0 and not resuming_rl:
@@ -921,6 +946,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard) -> list[dict]:
         resume_phase="rl",
         filename="updates.jsonl",
         tb_prefix="updates",
+        wandb=wb,
     )
     records = []
     steps = int(c.total_rl_steps)

@@ -115,7 +115,14 @@ def _is_number(v):
         ("objective.hparams.eps_high", NAN),
         ("objective.hparams.kl_coef", -1.0),
         ("progress_bar", 1),  # bools must be bools
+        ("wandb.enabled", "yes"),
+        ("wandb.mode", "sometimes"),
+        ("wandb.project", None),
         ("dapo.soft_overlong", "false"),
+        ("task.bad_rows", "ignore"),
+        ("task.test_fraction", 1.0),
+        ("task.test_fraction", -0.1),
+        ("task.verifier", ""),
         ("updates.update_without_signal", None),
         ("model.scan_layers", "yes"),
         ("model.dtype", "float64"),
@@ -242,8 +249,9 @@ STRINGS = [p for p, v in _leaves(_smoke()) if isinstance(v, str)]
 
 
 def test_sweeps_see_bools_and_strings():
-    assert {"progress_bar", "model.scan_layers", "dapo.soft_overlong"} <= set(BOOLS)
+    assert {"progress_bar", "model.scan_layers", "dapo.soft_overlong", "wandb.enabled"} <= set(BOOLS)
     assert {"tokenizer", "model.dtype", "objective.name", "rollout_correction.mode"} <= set(STRINGS)
+    assert {"wandb.project", "wandb.entity", "wandb.name", "wandb.mode", "wandb.dir"} <= set(STRINGS)
 
 
 @pytest.mark.parametrize("path", BOOLS)
@@ -449,6 +457,7 @@ def test_unknown_and_missing_keys_are_refused():
 
 DOCUMENTED_ARGS = {
     "cispo": [""],
+    "file_task": ["file=/data/prompts.jsonl", "file=/data/prompts.parquet"],
     "default": [""] + [f"objective={n}" for n in objectives.names()],
     "gmpo_rspo": ["", "variant=gmpo", "variant=rspo,gamma_min=0.3,replay=R2", "replay=R3"],
     "grpo": ["", "variant=grpo", "variant=dr_grpo", "variant=dapo"],
@@ -479,3 +488,37 @@ def test_config_files_validate(module, arg, num_devices):
         c = mod.get_config(a)
         shape = config_lib.validate(c, num_devices)
         assert math.prod(shape.values()) == num_devices
+
+
+# --------------------------------------------------------------------------
+# Task "file": a user's prompts and verifier.
+
+
+def _file_task(**fields):
+    c = _smoke()
+    c.task.name, c.task.difficulty, c.task.file, c.sft.steps = "file", "", "/d/p.jsonl", 0
+    for k, v in fields.items():
+        _set(c, k, v)
+    return c
+
+
+def test_file_task_fields():
+    config_lib.validate(_file_task(), 8)
+    config_lib.validate(_file_task(**{"task.verifier": "boxed_math"}), 8)
+    config_lib.validate(_file_task(**{"task.verifier": "math:isclose"}), 8)  # importable
+    assert "difficulty" in _raises(_file_task(**{"task.difficulty": "small"}), "task.difficulty")
+    _raises(_file_task(**{"task.file": ""}), "task.file")
+    _raises(_file_task(**{"task.file": "/d/p.csv"}), "task.file")
+    _raises(_file_task(**{"task.test_file": "/d/t.txt"}), "task.test_file")
+    _raises(_file_task(**{"task.test_fraction": 0.0}), "task.test_fraction")
+    config_lib.validate(_file_task(**{"task.test_fraction": 0.0, "task.test_file": "/d/t.jsonl"}), 8)
+    _raises(_file_task(**{"task.answer_column": ""}), "task.answer_column")
+    _raises(_file_task(**{"task.prompt_column": ""}), "task.prompt_column")
+    config_lib.validate(_file_task(**{"task.prompt_column": "", "task.messages_column": "m"}), 8)
+    assert "sft.steps=0" in _raises(_file_task(**{"sft.steps": 2}), "task.solution_column")
+    config_lib.validate(_file_task(**{"sft.steps": 2, "task.solution_column": "solution"}), 8)
+    assert "known" in _raises(_file_task(**{"task.verifier": "regex"}), "task.verifier")
+    assert "no_such_module" in _raises(
+        _file_task(**{"task.verifier": "no_such_module:f"}), "task.verifier"
+    )
+    assert "no function" in _raises(_file_task(**{"task.verifier": "math:nope"}), "task.verifier")

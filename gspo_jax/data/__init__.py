@@ -5,6 +5,8 @@
   difficulty configs; every example carries a reference solution.
 * :mod:`~gspo_jax.data.gsm8k`: TFDS's own ``gsm8k`` builder, from the network
   or from supplied files.
+* :mod:`~gspo_jax.data.user_file`: task "file", a user's prompts and answers from a
+  JSONL or Parquet file, checked row by row when loaded.
 * :mod:`~gspo_jax.data.prompts`: prompt text and the ``<answer>`` format.
 * :mod:`~gspo_jax.data.source`: :class:`PromptSource` (batches as a pure
   function of the data position).

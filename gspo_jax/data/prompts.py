@@ -28,13 +28,16 @@ class Example:
     """One prompt with what the verifier and the warm start need.
 
     Attributes:
-      task: "countdown", "arithmetic" or "gsm8k".
+      task: "countdown", "arithmetic", "gsm8k" or "file".
       prompt: the prompt text (not yet chat-templated or tokenized).
       meta: the verifier's metadata: Countdown ``{"numbers": tuple[int],
         "target": int}``, arithmetic/GSM8K ``{"answer": str}``.
       reference: the completion for supervised warm start (the answer in the
         answer format), or None where the dataset has none.
       index: the example's index in its split (stable across runs).
+      messages: chat messages ``({"role", "content"}, ...)`` to render with the
+        tokenizer's chat template instead of ``prompt`` (a user's file with a
+        messages column); ``prompt`` then holds their contents joined by newlines.
     """
 
     task: str
@@ -42,6 +45,7 @@ class Example:
     meta: Mapping[str, Any]
     reference: str | None
     index: int
+    messages: tuple[Mapping[str, str], ...] | None = None
 
 
 def answer_span(content: str) -> str:

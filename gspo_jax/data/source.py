@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from gspo_jax import rewards
-from gspo_jax.data import arithmetic, countdown, prompts
+from gspo_jax.data import arithmetic, countdown, prompts, user_file
 from gspo_jax.data import gsm8k as gsm8k_lib
 
-TASKS = ("countdown", "arithmetic", "gsm8k")
+TASKS = ("countdown", "arithmetic", "gsm8k", "file")
 
 
 def _text(x) -> str:
@@ -79,7 +79,8 @@ class PromptSource:
     """Random-access prompts of one task and split, in a seeded order per epoch.
 
     Args:
-      task: "countdown", "arithmetic" or "gsm8k".
+      task: "countdown", "arithmetic", "gsm8k" or "file" (a user's JSONL/Parquet
+        file, :mod:`~gspo_jax.data.user_file`, read into memory; ``file_task``).
       split: "train" or "test" (GSM8K also "train_socratic", "test_socratic").
       data_dir: TFDS data dir; synthetic tasks are generated there on first use.
       config: synthetic difficulty: a config name (``"easy"``, ``"digits3"``
@@ -88,6 +89,8 @@ class PromptSource:
       seed: seed of the epoch orders.
       shuffle: False keeps the stored order in every epoch (for evaluation).
       gsm8k_files: folder with the GSM8K jsonl files when there is no network.
+      file_task: the :class:`~gspo_jax.data.user_file.FileTask` of task "file"
+        (``data_dir``, ``config`` and ``style`` are then unused).
     """
 
     def __init__(
@@ -101,9 +104,20 @@ class PromptSource:
         seed: int = 0,
         shuffle: bool = True,
         gsm8k_files: os.PathLike | str | None = None,
+        file_task: user_file.FileTask | None = None,
     ):
         if style not in prompts.STYLES:
             raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
+        if (task == "file") != (file_task is not None):
+            raise ValueError(f"file_task is for task 'file' (and needed there), got task {task!r}")
+        if task == "file":
+            self.task, self.split, self.style = task, split, style
+            self.seed, self.shuffle = int(seed), bool(shuffle)
+            self.config_name = None
+            self._ds = user_file.load_split(file_task, split)
+            self._size = len(self._ds)
+            self._order_cache = None
+            return
         if task == "gsm8k":
             if config is not None:
                 raise ValueError(f"gsm8k has no configs, got config={config!r}")
@@ -131,6 +145,8 @@ class PromptSource:
         """Example ``index`` of the split, in stored order."""
         if not 0 <= index < self._size:
             raise ValueError(f"index must be in [0, {self._size}), got {index}")
+        if self.task == "file":
+            return self._ds[int(index)]
         return to_example(self.task, self._ds[int(index)], int(index), self.style)
 
     def order(self, epoch: int) -> np.ndarray:

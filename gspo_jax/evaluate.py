@@ -1,0 +1,182 @@
+"""Score a checkpoint on a task's held-out split, without training.
+
+    python -m gspo_jax.evaluate --config=configs/default.py --checkpoint=runs/default \\
+        [--split=test] [--num_prompts=0] [--out=metrics.json]
+
+``--checkpoint`` is either
+
+* a workdir of ours (it has ``checkpoints/``): the parameters of its newest RL
+  checkpoint that restores, else of its newest warm-start (SFT) one. ``--config`` must
+  describe the same model as the run that wrote it (use the same config file and
+  arguments; ``<workdir>/config.json`` records them). The workdir's lock is taken, so a
+  job still training there is never raced; as on resume, a checkpoint that does not
+  restore is skipped and moved aside (:class:`gspo_jax.checkpoint.PhaseCheckpointer`).
+  Prompts are read from ``task.data_dir`` (default ``<workdir>/data``);
+* or a Hugging Face directory (``config.json`` and ``*.safetensors``): loaded as
+  ``config.model.pretrained``, with the directory's ``tokenizer.json`` unless
+  ``--config.tokenizer`` names another one. Without ``task.data_dir`` the prompts are
+  generated in a temporary directory.
+
+The first ``--num_prompts`` prompts of ``--split`` in stored order (0: the config's
+``task.eval_size``; -1: the whole split) are scored as during training
+(``Trainer.evaluate``: ``task.eval_samples`` samples each at the rollout's temperature,
+plus one greedy). Prints (and with ``--out`` writes) one JSON object: the metrics of
+:mod:`gspo_jax.evaluation` (``eval/pass@k``, ``eval/maj@k``, ``eval/mean@n``,
+``eval/greedy``, and ``eval_reward_mean`` / ``eval_greedy_reward``), with
+``checkpoint``, ``restored`` (``"rl/<step>"``, ``"sft/<step>"`` or ``"pretrained"``),
+``split`` and ``num_prompts``.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Sequence
+
+import ml_collections
+
+SPLITS = ("test", "train")
+
+
+def is_hf_dir(path: str) -> bool:
+    """A Hugging Face checkpoint directory: config.json and safetensors weights."""
+    return os.path.isfile(os.path.join(path, "config.json")) and bool(
+        glob.glob(os.path.join(path, "*.safetensors"))
+    )
+
+
+def is_workdir(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def restore_params(trainer) -> tuple[Any, str]:
+    """(parameters, ``"rl/<step>"`` or ``"sft/<step>"``) of a workdir's newest RL
+    checkpoint that restores, else of its newest warm-start one."""
+    from gspo_jax.checkpoint import PhaseCheckpointer
+    from gspo_jax.train import RLPhase
+
+    c = trainer.c
+    rl_ckpt = PhaseCheckpointer(trainer.workdir, "rl", every=1, keep=int(c.keep_checkpoints))
+    try:
+        if rl_ckpt.latest_step() is not None:
+            target = RLPhase(trainer, trainer.init_params).state  # the state train.py saves
+            state, _, step = rl_ckpt.restore(target)
+            return state.params, f"rl/{step}"
+    finally:
+        rl_ckpt.close()
+    ckpt, _, _, state, step = trainer._restore_sft()
+    ckpt.close()
+    if step == 0:
+        raise FileNotFoundError(
+            f"{trainer.workdir}: no RL or warm-start checkpoint under "
+            f"{os.path.join(trainer.workdir, 'checkpoints')}"
+        )
+    return state.params, f"sft/{step}"
+
+
+def evaluate_checkpoint(
+    c: ml_collections.ConfigDict,
+    checkpoint: str,
+    *,
+    split: str = "test",
+    num_prompts: int = 0,
+) -> dict[str, Any]:
+    """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
+    directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
+    from gspo_jax import safety
+    from gspo_jax.train import Trainer, enable_compilation_cache
+
+    if split not in SPLITS:
+        raise ValueError(f"--split must be one of {SPLITS}, got {split!r}")
+    checkpoint = os.path.abspath(checkpoint)
+    c = copy.deepcopy(c)
+    hf = is_hf_dir(checkpoint)
+    if not hf and not is_workdir(checkpoint):
+        raise FileNotFoundError(
+            f"{checkpoint}: neither a workdir (no checkpoints/) nor a Hugging Face "
+            "directory (config.json and *.safetensors)"
+        )
+    enable_compilation_cache(str(c.get("compilation_cache_dir", "")))
+    tmp = lock = None
+    try:
+        if hf:
+            c.model.pretrained = checkpoint
+            if c.tokenizer == "char":
+                c.tokenizer = checkpoint
+            tmp = tempfile.mkdtemp(prefix="gspo_eval_")
+            trainer = Trainer(c, tmp)
+            params, restored = trainer.init_params, "pretrained"
+        else:
+            lock = safety.WorkdirLock(checkpoint)
+            lock.acquire()
+            trainer = Trainer(c, checkpoint)
+            params, restored = restore_params(trainer)
+        data = trainer.eval_data if split == "test" else trainer.train_data
+        count = len(data) if num_prompts < 0 else num_prompts or int(c.task.eval_size)
+        examples = data.first(count)
+        metrics = trainer.evaluate(params, examples=examples)
+    finally:
+        if lock is not None and lock.held:
+            lock.release()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out: dict[str, Any] = {
+        "checkpoint": checkpoint,
+        "restored": restored,
+        "split": split,
+        "num_prompts": len(examples),
+    }
+    out.update(metrics)
+    return out
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import flags, logging
+
+    from gspo_jax import config as config_lib
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    f = flags.FLAGS
+    if f.config is None:
+        raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
+    if not f.checkpoint:
+        raise config_lib.ConfigError("--checkpoint is required: a workdir or a HF directory")
+    result = evaluate_checkpoint(
+        f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
+    )
+    text = json.dumps(result, indent=2, sort_keys=True)
+    if f.out:
+        os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+        with open(f.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    print(text, flush=True)
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file(
+        "config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True
+    )
+    flags.DEFINE_string("checkpoint", "", "A workdir of ours, or a Hugging Face directory.")
+    flags.DEFINE_enum("split", "test", list(SPLITS), "The task's split to score.")
+    flags.DEFINE_integer(
+        "num_prompts", 0, "Prompts to score: 0 = config.task.eval_size, -1 = the whole split."
+    )
+    flags.DEFINE_string("out", "", "Also write the JSON here.")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from gspo_jax.train import _parse_flags
+
+    _define_flags()
+    sys.exit(app.run(main, flags_parser=_parse_flags))

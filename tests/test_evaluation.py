@@ -1,0 +1,256 @@
+"""Held-out metrics (gspo_jax.evaluation) and the evaluate entry point (gspo_jax.evaluate):
+pass@k against hand-computed cases and a brute-force enumeration, maj@k, the config
+field, and evaluation of a smoke run's workdir and of a tiny Hugging Face directory."""
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+from math import comb
+
+import numpy as np
+import pytest
+
+from gspo_jax import config as config_lib
+from gspo_jax import evaluation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configs import default as default_config  # noqa: E402
+
+# --------------------------------------------------------------------------
+# pass@k
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (4, 4, 4, 1.0),  # all correct
+        (4, 0, 4, 0.0),  # none correct
+        (4, 1, 4, 1.0),  # n = k: one correct is enough
+        (4, 0, 1, 0.0),
+        (4, 3, 1, 0.75),  # pass@1 = c / n
+        (10, 1, 3, 0.3),  # 1 - C(9,3)/C(10,3) = 1 - 84/120
+        (6, 2, 3, 0.8),  # 1 - C(4,3)/C(6,3) = 1 - 4/20
+        (5, 3, 3, 1.0),  # n - c < k
+    ],
+)
+def test_pass_at_k_hand_cases(n, c, k, expected):
+    assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def _brute_force(n, c, k):
+    """Exact pass@k: the share of k-subsets of n samples (the first c correct) holding
+    a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    hits = sum(any(i < c for i in s) for s in subsets)
+    return Fraction(hits, len(subsets))
+
+
+def test_pass_at_k_matches_brute_force_enumeration():
+    for n in range(1, 8):
+        for k in range(1, n + 1):
+            cs = np.arange(n + 1)
+            got = evaluation.pass_at_k(n, cs, k)  # vectorised over prompts
+            for c in cs:
+                exact = _brute_force(n, int(c), k)
+                assert exact == 1 - Fraction(comb(n - c, k), comb(n, k))
+                assert got[c] == pytest.approx(float(exact), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_is_stable_for_large_n():
+    # C(1000, 500) overflows a float; the product form does not.
+    got = evaluation.pass_at_k(1000, [0, 1, 10, 1000], 500)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:2], [0.0, 0.5], atol=1e-12)
+    assert got[3] == 1.0 and 0.99 < got[2] <= 1.0
+
+
+def test_pass_at_k_per_prompt_sample_counts_and_errors():
+    np.testing.assert_allclose(evaluation.pass_at_k([5, 4], [2, 1], 2), [0.7, 0.5])
+    with pytest.raises(ValueError, match="at least 3"):
+        evaluation.pass_at_k(2, 1, 3)
+    with pytest.raises(ValueError, match="num_correct"):
+        evaluation.pass_at_k(2, 3, 1)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        evaluation.pass_at_k(2, 1, 0)
+
+
+# --------------------------------------------------------------------------
+# maj@k and answers
+
+
+def test_maj_at_k_hand_cases():
+    answers = [
+        ["7", "8", "8", "7"],  # 8 wins at k=3; 7 and 8 tie at k=4 -> 7 (first)
+        [None, "5", None, "6"],  # no answer does not vote
+        [None, None, None, None],  # nothing to vote on: 0
+        ["1+2", "2+1", "2+1", "1+2"],  # countdown: strings; tie at k=4 -> "1+2"
+    ]
+    correct = np.array([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 1), [0, 0, 0, 1])
+    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 2), [0, 1, 0, 1])
+    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 3), [1, 1, 0, 1])
+    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 4), [0, 1, 0, 1])
+    # A wrong majority beats a right minority.
+    assert evaluation.maj_at_k([["3", "4", "4"]], [[1, 0, 0]], 3)[0] == 0
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        evaluation.maj_at_k(answers, correct, 5)
+
+
+def test_final_answers():
+    assert evaluation.final_answer("countdown", "x <answer>(1 + 2) * 3</answer>") == "(1+2)*3"
+    assert evaluation.final_answer("countdown", "<answer> </answer>") is None
+    assert evaluation.final_answer("countdown", "no tag") is None
+    # Numeric tasks compare values: 72, 72.0 and $72 are one answer.
+    a = evaluation.final_answers("gsm8k", ["#### 72", "<answer>72.0</answer>", "The answer is $72."])
+    assert a == ["72", "72", "72"]
+    assert evaluation.final_answer("arithmetic", "<answer>0.5</answer>") == "1/2"
+    assert evaluation.final_answer("arithmetic", "<answer>72 or 73</answer>") is None
+    assert evaluation.final_answer("numeric", "#### 1,000") == "1000"  # a user-file verifier
+
+
+def test_eval_metrics_dict():
+    correct = np.array([[1, 0, 1, 0], [0, 0, 0, 0]])
+    answers = [["a", "b", "a", "b"], [None, "x", "x", "y"]]
+    m = evaluation.eval_metrics(correct, answers, ks=(1, 2, 4), greedy_correct=[1, 0])
+    assert set(m) == {
+        "eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@1", "eval/maj@2", "eval/maj@4",
+        "eval/mean@4", "eval/greedy"}
+    assert m["eval/pass@1"] == pytest.approx(0.25) and m["eval/mean@4"] == pytest.approx(0.25)
+    assert m["eval/pass@2"] == pytest.approx((1 - 1 / 6) / 2)
+    assert m["eval/pass@4"] == pytest.approx(0.5)
+    assert m["eval/maj@4"] == pytest.approx(0.5) and m["eval/greedy"] == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------
+# The config field.
+
+
+def test_eval_pass_k_is_validated():
+    c = default_config.get_config("smoke")
+    assert tuple(c.task.eval_pass_k) == (1, 2) and c.task.eval_samples == 2
+    assert tuple(default_config.get_config("").task.eval_pass_k) == (1, 4)
+    config_lib.validate(c, num_devices=1)
+    for bad in [(1, 3), (0,), (), (1.5,), (True,)]:
+        c.task.eval_pass_k = bad
+        with pytest.raises(config_lib.ConfigError, match=r"config\.task\.eval_pass_k"):
+            config_lib.validate(c, num_devices=1)
+
+
+# --------------------------------------------------------------------------
+# The entry point.
+
+METRIC_KEYS = {"eval/pass@1", "eval/pass@2", "eval/maj@1", "eval/maj@2", "eval/mean@2",
+               "eval/greedy", "eval_reward_mean", "eval_greedy_reward"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds_eval"))
+
+
+@pytest.fixture(scope="module")
+def smoke_workdir(tmp_path_factory, data_dir):
+    from gspo_jax import train
+
+    c = default_config.get_config("smoke")
+    c.task.data_dir = data_dir
+    workdir = str(tmp_path_factory.mktemp("smoke_run"))
+    records = train.run(c, workdir)
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert METRIC_KEYS <= set(rl[-1]), METRIC_KEYS - set(rl[-1])  # logged during training
+    return workdir, c
+
+
+def test_evaluate_a_workdir(smoke_workdir, tmp_path):
+    from gspo_jax.evaluate import evaluate_checkpoint
+
+    workdir, c = smoke_workdir
+    out = evaluate_checkpoint(c, workdir)
+    assert out["restored"] == "rl/2" and out["split"] == "test"
+    assert out["num_prompts"] == c.task.eval_size
+    assert METRIC_KEYS <= set(out), METRIC_KEYS - set(out)
+    for k in METRIC_KEYS:
+        assert 0.0 <= out[k] <= 1.0
+    assert out["eval/mean@2"] == pytest.approx(out["eval_reward_mean"])
+    assert out["eval/pass@1"] == pytest.approx(out["eval/mean@2"])
+    assert out["eval/greedy"] == out["eval_greedy_reward"]
+    assert out["eval/pass@2"] >= out["eval/pass@1"]
+    # The last RL evaluation of the run scored the same parameters and prompts alike.
+    from gspo_jax.metrics_log import read_metrics
+
+    last = [r for r in read_metrics(workdir) if r["phase"] == "rl"][-1]
+    for k in METRIC_KEYS:
+        assert out[k] == pytest.approx(last[k]), k
+
+    # Without RL checkpoints: the warm start's newest; another split and size.
+    sft_only = str(tmp_path / "sft_only")
+    shutil.copytree(workdir, sft_only, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(os.path.join(sft_only, "checkpoints", "rl"))
+    out = evaluate_checkpoint(c, sft_only, split="train", num_prompts=3)
+    assert out["restored"] == "sft/2" and out["split"] == "train" and out["num_prompts"] == 3
+    assert METRIC_KEYS <= set(out)
+
+    with pytest.raises(FileNotFoundError, match="neither a workdir"):
+        evaluate_checkpoint(c, str(tmp_path / "nothing"))
+
+
+@pytest.mark.slow
+def test_evaluate_command_line(smoke_workdir, data_dir, tmp_path):
+    workdir, _ = smoke_workdir
+    out_file = tmp_path / "m.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "gspo_jax.evaluate", "--config=configs/default.py:smoke",
+           f"--checkpoint={workdir}", "--split=test", f"--out={out_file}",
+           f"--config.task.data_dir={data_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(out_file.read_text())
+    assert METRIC_KEYS <= set(out) and out["restored"] == "rl/2"
+
+
+def _tiny_hf_dir(path):
+    """A Qwen3-MoE checkpoint (export_pretrained of a fresh tiny model) with a byte-level
+    BPE tokenizer.json trained here."""
+    import jax
+    from flax import nnx
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from gspo_jax.models import ModelConfig, Transformer, export_pretrained
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_end|>", "<answer>", "</answer>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["Make 16 from 3 5 2 with + - * /, each once. <answer>(3+5)*2</answer>"],
+                            trainer)
+    os.makedirs(path)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}, f)
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, d_ff=64, moe_d_ff=32, num_experts=4, top_k=2)
+    with jax.default_device(jax.devices()[0]):
+        export_pretrained(Transformer(cfg, rngs=nnx.Rngs(0)), path)
+
+
+def test_evaluate_a_hugging_face_directory(data_dir, tmp_path):
+    from gspo_jax.evaluate import evaluate_checkpoint, is_hf_dir
+
+    hf = str(tmp_path / "hf")
+    _tiny_hf_dir(hf)
+    assert is_hf_dir(hf)
+    c = default_config.get_config("smoke")
+    c.task.data_dir = data_dir
+    c.task.eval_size = 4
+    out = evaluate_checkpoint(c, hf)
+    assert out["restored"] == "pretrained" and out["num_prompts"] == 4
+    assert METRIC_KEYS <= set(out), METRIC_KEYS - set(out)
+    assert not any(name.startswith("gspo_eval_") for name in os.listdir(str(tmp_path)))

@@ -1,0 +1,353 @@
+"""Task "file": a user's prompts and answers from JSONL/Parquet, verifiers by name,
+plug-in reward functions, chat messages, and an end-to-end run of the entry point."""
+
+import json
+import logging
+import pathlib
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gspo_jax import rewards
+from gspo_jax import tokenizers as gtok
+from gspo_jax.data import PromptSource, user_file
+from gspo_jax.rewards import Status
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _write_jsonl(path, rows, raw_lines=()):
+    """Rows as JSON lines; ``raw_lines``: {line index: raw text} inserted as they are."""
+    lines = [json.dumps(r) for r in rows]
+    for i, raw in sorted(dict(raw_lines).items()):
+        lines.insert(i, raw)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def _rows(n=20):
+    return [{"prompt": f"What is {i}+1?\n", "answer": i + 1} for i in range(n)]
+
+
+def _spec(path, **kw):
+    return user_file.FileTask(file=path, **kw)
+
+
+# --------------------------------------------------------------------------
+# Reading.
+
+
+def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
+    path = _write_jsonl(tmp_path / "p.jsonl", _rows(), {3: '{"prompt": "x", "answer": '})
+    spec = _spec(path)
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+        train = user_file.load_split(spec, "train")
+        test = user_file.load_split(spec, "test")
+    assert len(train) + len(test) == 20 and len(test) == 2  # round(0.1 * 20)
+    bad = [r.getMessage() for r in caplog.records if "skipping bad row" in r.getMessage()]
+    assert len(bad) == 1, bad  # reported once, though both splits were read
+    assert f"{path}: row 4: invalid JSON" in bad[0]
+    assert [ex.index for ex in train] == list(range(len(train)))
+    ex = train[0]
+    assert ex.task == "file" and ex.meta["verifier"] == "numeric" and ex.reference is None
+    assert rewards.verify("file", f"<answer>{ex.meta['answer']}</answer>", ex.meta).correct
+
+
+def test_jsonl_bad_row_refuse_names_file_and_row(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", _rows(), {5: '{"prompt": "", "answer": 3}'})
+    with pytest.raises(ValueError, match=r"p\.jsonl: row 6: column 'prompt' is empty"):
+        user_file.load_split(_spec(path, bad_rows="refuse"), "train")
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        ('{"prompt": "What?"}', "missing column 'answer'"),
+        ('{"prompt": 3, "answer": 1}', "column 'prompt' must be a string"),
+        ('{"prompt": "What?", "answer": [1]}', "must be a string or a number"),
+        ('{"prompt": "What?", "answer": "seven"}', "not a plain number"),
+        ("[1, 2]", "not a JSON object"),
+        ("{oops", "invalid JSON"),
+    ],
+)
+def test_each_kind_of_bad_row(tmp_path, raw, why):
+    path = _write_jsonl(tmp_path / "p.jsonl", _rows(4), {1: raw})
+    with pytest.raises(ValueError, match=r"row 2: ") as e:
+        user_file.load_split(_spec(path, bad_rows="refuse", test_fraction=0.25), "train")
+    assert why in str(e.value)
+
+
+def test_bom_blank_lines_and_line_numbers(tmp_path):
+    path = tmp_path / "p.jsonl"
+    body = "\n".join(json.dumps(r) for r in _rows(3))
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n" + body.encode() + b"\n\n" + b'{"prompt": 1}\n')
+    with pytest.raises(ValueError, match=r"row 6: column 'prompt' must be a string"):
+        user_file.load_split(_spec(str(path), bad_rows="refuse", test_fraction=0.3), "train")
+
+
+def test_test_file_split_and_prompt_source_order(tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl", _rows(10))
+    test = _write_jsonl(tmp_path / "test.jsonl", _rows(3))
+    spec = _spec(train, test_file=test, test_fraction=0.0)
+    src = PromptSource("file", "train", data_dir=str(tmp_path), seed=3, file_task=spec)
+    ev = PromptSource("file", "test", data_dir=str(tmp_path), shuffle=False, file_task=spec)
+    assert len(src) == 10 and len(ev) == 3
+    order = np.random.RandomState([3, 1]).permutation(10)
+    assert [ex.index for ex in src.batch(12, 4)] == order[2:6].tolist()  # epoch 1
+    assert [ex.prompt for ex in ev.first(5)] == [r["prompt"] for r in _rows(3)]
+    with pytest.raises(ValueError, match="file_task"):
+        PromptSource("file", "train", data_dir=str(tmp_path))
+
+
+def test_unknown_extension_and_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        user_file.load_split(_spec(str(tmp_path / "nope.jsonl")), "train")
+    (tmp_path / "p.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match=r"\.jsonl"):
+        user_file.load_split(_spec(str(tmp_path / "p.csv")), "train")
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [
+        {"q": f"What is {i}*2?", "a": str(2 * i), "sol": f"<answer>{2 * i}</answer>"}
+        for i in range(1, 11)
+    ]
+    rows[4] = {"q": "", "a": "1", "sol": "x"}  # bad: empty prompt
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    spec = _spec(
+        str(tmp_path / "p.parquet"),
+        prompt_column="q",
+        answer_column="a",
+        solution_column="sol",
+        test_fraction=0.2,
+    )
+    exs = user_file.load_split(spec, "train") + user_file.load_split(spec, "test")
+    assert len(exs) == 9 and all(ex.reference.startswith("<answer>") for ex in exs)
+    with pytest.raises(ValueError, match=r"p\.parquet: row 5: column 'q' is empty"):
+        user_file.load_split(
+            _spec(spec.file, prompt_column="q", answer_column="a", bad_rows="refuse"), "train"
+        )
+
+
+# --------------------------------------------------------------------------
+# Verifiers by name.
+
+
+def _file(text, answer, verifier, **meta):
+    return rewards.verify("file", text, {"verifier": verifier, "answer": answer, **meta})
+
+
+def test_numeric_and_countdown_by_name():
+    assert _file("<answer>72</answer>", "72", "numeric").correct
+    assert _file("<answer>73</answer>", "72", "numeric").status == Status.WRONG_ANSWER
+    v = _file("<answer>(3+5)*2</answer>", "16", "countdown", numbers=(3, 5, 2), target=16)
+    assert v == rewards.verify_countdown("<answer>(3+5)*2</answer>", (3, 5, 2), 16)
+    assert v.correct
+
+
+def test_exact_match():
+    assert _file("<answer>  Paris\n</answer>", "Paris", "exact_match").correct
+    assert _file("the  capital is\tParis", "the capital is Paris", "exact_match").correct
+    v = _file("<answer>paris</answer>", "Paris", "exact_match")
+    assert (v.correct, v.formatted, v.status) == (False, True, Status.WRONG_ANSWER)
+    assert _file("<answer> </answer>", "Paris", "exact_match").status == Status.NO_ANSWER
+
+
+@pytest.mark.parametrize(
+    "got, ref",
+    [
+        (r"\frac{1}{2}", "1/2"),
+        (r"\frac{1}{2}", "0.5"),
+        ("1/2", "0.5"),
+        (r"\dfrac{1}{2}", r"\frac12"),
+        ("1,000", "1000"),
+        ("3.0", "3"),
+        (r"\left( 2 \right)", "(2)"),
+        (r"$\frac{\sqrt{3}}{2}$", r"\tfrac{\sqrt{3}}{2}"),
+        (r"1\!000", "1000"),
+        (r"-\frac{3}{4}", "-0.75"),
+        ("x^{2}+1", "x^2 + 1"),
+        ("12", r"\boxed{12}"),
+    ],
+)
+def test_boxed_math_equivalences(got, ref):
+    assert _file(f"So the answer is \\boxed{{{got}}}.", ref, "boxed_math").correct
+    assert rewards.verify_boxed_math(f"\\boxed{{{ref}}}", got).correct  # symmetric
+
+
+def test_boxed_math_failures():
+    assert _file(r"\boxed{3}", "4", "boxed_math").status == Status.WRONG_ANSWER
+    assert _file(r"\boxed{1/3}", "0.33", "boxed_math").status == Status.WRONG_ANSWER
+    assert _file("no box", "4", "boxed_math").status == Status.NO_ANSWER
+    assert _file(r"\boxed{4", "4", "boxed_math").status == Status.PARSE_ERROR
+    assert _file(r"\boxed{1/0}", "1/0", "boxed_math").correct  # same string; no division
+    assert _file("<answer>4</answer>", "4", "boxed_math").correct  # no box: the answer tag
+    assert _file(r"\boxed{2} then \boxed{4}", "4", "boxed_math").correct  # the last box
+
+
+def test_score_counts_every_status_including_reward_fn_error():
+    _, _, counts = rewards.score("file", ["x"], [{"verifier": "numeric", "answer": "1"}])
+    assert set(counts) == {s.value for s in Status} and "reward_fn_error" in counts
+
+
+# --------------------------------------------------------------------------
+# Plug-in reward functions by import path.
+
+PLUGIN = """
+import math
+
+calls = []
+
+def partial(response, reference, row):
+    calls.append(row)
+    return 1.0 if reference in response else 0.25
+
+def boom(response, reference, row):
+    raise RuntimeError("bug in the user's reward")
+
+def nan(response, reference, row):
+    return math.nan
+
+def text(response, reference, row):
+    return "1"
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    (tmp_path / "my_reward_mod.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_reward_mod"
+    sys.modules.pop("my_reward_mod", None)
+    for key in [k for k in rewards._REWARD_FNS if k.startswith("my_reward_mod:")]:
+        del rewards._REWARD_FNS[key]
+
+
+def test_plugin_reward(plugin, tmp_path):
+    metas = [{"verifier": f"{plugin}:partial", "answer": "42", "row": {"id": 7}}] * 2
+    r, comp, counts = rewards.score("file", ["<answer>42</answer>", "41"], metas, format_weight=0.5)
+    np.testing.assert_allclose(r, [1.5, 0.25])
+    np.testing.assert_allclose(comp["correct"], [1.0, 0.25])
+    assert counts["correct"] == 2 and counts["reward_fn_error"] == 0
+    assert sys.modules[plugin].calls == [{"id": 7}, {"id": 7}]
+    # Through a file: the row is passed whole; any answer is accepted.
+    path = _write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "Say hi", "answer": "hi", "id": i} for i in range(5)]
+    )
+    ex = user_file.load_split(_spec(path, verifier=f"{plugin}:partial"), "train")[0]
+    assert rewards.verify("file", "hi there", ex.meta).reward == 1.0
+    assert sys.modules[plugin].calls[-1]["prompt"] == "Say hi"
+
+
+@pytest.mark.parametrize("fn", ["boom", "nan", "text"])
+def test_plugin_failure_is_counted_not_raised(plugin, fn, caplog):
+    metas = [{"verifier": f"{plugin}:{fn}", "answer": "1", "row": {}}]
+    with caplog.at_level(logging.ERROR, logger="gspo_jax.rewards"):
+        r, comp, counts = rewards.score("file", ["<answer>1</answer>"], metas)
+    assert r.tolist() == [0.0] and counts["reward_fn_error"] == 1
+    assert any(fn in rec.getMessage() for rec in caplog.records)
+
+
+def test_plugin_load_errors():
+    with pytest.raises(ValueError, match="module:function"):
+        rewards.load_reward_fn("no_colon")
+    with pytest.raises(ValueError, match="cannot import"):
+        rewards.load_reward_fn("surely_not_a_module_xyz:f")
+    with pytest.raises(ValueError, match="no function"):
+        rewards.load_reward_fn("math:not_there")
+
+
+# --------------------------------------------------------------------------
+# Chat-format prompts.
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _hf_dir(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["You are terse. What is 2+2?"], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return gtok.HFTokenizer.from_dir(path)
+
+
+def test_messages_column(tmp_path):
+    from gspo_jax.train import encode_prompt
+
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    rows = [{"chat": msgs, "answer": 4}] * 4 + [{"chat": [{"role": "user"}], "answer": 4}]
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(ValueError, match=r"row 5: column 'chat': message 0"):
+        user_file.load_split(_spec(path, messages_column="chat", bad_rows="refuse"), "train")
+    ex = user_file.load_split(_spec(path, messages_column="chat", test_fraction=0.25), "train")[0]
+    assert ex.prompt == "You are terse.\nWhat is 2+2?" and len(ex.messages) == 2
+    char = gtok.CharTokenizer()
+    assert encode_prompt(char, ex.prompt, ex.messages) == [char.bos_id] + char.encode(ex.prompt)
+    (tmp_path / "tok").mkdir()
+    hf = _hf_dir(tmp_path / "tok")
+    want = (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert encode_prompt(hf, ex.prompt, ex.messages) == hf.encode(want)
+
+
+# --------------------------------------------------------------------------
+# End to end: the entry point on a user's file with one bad row.
+
+
+@pytest.mark.slow
+def test_train_on_a_users_file(tmp_path):
+    rng = random.Random(0)
+    rows = []
+    for _ in range(40):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"prompt": f"What is {a}+{b}?\n", "answer": a + b})
+    path = _write_jsonl(tmp_path / "mine.jsonl", rows, {7: '{"prompt": "What is 1+1?"}'})
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_jax.train",
+        "--config=configs/file_task.py:smoke",
+        f"--config.task.file={path}",
+        "--config.task.verifier=numeric",
+        f"--config.task.data_dir={tmp_path / 'data'}",
+        f"--workdir={tmp_path / 'run'}",
+    ]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{path}: row 8: missing column 'answer'" in out.stderr
+    assert out.stderr.count("row 8:") == 1  # reported once
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rl = [r for r in records if r.get("phase") == "rl"]
+    assert rl and not [r for r in records if r.get("phase") == "sft"]
+    assert any("eval_reward_mean" in r for r in rl)
+    assert any("eval/pass@1" in r for r in rl)
