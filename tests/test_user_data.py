@@ -36,6 +36,11 @@ def _spec(path, **kw):
     return user_file.FileTask(file=path, **kw)
 
 
+def _load(tmp_path, spec, split):
+    """The examples of ``split``, prepared under ``tmp_path / "data"``."""
+    return user_file.load_split(spec, split, tmp_path / "data")
+
+
 # --------------------------------------------------------------------------
 # Reading.
 
@@ -44,8 +49,8 @@ def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(), {3: '{"prompt": "x", "answer": '})
     spec = _spec(path)
     with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
-        train = user_file.load_split(spec, "train")
-        test = user_file.load_split(spec, "test")
+        train = _load(tmp_path, spec, "train")
+        test = _load(tmp_path, spec, "test")
     assert len(train) + len(test) == 20 and len(test) == 2  # round(0.1 * 20)
     bad = [r.getMessage() for r in caplog.records if "skipping bad row" in r.getMessage()]
     assert len(bad) == 1, bad  # reported once, though both splits were read
@@ -59,7 +64,7 @@ def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
 def test_jsonl_bad_row_refuse_names_file_and_row(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(), {5: '{"prompt": "", "answer": 3}'})
     with pytest.raises(ValueError, match=r"p\.jsonl: row 6: column 'prompt' is empty"):
-        user_file.load_split(_spec(path, bad_rows="refuse"), "train")
+        _load(tmp_path, _spec(path, bad_rows="refuse"), "train")
 
 
 @pytest.mark.parametrize(
@@ -76,7 +81,7 @@ def test_jsonl_bad_row_refuse_names_file_and_row(tmp_path):
 def test_each_kind_of_bad_row(tmp_path, raw, why):
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(4), {1: raw})
     with pytest.raises(ValueError, match=r"row 2: ") as e:
-        user_file.load_split(_spec(path, bad_rows="refuse", test_fraction=0.25), "train")
+        _load(tmp_path, _spec(path, bad_rows="refuse", test_fraction=0.25), "train")
     assert why in str(e.value)
 
 
@@ -85,7 +90,7 @@ def test_bom_blank_lines_and_line_numbers(tmp_path):
     body = "\n".join(json.dumps(r) for r in _rows(3))
     path.write_bytes(b"\xef\xbb\xbf" + b"\n" + body.encode() + b"\n\n" + b'{"prompt": 1}\n')
     with pytest.raises(ValueError, match=r"row 6: column 'prompt' must be a string"):
-        user_file.load_split(_spec(str(path), bad_rows="refuse", test_fraction=0.3), "train")
+        _load(tmp_path, _spec(str(path), bad_rows="refuse", test_fraction=0.3), "train")
 
 
 def test_test_file_split_and_prompt_source_order(tmp_path):
@@ -102,12 +107,31 @@ def test_test_file_split_and_prompt_source_order(tmp_path):
         PromptSource("file", "train", data_dir=str(tmp_path))
 
 
+def test_prepared_dataset_is_reused_until_the_file_or_a_setting_changes(tmp_path, monkeypatch):
+    path = _write_jsonl(tmp_path / "p.jsonl", _rows(10))
+    calls = []
+    splits = user_file._splits
+    monkeypatch.setattr(user_file, "_splits", lambda spec: calls.append(spec) or splits(spec))
+    first = user_file.prepare(_spec(path), tmp_path / "data")
+    again = user_file.prepare(_spec(path), tmp_path / "data")
+    assert len(calls) == 1 and again.data_dir == first.data_dir  # reused, not regenerated
+    assert len(_load(tmp_path, _spec(path), "train")) == 9
+    assert len(calls) == 1
+    _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"New {i}?", "answer": i} for i in range(10)])
+    edited = user_file.prepare(_spec(path), tmp_path / "data")
+    assert len(calls) == 2 and edited.data_dir != first.data_dir
+    train = _load(tmp_path, _spec(path), "train") + _load(tmp_path, _spec(path), "test")
+    assert sorted(ex.prompt for ex in train) == sorted(f"New {i}?" for i in range(10))
+    user_file.prepare(_spec(path, verifier="exact_match"), tmp_path / "data")
+    assert len(calls) == 3  # a changed setting prepares a new dataset too
+
+
 def test_unknown_extension_and_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
-        user_file.load_split(_spec(str(tmp_path / "nope.jsonl")), "train")
+        _load(tmp_path, _spec(str(tmp_path / "nope.jsonl")), "train")
     (tmp_path / "p.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match=r"\.jsonl"):
-        user_file.load_split(_spec(str(tmp_path / "p.csv")), "train")
+        _load(tmp_path, _spec(str(tmp_path / "p.csv")), "train")
 
 
 def test_parquet(tmp_path):
@@ -126,11 +150,13 @@ def test_parquet(tmp_path):
         solution_column="sol",
         test_fraction=0.2,
     )
-    exs = user_file.load_split(spec, "train") + user_file.load_split(spec, "test")
+    exs = _load(tmp_path, spec, "train") + _load(tmp_path, spec, "test")
     assert len(exs) == 9 and all(ex.reference.startswith("<answer>") for ex in exs)
     with pytest.raises(ValueError, match=r"p\.parquet: row 5: column 'q' is empty"):
-        user_file.load_split(
-            _spec(spec.file, prompt_column="q", answer_column="a", bad_rows="refuse"), "train"
+        _load(
+            tmp_path,
+            _spec(spec.file, prompt_column="q", answer_column="a", bad_rows="refuse"),
+            "train",
         )
 
 
@@ -239,7 +265,7 @@ def test_plugin_reward(plugin, tmp_path):
     path = _write_jsonl(
         tmp_path / "p.jsonl", [{"prompt": "Say hi", "answer": "hi", "id": i} for i in range(5)]
     )
-    ex = user_file.load_split(_spec(path, verifier=f"{plugin}:partial"), "train")[0]
+    ex = _load(tmp_path, _spec(path, verifier=f"{plugin}:partial"), "train")[0]
     assert rewards.verify("file", "hi there", ex.meta).reward == 1.0
     assert sys.modules[plugin].calls[-1]["prompt"] == "Say hi"
 
@@ -306,8 +332,8 @@ def test_messages_column(tmp_path):
     rows = [{"chat": msgs, "answer": 4}] * 4 + [{"chat": [{"role": "user"}], "answer": 4}]
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(ValueError, match=r"row 5: column 'chat': message 0"):
-        user_file.load_split(_spec(path, messages_column="chat", bad_rows="refuse"), "train")
-    ex = user_file.load_split(_spec(path, messages_column="chat", test_fraction=0.25), "train")[0]
+        _load(tmp_path, _spec(path, messages_column="chat", bad_rows="refuse"), "train")
+    ex = _load(tmp_path, _spec(path, messages_column="chat", test_fraction=0.25), "train")[0]
     assert ex.prompt == "You are terse.\nWhat is 2+2?" and len(ex.messages) == 2
     char = gtok.CharTokenizer()
     assert encode_prompt(char, ex.prompt, ex.messages) == [char.bos_id] + char.encode(ex.prompt)

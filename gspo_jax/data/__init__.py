@@ -6,7 +6,7 @@
 * :mod:`~gspo_jax.data.gsm8k`: TFDS's own ``gsm8k`` builder, from the network
   or from supplied files.
 * :mod:`~gspo_jax.data.user_file`: task "file", a user's prompts and answers from a
-  JSONL or Parquet file, checked row by row when loaded.
+  JSONL or Parquet file, checked row by row and prepared as a TFDS dataset.
 * :mod:`~gspo_jax.data.prompts`: prompt text and the ``<answer>`` format.
 * :mod:`~gspo_jax.data.source`: :class:`PromptSource` (batches as a pure
   function of the data position).

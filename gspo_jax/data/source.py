@@ -72,6 +72,8 @@ def to_example(task: str, record: dict[str, Any], index: int, style: str) -> pro
             prompts.gsm8k_reference(_text(record["annotation"]), answer),
             index,
         )
+    if task == "file":
+        return user_file.from_record(record, index)
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
@@ -80,9 +82,10 @@ class PromptSource:
 
     Args:
       task: "countdown", "arithmetic", "gsm8k" or "file" (a user's JSONL/Parquet
-        file, :mod:`~gspo_jax.data.user_file`, read into memory; ``file_task``).
+        file, :mod:`~gspo_jax.data.user_file`; ``file_task``).
       split: "train" or "test" (GSM8K also "train_socratic", "test_socratic").
-      data_dir: TFDS data dir; synthetic tasks are generated there on first use.
+      data_dir: TFDS data dir; synthetic tasks and a user's file are prepared there on
+        first use.
       config: synthetic difficulty: a config name (``"easy"``, ``"digits3"``
         ...) or a ``CountdownConfig.make(...)`` / ``ArithmeticConfig.make(...)``.
       style: prompt style, "compact" or "instruct".
@@ -90,7 +93,7 @@ class PromptSource:
       shuffle: False keeps the stored order in every epoch (for evaluation).
       gsm8k_files: folder with the GSM8K jsonl files when there is no network.
       file_task: the :class:`~gspo_jax.data.user_file.FileTask` of task "file"
-        (``data_dir``, ``config`` and ``style`` are then unused).
+        (``config`` and ``style`` are then unused).
     """
 
     def __init__(
@@ -111,14 +114,8 @@ class PromptSource:
         if (task == "file") != (file_task is not None):
             raise ValueError(f"file_task is for task 'file' (and needed there), got task {task!r}")
         if task == "file":
-            self.task, self.split, self.style = task, split, style
-            self.seed, self.shuffle = int(seed), bool(shuffle)
-            self.config_name = None
-            self._ds = user_file.load_split(file_task, split)
-            self._size = len(self._ds)
-            self._order_cache = None
-            return
-        if task == "gsm8k":
+            builder = user_file.prepare(file_task, data_dir)
+        elif task == "gsm8k":
             if config is not None:
                 raise ValueError(f"gsm8k has no configs, got config={config!r}")
             builder = gsm8k_lib.prepare_gsm8k(data_dir, files_dir=gsm8k_files)
@@ -145,8 +142,6 @@ class PromptSource:
         """Example ``index`` of the split, in stored order."""
         if not 0 <= index < self._size:
             raise ValueError(f"index must be in [0, {self._size}), got {index}")
-        if self.task == "file":
-            return self._ds[int(index)]
         return to_example(self.task, self._ds[int(index)], int(index), self.style)
 
     def order(self, epoch: int) -> np.ndarray:

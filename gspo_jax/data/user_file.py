@@ -24,22 +24,29 @@ A row is bad when it is not a JSON object (or not valid JSON or UTF-8), lacks a
 column, holds the wrong type, has an empty prompt, or holds a reference the verifier
 cannot read (``numeric`` needs a plain number). With ``bad_rows="skip"`` each bad row
 is logged once, as ``<file>: row <n>: <what is wrong>``, and left out; with
-``"refuse"`` the first raises ValueError with that message. All rows are checked when
-the file is loaded, so no bad row reaches a running training loop.
+``"refuse"`` the first raises ValueError with that message. All rows are checked before
+the dataset is prepared, so no bad row reaches a running training loop.
 
 Splits: with ``test_file`` set, it is the test split and ``file`` the train split;
 otherwise a held-out ``test_fraction`` of the valid rows of ``file`` (``round(fraction
 * n)``, at least 1, chosen by a fixed seeded permutation that does not depend on
 ``config.seed``, so the test set is the same for every run on the file) is the test
-split, the rest the train split. Both keep file order. Batches come from
-:class:`~gspo_jax.data.PromptSource` with the same position -> example rule as every
-other task.
+split, the rest the train split. Both keep file order.
+
+Preparation: like the other tasks, the checked rows are prepared as a TFDS dataset
+(:class:`GspoUserFile`, array_record) under ``task.data_dir``, with a config named
+after a hash of the file contents and every ``FileTask`` setting: an unchanged file
+and settings reuse the prepared dataset (the file is then only hashed, not checked
+again, and its bad rows not reported again); a changed file or setting prepares a new
+one. Batches come from :class:`~gspo_jax.data.PromptSource` with the same position ->
+example rule as every other task. The whole row is kept as JSON for plug-in reward
+functions (a Parquet value JSON cannot hold, such as a date, as its ``str``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import hashlib
 import json
 import logging
 import math
@@ -47,6 +54,7 @@ import os
 from typing import Any
 
 import numpy as np
+import tensorflow_datasets as tfds
 
 from gspo_jax import rewards
 from gspo_jax.data import prompts
@@ -112,13 +120,8 @@ def _read_parquet(path: str) -> list[tuple[int, Any]]:
 
 def read_rows(path: str) -> list[tuple[int, Any]]:
     """(row number, row or error string) of each row of a .jsonl or .parquet file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file: {path!r}")
-    if path.endswith(".jsonl"):
-        return _read_jsonl(path)
-    if path.endswith(".parquet"):
-        return _read_parquet(path)
-    raise ValueError(f"{path!r}: the file must end in one of {EXTENSIONS}")
+    _check_path(path)
+    return _read_jsonl(path) if path.endswith(".jsonl") else _read_parquet(path)
 
 
 def _column(row: dict, name: str) -> Any:
@@ -208,13 +211,8 @@ def _examples(path: str, spec: FileTask) -> list[prompts.Example]:
     return out
 
 
-def _reindex(examples: list[prompts.Example]) -> list[prompts.Example]:
-    return [dataclasses.replace(ex, index=i) for i, ex in enumerate(examples)]
-
-
-@functools.lru_cache(maxsize=4)
-def _load(spec: FileTask, stamp: tuple) -> dict[str, list[prompts.Example]]:
-    del stamp  # part of the cache key only: a changed file is read again
+def _splits(spec: FileTask) -> dict[str, list[prompts.Example]]:
+    """The train and test examples, every row checked (bad ones reported) first."""
     train = _examples(spec.file, spec)
     if spec.test_file:
         return {"train": train, "test": _examples(spec.test_file, spec)}
@@ -228,25 +226,97 @@ def _load(spec: FileTask, stamp: tuple) -> dict[str, list[prompts.Example]]:
     held = np.zeros(n, bool)
     held[np.random.RandomState(0).permutation(n)[:k]] = True
     return {
-        "train": _reindex([ex for ex, h in zip(train, held) if not h]),
-        "test": _reindex([ex for ex, h in zip(train, held) if h]),
+        "train": [ex for ex, h in zip(train, held) if not h],
+        "test": [ex for ex, h in zip(train, held) if h],
     }
 
 
-def _stamp(path: str) -> tuple:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (path,)
-    return (path, st.st_mtime_ns, st.st_size)
+def _check_path(path: str) -> str:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path!r}")
+    if not path.endswith(EXTENSIONS):
+        raise ValueError(f"{path!r}: the file must end in one of {EXTENSIONS}")
+    return path
 
 
-def load_split(spec: FileTask, split: str) -> list[prompts.Example]:
-    """The examples of ``split`` ("train" or "test"); each file is read (and its bad
-    rows reported) once per process while it is unchanged."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test' for task 'file', got {split!r}")
+def config_name(spec: FileTask) -> str:
+    """The TFDS config name of ``spec``: a hash of the file contents and every setting,
+    so a changed file or setting prepares a new dataset instead of reusing a stale one."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
+    for path in filter(None, (spec.file, spec.test_file)):
+        with open(_check_path(path), "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    return "sha256_" + h.hexdigest()[:24]
+
+
+class GspoUserFile(tfds.core.GeneratorBasedBuilder):
+    """TFDS builder of a user's checked rows (one config per file contents and settings).
+
+    Features: ``prompt``; ``messages`` (JSON list, or "" without a messages column);
+    ``solution`` ("" without a solution column); ``meta`` (the verifier's metadata as
+    JSON, with the whole row for plug-in reward functions).
+    """
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+    def __init__(self, *, spec: FileTask, data_dir: str):
+        self.rows: dict[str, list[prompts.Example]] = {}  # set by prepare()
+        config = tfds.core.BuilderConfig(name=config_name(spec), description=spec.file)
+        super().__init__(data_dir=data_dir, config=config)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        text = tfds.features.Text()
+        return self.dataset_info_from_configs(
+            features=tfds.features.FeaturesDict(
+                {"prompt": text, "messages": text, "solution": text, "meta": text}
+            ),
+            supervised_keys=None,
+            disable_shuffling=True,  # File order.
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # The rows were read and checked before preparation.
+        return {split: self._generate_examples(exs) for split, exs in self.rows.items()}
+
+    def _generate_examples(self, examples):
+        for i, ex in enumerate(examples):
+            yield (
+                i,
+                {
+                    "prompt": ex.prompt,
+                    "messages": json.dumps(ex.messages) if ex.messages else "",
+                    "solution": ex.reference or "",
+                    "meta": json.dumps(ex.meta, default=str),
+                },
+            )
+
+
+def prepare(spec: FileTask, data_dir: os.PathLike | str) -> GspoUserFile:
+    """The prepared builder of ``spec`` under ``data_dir``; the files are read, their
+    rows checked and bad rows reported only when that dataset is not prepared yet."""
     if spec.bad_rows not in BAD_ROWS:
         raise ValueError(f"bad_rows must be one of {BAD_ROWS}, got {spec.bad_rows!r}")
-    stamp = (_stamp(spec.file), _stamp(spec.test_file) if spec.test_file else None)
-    return _load(spec, stamp)[split]
+    builder = GspoUserFile(spec=spec, data_dir=os.fspath(data_dir))
+    if not builder.is_prepared():
+        builder.rows = _splits(spec)
+        builder.download_and_prepare(file_format="array_record")
+    return builder
+
+
+def from_record(record: dict[str, Any], index: int) -> prompts.Example:
+    """A decoded TFDS record of :class:`GspoUserFile` as an Example."""
+    text = {k: v.decode("utf-8") if isinstance(v, bytes) else str(v) for k, v in record.items()}
+    meta = json.loads(text["meta"])
+    if "numbers" in meta:
+        meta["numbers"] = tuple(meta["numbers"])
+    messages = tuple(json.loads(text["messages"])) if text["messages"] else None
+    return prompts.Example("file", text["prompt"], meta, text["solution"] or None, index, messages)
+
+
+def load_split(spec: FileTask, split: str, data_dir: os.PathLike | str) -> list[prompts.Example]:
+    """All examples of ``split`` ("train" or "test"), prepared under ``data_dir``."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test' for task 'file', got {split!r}")
+    ds = prepare(spec, data_dir).as_data_source(split)
+    return [from_record(ds[i], i) for i in range(len(ds))]
