@@ -649,7 +649,6 @@ def _check_model_fields(c: ml_collections.ConfigDict) -> None:
 def _check_model(c: ml_collections.ConfigDict, tokenizer_vocab_size: int | None) -> None:
     """An initialised model's fields against each other and the tokenizer, then
     ModelConfig's own checks (every error names config.model.fields.<x>)."""
-    from gspo_jax.models.config import ModelConfig
 
     f = c.model.fields
     experts = int(f.get("num_experts", 0))
@@ -674,16 +673,29 @@ def _check_model(c: ml_collections.ConfigDict, tokenizer_vocab_size: int | None)
             f"{vocab} is smaller than the tokenizer's vocabulary of {tokenizer_vocab_size} "
             "(set it to 0 to take the tokenizer's)",
         )
-    # ModelConfig's own checks, as train.model_config will build it.
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in f.items()}
+    # ModelConfig's own checks, on the config the trainer will build.
+    try:
+        model_config(c, tokenizer_vocab_size or vocab or 1)
+    except (TypeError, ValueError) as e:
+        raise _from_dataclass_error(e, "ModelConfig", "model.fields", dict(f)) from None
+
+
+def model_config(c: ml_collections.ConfigDict, tokenizer_vocab_size: int):
+    """The ModelConfig of an initialised policy: ``model.fields`` with the runtime
+    settings of ``config.model``; vocab_size 0 takes the tokenizer's, and a larger one
+    marks the rows past the tokenizer's as padding (never sampled). Call `validate`
+    first: its errors name the config fields."""
+    from gspo_jax.models.config import ModelConfig  # local: keeps config import light
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in c.model.fields.items()}
     fields.update({k: c.model[k] for k in MODEL_RUNTIME_FIELDS})
-    fields["vocab_size"] = vocab or tokenizer_vocab_size or 1
     if c.advantage == "gae":
         fields["value_head"] = True
-    try:
-        ModelConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise _from_dataclass_error(e, "ModelConfig", "model.fields", fields) from None
+    if not fields.get("vocab_size"):
+        fields["vocab_size"] = tokenizer_vocab_size
+    elif fields["vocab_size"] > tokenizer_vocab_size:
+        fields["num_valid_tokens"] = tokenizer_vocab_size
+    return ModelConfig(**fields)
 
 
 def _from_dataclass_error(e: Exception, name: str, group: str, keys) -> ConfigError:

@@ -100,11 +100,18 @@ def router_shift(
         or not 0.0 < gamma_min <= 1.0
     ):
         raise ValueError(f"router_shift: gamma_min must be in (0, 1] or None, got {gamma_min!r}")
-    shift = router_logp_shift(old_router_logp_at_old_topk, new_router_logp_at_old_topk)
+    gamma = gamma_of_shift(
+        router_logp_shift(old_router_logp_at_old_topk, new_router_logp_at_old_topk)
+    )
+    return gamma if gamma_min is None else jnp.maximum(gamma_min, gamma)
+
+
+def gamma_of_shift(shift: Array) -> Array:
+    """The raw gamma exp(-(1/L) sum_l shift^l), f32[N,T], from `router_logp_shift`'s
+    f32[N,T,L]; 1 for a model with no MoE layer."""
     if shift.shape[2] == 0:
         return jnp.ones(shift.shape[:2], jnp.float32)
-    gamma = jnp.exp(-jnp.mean(shift, axis=2))
-    return gamma if gamma_min is None else jnp.maximum(gamma_min, gamma)
+    return jnp.exp(-jnp.mean(shift, axis=2))
 
 
 def _missing(old_idx: Array, new_idx: Array, mask: Array, fn: str):

@@ -343,7 +343,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         response_slice(aux.router_logits, p, t), batch["old_topk"]
     )
     shift = routing.router_logp_shift(batch["old_router_logp"], new_router_lp)  # [N,T,L]
-    gamma_raw = routing.router_shift(batch["old_router_logp"], new_router_lp, gamma_min=None)
+    gamma_raw = routing.gamma_of_shift(shift)
     gamma = jnp.maximum(cfg.gamma_min, gamma_raw)  # the floored weight the loss uses
     fn = objectives.get(cfg.objective)
     loss, metrics = fn.apply(

@@ -53,7 +53,7 @@ from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
 from gspo_jax.data.user_file import FileTask
 from gspo_jax.metrics_log import MetricsWriter, open_wandb
-from gspo_jax.models import ModelConfig, from_pretrained, init_sharded
+from gspo_jax.models import from_pretrained, init_sharded
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
@@ -93,32 +93,6 @@ def make_tokenizer(c: ml_collections.ConfigDict):
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
     return HFTokenizer.from_dir(path)
-
-
-RUNTIME_FIELDS = ("dtype", "param_dtype", "moe_backend", "scan_layers", "remat_policy")
-
-
-def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    fields = dict(c.model.fields)
-    fields.update({k: c.model[k] for k in RUNTIME_FIELDS})
-    if c.advantage == "gae":
-        fields["value_head"] = True
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise config_lib.ConfigError(f"config.model.fields.{unknown[0]}: not a ModelConfig field")
-    if not fields.get("vocab_size"):
-        fields["vocab_size"] = vocab_size
-    elif fields["vocab_size"] < vocab_size:
-        raise config_lib.ConfigError(
-            f"config.model.fields.vocab_size: {fields['vocab_size']} is smaller than the tokenizer's {vocab_size}"
-        )
-    elif fields["vocab_size"] > vocab_size:  # padding rows: never sampled
-        fields["num_valid_tokens"] = vocab_size
-    for k, v in fields.items():
-        if isinstance(v, list):
-            fields[k] = tuple(v)
-    return ModelConfig(**fields)
 
 
 def encode_prompt(tokenizer, text: str, messages=None) -> list[int]:
@@ -262,12 +236,12 @@ class Trainer:
                 value_head=c.advantage == "gae",
                 # Embedding rows past the tokenizer's vocabulary are padding: never sampled.
                 num_valid_tokens=self.tokenizer.vocab_size,
-                **{k: c.model[k] for k in RUNTIME_FIELDS},
+                **{k: c.model[k] for k in config_lib.MODEL_RUNTIME_FIELDS},
             )
             self.model_cfg = model.cfg
             graphdef, params = nnx.split(model)
         else:
-            self.model_cfg = model_config(c, self.tokenizer.vocab_size)
+            self.model_cfg = config_lib.model_config(c, self.tokenizer.vocab_size)
             model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
             graphdef, params = nnx.split(model)
         non_params = nnx.split(model, nnx.Param, ...)[2]

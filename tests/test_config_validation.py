@@ -386,7 +386,7 @@ def test_char_tokenizer_default_validates():
     c = _smoke()
     tok = train.make_tokenizer(c)
     config_lib.validate(c, 8, tokenizer_vocab_size=tok.vocab_size)
-    assert train.model_config(c, tok.vocab_size).vocab_size == tok.vocab_size
+    assert config_lib.model_config(c, tok.vocab_size).vocab_size == tok.vocab_size
 
 
 # --------------------------------------------------------------------------

@@ -297,7 +297,7 @@ def test_training_log_probs_are_at_the_sampling_temperature(data_dir, tmp_path):
                                           ("updates.max_consecutive_skips", -1)])
 def test_sampling_settings_rl_cannot_train_on_are_refused(field, value):
     c = default_config.get_config("smoke")
-    node, *_ = (c,)
+    node = c
     *path, last = field.split(".")
     for p in path:
         node = node[p]
