@@ -163,6 +163,19 @@ def _summary(e: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def step_dirs(directory: str) -> dict[int, str]:
+    """Step -> directory, for the directories of a phase named like a step that hold
+    anything. Orbax's temporary directories and empty directories are not steps."""
+    if not os.path.isdir(directory):
+        return {}
+    out = {}
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if _STEP_NAME.fullmatch(name) and os.path.isdir(path) and os.listdir(path):
+            out[int(name)] = path
+    return out
+
+
 class PhaseCheckpointer:
     """Save and restore one phase's checkpoints.
 
@@ -203,16 +216,7 @@ class PhaseCheckpointer:
         print(f"checkpoints/{self.phase}: {message}", flush=True)
 
     def _step_dirs(self) -> dict[int, str]:
-        """Step -> directory, for the directories named like a step that hold anything.
-
-        Orbax's temporary directories and empty directories are not steps.
-        """
-        out = {}
-        for name in os.listdir(self.directory):
-            path = os.path.join(self.directory, name)
-            if _STEP_NAME.fullmatch(name) and os.path.isdir(path) and os.listdir(path):
-                out[int(name)] = path
-        return out
+        return step_dirs(self.directory)
 
     def _remove_empty_step_dirs(self) -> None:
         if jax.process_index() != 0:

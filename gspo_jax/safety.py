@@ -86,12 +86,9 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 def has_checkpoints(workdir: str) -> bool:
     """Whether a phase directory under ``<workdir>/checkpoints`` holds a step."""
-    root = os.path.join(workdir, "checkpoints")
-    for phase in ("sft", "rl"):
-        d = os.path.join(root, phase)
-        if os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d)):
-            return True
-    return False
+    from gspo_jax.checkpoint import step_dirs
+
+    return any(step_dirs(os.path.join(workdir, "checkpoints", p)) for p in ("sft", "rl"))
 
 
 def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
