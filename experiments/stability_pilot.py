@@ -1,8 +1,8 @@
 """MoE stability study: every variant of configs/stability.py from one shared warm start.
 
-    PYTHONPATH=. python experiments/stability.py --workdir runs/stab
-    PYTHONPATH=. python experiments/stability.py --workdir runs/stab --variants grpo,grpo_r3,gspo --steps 20
-    PYTHONPATH=. python experiments/stability.py --workdir /tmp/stab --smoke      # seconds
+    PYTHONPATH=. python experiments/stability_pilot.py --workdir runs/stab
+    PYTHONPATH=. python experiments/stability_pilot.py --workdir runs/stab --variants grpo,grpo_r3,gspo --steps 20
+    PYTHONPATH=. python experiments/stability_pilot.py --workdir /tmp/stab --smoke      # seconds
 
 1. ``<workdir>/warm_start``: the supervised warm start alone (RL steps = 0).
 2. For each variant, ``<workdir>/<variant>`` starts as a copy of the warm start's
@@ -19,7 +19,7 @@ With ``--seeds 0,1,2`` the whole study runs once per seed (warm start included) 
 held-out reward per seed with their mean and range, and ``<workdir>/seeds.png``
 plots the held-out reward of every seed with the mean over seeds.
 
-    PYTHONPATH=. python experiments/stability.py --workdir runs/stab_seeds --seeds 0,1,2 --lr 1e-3 --minibatches 16
+    PYTHONPATH=. python experiments/stability_pilot.py --workdir runs/stab_seeds --seeds 0,1,2 --lr 1e-3 --minibatches 16
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""experiments/stability.py's bookkeeping: the shared warm start and the summary table."""
+"""experiments/stability_pilot.py's bookkeeping: the shared warm start and the summary table."""
 import json
 import os
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from experiments import stability  # noqa: E402
+from experiments import stability_pilot as stability  # noqa: E402
 
 
 def _write(workdir, records):

@@ -1,0 +1,283 @@
+"""What every stage of the stability study shares (experiments/stability/README.md).
+
+* **Arms** name a policy architecture: ``moe<L>`` is the study's MoE (L layers, every
+  layer MoE, E experts top-K, expert width ``moe_d_ff``); ``dense<L>`` is its dense
+  twin: the same attention, embeddings and depth, and one SwiGLU MLP as wide as the K
+  active experts together (``d_ff = K * moe_d_ff``), so that both spend the same
+  FFN compute per token. ``moe<L>k1`` routes top-1 to experts twice as wide (the same
+  active parameters as top-2).
+* **Warm starts**: one supervised warm start per (arm, seed), shared by every probe and
+  RL run of that arm and seed, in ``<root>/warm/<arm>_s<seed>``.
+* **RL runs** start from a copy of their warm start (`copy_warm_start`) and resume from
+  their own checkpoints when a chunk stops them.
+* **The collapse detector** and the **bootstrap** that give stage 2 and 3 their
+  answers, written before any run (README, "Decision rules") and tested on hand-made
+  curves (tests/test_stability_stages.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(REPO, "experiments", "stability", "results")
+
+# The study's MoE: configs/stability.py's model (d_model 128, 4 heads, 8 experts top-2,
+# expert width 128). Router losses are off in RL for every arm.
+NUM_EXPERTS = 8
+TOP_K = 2
+MOE_D_FF = 128
+
+_ARM = re.compile(r"^(moe|dense)(\d+)(k1)?$")
+
+
+def arm_fields(arm: str, *, smoke: bool = False) -> dict:
+    """ModelConfig fields of an arm name (see the module docstring).
+
+    >>> arm_fields("dense4")["d_ff"], arm_fields("dense4")["num_experts"]
+    (256, 0)
+    """
+    m = _ARM.match(arm)
+    if not m or (m.group(1) == "dense" and m.group(3)):
+        raise ValueError(
+            f"arm {arm!r}: expected moe<layers>, moe<layers>k1 or dense<layers> "
+            "(e.g. moe2, moe8, moe2k1, dense4)"
+        )
+    kind, layers, top1 = m.group(1), int(m.group(2)), bool(m.group(3))
+    if layers < 1:
+        raise ValueError(f"arm {arm!r}: needs at least one layer")
+    e, k, f = (4, 2, 32) if smoke else (NUM_EXPERTS, TOP_K, MOE_D_FF)
+    if kind == "dense":
+        return dict(num_layers=layers, num_experts=0, d_ff=k * f)
+    if top1:  # top-1 over experts twice as wide: the same active FFN width as top-2
+        return dict(num_layers=layers, num_experts=e, top_k=1, moe_d_ff=k * f, d_ff=k * f)
+    return dict(num_layers=layers, num_experts=e, top_k=k, moe_d_ff=f, d_ff=k * f)
+
+
+def is_moe(arm: str) -> bool:
+    return arm.startswith("moe")
+
+
+def base_config(arm: str, seed: int, *, smoke: bool = False, data_dir: str = ""):
+    """configs/stability.py's setting for ``arm`` and ``seed``: the Countdown task, the
+    supervised warm start, router losses off in RL, no progress bar."""
+    from configs import stability as stability_config
+
+    c = stability_config.get_config("smoke" if smoke else None)
+    for key, value in arm_fields(arm, smoke=smoke).items():
+        c.model.fields[key] = value
+    c.seed = int(seed)
+    c.updates.aux_loss_coef = 0.0
+    c.updates.z_loss_coef = 0.0
+    c.progress_bar = False
+    if data_dir:
+        c.task.data_dir = data_dir
+    return c
+
+
+# --------------------------------------------------------------------------
+# Runs on disk.
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path: str, records: Iterable[dict]) -> None:
+    """All of ``records`` to ``path`` at once (written aside, then renamed): a chunk
+    stopped mid-write leaves either the old file or the new one, never half."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def rl_records(workdir: str) -> list[dict]:
+    return [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "rl"]
+
+
+def finished(workdir: str, steps: int) -> bool:
+    """The run logged its held-out evaluation at RL step ``steps``."""
+    return any(r["step"] >= steps and "eval_reward_mean" in r for r in rl_records(workdir))
+
+
+def ensure_warm_start(root: str, arm: str, seed: int, *, smoke: bool = False) -> str:
+    """``<root>/warm/<arm>_s<seed>``: the supervised warm start of that arm and seed
+    (trained here unless already finished), with its held-out evaluation at RL step 0."""
+    from gspo_jax import train
+
+    workdir = os.path.join(root, "warm", f"{arm}_s{seed}")
+    if not finished(workdir, 0):
+        c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"))
+        c.total_rl_steps = 0
+        train.run(c, workdir)
+    return workdir
+
+
+def copy_warm_start(src: str, dst: str) -> None:
+    """The warm start's SFT checkpoints and log, so that ``dst`` resumes after them."""
+    os.makedirs(dst, exist_ok=True)
+    ckpt = os.path.join("checkpoints", "sft")
+    if not os.path.exists(os.path.join(dst, ckpt)):
+        shutil.copytree(os.path.join(src, ckpt), os.path.join(dst, ckpt))
+    log = os.path.join(src, "metrics.jsonl")
+    if not os.path.exists(os.path.join(dst, "metrics.jsonl")):
+        shutil.copy(log, os.path.join(dst, "metrics.jsonl"))
+
+
+class Budget:
+    """A chunk's wall-clock budget: ``expired()`` once ``minutes`` have passed (None:
+    never). Work already started finishes; nothing new starts after it expires."""
+
+    def __init__(self, minutes: float | None):
+        self.deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+# --------------------------------------------------------------------------
+# The collapse detector (README, "Decision rules"; fixed before any run).
+
+
+def moving_average(x: Sequence[float], window: int) -> np.ndarray:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    x = np.asarray(x, np.float64)
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    i = np.arange(1, len(x) + 1)
+    lo = np.maximum(i - window, 0)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def collapse_step(
+    rewards: Sequence[float],
+    *,
+    window: int = 3,
+    frac: float = 0.3,
+    patience: int = 5,
+    min_peak: float = 0.1,
+) -> int | None:
+    """Index (into ``rewards``) where a collapse begins, or None.
+
+    With m_t the trailing ``window``-step mean of the training reward and M_t its
+    running maximum, the run has collapsed at the first t that starts ``patience``
+    consecutive steps with m_t < ``frac`` * M_t, where M_t >= ``min_peak`` (a run
+    that never learned has nothing to collapse from). A dip that recovers within
+    ``patience`` steps is not a collapse; a streak still running at the end of the
+    curve but shorter than ``patience`` is not one either.
+    """
+    if window < 1 or patience < 1 or not 0 < frac < 1:
+        raise ValueError(f"window={window}, patience={patience} must be >= 1; frac={frac} in (0, 1)")
+    x = np.asarray(rewards, np.float64)
+    if x.ndim != 1 or not np.all(np.isfinite(x)):
+        raise ValueError("rewards: expected a finite 1-D sequence")
+    m = moving_average(x, window)
+    peak = np.maximum.accumulate(m) if len(m) else m
+    low = (m < frac * peak) & (peak >= min_peak)
+    run = 0
+    for t, is_low in enumerate(low):
+        run = run + 1 if is_low else 0
+        if run == patience:
+            return t - patience + 1
+    return None
+
+
+# --------------------------------------------------------------------------
+# Intervals.
+
+
+def bootstrap_ci(
+    samples: Sequence[float],
+    statistic: Callable[[np.ndarray], float] = np.mean,
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(statistic, lower, upper): the percentile bootstrap interval at ``level``,
+    resampling ``samples`` with replacement ``n_boot`` times (a fixed ``seed``, so a
+    table is the same every time it is made). One sample gives a zero-width interval."""
+    x = np.asarray(samples, np.float64)
+    if x.ndim != 1 or len(x) == 0:
+        raise ValueError("samples: expected a non-empty 1-D sequence")
+    est = float(statistic(x))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
+    stats = np.array([statistic(x[i]) for i in idx], np.float64)
+    a = (1.0 - level) / 2.0
+    return est, float(np.quantile(stats, a)), float(np.quantile(stats, 1.0 - a))
+
+
+def critical_lr(lrs: Sequence[float], collapse_rate: Sequence[float], threshold: float = 0.5):
+    """The learning rate at which the collapse rate first reaches ``threshold``,
+    interpolated linearly in log(lr) between the two grid points that bracket it.
+
+    ``lrs`` ascending. Returns the smallest lr when the rate is already at the
+    threshold there, ``math.inf`` when it never reaches it on the grid (censored:
+    the critical rate lies above the grid)."""
+    lrs = np.asarray(lrs, np.float64)
+    p = np.asarray(collapse_rate, np.float64)
+    if lrs.shape != p.shape or lrs.ndim != 1 or len(lrs) == 0:
+        raise ValueError("lrs and collapse_rate: expected 1-D sequences of one length")
+    if np.any(np.diff(lrs) <= 0):
+        raise ValueError("lrs: expected strictly ascending learning rates")
+    above = np.nonzero(p >= threshold)[0]
+    if len(above) == 0:
+        return math.inf
+    j = int(above[0])
+    if j == 0:
+        return float(lrs[0])
+    lo, hi = math.log(lrs[j - 1]), math.log(lrs[j])
+    w = (threshold - p[j - 1]) / (p[j] - p[j - 1])
+    return float(math.exp(lo + w * (hi - lo)))
+
+
+def critical_lr_ci(
+    collapsed: dict[float, Sequence[bool]],
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    threshold: float = 0.5,
+) -> tuple[float, float, float]:
+    """(critical lr, lower, upper): `critical_lr` of the observed collapse rates and
+    its percentile bootstrap interval, resampling the seeds at each learning rate
+    independently. ``collapsed`` maps each lr to its runs' collapse flags."""
+    lrs = sorted(collapsed)
+    flags = [np.asarray(collapsed[lr], np.float64) for lr in lrs]
+    if any(len(f) == 0 for f in flags):
+        raise ValueError("collapsed: every learning rate needs at least one run")
+    est = critical_lr(lrs, [f.mean() for f in flags], threshold)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        rates = [f[rng.integers(0, len(f), len(f))].mean() for f in flags]
+        boots.append(critical_lr(lrs, rates, threshold))
+    # Order statistics, not interpolation: a bound may be infinite (censored).
+    boots = np.sort(np.asarray(boots))
+    a = (1.0 - level) / 2.0
+    lo = np.quantile(boots, a, method="lower")
+    hi = np.quantile(boots, 1.0 - a, method="higher")
+    return est, float(lo), float(hi)
+
+
+def fmt_ci(est: float, lo: float, hi: float, spec: str = ".3f") -> str:
+    """``0.412 [0.380, 0.441]``; an infinite bound reads ``> grid``."""
+
+    def one(v):
+        return "> grid" if math.isinf(v) else format(v, spec)
+
+    return f"{one(est)} [{one(lo)}, {one(hi)}]"
