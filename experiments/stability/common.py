@@ -180,7 +180,9 @@ def collapse_step(
     curve but shorter than ``patience`` is not one either.
     """
     if window < 1 or patience < 1 or not 0 < frac < 1:
-        raise ValueError(f"window={window}, patience={patience} must be >= 1; frac={frac} in (0, 1)")
+        raise ValueError(
+            f"window={window}, patience={patience} must be >= 1; frac={frac} in (0, 1)"
+        )
     x = np.asarray(rewards, np.float64)
     if x.ndim != 1 or not np.all(np.isfinite(x)):
         raise ValueError("rewards: expected a finite 1-D sequence")
@@ -281,3 +283,103 @@ def fmt_ci(est: float, lo: float, hi: float, spec: str = ".3f") -> str:
         return "> grid" if math.isinf(v) else format(v, spec)
 
     return f"{one(est)} [{one(lo)}, {one(hi)}]"
+
+
+# --------------------------------------------------------------------------
+# RL runs from a warm start, and their compact summaries.
+
+
+def apply_overrides(c, overrides: dict) -> None:
+    """``overrides`` on config ``c``: ``"objective"`` -> (name, hparams) through
+    `config.set_objective`; every other key a dotted config path (``"optimizer.lr"``).
+    An unknown path raises KeyError naming it."""
+    from gspo_jax import config as config_lib
+
+    for key, value in overrides.items():
+        if key == "objective":
+            name, hparams = value
+            config_lib.set_objective(c, name, dict(hparams))
+            continue
+        *groups, leaf = key.split(".")
+        node = c
+        for g in groups:
+            node = node[g]
+        if leaf not in node:
+            raise KeyError(f"override {key!r}: the config has no such field")
+        node[leaf] = value
+
+
+def run_rl(
+    root: str,
+    stage: str,
+    name: str,
+    arm: str,
+    seed: int,
+    overrides: dict,
+    steps: int,
+    *,
+    smoke: bool = False,
+) -> str:
+    """``<root>/<stage>/<name>``: ``steps`` RL steps of ``arm`` from its warm start for
+    ``seed`` under ``overrides``; resumed from its own checkpoints when a previous
+    chunk stopped it, skipped when finished. Returns the workdir."""
+    from gspo_jax import train
+
+    workdir = os.path.join(root, stage, name)
+    if finished(workdir, steps):
+        return workdir
+    warm = ensure_warm_start(root, arm, seed, smoke=smoke)
+    copy_warm_start(warm, workdir)
+    c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"))
+    apply_overrides(c, overrides)
+    c.total_rl_steps = int(steps)
+    train.run(c, workdir)
+    return workdir
+
+
+# Per-step series kept in a run's summary: what the figures and the precursors need.
+SERIES = (
+    "reward_mean",
+    "reward_correct",
+    "eval_reward_mean",
+    "eval_greedy_reward",
+    "entropy",
+    "grad_norm",
+    "clip_frac",
+    "ppo_kl_klast",
+    "flip_frac_k1",
+    "flip_frac_klast",
+    "frac_ratio_gt_2_klast",
+    "gamma_raw_mean_klast",
+    "router_shift_raw_klast",
+    "token_flip_rate_klast",
+    "mismatch_kl",
+    "mismatch_f2",
+    "mismatch_route",
+    "no_signal_minibatches",
+    "step_time",
+)
+
+
+def summarize_run(workdir: str, meta: dict, *, collapse_kw: dict | None = None) -> dict:
+    """The compact record of one RL run: ``meta``, the per-step ``SERIES`` (None where
+    a step did not log one), the collapse step of its training reward (the index of
+    the RL step, 1-based, or None) and its final held-out reward (the mean of its last
+    two evaluations)."""
+    recs = sorted((r for r in rl_records(workdir) if r["step"] >= 1), key=lambda r: r["step"])
+    steps = [r["step"] for r in recs]
+    series = {k: [r.get(k) for r in recs] for k in SERIES}
+    series = {k: v for k, v in series.items() if any(x is not None for x in v)}
+    rewards = [r.get("reward_mean") for r in recs]
+    cs = collapse_step(rewards, **(collapse_kw or {})) if rewards else None
+    evals = [r["eval_reward_mean"] for r in recs if "eval_reward_mean" in r]
+    first = [r for r in rl_records(workdir) if r["step"] == 0 and "eval_reward_mean" in r]
+    return dict(
+        meta,
+        steps=steps,
+        series=series,
+        collapsed=cs is not None,
+        collapse_step=None if cs is None else steps[cs],
+        eval_start=first[0]["eval_reward_mean"] if first else None,
+        eval_final=float(np.mean(evals[-2:])) if evals else None,
+    )

@@ -127,16 +127,19 @@ def drift_metrics(
     s = jnp.exp(jnp.sum(m * log_r, axis=1) / jnp.maximum(length, 1.0))  # GSPO's s_i
     lows = jnp.asarray([r[0] for r in gspo_ranges])[:, None]
     highs = jnp.asarray([r[1] for r in gspo_ranges])[:, None]
+    a_seq, s = a_seq[None, :], s[None, :]
     seq_clipped = ((a_seq > 0) & (s > 1 + highs)) | ((a_seq < 0) & (s < 1 - lows))  # [G, N]
+    seq_tokens = seq_clipped * length[None, :]  # the tokens of clipped sequences
     bucket = jnp.sum(length[:, None] > jnp.asarray(edges)[None, :], axis=1)
     onehot = jax.nn.one_hot(bucket, len(edges) + 1) * (length > 0)[:, None]  # [N, B]
     bucket_tokens = length @ onehot  # [B]
-    per_bucket = lambda x: x / jnp.maximum(bucket_tokens, 1.0)  # noqa: E731
+    denom = jnp.maximum(bucket_tokens, 1.0)
+    per_bucket = lambda x: x / denom.reshape((1,) * (x.ndim - 1) + (-1,))  # noqa: E731
     out.update(
         clip_grpo=jnp.sum(grpo_clipped) / n,
         clip_grpo_bucket=per_bucket(jnp.sum(grpo_clipped, axis=1) @ onehot),
-        clip_gspo=jnp.sum(seq_clipped * length, axis=1) / n,
-        clip_gspo_bucket=per_bucket((seq_clipped * length) @ onehot),
+        clip_gspo=jnp.sum(seq_tokens, axis=1) / n,
+        clip_gspo_bucket=per_bucket(seq_tokens @ onehot),
         bucket_tokens=bucket_tokens,
     )
     if moe:
@@ -247,7 +250,9 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 trainer = train.Trainer(c, warm)
                 params0 = trainer.warm_start_params()
                 if params0 is None:
-                    raise RuntimeError(f"{warm}: the warm start's final checkpoint does not restore")
+                    raise RuntimeError(
+                        f"{warm}: the warm start's final checkpoint does not restore"
+                    )
                 phase = train.RLPhase(trainer, params0)
                 if host_batches is None:  # one set of rollouts per warm start, shared
                     host_batches = [
@@ -273,9 +278,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="runs/stability", help="warm starts and data (large)")
     ap.add_argument("--out", default=OUT, help="compact results (committed)")
-    ap.add_argument(
-        "--config", default=os.path.join(os.path.dirname(__file__), "stage1_config.py")
-    )
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "stage1_config.py"))
     ap.add_argument("--only-arms", default="", help="comma-separated subset of config.arms")
     ap.add_argument("--only-seeds", default="", help="comma-separated subset of config.seeds")
     ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")

@@ -1,0 +1,312 @@
+"""The stability study's instruments (experiments/stability/): the collapse detector
+and the intervals on hand-made curves, the dense twin's width, stage 1's drift
+metrics against a NumPy reference, and stages 1 and 2 end to end on their smoke
+settings."""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from experiments.stability import common  # noqa: E402
+
+# --------------------------------------------------------------------------
+# The collapse detector.
+
+
+def test_moving_average_is_trailing():
+    np.testing.assert_allclose(common.moving_average([3, 6, 9, 0], 2), [3, 4.5, 7.5, 4.5])
+    np.testing.assert_allclose(common.moving_average([1, 2, 3], 5), [1, 1.5, 2])
+
+
+def test_a_rising_curve_never_collapses():
+    assert common.collapse_step(np.linspace(0.2, 0.6, 60)) is None
+
+
+def test_a_sustained_drop_collapses_where_it_begins():
+    curve = [0.2, 0.3, 0.4, 0.5, 0.5, 0.5] + [0.0] * 10
+    # Trailing 3-step means: ..., 0.5, 0.333, 0.167, 0.0, ...; peak 0.5, threshold 0.15.
+    # m first drops below 0.15 at index 8 (the third zero) and stays there.
+    assert common.collapse_step(curve) == 8
+
+
+def test_a_dip_that_recovers_within_patience_is_not_a_collapse():
+    curve = [0.5] * 5 + [0.0] * 6 + [0.5] * 10
+    # m < 0.15 at indices 7..10 only: four steps, patience is five.
+    assert common.collapse_step(curve) is None
+    assert common.collapse_step(curve, patience=4) == 7
+
+
+def test_a_streak_cut_off_by_the_end_of_the_run_is_not_a_collapse():
+    assert common.collapse_step([0.5] * 5 + [0.0] * 6) is None
+    assert common.collapse_step([0.5] * 5 + [0.0] * 7) == 7
+
+
+def test_a_run_that_never_learned_has_nothing_to_collapse_from():
+    curve = [0.08, 0.09, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert common.collapse_step(curve) is None
+    assert common.collapse_step(curve, min_peak=0.05) is not None
+
+
+def test_collapse_detector_refuses_bad_input():
+    with pytest.raises(ValueError, match="finite"):
+        common.collapse_step([0.1, float("nan")])
+    with pytest.raises(ValueError, match="frac"):
+        common.collapse_step([0.1], frac=1.5)
+
+
+# --------------------------------------------------------------------------
+# Intervals and the critical learning rate.
+
+
+def test_bootstrap_ci_brackets_the_mean_and_is_reproducible():
+    x = [0.1, 0.4, 0.35, 0.2, 0.5, 0.3]
+    est, lo, hi = common.bootstrap_ci(x)
+    assert est == pytest.approx(np.mean(x))
+    assert min(x) <= lo < est < hi <= max(x)
+    assert common.bootstrap_ci(x) == (est, lo, hi)
+    assert common.bootstrap_ci([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)
+    assert common.bootstrap_ci([0.7]) == (0.7, 0.7, 0.7)
+
+
+def test_bootstrap_ci_covers_the_true_mean_about_as_often_as_it_says():
+    rng = np.random.default_rng(1)
+    hits = 0
+    for i in range(200):
+        x = rng.normal(1.0, 1.0, size=30)
+        _, lo, hi = common.bootstrap_ci(x, n_boot=400, seed=i)
+        hits += lo <= 1.0 <= hi
+    assert 0.88 <= hits / 200 <= 0.99
+
+
+def test_critical_lr_interpolates_in_log_lr():
+    lrs = [1e-4, 1e-3, 1e-2]
+    assert common.critical_lr(lrs, [0, 0, 1]) == pytest.approx(math.sqrt(1e-3 * 1e-2))
+    assert common.critical_lr(lrs, [0, 0.25, 0.75]) == pytest.approx(math.sqrt(1e-3 * 1e-2))
+    assert common.critical_lr(lrs, [0.5, 1, 1]) == 1e-4
+    assert common.critical_lr(lrs, [0, 1 / 3, 1 / 3]) == math.inf
+    # The first crossing counts, not a later one.
+    assert common.critical_lr(lrs, [0, 1, 0]) == pytest.approx(math.sqrt(1e-4 * 1e-3))
+    with pytest.raises(ValueError, match="ascending"):
+        common.critical_lr([1e-3, 1e-4], [0, 1])
+
+
+def test_critical_lr_ci_is_exact_for_unanimous_seeds_and_censored_above_the_grid():
+    est, lo, hi = common.critical_lr_ci({1e-4: [0, 0, 0], 1e-3: [1, 1, 1]})
+    assert est == lo == hi == pytest.approx(math.sqrt(1e-4 * 1e-3))
+    est, lo, hi = common.critical_lr_ci({1e-4: [0, 0, 0], 1e-3: [0, 0, 0]})
+    assert est == lo == hi == math.inf
+    est, lo, hi = common.critical_lr_ci({1e-4: [0, 0, 1], 1e-3: [0, 1, 1], 1e-2: [1, 1, 1]})
+    assert lo <= est <= hi and lo >= 1e-4 and hi <= 1e-2
+    assert "> grid" in common.fmt_ci(1e-3, 1e-4, math.inf, ".3g")
+
+
+# --------------------------------------------------------------------------
+# Arms.
+
+
+def test_the_dense_twin_has_the_moe_active_ffn_width():
+    from gspo_jax.models import ModelConfig
+
+    base = dict(vocab_size=40, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32)
+    for layers in (2, 4, 8):
+        moe = ModelConfig(**base, **common.arm_fields(f"moe{layers}"))
+        dense = ModelConfig(**base, **common.arm_fields(f"dense{layers}"))
+        top1 = ModelConfig(**base, **common.arm_fields(f"moe{layers}k1"))
+        router = layers * moe.num_experts * moe.d_model
+        assert moe.num_moe_layers == layers and dense.num_moe_layers == 0
+        assert moe.num_params(active=True) - router == dense.num_params(active=True)
+        assert top1.num_params(active=True) == moe.num_params(active=True)
+    with pytest.raises(ValueError, match="moe<layers>"):
+        common.arm_fields("dense2k1")
+    with pytest.raises(ValueError, match="arm 'mixture'"):
+        common.arm_fields("mixture")
+
+
+def test_apply_overrides_names_an_unknown_field():
+    c = common.base_config("moe2", 0, smoke=True)
+    common.apply_overrides(c, {"optimizer.lr": 5e-4, "objective": ("grpo", {"eps_high": 0.28})})
+    assert c.optimizer.lr == 5e-4 and c.objective.hparams.eps_high == 0.28
+    with pytest.raises(KeyError, match="optimizer.lrr"):
+        common.apply_overrides(c, {"optimizer.lrr": 1.0})
+
+
+# --------------------------------------------------------------------------
+# Stage 1's drift metrics against NumPy.
+
+
+def _probe_batch(cfg, seed=0, n=6, p=5, t=7):
+    import jax
+    import jax.numpy as jnp
+
+    from gspo_jax import step
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, cfg.vocab_size, (n, p))
+    pmask = np.ones((n, p), np.int32)
+    pmask[0, :2] = 0  # left padding
+    tokens = rng.integers(1, cfg.vocab_size, (n, t))
+    mask = np.ones((n, t), np.int32)
+    mask[1, 4:] = 0
+    mask[2, 1:] = 0
+    batch = {
+        "prompt_tokens": jnp.asarray(prompt * pmask, jnp.int32),
+        "prompt_mask": jnp.asarray(pmask),
+        "tokens": jnp.asarray(tokens * mask, jnp.int32),
+        "mask": jnp.asarray(mask),
+        "advantages": jnp.asarray([1.0, -1.0, 0.5, -0.5, 0.0, 2.0], jnp.float32),
+    }
+    return batch, step, jax
+
+
+def test_drift_metrics_match_numpy():
+    import jax
+    from flax import nnx
+
+    from experiments.stability import stage1_probes
+    from gspo_jax.models import ModelConfig, Transformer
+
+    cfg = ModelConfig.tiny(num_layers=2, first_dense_layers=0, moe_every=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    batch, step, _ = _probe_batch(cfg)
+    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    batch.update(
+        old_logp=old["logp"],
+        old_topk=old["topk_resp"],
+        old_free_topk=old["free_topk_resp"],
+        old_router_logp=old["router_logp"],
+    )
+    old_lp = stage1_probes.full_logprobs(params, batch, graphdef=graphdef, temperature=1.0)
+    ranges = ((3e-4, 4e-4), (0.01, 0.02), (0.3, 0.4))
+    kw = dict(
+        graphdef=graphdef,
+        temperature=1.0,
+        grpo_eps=(0.2, 0.28),
+        gspo_ranges=ranges,
+        edges=(2, 5),
+        moe=True,
+    )
+
+    same = jax.device_get(stage1_probes.drift_metrics(params, batch, old_lp, **kw))
+    for key in ("kl_exact", "f2", "logratio_abs_max", "flip_frac", "router_shift_raw", "clip_grpo"):
+        assert abs(float(same[key])) < 1e-6, key
+    assert np.all(np.asarray(same["clip_gspo"]) == 0)
+
+    # Move every parameter: a policy that differs, measured against the NumPy reference.
+    new = jax.tree.map(
+        lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), params
+    )
+    got = jax.device_get(stage1_probes.drift_metrics(new, batch, old_lp, **kw))
+    new_lp = np.asarray(stage1_probes.full_logprobs(new, batch, graphdef=graphdef, temperature=1.0))
+    o = np.asarray(old_lp, np.float64)
+    m = np.asarray(batch["mask"], np.float64)
+    kl = (np.exp(o) * (o - new_lp)).sum(-1)
+    tok = np.asarray(batch["tokens"])
+    lr = (
+        np.take_along_axis(new_lp, tok[..., None], -1)[..., 0]
+        - np.take_along_axis(o, tok[..., None], -1)[..., 0]
+    )
+    lr = lr * m
+    n = m.sum()
+    assert float(got["kl_exact"]) == pytest.approx((kl * m).sum() / n, rel=1e-4)
+    assert float(got["f2"]) == pytest.approx(((np.abs(lr) > math.log(2)) * m).sum() / n)
+    a = np.broadcast_to(np.asarray(batch["advantages"])[:, None], m.shape)
+    r = np.exp(lr)
+    grpo = (((a > 0) & (r > 1.28)) | ((a < 0) & (r < 0.8))) * m
+    assert float(got["clip_grpo"]) == pytest.approx(grpo.sum() / n)
+    length = m.sum(1)
+    s = np.exp(lr.sum(1) / np.maximum(length, 1))
+    for j, (lo, hi) in enumerate(ranges):
+        clipped = ((a[:, 0] > 0) & (s > 1 + hi)) | ((a[:, 0] < 0) & (s < 1 - lo))
+        assert float(got["clip_gspo"][j]) == pytest.approx((clipped * length).sum() / n)
+    # Buckets: lengths <= 2, 3..5, >= 6; token-weighted within each.
+    bucket = (length[:, None] > np.array([2, 5])[None]).sum(1)
+    for b in range(3):
+        sel = bucket == b
+        np.testing.assert_allclose(got["bucket_tokens"][b], length[sel].sum())
+        if length[sel].sum():
+            assert got["clip_grpo_bucket"][b] == pytest.approx(grpo[sel].sum() / length[sel].sum())
+    # Flips: the free router's top-K against pi_old's, per layer.
+    inputs, _, positions, attn = step.sequence_inputs(batch)
+    _, aux = nnx.merge(graphdef, new)(inputs, positions=positions, attn_mask=attn)
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    free = np.asarray(step.response_slice(aux.free_topk_indices, p, t))
+    old_free = np.asarray(batch["old_free_topk"])
+    for layer in range(2):
+        miss = [
+            len(set(old_free[i, j, layer]) - set(free[i, j, layer]))
+            for i in range(m.shape[0])
+            for j in range(m.shape[1])
+            if m[i, j]
+        ]
+        assert got["flip_frac_layer"][layer] == pytest.approx(sum(miss) / (n * cfg.top_k))
+    assert got["kl_exact"] > 0 and got["flip_frac"] > 0
+
+
+# --------------------------------------------------------------------------
+# Stages 1 and 2 end to end on their smoke settings.
+
+
+@pytest.mark.slow
+def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
+    from experiments.stability import stage1_probes, stage2_frontier
+
+    root, out1, out2 = tmp_path / "root", tmp_path / "s1", tmp_path / "s2"
+    cfg1 = os.path.join(REPO, "experiments", "stability", "stage1_config.py") + ":smoke"
+    stage1_probes.main(["--root", str(root), "--out", str(out1), "--config", cfg1])
+    probes = sorted(os.listdir(out1 / "probes"))
+    assert len(probes) == 4  # moe2 and dense2 x grpo and gspo
+    recs = common.read_jsonl(str(out1 / "probes" / "moe2_grpo_lr0.001_s0.jsonl"))
+    assert [r["k"] for r in recs] == [0, 1, 2]
+    assert "flip_frac_layer" in recs[0] and len(recs[0]["clip_gspo"]) == 18
+    dense = common.read_jsonl(str(out1 / "probes" / "dense2_gspo_lr0.001_s0.jsonl"))
+    assert "flip_frac" not in dense[0]
+    # A second invocation resumes: nothing left to run.
+    assert (
+        stage1_probes.run_all(
+            stage1_probes.load_stage_config(cfg1.split(":")[0], "smoke"),
+            str(root),
+            str(out1),
+            common.Budget(None),
+        )
+        == 0
+    )
+    stage1_probes.main(["--report", "--out", str(out1), "--config", cfg1])
+    for name in ("decisions.md", "clip_table.md", "flips_vs_k.png", "tails_vs_kl.png"):
+        assert (out1 / name).exists(), name
+
+    cfg2 = os.path.join(REPO, "experiments", "stability", "stage2_config.py") + ":smoke"
+    stage2_frontier.main(
+        ["--root", str(root), "--out", str(out2), "--config", cfg2, "--only-arms", "moe2"]
+    )
+    runs = sorted(os.listdir(out2 / "runs"))
+    assert runs == ["moe2_grpo_lr0.001_s0.jsonl", "moe2_gspo_lr0.001_s0.jsonl"]
+    summary = common.read_jsonl(str(out2 / "runs" / runs[0]))[0]
+    assert summary["steps"] == [1, 2] and summary["collapsed"] is False
+    assert len(summary["series"]["reward_mean"]) == 2
+    stage2_frontier.main(["--report", "--out", str(out2), "--config", cfg2])
+    text = (out2 / "frontier.md").read_text()
+    assert "| moe2 | grpo | 0.001 | 0 / 1 |" in text
+    assert (out2 / "frontier.png").exists()
+    json.dumps(summary)  # the summary is plain JSON
+
+
+def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
+    from experiments.stability import stage1_probes, stage2_config
+
+    monkeypatch.setattr(stage2_config, "PLAN", str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
+        stage2_config.get_config()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"lrs": [3e-4, 1e-3], "eps_low": 0.01, "eps_high": 0.0133}))
+    monkeypatch.setattr(stage2_config, "PLAN", str(plan))
+    c = stage2_config.get_config()
+    assert c.lrs == (3e-4, 1e-3) and c.gspo_eps == (0.01, 0.0133)
+    assert stage1_probes.load_stage_config  # the loader the scripts share
