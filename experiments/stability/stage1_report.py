@@ -55,6 +55,13 @@ class Index:
                 vals.append(np.mean(np.asarray(xs, np.float64), axis=0))
         return np.asarray(vals, np.float64)
 
+    def num_seeds(self, arm: str) -> int:
+        """Seeds for which every (objective, lr) probe of ``arm`` has run."""
+        keys = {(o, lr) for (a, o, lr, _) in self.by if a == arm}
+        if not keys:
+            return 0
+        return sum(all((arm, o, lr, s) in self.by for o, lr in keys) for s in self.seeds)
+
     def max_k(self) -> int:
         return max(r["k"] for recs in self.by.values() for r in recs)
 
@@ -397,10 +404,14 @@ def decisions(idx: Index, calib, sc) -> str:
             verdicts.append(None)
             continue
         d, lo, hi, cells = got
+        n = min(idx.num_seeds(moe), idx.num_seeds(dense))
+        full = n >= len(sc.seeds)
         out.append(
-            f"- L = {depth}: D = F2({moe}) − F2({dense}) = {d:+.4f} [{lo:+.4f}, {hi:+.4f}] over {cells} shared (objective, KL bin) cells."
+            f"- L = {depth}: D = F2({moe}) − F2({dense}) = {d:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+            f"over {cells} shared (objective, KL bin) cells"
+            + ("." if full else f"; preliminary: {n} of {len(sc.seeds)} seeds, no verdict.")
         )
-        verdicts.append(1 if lo > 0 else -1 if hi < 0 else 0)
+        verdicts.append((1 if lo > 0 else -1 if hi < 0 else 0) if full else None)
     if None in verdicts:
         answer = "undecided: not every depth has run"
     elif all(v == 1 for v in verdicts):
@@ -426,7 +437,11 @@ def decisions(idx: Index, calib, sc) -> str:
     out.append("| lr | " + " | ".join(f"{a} flips after {kmax} (GRPO)" for a in arms) + " |")
     out.append("|---|" + "---|" * len(arms))
     out.extend(rows)
-    if {"moe2", "moe8"} <= set(arms) and 1e-3 in idx.lrs:
+    complete = all(idx.num_seeds(a) >= len(sc.seeds) for a in MOE_ARMS)
+    if not complete:
+        seen = ", ".join(f"{a}: {idx.num_seeds(a)}" for a in MOE_ARMS)
+        answer = f"undecided: the rule needs {len(sc.seeds)} seeds of every depth (have {seen})"
+    elif {"moe2", "moe8"} <= set(arms) and 1e-3 in idx.lrs:
         a = _ci(idx.per_seed("moe2", "grpo", 1e-3, kmax, "flip_frac"))
         b = _ci(idx.per_seed("moe8", "grpo", 1e-3, kmax, "flip_frac"))
         apart = a[2] < b[1] or b[2] < a[1]

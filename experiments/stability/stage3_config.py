@@ -1,0 +1,113 @@
+"""Stage 3, replay and the router-aware objectives: the setting and the arms
+(experiments/stability/README.md, "Stage 3").
+
+The setting's learning rate is chosen from stage 2's results by the README's "Setting"
+rule and must be given here (``lr=``); GSPO's range is stage 1's calibrated one
+(``results/stage1/calibration.json``, written by ``stage1_probes.py --report``). Neither
+is ever chosen by hand.
+
+    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+        --config experiments/stability/stage3_config.py:lr=0.003     # moe2, 16 updates
+    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+        --config experiments/stability/stage3_config.py:lr=0.003,arm=moe4,dense_arm=dense4
+    PYTHONPATH=. python experiments/stability/stage3_replay.py --root /tmp/s3 \
+        --config experiments/stability/stage3_config.py:smoke          # seconds
+
+Arguments (comma-separated): ``lr`` (required outside smoke), ``arm`` / ``dense_arm``
+(the setting's MoE and its dense twin, default moe2 / dense2; the README's fallbacks
+moe4 / dense4 and moe2k1 / dense2), ``updates`` (optimizer updates per rollout, default
+16; the fallback 32), ``smoke``.
+"""
+
+import json
+import os
+
+import ml_collections
+
+CALIBRATION = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "stage1", "calibration.json"
+)
+
+GRPO_EPS = (0.2, 0.28)
+PAPER_GSPO_EPS = (3e-4, 4e-4)
+
+# The arms (README, "Arms"): name -> (objective, replay, RSPO's gamma floor or None).
+# Hyperparameters are filled in by `arm_table` (GSPO's range is the calibrated one).
+ARMS = (
+    ("grpo", "grpo", "none", None),
+    ("grpo_r2", "grpo", "R2", None),
+    ("grpo_r3", "grpo", "R3", None),
+    ("gspo", "gspo", "none", None),
+    ("gmpo", "gmpo", "none", None),
+    ("rspo_g0.5", "rspo", "none", 0.5),
+    ("rspo_g0.1", "rspo", "none", 0.1),
+    ("sapo", "sapo", "none", None),
+)
+# Not one of the README's arms: GRPO on the setting's dense twin, a reference that can
+# be run on request (``--only-arms grpo_dense``); the report shows it when present.
+DENSE_REFERENCE = "grpo_dense"
+
+
+def load_calibration(path: str | None = None) -> tuple[float, float]:
+    """GSPO's calibrated (eps_low*, eps_high*) from stage 1 (README, stage 1 rule 3)."""
+    path = path or CALIBRATION
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path}: missing. Stage 3 runs GSPO at the range calibrated in stage 1 (rule 3); "
+            "stage 1's report makes this file: "
+            "`python experiments/stability/stage1_probes.py --report`"
+        )
+    with open(path) as f:
+        calib = json.load(f)
+    if not calib.get("eps_low") or not calib.get("eps_high"):
+        raise ValueError(
+            f"{path}: stage 1 found no calibrated GSPO range ({calib.get('note', 'no eps_low')}); "
+            "stage 3 cannot run GSPO at ε* (README, stage 1 rule 3)"
+        )
+    return float(calib["eps_low"]), float(calib["eps_high"])
+
+
+def arm_table(gspo_eps) -> tuple:
+    """Rows (name, objective, hparams as (key, value) pairs, replay, gamma_min or None)."""
+    grpo = (("eps_low", GRPO_EPS[0]), ("eps_high", GRPO_EPS[1]), ("kl_coef", 0.0))
+    hparams = {
+        "grpo": grpo,
+        "gspo": (("eps_low", float(gspo_eps[0])), ("eps_high", float(gspo_eps[1]))),
+        "gmpo": (),
+        "rspo": (),
+        "sapo": (),
+    }
+    rows = tuple((name, obj, hparams[obj], replay, gamma) for name, obj, replay, gamma in ARMS)
+    return rows + ((DENSE_REFERENCE, "grpo", grpo, "none", None),)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    from gspo_jax import config as config_lib
+
+    args = config_lib.parse_arg(arg, known=("smoke", "lr", "arm", "dense_arm", "updates"))
+    c = ml_collections.ConfigDict()
+    c.smoke = bool(args.get("smoke", False))
+    # The setting (README, "Setting"): the MoE arm and its dense twin, the learning rate
+    # chosen from stage 2, updates per rollout; the first setting that qualifies.
+    c.arm = str(args.get("arm", "moe2"))
+    c.dense_arm = str(args.get("dense_arm", "dense2"))
+    c.lr = float(args["lr"]) if "lr" in args else None
+    c.updates = int(args.get("updates", 16))
+    # The README's last fallback (responses of 48 characters, difficulty "medium") is not
+    # a setting here: Countdown has no "medium" config (gspo_jax/data/countdown.py) and
+    # common.ensure_warm_start trains every warm start on configs/stability.py's task.
+    c.steps = 80
+    c.seeds = (0, 1, 2, 3, 4)
+    c.arms = tuple(row[0] for row in ARMS)
+    if c.smoke:
+        c.arms = ("grpo", "grpo_r3", "rspo_g0.5")
+        c.seeds = (0,)
+        c.steps = 2
+        c.updates = int(args.get("updates", 2))
+        c.lr = float(args.get("lr", 1e-3))
+        gspo_eps = PAPER_GSPO_EPS
+    else:
+        gspo_eps = load_calibration()
+    c.gspo_eps = gspo_eps
+    c.table = arm_table(gspo_eps)
+    return c

@@ -1,0 +1,542 @@
+"""Stage 3 of the stability study: replay and the router-aware objectives
+(experiments/stability/README.md, "Stage 3").
+
+In the setting where the MoE collapses and its dense twin does not (stage 2, the
+README's "Setting" rule), every arm (GRPO, GRPO+R2, GRPO+R3, GSPO at the calibrated
+range, GMPO, RSPO with gamma floors 0.5 and 0.1, SAPO) is run from the MoE's warm start
+for 5 seeds and 80 RL steps. Each run resumes from its own checkpoints in
+``<root>/stage3/<arm>_s<seed>``; its compact summary (per-step series, collapse step,
+final held-out reward) goes to ``<out>/runs/<arm>_s<seed>.jsonl`` when it finishes,
+and a run with a summary is skipped.
+
+The report applies the README's decision rule (one-sided Fisher exact test of each
+arm's collapse count against GRPO's) and the precursors' lead times and false alarms,
+each precursor with the threshold fixed in the README (`PRECURSORS`).
+
+    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+        --config experiments/stability/stage3_config.py:lr=0.003 \
+        --only-seeds 0 --max-minutes 55                                 # one chunk
+    PYTHONPATH=. python experiments/stability/stage3_replay.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+from experiments.stability import common, stage3_config  # noqa: E402
+from experiments.stability.stage1_probes import load_stage_config  # noqa: E402
+
+OUT = os.path.join(common.RESULTS, "stage3")
+STAGE = "stage3"
+STAGE2_RUNS = os.path.join(common.RESULTS, "stage2", "runs")
+
+# --------------------------------------------------------------------------
+# The decision rule: a one-sided Fisher exact test.
+
+
+def fisher_one_sided(a_hits: int, a_n: int, b_hits: int, b_n: int) -> float:
+    """P-value of "group a has fewer hits than group b" (one-sided Fisher exact test):
+    with the margins fixed, the probability that a holds ``a_hits`` or fewer of the
+    ``a_hits + b_hits`` hits, under the hypergeometric distribution.
+
+    >>> round(fisher_one_sided(0, 5, 5, 5) * 252, 9)  # 1 / C(10, 5)
+    1.0
+    """
+    for v, name in ((a_hits, "a_hits"), (a_n, "a_n"), (b_hits, "b_hits"), (b_n, "b_n")):
+        if int(v) != v or v < 0:
+            raise ValueError(f"{name}={v}: expected a non-negative integer")
+    if a_hits > a_n or b_hits > b_n:
+        raise ValueError(f"hits exceed runs: {a_hits}/{a_n}, {b_hits}/{b_n}")
+    n, k = a_n + b_n, a_hits + b_hits
+    total = math.comb(n, a_n)
+    lo = max(0, k - b_n)
+    return sum(math.comb(k, x) * math.comb(n - k, a_n - x) for x in range(lo, a_hits + 1)) / total
+
+
+def prevents_collapse(arm_hits, arm_n, grpo_hits, grpo_n, alpha: float = 0.05):
+    """README's rule: fewer collapses than GRPO with one-sided Fisher p < ``alpha``.
+    Returns (p, decided)."""
+    p = fisher_one_sided(arm_hits, arm_n, grpo_hits, grpo_n)
+    return p, bool(arm_hits < grpo_hits and p < alpha)
+
+
+# --------------------------------------------------------------------------
+# Precursors (README, "Decision rule"; thresholds fixed before the runs).
+
+BASELINE_STEPS = 10  # the baseline: the median over the run's first 10 RL steps
+
+
+class Precursor(collections.namedtuple("Precursor", "label key rule lo hi")):
+    """``rule``: "above" (value > hi × baseline), "below_minus" (value < baseline − lo)
+    or "outside" (value < lo × baseline or value > hi × baseline)."""
+
+
+PRECURSORS = (
+    Precursor("F(τ=2)", "frac_ratio_gt_2_klast", "above", None, 3.0),
+    Precursor("free flips", "flip_frac_klast", "above", None, 3.0),
+    Precursor("raw γ", "gamma_raw_mean_klast", "below_minus", 0.1, None),
+    Precursor("token clip fraction", "clip_frac", "above", None, 3.0),
+    Precursor("grad norm", "grad_norm", "above", None, 3.0),
+    Precursor("entropy", "entropy", "outside", 0.5, 2.0),
+    Precursor("KL", "ppo_kl_klast", "above", None, 3.0),
+)
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(float(v))
+
+
+def baseline(steps, values, first: int = BASELINE_STEPS) -> float | None:
+    """The median of ``values`` over RL steps 1..``first`` (None where none logged)."""
+    base = [float(v) for s, v in zip(steps, values) if 1 <= s <= first and _finite(v)]
+    return float(np.median(base)) if base else None
+
+
+def crosses(value: float, base: float, p: Precursor) -> bool:
+    """Whether ``value`` is past precursor ``p``'s threshold around ``base``."""
+    if p.rule == "above":
+        return value > p.hi * base
+    if p.rule == "below_minus":
+        return value < base - p.lo
+    if p.rule == "outside":
+        return value < p.lo * base or value > p.hi * base
+    raise ValueError(f"precursor {p.label}: unknown rule {p.rule!r}")
+
+
+def first_crossing(steps, values, p: Precursor, first: int = BASELINE_STEPS) -> int | None:
+    """The first RL step (any step of the run, the baseline's included) at which the
+    series crosses ``p``'s threshold; None when it never does or has no baseline."""
+    base = baseline(steps, values, first)
+    if base is None:
+        return None
+    for s, v in zip(steps, values):
+        if _finite(v) and crosses(float(v), base, p):
+            return int(s)
+    return None
+
+
+def lead_time(collapse: int | None, crossing: int | None) -> int | None:
+    """Collapse step minus first crossing (negative: it crossed after the collapse)."""
+    if collapse is None or crossing is None:
+        return None
+    return int(collapse) - int(crossing)
+
+
+def precursor_stats(runs: list[dict], p: Precursor) -> dict:
+    """Over ``runs`` (summaries): the lead times of the collapsed runs in which ``p``
+    crossed, how many collapsed runs it crossed in, and its false alarms (crossed in a
+    run that did not collapse). Runs without the series are left out (``missing``)."""
+    leads, crossed_c, n_c, alarms, n_ok, missing = [], 0, 0, 0, 0, 0
+    for r in runs:
+        values = r["series"].get(p.key)
+        if values is None:
+            missing += 1
+            continue
+        x = first_crossing(r["steps"], values, p)
+        if r["collapsed"]:
+            n_c += 1
+            lt = lead_time(r["collapse_step"], x)
+            if lt is not None:
+                crossed_c += 1
+                leads.append(lt)
+        else:
+            n_ok += 1
+            alarms += x is not None
+    return dict(
+        leads=leads,
+        median=float(np.median(leads)) if leads else None,
+        range=(min(leads), max(leads)) if leads else None,
+        crossed=crossed_c,
+        collapsed=n_c,
+        false_alarms=alarms,
+        not_collapsed=n_ok,
+        missing=missing,
+    )
+
+
+def fmt_precursor(st: dict) -> str:
+    """``+4 [1, 9] (5/5); FA 1/3``: median lead [range] (crossed / collapsed runs); false
+    alarms / runs that did not collapse."""
+    if st["collapsed"] == 0 and st["not_collapsed"] == 0:
+        return "n/a"
+    if st["leads"]:
+        lo, hi = st["range"]
+        lead = f"{st['median']:+g} [{lo:+d}, {hi:+d}] ({st['crossed']}/{st['collapsed']})"
+    else:
+        lead = f"- ({st['crossed']}/{st['collapsed']})"
+    fa = f"{st['false_alarms']}/{st['not_collapsed']}" if st["not_collapsed"] else "-"
+    return f"{lead}; FA {fa}"
+
+
+# --------------------------------------------------------------------------
+# The setting (README, "Setting") from stage 2's results.
+
+
+def setting_lr(runs: list[dict], arm: str = "moe2", dense: str = "dense2") -> float | None:
+    """The smallest stage-2 lr at which ``arm``'s GRPO collapse rate is >= 2/3 and
+    ``dense``'s <= 1/3 (both with runs at that lr); None if no lr qualifies."""
+    flags = collections.defaultdict(list)
+    for r in runs:
+        if r.get("variant") == "grpo":
+            flags[(r["arm"], float(r["lr"]))].append(bool(r["collapsed"]))
+    for lr in sorted({lr for _, lr in flags}):
+        m, d = flags.get((arm, lr)), flags.get((dense, lr))
+        if m and d and np.mean(m) >= 2 / 3 - 1e-9 and np.mean(d) <= 1 / 3 + 1e-9:
+            return lr
+    return None
+
+
+def check_setting(sc, stage2_runs: str = STAGE2_RUNS) -> None:
+    """Refuses to run without the setting's learning rate (chosen from stage 2)."""
+    if sc.lr is not None:
+        return
+    hint = ""
+    paths = sorted(glob.glob(os.path.join(stage2_runs, "*.jsonl")))
+    if paths:
+        runs = [r for p in paths for r in common.read_jsonl(p)]
+        lr = setting_lr(runs, sc.arm, sc.dense_arm)
+        hint = (
+            f" Stage 2's results ({stage2_runs}) give lr={lr:g} for {sc.arm}/{sc.dense_arm}."
+            if lr is not None
+            else f" Stage 2's results ({stage2_runs}) give none for {sc.arm}/{sc.dense_arm}: "
+            "the README's fallbacks come next (arm=moe4,dense_arm=dense4; arm=moe2k1; "
+            "updates=32)."
+        )
+    raise SystemExit(
+        "stage 3: the setting's learning rate is not given. It is chosen from stage 2 by "
+        'the README\'s rule (experiments/stability/README.md, Stage 3, "Setting": the '
+        "smallest stage-2 lr at which moe2 GRPO's collapse rate is >= 2/3 and dense2 "
+        "GRPO's <= 1/3); pass it as "
+        "--config experiments/stability/stage3_config.py:lr=<lr>." + hint
+    )
+
+
+# --------------------------------------------------------------------------
+# Runs.
+
+
+def table_rows(sc) -> dict:
+    return {row[0]: row for row in sc.table}
+
+
+def model_arm(sc, name: str) -> str:
+    return sc.dense_arm if name == stage3_config.DENSE_REFERENCE else sc.arm
+
+
+def overrides(sc, name: str) -> dict:
+    """The config overrides of arm ``name`` in the setting."""
+    rows = table_rows(sc)
+    if name not in rows:
+        raise ValueError(f"arm {name!r}: expected one of {sorted(rows)}")
+    _, objective, hparams, replay, gamma_min = rows[name]
+    o = {
+        "objective": (objective, dict(hparams)),
+        "optimizer.lr": float(sc.lr),
+        "updates.num_minibatches": int(sc.updates),
+        "updates.routing_replay": replay,
+    }
+    if gamma_min is not None:
+        o["updates.gamma_min"] = float(gamma_min)
+    return o
+
+
+def run_name(name: str, seed: int) -> str:
+    return f"{name}_s{seed}"
+
+
+def setting_meta(sc) -> dict:
+    return dict(lr=float(sc.lr), updates=int(sc.updates), setting=f"{sc.arm}/{sc.dense_arm}")
+
+
+def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
+    """Every (arm, seed) without a summary, seed by seed (a chunk that ends early leaves
+    whole seeds), until the budget expires. Returns the number of runs done."""
+    check_setting(sc)
+    rows = table_rows(sc)
+    setting = setting_meta(sc)
+    done = 0
+    for seed in sc.seeds:
+        for name in sc.arms:
+            path = os.path.join(out, "runs", run_name(name, seed) + ".jsonl")
+            if os.path.exists(path):
+                old = common.read_jsonl(path)[0]
+                if any(old.get(k) != v for k, v in setting.items()):
+                    raise SystemExit(
+                        f"{path}: a run of another setting "
+                        f"({ {k: old.get(k) for k in setting} }, now {setting}); "
+                        "use another --out and --root"
+                    )
+                continue
+            if budget.expired():
+                return done
+            arm = model_arm(sc, name)
+            wd = common.run_rl(
+                root,
+                STAGE,
+                run_name(name, seed),
+                arm,
+                int(seed),
+                overrides(sc, name),
+                int(sc.steps),
+                smoke=sc.smoke,
+            )
+            _, objective, _, replay, gamma_min = rows[name]
+            meta = dict(
+                setting,
+                arm=name,
+                model=arm,
+                objective=objective,
+                replay=replay,
+                gamma_min=gamma_min,
+                seed=int(seed),
+            )
+            summary = common.summarize_run(wd, meta)
+            common.write_jsonl(path, [summary])
+            log(
+                f"{run_name(name, seed)}: collapsed={summary['collapsed']} at "
+                f"{summary['collapse_step']}, held-out {summary['eval_start']} -> "
+                f"{summary['eval_final']}"
+            )
+            done += 1
+    return done
+
+
+# --------------------------------------------------------------------------
+# Report.
+
+
+def load(out: str) -> list[dict]:
+    return [
+        r
+        for p in sorted(glob.glob(os.path.join(out, "runs", "*.jsonl")))
+        for r in common.read_jsonl(p)
+    ]
+
+
+def arm_order(runs: list[dict]) -> list[str]:
+    known = [row[0] for row in stage3_config.ARMS] + [stage3_config.DENSE_REFERENCE]
+    present = {r["arm"] for r in runs}
+    return [a for a in known if a in present] + sorted(present - set(known))
+
+
+def by_arm(runs: list[dict]) -> dict[str, list[dict]]:
+    out = collections.defaultdict(list)
+    for r in runs:
+        out[r["arm"]].append(r)
+    return {a: sorted(out[a], key=lambda r: r["seed"]) for a in arm_order(runs)}
+
+
+def eval_curve(run: dict) -> dict[int, float]:
+    """Held-out reward by RL step, the warm start's (step 0) included."""
+    curve = {}
+    if run.get("eval_start") is not None:
+        curve[0] = float(run["eval_start"])
+    for s, v in zip(run["steps"], run["series"].get("eval_reward_mean", [])):
+        if v is not None:
+            curve[int(s)] = float(v)
+    return curve
+
+
+def table(groups: dict[str, list[dict]]) -> str:
+    grpo = groups.get("grpo")
+    lines = [
+        "| arm | collapsed / seeds | one-sided Fisher p vs GRPO | prevents the collapse "
+        "| median collapse update | final held-out reward [95% CI] |",
+        "|---|---:|---:|---|---:|---|",
+    ]
+    for arm, rs in groups.items():
+        hits, n = sum(r["collapsed"] for r in rs), len(rs)
+        if grpo is None or arm == "grpo":
+            p_txt, dec = "-", "-"
+        else:
+            g_hits = sum(r["collapsed"] for r in grpo)
+            p, yes = prevents_collapse(hits, n, g_hits, len(grpo))
+            p_txt, dec = f"{p:.3g}", "**yes**" if yes else "no"
+        upd = [r["collapse_step"] * r["updates"] for r in rs if r["collapsed"]]
+        med = f"{np.median(upd):g}" if upd else "-"
+        finals = [r["eval_final"] for r in rs if r["eval_final"] is not None]
+        ci = common.fmt_ci(*common.bootstrap_ci(finals)) if finals else "-"
+        lines.append(f"| {arm} | {hits} / {n} | {p_txt} | {dec} | {med} | {ci} |")
+    return "\n".join(lines) + "\n"
+
+
+def precursor_table(groups: dict[str, list[dict]]) -> str:
+    head = "| arm | " + " | ".join(p.label for p in PRECURSORS) + " |"
+    lines = [head, "|---|" + "---|" * len(PRECURSORS)]
+    everything = [r for rs in groups.values() for r in rs]
+    for arm, rs in list(groups.items()) + [("all arms", everything)]:
+        cells = [fmt_precursor(precursor_stats(rs, p)) for p in PRECURSORS]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def fig_reward_vs_updates(groups: dict[str, list[dict]], path: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (arm, rs) in enumerate(groups.items()):
+        curves = [eval_curve(r) for r in rs]
+        steps = sorted({s for c in curves for s in c})
+        if not steps:
+            continue
+        stats = np.asarray([common.bootstrap_ci([c[s] for c in curves if s in c]) for s in steps])
+        x = np.asarray(steps) * rs[0]["updates"]
+        ls = "--" if arm == stage3_config.DENSE_REFERENCE else "-"
+        ax.plot(x, stats[:, 0], ls, marker="o", ms=3, color=f"C{i}", label=f"{arm} ({len(rs)})")
+        ax.fill_between(x, stats[:, 1], stats[:, 2], color=f"C{i}", alpha=0.15)
+    ax.set_xlabel("optimizer updates (RL step × updates per rollout)")
+    ax.set_ylabel("held-out reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("Held-out reward: seed mean, band: 95% bootstrap interval (seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def aligned(run: dict, p: Precursor):
+    """(steps relative to the collapse, the series relative to its baseline: ratio, or
+    difference for "below_minus"); None without a collapse, series or baseline."""
+    values = run["series"].get(p.key)
+    if not run["collapsed"] or values is None:
+        return None
+    base = baseline(run["steps"], values)
+    if base is None:
+        return None
+    pts = [(s, float(v)) for s, v in zip(run["steps"], values) if _finite(v)]
+    x = np.asarray([s - run["collapse_step"] for s, _ in pts], np.float64)
+    v = np.asarray([v for _, v in pts], np.float64)
+    if p.rule == "below_minus":
+        return x, v - base
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return x, v / base if base != 0 else np.full_like(v, np.nan)
+
+
+def fig_precursors(groups: dict[str, list[dict]], path: str) -> None:
+    plt = _plt()
+    cols = 4
+    rows = math.ceil(len(PRECURSORS) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.8 * rows), squeeze=False)
+    colors = {arm: f"C{i}" for i, arm in enumerate(groups)}
+    drawn = set()
+    for j, p in enumerate(PRECURSORS):
+        ax = axes[j // cols][j % cols]
+        n = 0
+        for arm, rs in groups.items():
+            for r in rs:
+                xy = aligned(r, p)
+                if xy is None:
+                    continue
+                ax.plot(*xy, lw=0.9, color=colors[arm], label=None if arm in drawn else arm)
+                drawn.add(arm)
+                n += 1
+        ax.axvline(0, color="k", lw=0.6)
+        if p.rule == "below_minus":
+            ax.axhline(-p.lo, color="C3", ls=":", lw=0.8)
+            ax.set_ylabel("value − baseline", fontsize=7)
+        else:
+            for t in (p.lo, p.hi):
+                if t is not None:
+                    ax.axhline(t, color="C3", ls=":", lw=0.8)
+            ax.set_ylabel("value / baseline", fontsize=7)
+            if n:
+                ax.set_yscale("log")
+        ax.set_title(f"{p.label} ({p.key})", fontsize=8)
+        ax.set_xlabel("RL steps relative to the collapse", fontsize=7)
+        ax.grid(alpha=0.3)
+        if not n:
+            ax.text(0.5, 0.5, "no collapsed run", ha="center", va="center", transform=ax.transAxes)
+    for j in range(len(PRECURSORS), rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    if drawn:
+        fig.legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        "Precursors aligned on each collapsed run's collapse step (baseline: median of "
+        f"RL steps 1..{BASELINE_STEPS}; dotted: thresholds)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(out: str) -> None:
+    runs = load(out)
+    if not runs:
+        raise SystemExit(f"{out}/runs: no finished runs yet")
+    groups = by_arm(runs)
+    fig_reward_vs_updates(groups, os.path.join(out, "reward_vs_updates.png"))
+    fig_precursors(groups, os.path.join(out, "precursors.png"))
+    settings = sorted({(r["setting"], r["lr"], r["updates"]) for r in runs})
+    setting = "; ".join(f"{s}, lr {lr:g}, {u} updates per rollout" for s, lr, u in settings)
+    text = [
+        "# Stage 3: replay and the router-aware objectives\n",
+        f"Setting: {setting}. {len(runs)} finished runs.\n",
+        "## Collapses (README, Stage 3, decision rule)\n",
+        "An arm prevents the collapse if its collapse count is below GRPO's with one-sided "
+        "Fisher exact p < 0.05. Collapse update: the collapse's RL step × updates per "
+        "rollout. Final held-out reward: the mean of a run's last two evaluations; seed "
+        "mean with its 95% bootstrap interval.\n",
+        table(groups),
+        "## Precursors\n",
+        "Per precursor: median lead time in RL steps (collapse step minus the first step "
+        "past the threshold; negative: after the collapse) [range] over the collapsed runs "
+        "in which it crossed (crossed / collapsed); FA: the runs that did not collapse in "
+        f"which it crossed anyway. Baseline: the median over RL steps 1..{BASELINE_STEPS}; "
+        "thresholds: F(τ=2), free flips, clip fraction, grad norm and KL above 3× it, raw "
+        "γ below it minus 0.1, entropy below 0.5× or above 2× it.\n",
+        precursor_table(groups),
+    ]
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write("\n".join(text))
+    print(f"stage 3 report: {len(runs)} runs -> {out}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default="runs/stability", help="warm starts and runs (large)")
+    ap.add_argument("--out", default=OUT, help="compact results (committed)")
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "stage3_config.py"))
+    ap.add_argument("--only-arms", default="", help="comma-separated arms of the table")
+    ap.add_argument("--only-seeds", default="", help="comma-separated subset of config.seeds")
+    ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")
+    ap.add_argument("--report", action="store_true", help="figures and table from --out")
+    args = ap.parse_args(argv)
+    if args.report:
+        report(args.out)
+        return
+    path, _, arg = args.config.partition(":")
+    sc = load_stage_config(path, arg or None)
+    if args.only_arms:
+        arms = tuple(a for a in args.only_arms.split(",") if a)
+        unknown = sorted(set(arms) - set(table_rows(sc)))
+        if unknown:
+            raise SystemExit(
+                f"--only-arms: unknown arm(s) {unknown}; known: {sorted(table_rows(sc))}"
+            )
+        sc.arms = arms
+    if args.only_seeds:
+        sc.seeds = tuple(int(s) for s in args.only_seeds.split(",") if s)
+    n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
+    print(f"stage 3: {n} runs finished into {args.out}")
+
+
+if __name__ == "__main__":
+    main()
