@@ -406,7 +406,7 @@ def figure(cs: dict, path: str) -> None:
         for arm, rs in cs[(u, t)].items():
             color = f"C{order.index(arm)}" if arm in order else "k"
             for i, key in enumerate(("mismatch_kl", "mismatch_f2")):
-                per_step = collections.defaultdict(list)
+                per_step: dict = collections.defaultdict(list)
                 for r in rs:
                     for s, v in zip(r["steps"], r["series"].get(key, [])):
                         if v is not None:
@@ -418,7 +418,8 @@ def figure(cs: dict, path: str) -> None:
         axes[0][j].set_title(f"{u} updates/rollout, target {t:g} (σ {sigma:.3g})", fontsize=8)
         for i, key in enumerate(("mismatch_kl", "mismatch_f2")):
             ax = axes[i][j]
-            ax.set_yscale("log", nonpositive="mask")
+            if any(np.any(np.asarray(line.get_ydata()) > 0) for line in ax.get_lines()):
+                ax.set_yscale("log", nonpositive="mask")  # none positive: stays linear
             ax.set_ylabel(key, fontsize=8)
             ax.grid(alpha=0.3)
         axes[1][j].set_xlabel("RL step")
