@@ -265,7 +265,7 @@ def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
     assert len(probes) == 4  # moe2 and dense2 x grpo and gspo
     recs = common.read_jsonl(str(out1 / "probes" / "moe2_grpo_lr0.001_s0.jsonl"))
     assert [r["k"] for r in recs] == [0, 1, 2]
-    assert "flip_frac_layer" in recs[0] and len(recs[0]["clip_gspo"]) == 18
+    assert "flip_frac_layer" in recs[0] and len(recs[0]["clip_gspo"]) == 22
     dense = common.read_jsonl(str(out1 / "probes" / "dense2_gspo_lr0.001_s0.jsonl"))
     assert "flip_frac" not in dense[0]
     # A second invocation resumes: nothing left to run.

@@ -346,6 +346,7 @@ SERIES = (
     "entropy",
     "grad_norm",
     "clip_frac",
+    "clip_frac_klast",
     "ppo_kl_klast",
     "flip_frac_k1",
     "flip_frac_klast",

@@ -75,19 +75,21 @@ def prevents_collapse(arm_hits, arm_n, grpo_hits, grpo_n, alpha: float = 0.05):
 BASELINE_STEPS = 10  # the baseline: the median over the run's first 10 RL steps
 
 
-class Precursor(collections.namedtuple("Precursor", "label key rule lo hi")):
-    """``rule``: "above" (value > hi × baseline), "below_minus" (value < baseline − lo)
-    or "outside" (value < lo × baseline or value > hi × baseline)."""
+class Precursor(collections.namedtuple("Precursor", "label key rule lo hi floor")):
+    """``rule``: "above" (value > max(hi × baseline, floor)), "below_minus" (value <
+    baseline − lo) or "outside" (value < lo × baseline or value > hi × baseline).
+    ``floor`` keeps a baseline of 0 from making every positive value a crossing
+    (README, amendment to stage 3's rule)."""
 
 
 PRECURSORS = (
-    Precursor("F(τ=2)", "frac_ratio_gt_2_klast", "above", None, 3.0),
-    Precursor("free flips", "flip_frac_klast", "above", None, 3.0),
-    Precursor("raw γ", "gamma_raw_mean_klast", "below_minus", 0.1, None),
-    Precursor("token clip fraction", "clip_frac", "above", None, 3.0),
-    Precursor("grad norm", "grad_norm", "above", None, 3.0),
-    Precursor("entropy", "entropy", "outside", 0.5, 2.0),
-    Precursor("KL", "ppo_kl_klast", "above", None, 3.0),
+    Precursor("F(τ=2)", "frac_ratio_gt_2_klast", "above", None, 3.0, 0.01),
+    Precursor("free flips", "flip_frac_klast", "above", None, 3.0, 0.01),
+    Precursor("raw γ", "gamma_raw_mean_klast", "below_minus", 0.1, None, None),
+    Precursor("token clip fraction", "clip_frac_klast", "above", None, 3.0, 0.01),
+    Precursor("grad norm", "grad_norm", "above", None, 3.0, None),
+    Precursor("entropy", "entropy", "outside", 0.5, 2.0, None),
+    Precursor("KL", "ppo_kl_klast", "above", None, 3.0, 1e-3),
 )
 
 
@@ -104,7 +106,7 @@ def baseline(steps, values, first: int = BASELINE_STEPS) -> float | None:
 def crosses(value: float, base: float, p: Precursor) -> bool:
     """Whether ``value`` is past precursor ``p``'s threshold around ``base``."""
     if p.rule == "above":
-        return value > p.hi * base
+        return value > max(p.hi * base, p.floor or 0.0)
     if p.rule == "below_minus":
         return value < base - p.lo
     if p.rule == "outside":
@@ -361,6 +363,8 @@ def table(groups: dict[str, list[dict]]) -> str:
             g_hits = sum(r["collapsed"] for r in grpo)
             p, yes = prevents_collapse(hits, n, g_hits, len(grpo))
             p_txt, dec = f"{p:.3g}", "**yes**" if yes else "no"
+            if arm == stage3_config.DENSE_REFERENCE:  # the dense twin: not an arm of the rule
+                dec = "(dense reference)"
         upd = [r["collapse_step"] * r["updates"] for r in rs if r["collapsed"]]
         med = f"{np.median(upd):g}" if upd else "-"
         finals = [r["eval_final"] for r in rs if r["eval_final"] is not None]

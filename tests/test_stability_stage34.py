@@ -1,0 +1,407 @@
+"""Stages 3 and 4 of the stability study (experiments/stability/): the Fisher exact test,
+the precursors' lead times and false alarms on hand-made series, the calibration's
+bisection and the stage-4 rules, the refusals of the configs, a stage-3 report with
+collapsed runs, and both stages end to end on their smoke settings."""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from experiments.stability import (  # noqa: E402
+    common,
+    stage3_config,
+    stage3_replay,
+    stage4_mismatch,
+)
+
+S3 = stage3_replay
+CFG3 = os.path.join(REPO, "experiments", "stability", "stage3_config.py")
+CFG4 = os.path.join(REPO, "experiments", "stability", "stage4_config.py")
+
+# --------------------------------------------------------------------------
+# The one-sided Fisher exact test.
+
+
+def test_fisher_matches_hand_computed_values():
+    # 0/5 vs 5/5: the arm holds none of the 5 collapses, P = C(5,0) C(5,5) / C(10,5).
+    assert S3.fisher_one_sided(0, 5, 5, 5) == pytest.approx(1 / 252)
+    # 0/5 vs 4/5: P(X = 0) = C(4,0) C(6,5) / C(10,5) = 6 / 252.
+    assert S3.fisher_one_sided(0, 5, 4, 5) == pytest.approx(6 / 252)
+    # 1/5 vs 5/5: K = 6, P(X <= 1) = [C(6,0) C(4,5) + C(6,1) C(4,4)] / 252 = 6 / 252.
+    assert S3.fisher_one_sided(1, 5, 5, 5) == pytest.approx(6 / 252)
+    # 1/5 vs 4/5: K = 5, P(X <= 1) = [1 + C(5,1) C(5,4)] / 252 = 26 / 252.
+    assert S3.fisher_one_sided(1, 5, 4, 5) == pytest.approx(26 / 252)
+    # Equal counts, or more than the reference: no evidence at all.
+    assert S3.fisher_one_sided(5, 5, 5, 5) == 1.0
+    assert S3.fisher_one_sided(0, 5, 0, 5) == 1.0
+    assert S3.fisher_one_sided(5, 5, 0, 5) == 1.0
+    # Unequal groups: 0/3 vs 3/3, P = 1 / C(6, 3).
+    assert S3.fisher_one_sided(0, 3, 3, 3) == pytest.approx(1 / 20)
+    with pytest.raises(ValueError, match="exceed"):
+        S3.fisher_one_sided(6, 5, 0, 5)
+
+
+def test_fisher_agrees_with_scipy_where_available():
+    stats = pytest.importorskip("scipy.stats")
+    for a in range(6):
+        for b in range(6):
+            want = stats.fisher_exact([[a, 5 - a], [b, 5 - b]], alternative="less")[1]
+            assert S3.fisher_one_sided(a, 5, b, 5) == pytest.approx(want, rel=1e-9), (a, b)
+
+
+def test_prevents_collapse_needs_fewer_collapses_and_p_below_005():
+    assert S3.prevents_collapse(0, 5, 5, 5) == (pytest.approx(1 / 252), True)
+    assert S3.prevents_collapse(1, 5, 4, 5)[1] is False  # p = 26/252 > 0.05
+    assert S3.prevents_collapse(0, 5, 4, 5)[1] is True  # p = 6/252
+    assert S3.prevents_collapse(3, 5, 3, 5)[1] is False
+
+
+# --------------------------------------------------------------------------
+# Precursors: thresholds, lead times, false alarms.
+
+P = {p.key: p for p in S3.PRECURSORS}
+
+
+def test_precursor_thresholds_are_the_readmes():
+    assert P["frac_ratio_gt_2_klast"].rule == "above" and P["frac_ratio_gt_2_klast"].hi == 3.0
+    assert P["flip_frac_klast"].hi == P["clip_frac_klast"].hi == P["grad_norm"].hi == 3.0
+    assert P["ppo_kl_klast"].hi == 3.0
+    # The amendment's floors: a zero baseline does not make every positive value a crossing.
+    assert P["frac_ratio_gt_2_klast"].floor == P["flip_frac_klast"].floor == 0.01
+    assert P["clip_frac_klast"].floor == 0.01 and P["ppo_kl_klast"].floor == 1e-3
+    assert P["grad_norm"].floor is None
+    assert (P["gamma_raw_mean_klast"].rule, P["gamma_raw_mean_klast"].lo) == ("below_minus", 0.1)
+    assert (P["entropy"].rule, P["entropy"].lo, P["entropy"].hi) == ("outside", 0.5, 2.0)
+    assert S3.BASELINE_STEPS == 10
+
+
+def test_baseline_is_the_median_of_the_first_ten_steps():
+    steps = list(range(1, 16))
+    values = [1.0] * 5 + [3.0] * 5 + [100.0] * 5
+    assert S3.baseline(steps, values) == 2.0
+    assert S3.baseline(steps, [None] * 3 + values[3:]) == 3.0  # missing values left out
+    assert S3.baseline([11, 12], [1.0, 2.0]) is None
+
+
+def test_first_crossing_per_rule():
+    steps = list(range(1, 21))
+    flat = [0.1] * 10
+    # above: > 3 x baseline (0.1); exactly 3x does not count.
+    assert S3.first_crossing(steps, flat + [0.3, 0.31] + [0.1] * 8, P["grad_norm"]) == 12
+    assert S3.first_crossing(steps, flat + [0.3] * 10, P["grad_norm"]) is None
+    # below_minus: gamma below baseline - 0.1.
+    g = [0.9] * 10 + [0.85, 0.79, 0.5] + [0.5] * 7
+    assert S3.first_crossing(steps, g, P["gamma_raw_mean_klast"]) == 12
+    # outside: entropy below 0.5x or above 2x.
+    e = [1.0] * 10 + [0.6, 2.1] + [1.0] * 8
+    assert S3.first_crossing(steps, e, P["entropy"]) == 12
+    e = [1.0] * 10 + [0.49] + [1.0] * 9
+    assert S3.first_crossing(steps, e, P["entropy"]) == 11
+    # A spike inside the baseline window counts too (the first step at which it crosses).
+    spike = [0.1] * 4 + [1.0] + [0.1] * 15
+    assert S3.first_crossing(steps, spike, P["clip_frac_klast"]) == 5
+    # The floor: from a zero baseline, 0.005 does not cross 0.01, 0.02 does.
+    quiet = [0.0] * 10 + [0.005] * 3 + [0.02] * 7
+    assert S3.first_crossing(steps, quiet, P["frac_ratio_gt_2_klast"]) == 14
+    kl = [1e-8, -1e-8] * 5 + [5e-4] * 5 + [2e-3] * 5
+    assert S3.first_crossing(steps, kl, P["ppo_kl_klast"]) == 16
+    # No baseline: never crosses.
+    assert S3.first_crossing(steps, [None] * 10 + [5.0] * 10, P["clip_frac_klast"]) is None
+
+
+def test_lead_time_sign():
+    assert S3.lead_time(30, 22) == 8
+    assert S3.lead_time(30, 33) == -3
+    assert S3.lead_time(None, 5) is None and S3.lead_time(30, None) is None
+
+
+def _run(collapse, series, arm="grpo", seed=0, updates=16, n=30, final=0.3):
+    steps = list(range(1, n + 1))
+    return dict(
+        arm=arm,
+        seed=seed,
+        updates=updates,
+        lr=1e-3,
+        setting="moe2/dense2",
+        steps=steps,
+        series={k: list(v) for k, v in series.items()},
+        collapsed=collapse is not None,
+        collapse_step=collapse,
+        eval_start=0.2,
+        eval_final=final,
+    )
+
+
+def test_precursor_stats_lead_times_and_false_alarms():
+    base = [0.01] * 10
+    runs = [
+        _run(25, {"flip_frac_klast": base + [0.01] * 8 + [0.05] * 12}),  # crosses at 19: +6
+        _run(20, {"flip_frac_klast": base + [0.01] * 12 + [0.05] * 8}),  # 23: -3
+        _run(15, {"flip_frac_klast": base + [0.01] * 20}),  # never crosses
+        _run(None, {"flip_frac_klast": base + [0.02] * 5 + [0.04] * 15}),  # false alarm at 16
+        _run(None, {"flip_frac_klast": base + [0.02] * 20}),
+        _run(None, {"grad_norm": [1.0] * 30}),  # no flips series: left out
+    ]
+    st = S3.precursor_stats(runs, P["flip_frac_klast"])
+    assert sorted(st["leads"]) == [-3, 6]
+    assert st["median"] == 1.5 and st["range"] == (-3, 6)
+    assert (st["crossed"], st["collapsed"]) == (2, 3)
+    assert (st["false_alarms"], st["not_collapsed"], st["missing"]) == (1, 2, 1)
+    assert S3.fmt_precursor(st) == "+1.5 [-3, +6] (2/3); FA 1/2"
+    none = S3.precursor_stats(runs[2:3], P["flip_frac_klast"])
+    assert none["median"] is None and S3.fmt_precursor(none) == "- (0/1); FA -"
+
+
+def test_setting_lr_follows_the_readme_rule():
+    def r(arm, lr, collapsed, variant="grpo"):
+        return dict(arm=arm, lr=lr, collapsed=collapsed, variant=variant)
+
+    runs = (
+        [r("moe2", 1e-3, c) for c in (1, 0, 0)]  # 1/3: not enough
+        + [r("dense2", 1e-3, c) for c in (0, 0, 0)]
+        + [r("moe2", 3e-3, c) for c in (1, 1, 0)]  # 2/3
+        + [r("dense2", 3e-3, c) for c in (1, 0, 0)]  # 1/3
+        + [r("moe2", 1e-2, c) for c in (1, 1, 1)]
+        + [r("dense2", 1e-2, c) for c in (1, 1, 1)]
+        + [r("moe2", 1e-3, 1, "gspo")] * 3  # another objective: ignored
+    )
+    assert S3.setting_lr(runs) == 3e-3
+    assert S3.setting_lr([x for x in runs if x["lr"] != 3e-3]) is None
+
+
+# --------------------------------------------------------------------------
+# Configs: their refusals and their tables.
+
+
+def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch):
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
+        stage3_config.get_config("lr=0.003")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"eps_low": None, "note": "GRPO's clip fraction is off the grid"}))
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(bad))
+    with pytest.raises(ValueError, match="off the grid"):
+        stage3_config.get_config("lr=0.003")
+    good = tmp_path / "calibration.json"
+    good.write_text(json.dumps({"eps_low": 0.004, "eps_high": 0.0053}))
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
+    c = stage3_config.get_config("lr=0.003,arm=moe4,dense_arm=dense4,updates=32")
+    assert (c.arm, c.dense_arm, c.lr, c.updates, c.steps) == ("moe4", "dense4", 3e-3, 32, 80)
+    assert c.seeds == (0, 1, 2, 3, 4)
+    assert c.arms == (
+        "grpo",
+        "grpo_r2",
+        "grpo_r3",
+        "gspo",
+        "gmpo",
+        "rspo_g0.5",
+        "rspo_g0.1",
+        "sapo",
+    )
+    c.lr = 3e-3
+    o = {name: S3.overrides(c, name) for name in c.arms}
+    assert o["gspo"]["objective"] == ("gspo", {"eps_low": 0.004, "eps_high": 0.0053})
+    assert o["grpo"]["objective"] == ("grpo", {"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.0})
+    assert o["grpo_r2"]["updates.routing_replay"] == "R2"
+    assert o["grpo_r3"]["updates.routing_replay"] == "R3"
+    assert o["rspo_g0.1"]["updates.gamma_min"] == 0.1 and o["rspo_g0.5"]["updates.gamma_min"] == 0.5
+    assert "updates.gamma_min" not in o["gmpo"]
+    assert all(x["updates.num_minibatches"] == 32 and x["optimizer.lr"] == 3e-3 for x in o.values())
+    # Every arm's overrides make a config the trainer accepts.
+    from gspo_jax import config as config_lib
+
+    for name in c.arms + (stage3_config.DENSE_REFERENCE,):
+        base = common.base_config(S3.model_arm(c, name), 0)
+        common.apply_overrides(base, S3.overrides(c, name))
+        config_lib.validate(base, 1, tokenizer_vocab_size=64)
+
+
+def test_stage3_refuses_to_run_without_the_settings_lr(tmp_path, monkeypatch):
+    good = tmp_path / "calibration.json"
+    good.write_text(json.dumps({"eps_low": 0.004, "eps_high": 0.0053}))
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
+    sc = stage3_config.get_config()
+    assert sc.lr is None
+    with pytest.raises(SystemExit, match='"Setting"'):
+        S3.check_setting(sc, stage2_runs=str(tmp_path / "none"))
+    s2 = tmp_path / "s2"
+    s2.mkdir()
+    rows = [
+        dict(arm=a, variant="grpo", lr=1e-3, collapsed=c)
+        for a, c in [("moe2", True)] * 3 + [("dense2", False)] * 3
+    ]
+    common.write_jsonl(str(s2 / "runs.jsonl"), rows)
+    with pytest.raises(SystemExit, match="give lr=0.001"):
+        S3.check_setting(sc, stage2_runs=str(s2))
+    with pytest.raises(SystemExit, match="lr=<lr>"):
+        S3.run_all(sc, str(tmp_path / "r"), str(tmp_path / "o"), common.Budget(None))
+    assert not (tmp_path / "r").exists()
+
+
+def test_stage4_config_and_overrides_make_valid_trainer_configs():
+    from experiments.stability import stage4_config
+    from gspo_jax import config as config_lib
+
+    sc = stage4_config.get_config()
+    assert sc.arms == ("grpo", "grpo_r3", "grpo_tis", "grpo_r3_tis")
+    assert sc.updates == (1, 8) and sc.seeds == (0, 1, 2) and sc.steps == 40
+    assert sc.targets == (0.05, 0.10)
+    for arm in sc.arms:
+        o = stage4_mismatch.overrides(sc, arm, 8, 0.3)
+        assert o["rollout.router_noise_std"] == 0.3 and o["updates.num_minibatches"] == 8
+        assert o["updates.routing_replay"] == ("R3" if "r3" in arm else "none")
+        assert o["rollout_correction.mode"] == ("token_tis" if "tis" in arm else "none")
+        assert o["rollout_correction.cap"] == 2.0
+        c = common.base_config(sc.arm, 0)
+        common.apply_overrides(c, o)
+        config_lib.validate(c, 1, tokenizer_vocab_size=64)
+
+
+# --------------------------------------------------------------------------
+# Stage 4's calibration and rules.
+
+
+def test_bisection_on_log_sigma_finds_the_target():
+    calls = []
+
+    def measure(s):  # disagreement ~ sigma / (sigma + 0.5), increasing
+        calls.append(s)
+        return s / (s + 0.5)
+
+    r = stage4_mismatch.bisect_log_sigma(measure, 0.05, lo=0.005, hi=2.0, max_evals=8, tol=0.1)
+    assert r["within_tol"] and abs(r["disagreement"] - 0.05) <= 0.005
+    assert r["sigma"] == pytest.approx(0.05 * 0.5 / 0.95, rel=0.15)
+    assert len(calls) <= 8 and len(r["points"]) == len(calls)
+    # Every midpoint is the geometric mean of its bracket: the first is sqrt(lo * hi).
+    assert calls[0] == pytest.approx(math.sqrt(0.005 * 2.0))
+    # Out of range: the nearest end point evaluated, flagged.
+    r = stage4_mismatch.bisect_log_sigma(measure, 0.9, lo=0.005, hi=2.0, max_evals=4, tol=0.1)
+    assert not r["within_tol"] and len(r["points"]) == 4
+
+
+def test_bootstrap_diff_and_rule_one():
+    est, lo, hi = stage4_mismatch.bootstrap_diff_ci([0.5, 0.6, 0.55], [0.2, 0.25, 0.3])
+    assert est == pytest.approx(0.3) and 0 < lo <= est <= hi
+    est, lo, hi = stage4_mismatch.bootstrap_diff_ci([0.5, 0.1, 0.3], [0.3, 0.2, 0.4])
+    assert lo < 0 < hi
+    assert stage4_mismatch.bootstrap_diff_ci([0.4], [0.1]) == pytest.approx((0.3, 0.3, 0.3))
+    assert stage4_mismatch.r3_removes((1e-3, 8e-4, 1.2e-3), (5e-5, 4e-5, 6e-5))
+    assert not stage4_mismatch.r3_removes((1e-3, 8e-4, 1.2e-3), (2e-4, 1e-4, 3e-4))  # only 5x
+    assert not stage4_mismatch.r3_removes((1e-3, 5e-5, 1.2e-3), (9e-5, 4e-5, 1e-4))  # overlap
+
+
+def test_stage4_runs_refuse_without_calibration(tmp_path):
+    with pytest.raises(SystemExit, match="--calibrate"):
+        stage4_mismatch.main(
+            [
+                "--root",
+                str(tmp_path / "r"),
+                "--out",
+                str(tmp_path / "o"),
+                "--config",
+                CFG4 + ":smoke",
+            ]
+        )
+
+
+# --------------------------------------------------------------------------
+# A stage-3 report with collapsed runs (hand-made summaries).
+
+
+def test_stage3_report_on_hand_made_runs(tmp_path):
+    rng = np.random.default_rng(0)
+    out = tmp_path / "out"
+
+    def series(collapse):
+        n = 30
+        flips = [0.01] * n
+        reward = [0.3] * n
+        if collapse:
+            flips = [0.01] * (collapse - 4) + [0.08] * (n - collapse + 4)
+            reward = [0.3] * (collapse - 1) + [0.0] * (n - collapse + 1)
+        return {
+            "reward_mean": reward,
+            "flip_frac_klast": flips,
+            "grad_norm": list(1 + 0.1 * rng.random(n)),
+            "entropy": [1.0] * n,
+            "gamma_raw_mean_klast": [0.9] * n,
+            "eval_reward_mean": [None] * 9 + [0.3] + [None] * 9 + [0.3] + [None] * 9 + [0.1],
+        }
+
+    for seed in range(5):
+        runs = {"grpo": 15 + seed, "grpo_r3": None, "gspo": 20 if seed < 2 else None}
+        for arm, cs in runs.items():
+            r = _run(cs, series(cs), arm=arm, seed=seed)
+            assert common.collapse_step(r["series"]["reward_mean"]) is None or cs is not None
+            common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
+    S3.main(["--report", "--out", str(out)])
+    text = (out / "table.md").read_text()
+    assert "| grpo | 5 / 5 | - | - | 272 |" in text  # median collapse step 17 x 16 updates
+    assert "| grpo_r3 | 0 / 5 | 0.00397 | **yes** |" in text  # 1/252
+    assert "| n/a |" in text
+    assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text  # 21/252
+    # Flips cross 3 steps before every collapse (0.08 > 3 x 0.01), never elsewhere;
+    # precursors without a series are n/a.
+    assert "+3 [+3, +3] (5/5); FA -" in text
+    assert "+3 [+3, +3] (7/7); FA 0/8" in text
+    for name in ("reward_vs_updates.png", "precursors.png"):
+        assert (out / name).stat().st_size > 0
+
+
+# --------------------------------------------------------------------------
+# End to end on the smoke settings.
+
+
+@pytest.mark.slow
+def test_stage3_runs_end_to_end_on_smoke(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    S3.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"])
+    runs = sorted(os.listdir(out / "runs"))
+    assert runs == ["grpo_r3_s0.jsonl", "grpo_s0.jsonl", "rspo_g0.5_s0.jsonl"]
+    summary = common.read_jsonl(str(out / "runs" / "rspo_g0.5_s0.jsonl"))[0]
+    assert summary["steps"] == [1, 2] and summary["gamma_min"] == 0.5
+    assert summary["objective"] == "rspo" and summary["updates"] == 2
+    assert len(summary["series"]["reward_mean"]) == 2
+    assert (root / "stage3" / "grpo_r3_s0" / "metrics.jsonl").exists()
+    # A second invocation resumes: nothing left to run.
+    sc = S3.load_stage_config(CFG3, "smoke")
+    assert S3.run_all(sc, str(root), str(out), common.Budget(None)) == 0
+    S3.main(["--report", "--out", str(out)])
+    for name in ("reward_vs_updates.png", "precursors.png", "table.md"):
+        assert (out / name).exists(), name
+    assert "| grpo_r3 | 0 / 1 | 1 | no |" in (out / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_stage4_calibrates_runs_and_reports_on_smoke(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    cfg = CFG4 + ":smoke"
+    stage4_mismatch.main(["--root", str(root), "--out", str(out), "--config", cfg, "--calibrate"])
+    calib = json.loads((out / "calibration.json").read_text())
+    assert [t["target"] for t in calib["targets"]] == [0.05, 0.1]
+    assert all(1 <= len(t["points"]) <= 2 for t in calib["targets"])
+    assert len(calib["evaluations"]) <= 4 and all(e["sigma"] > 0 for e in calib["evaluations"])
+    stage4_mismatch.main(
+        ["--root", str(root), "--out", str(out), "--config", cfg, "--only-arms", "grpo,grpo_r3"]
+    )
+    runs = sorted(os.listdir(out / "runs"))
+    assert len(runs) == 4 and "grpo_r3_u2_d0.05_s0.jsonl" in runs
+    s = common.read_jsonl(str(out / "runs" / "grpo_u2_d0.05_s0.jsonl"))[0]
+    sigma = {t["target"]: t["sigma"] for t in calib["targets"]}[0.05]
+    assert s["sigma"] == sigma and s["steps"] == [1, 2]
+    # The calibration measured what the run's first step logs: same rollout, same params.
+    first = [t for t in calib["evaluations"] if t["sigma"] == sigma][0]
+    assert s["series"]["mismatch_route"][0] == pytest.approx(first["mismatch_route"], rel=1e-5)
+    r3 = common.read_jsonl(str(out / "runs" / "grpo_r3_u2_d0.05_s0.jsonl"))[0]
+    assert r3["series"]["mismatch_kl"][0] < s["series"]["mismatch_kl"][0]
+    stage4_mismatch.main(["--report", "--out", str(out)])
+    text = (out / "table.md").read_text()
+    assert "Rule 1" in text and "| 2 | 0.05" in text
+    assert (out / "mismatch.png").exists()
