@@ -385,6 +385,43 @@ def clip_table(idx: Index, grid, calib, sc, arm="moe2") -> str:
                     f"{row[0].split(' seq ')[1]}: {row[2] / g:.3g}×" for row in rows[1:]
                 )
                 lines.append(f"\nGSPO / GRPO clip fraction: {ratio}")
+    return "\n".join(lines) + "\n" + clip_by_k(idx, grid, calib, sc, arm)
+
+
+def clip_by_k(idx: Index, grid, calib, sc, arm="moe2") -> str:
+    """The same ranges' clip fractions (all lengths) after k = 1, 4 and 16 updates: near
+    π_old, where GSPO's paper measured them, and far off-policy. Seed mean of the
+    batch means, on each trained objective's own trajectory."""
+    named = len(sc.gspo_named)
+    lows = np.asarray([g[0] for g in grid[named:]])
+    ks = [k for k in (1, 4, idx.max_k()) if k <= idx.max_k()]
+    head = "| objective | lr | range | " + " | ".join(f"k = {k}" for k in ks) + " |"
+    lines = [
+        "\n## Clip fractions against the update index k\n",
+        head,
+        "|---|---:|---|" + "---:|" * len(ks),
+    ]
+    for obj in idx.objectives:
+        for lr in idx.lrs:
+            if not idx.runs(arm, obj, lr):
+                continue
+            grpo = [idx.per_seed(arm, obj, lr, k, "clip_grpo").mean() for k in ks]
+            gspo = [idx.per_seed(arm, obj, lr, k, "clip_gspo").mean(0) for k in ks]
+            rows = [("GRPO token 0.2/0.28", grpo)]
+            for j, (lo, hi) in enumerate(sc.gspo_named):
+                rows.append((f"GSPO seq {lo:g}/{hi:g}", [g[j] for g in gspo]))
+            if calib and calib.get("eps_low"):
+                e = calib["eps_low"]
+                rows.append(
+                    (
+                        f"GSPO seq calibrated {e:.3g}",
+                        [float(clip_at(g[named:], lows, e)) for g in gspo],
+                    )
+                )
+            for name, vals in rows:
+                lines.append(
+                    f"| {obj} | {lr:g} | {name} | " + " | ".join(f"{v:.4f}" for v in vals) + " |"
+                )
     return "\n".join(lines) + "\n"
 
 
