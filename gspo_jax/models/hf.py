@@ -14,22 +14,37 @@ Layout conversions (HF nn.Linear stores [out, in]):
 
 Qwen3-MoE's layer rule (decoder_sparse_step, mlp_only_layers) maps to
 ModelConfig.moe_every / dense_layers; norm_topk_prob to renormalize_topk.
+
+Both directions stream (docs/checkpoints.md): `from_pretrained` reads the headers,
+checks every tensor against the config, then memory-maps one tensor at a time and
+puts each device's block of it (converted to our layout and dtype) on that device
+alone; `export_pretrained` gathers one tensor (one layer of a stacked parameter)
+at a time and writes shards of a bounded size with model.safetensors.index.json.
+Neither ever holds the whole model on the host or on one device.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.safetensors_io import read_safetensors, write_safetensors
+from gspo_jax.models.safetensors_io import (
+    TensorInfo,
+    TensorReader,
+    tensor_infos,
+    write_sharded,
+)
 from gspo_jax.models.transformer import Transformer
 
 SUPPORTED = {
@@ -279,7 +294,10 @@ def _read_index(index: str) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
+def _read_checkpoint(path: str) -> dict[str, TensorInfo]:
+    """Where each tensor of the checkpoint folder ``path`` lies, from the validated
+    headers of its weight files (the index's files, or else every
+    ``*.safetensors``); no tensor data is read."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         files = [_weight_file(path, name, index) for name in _read_index(index)]
@@ -288,159 +306,416 @@ def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
         files = [_weight_file(path, os.path.basename(p), path) for p in files]
     if not files:
         raise ValueError(f"{path}: no *.safetensors files (pickle checkpoints are not read)")
-    tensors, source = {}, {}
+    infos: dict[str, TensorInfo] = {}
     for file in files:
-        for name, array in read_safetensors(file).items():
-            if name in tensors:
-                raise ValueError(f"{path}: tensor {name!r} is in both {source[name]} and {file}")
-            tensors[name], source[name] = array, file
-    return tensors
+        for name, info in tensor_infos(file).items():
+            if name in infos:
+                raise ValueError(
+                    f"{path}: tensor {name!r} is in both {infos[name].file} and {file}"
+                )
+            infos[name] = info
+    return infos
 
 
-def _take(tensors: dict, name: str, path: str, shape=None) -> np.ndarray:
-    if name not in tensors:
-        raise ValueError(f"{path}: missing tensor {name!r}")
-    a = tensors.pop(name)
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise ValueError(
-            f"{path}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}"
+# ---------------------------------------------------------------- loading
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_FILE_TO_PARAM_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float32"}
+
+
+def _file_dtype(infos: dict[str, TensorInfo]) -> str:
+    """The parameter dtype that keeps the checkpoint's precision: the floating dtype
+    holding most of its bytes (F64 becomes float32, the widest ModelConfig allows)."""
+    total: dict[str, int] = {}
+    for info in infos.values():
+        if info.dtype in _FLOAT_DTYPES:
+            total[info.dtype] = total.get(info.dtype, 0) + info.nbytes
+    if not total:
+        return "float32"
+    return _FILE_TO_PARAM_DTYPE[max(total, key=total.get)]
+
+
+def _hf_shape(to_hf, shape) -> tuple[int, ...]:
+    """The checkpoint shape of a tensor whose shape in our layout is ``shape``."""
+    if to_hf is None:
+        return tuple(shape)
+    return tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(tuple(shape), jnp.float32)).shape)
+
+
+class _Tensor:
+    """One checkpoint tensor as an array of our layout: ``view`` (transposes,
+    reshapes and slices only, so no data is copied or read) turns the mapped file
+    array into ours, and :meth:`read` copies the block ``index`` of that into
+    ``out``, converting the dtype; only the pages the block covers are read."""
+
+    def __init__(self, info: TensorInfo, view=None):
+        self.info, self.view = info, view
+
+    def read(self, reader: TensorReader, index: tuple, out: np.ndarray) -> None:
+        a = reader.array(self.info)
+        out[...] = (self.view(a) if self.view else a)[index]
+        # `a` goes out of scope here: its memory map (and its pages) are released.
+
+
+class _Stack:
+    """An array whose leading axis is gathered from several tensors (the experts
+    of one layer, each its own tensor in the checkpoint)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def read(self, reader: TensorReader, index: tuple, out: np.ndarray) -> None:
+        for j, k in enumerate(range(*index[0].indices(len(self.parts)))):
+            self.parts[k].read(reader, index[1:], out[j])
+
+
+class _Checkpoint:
+    """The checkpoint's tensors, checked as the loader claims them: each must exist,
+    have the shape the config implies and a floating dtype; the tensors no
+    parameter claims are reported by :meth:`check_all_used`."""
+
+    def __init__(self, path: str, infos: dict[str, TensorInfo], param_dtype: str):
+        self.path, self.infos, self.param_dtype = path, infos, param_dtype
+        self.used: set[str] = set()
+
+    def tensor(self, name: str, hf_shape, our_shape, view=None) -> _Tensor:
+        info = self.infos.get(name)
+        if info is None:
+            raise ValueError(f"{self.path}: missing tensor {name!r}")
+        where = f"{info.file}: tensor {name!r}"
+        if info.shape != tuple(hf_shape):
+            raise ValueError(f"{where} has shape {info.shape}, expected {tuple(hf_shape)}")
+        if info.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{where} has dtype {info.dtype}, which does not convert to "
+                f"{self.param_dtype} parameters (floating dtypes only: "
+                f"{', '.join(_FLOAT_DTYPES)})"
+            )
+        # The view on a zero-strided stand-in: its shape, without touching data.
+        got = np.broadcast_to(np.zeros((), np.float32), info.shape)
+        got = (view(got) if view else got).shape
+        if got != tuple(our_shape):
+            raise ValueError(f"{where} converts to {got}, expected {tuple(our_shape)}")
+        self.used.add(name)
+        return _Tensor(info, view)
+
+    def check_all_used(self, ignore=()) -> None:
+        leftover = sorted(
+            k
+            for k in self.infos
+            if k not in self.used and k not in ignore and not k.endswith("rotary_emb.inv_freq")
         )
-    return np.asarray(a, dtype=np.float32)
+        if leftover:
+            raise ValueError(
+                f"{self.path}: unexpected tensors (unsupported features?): {leftover[:8]}"
+                + (" ..." if len(leftover) > 8 else "")
+            )
+
+
+def _plan(model: Transformer, ckpt: _Checkpoint) -> dict[int, tuple[nnx.Param, object]]:
+    """For each parameter (by id): ``(param, source)``, where the source is a list
+    with one source per stacked layer for the parameters of a segment's blocks, or
+    one source for the others. Every tensor is checked here, before any is read."""
+    cfg = model.cfg
+    plan: dict[int, tuple[nnx.Param, object]] = {}
+
+    def layer(param, r, source):
+        if id(param) not in plan:
+            plan[id(param)] = (param, [None] * param.shape[0])
+        plan[id(param)][1][r] = source
+
+    d, e, f, v = cfg.d_model, cfg.num_experts, cfg.moe_d_ff, cfg.vocab_size
+    t = lambda w: w.T  # noqa: E731
+    for i, (blk, r) in enumerate(_layer_slots(model)):
+        pre = f"model.layers.{i}."
+        for suffix, attr, to_ours, to_hf in _layer_table(cfg, blk.is_moe):
+            p = _get(blk, attr)
+            inner = tuple(p.shape[1:])
+            layer(p, r, ckpt.tensor(pre + suffix, _hf_shape(to_hf, inner), inner, to_ours))
+        if not blk.is_moe:
+            continue
+        mlp = blk.mlp
+        fused = pre + "mlp.experts.gate_up_proj"
+        if fused in ckpt.infos:  # transformers' fused layout: [E, 2I, D] and [E, D, I]
+            gu = (e, 2 * f, d)
+            layer(mlp.gate, r, ckpt.tensor(fused, gu, (e, d, f), lambda w: w[:, :f].swapaxes(1, 2)))
+            layer(mlp.up, r, ckpt.tensor(fused, gu, (e, d, f), lambda w: w[:, f:].swapaxes(1, 2)))
+            down = pre + "mlp.experts.down_proj"
+            layer(mlp.down, r, ckpt.tensor(down, (e, d, f), (e, f, d), lambda w: w.swapaxes(1, 2)))
+        else:
+            for attr, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                parts = [
+                    ckpt.tensor(f"{pre}mlp.experts.{x}.{attr}_proj.weight", shape, shape[::-1], t)
+                    for x in range(e)
+                ]
+                layer(getattr(mlp, attr), r, _Stack(parts))
+    whole = [
+        (model.embed, ckpt.tensor("model.embed_tokens.weight", (v, d), (v, d))),
+        (model.final_norm.scale, ckpt.tensor("model.norm.weight", (d,), (d,))),
+    ]
+    if not cfg.tie_embeddings:
+        whole.append((model.lm_head, ckpt.tensor("lm_head.weight", (v, d), (d, v), t)))
+    for p, source in whole:
+        plan[id(p)] = (p, source)
+    # Tied checkpoints may store a copy of the embedding as lm_head.weight.
+    ckpt.check_all_used(ignore=("lm_head.weight",) if cfg.tie_embeddings else ())
+    return plan
+
+
+def _block_key(index: tuple, shape: tuple) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _assemble(shape: tuple, sharding, np_dtype: np.dtype, fill) -> jax.Array:
+    """A global array of ``shape`` on ``sharding``, built block by block on the host.
+
+    ``fill(index, out)`` writes the block ``index`` (a tuple of slices) into the
+    host array ``out``. Each distinct block is filled once, put on every device
+    that holds it, and freed before the next: the host holds one device's block at
+    a time, and each device receives only its shard.
+    """
+    index_map = sharding.addressable_devices_indices_map(shape)
+    groups: dict[tuple, list] = {}
+    for device, index in index_map.items():
+        groups.setdefault(_block_key(index, shape), []).append(device)
+    pieces = {}
+    for key, devices in groups.items():
+        block = np.empty(tuple(b - a for a, b in key), np_dtype)
+        fill(tuple(slice(a, b) for a, b in key), block)
+        for device in devices:
+            pieces[device] = jax.device_put(block, device)
+        jax.block_until_ready([pieces[device] for device in devices])
+        del block
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [pieces[device] for device in index_map]
+    )
+
+
+def _layer_sharding(sharding, ndim: int):
+    """The sharding of one layer of a stacked parameter (its leading axis dropped)."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        return NamedSharding(sharding.mesh, P(*spec[1:]))
+    return sharding  # one device
+
+
+def _set_layer(stack, layer, r):
+    return jax.lax.dynamic_update_index_in_dim(stack, layer, r, 0)
+
+
+def _load_param(param, source, sharding, dtype, reader: TensorReader) -> jax.Array:
+    """One parameter, read from the checkpoint straight onto its sharding.
+
+    A stacked parameter (``source`` a list, one per layer) starts as zeros on its
+    sharding and receives one layer at a time through an in-place (donated) update,
+    so host and devices hold one layer's blocks beyond the parameter itself.
+    """
+    shape, np_dtype = tuple(param.shape), np.dtype(dtype)
+    if not isinstance(source, list):
+        return _assemble(shape, sharding, np_dtype, lambda i, out: source.read(reader, i, out))
+    inner = _layer_sharding(sharding, len(shape))
+    stack = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
+    for r, src in enumerate(source):
+        fill = lambda i, out, src=src: src.read(reader, i, out)  # noqa: E731
+        stack = set_layer(stack, _assemble(shape[1:], inner, np_dtype, fill), np.int32(r))
+        stack.block_until_ready()
+    return stack
+
+
+def _init_param(name: str, param, sharding, cfg: ModelConfig) -> jax.Array:
+    """A parameter that checkpoints do not hold (the value head), initialised as
+    the Transformer initialises it, directly on its sharding."""
+    shape, dtype = tuple(param.shape), cfg.jnp_param_dtype
+    if name == "value_w":
+        key = jax.random.key(0)
+        fn = lambda: (cfg.init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)  # noqa: E731
+    elif name == "value_b":
+        fn = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+    else:
+        raise ValueError(
+            f"from_pretrained: parameter {name!r} is not loaded (internal layout error)"
+        )
+    return jax.jit(fn, out_shardings=sharding)()
 
 
 def from_pretrained(
     path: str,
     *,
-    dtype="float32",
+    dtype=None,
     param_dtype=None,
     moe_backend: str = "blocked",
     mesh: Optional[jax.sharding.Mesh] = None,
     **overrides,
 ) -> Transformer:
-    """Load a HF checkpoint directory (config.json + *.safetensors) as a Transformer.
+    """Load a HF checkpoint directory (config.json + *.safetensors) as a Transformer,
+    streaming each tensor from its file onto its sharding.
+
+    Nothing is materialised whole: every tensor is memory-mapped from its file on
+    its own, converted (transposed, reshaped, cast) one device block at a time, and
+    put only on the devices that hold that block, so peak host memory is the
+    parameters' own device copies (on CPU devices) plus about one layer's block,
+    and no device holds more than its shard. See docs/checkpoints.md.
 
     Args:
       path: directory with config.json and model.safetensors (or shards with
         model.safetensors.index.json).
-      dtype: compute dtype.
-      param_dtype: parameter dtype (default: `dtype`).
+      dtype: compute dtype (default float32).
+      param_dtype: parameter dtype. Default: ``dtype`` when that is given, else the
+        checkpoint's own dtype (bf16 files give bf16 parameters; F64 gives float32).
       moe_backend: 'blocked' | 'ragged' | 'dense'.
-      mesh: if given, parameters are placed with `param_shardings(model, mesh)`.
-      **overrides: any other ModelConfig field (scan_layers, remat_policy, ...).
+      mesh: if given, each parameter is placed on the sharding `param_shardings`
+        gives it; else on the default device.
+      **overrides: any other ModelConfig field (scan_layers, remat_policy,
+        value_head, num_valid_tokens, ...). A value head, which checkpoints do not
+        hold, is initialised as `Transformer` initialises it.
 
-    Raises ValueError naming the architecture, config field or tensor that is
-    unsupported, missing or of the wrong shape.
+    Raises ValueError naming the architecture or config field that is unsupported,
+    or the file and tensor that is missing, of the wrong shape or of a dtype that
+    does not convert to floating-point parameters.
     """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"{path}: no config.json")
     with open(cfg_path) as f:
         hf = json.load(f)
-    dtype = jnp.dtype(dtype).name
-    param_dtype = jnp.dtype(param_dtype).name if param_dtype is not None else dtype
+    infos = _read_checkpoint(path)
+    if param_dtype is None:
+        param_dtype = dtype if dtype is not None else _file_dtype(infos)
+    dtype = jnp.dtype(dtype if dtype is not None else "float32").name
+    param_dtype = jnp.dtype(param_dtype).name
     cfg = config_from_hf(
         hf, dtype=dtype, param_dtype=param_dtype, moe_backend=moe_backend, **overrides
     )
-    tensors = _read_checkpoint(path)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    bufs: dict[int, tuple[nnx.Param, np.ndarray]] = {}
+    plan = _plan(model, _Checkpoint(path, infos, param_dtype))
 
-    def buf(param):
-        if id(param) not in bufs:
-            bufs[id(param)] = (param, np.zeros(param.shape, np.float32))
-        return bufs[id(param)][1]
-
-    d, e, f_moe = cfg.d_model, cfg.num_experts, cfg.moe_d_ff
-    for i, (blk, r) in enumerate(_layer_slots(model)):
-        pre = f"model.layers.{i}."
-        for suffix, attr, to_ours, _ in _layer_table(cfg, blk.is_moe):
-            p = _get(blk, attr)
-            w = _take(tensors, pre + suffix, path)
-            w = to_ours(w) if to_ours else w
-            if w.shape != tuple(p.shape[1:]):
-                raise ValueError(
-                    f"{path}: tensor {pre + suffix!r} converts to {w.shape}, "
-                    f"expected {tuple(p.shape[1:])}"
-                )
-            buf(p)[r] = w
-        if blk.is_moe:
-            mlp = blk.mlp
-            fused = pre + "mlp.experts.gate_up_proj"
-            if fused in tensors:
-                gu = _take(tensors, fused, path, (e, 2 * f_moe, d))
-                buf(mlp.gate)[r] = gu[:, :f_moe].transpose(0, 2, 1)
-                buf(mlp.up)[r] = gu[:, f_moe:].transpose(0, 2, 1)
-                buf(mlp.down)[r] = _take(
-                    tensors, pre + "mlp.experts.down_proj", path, (e, d, f_moe)
-                ).transpose(0, 2, 1)
-            else:
-                for x in range(e):
-                    q = f"{pre}mlp.experts.{x}."
-                    buf(mlp.gate)[r, x] = _take(tensors, q + "gate_proj.weight", path, (f_moe, d)).T
-                    buf(mlp.up)[r, x] = _take(tensors, q + "up_proj.weight", path, (f_moe, d)).T
-                    buf(mlp.down)[r, x] = _take(tensors, q + "down_proj.weight", path, (d, f_moe)).T
-    v = cfg.vocab_size
-    buf(model.embed)[...] = _take(tensors, "model.embed_tokens.weight", path, (v, d))
-    buf(model.final_norm.scale)[...] = _take(tensors, "model.norm.weight", path, (d,))
-    if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # some tied checkpoints store a copy
-    else:
-        buf(model.lm_head)[...] = _take(tensors, "lm_head.weight", path, (v, d)).T
-    leftover = sorted(k for k in tensors if not k.endswith("rotary_emb.inv_freq"))
-    if leftover:
-        raise ValueError(
-            f"{path}: unexpected tensors (unsupported features?): {leftover[:8]}"
-            + (" ..." if len(leftover) > 8 else "")
-        )
-    params = [p for _, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)]
-    missing = [p for p in params if id(p) not in bufs]
-    if missing:
-        raise ValueError(
-            f"{path}: {len(missing)} parameters were not loaded (internal layout error)"
-        )
-    pd = jnp.dtype(param_dtype)
-    for p, a in bufs.values():
-        p.set_value(jnp.asarray(a, pd))
     if mesh is not None:
         from gspo_jax.models.sharding import param_shardings
 
-        gdef, state = nnx.split(model)
-        state = jax.device_put(state, param_shardings(state, mesh, cfg))
-        model = nnx.merge(gdef, state)
+        by_path = dict(nnx.to_flat_state(param_shardings(nnx.state(model), mesh, cfg)))
+        sharding_of = lambda graph_path: by_path[graph_path].get_value()  # noqa: E731
+    else:
+        device = jax.config.jax_default_device  # set by `with jax.default_device(...)`
+        if not isinstance(device, jax.Device):
+            device = jax.devices()[0]
+        default = SingleDeviceSharding(device)
+        sharding_of = lambda graph_path: default  # noqa: E731
+    values = []
+    with TensorReader() as reader:
+        for graph_path, p in nnx.iter_graph(model):
+            if not isinstance(p, nnx.Param):
+                continue
+            sharding = sharding_of(graph_path)
+            if id(p) in plan:
+                value = _load_param(p, plan[id(p)][1], sharding, cfg.jnp_param_dtype, reader)
+            else:
+                value = _init_param(str(graph_path[-1]), p, sharding, cfg)
+            values.append((p, value))
+    for p, value in values:
+        p.set_value(value)
     return model
 
 
-def export_pretrained(model: Transformer, path: str, *, dtype: Optional[str] = None) -> None:
-    """Write `model` as a HF checkpoint: config.json + model.safetensors.
+# ---------------------------------------------------------------- export
+@functools.partial(jax.jit, static_argnames="dtype")
+def _layer_as(a, r, dtype):
+    return a[r].astype(dtype)
 
-    dtype: tensor dtype in the file (default: the parameters' dtype).
-    """
-    cfg = model.cfg
-    dtype = jnp.dtype(dtype or cfg.param_dtype)
-    hf = config_to_hf(cfg, dtype.name)
-    out: dict[str, np.ndarray] = {}
-    get = lambda p: np.asarray(jax.device_get(p[...]), np.float32)
+
+class _Fetch:
+    """Host copies of parameters (or one layer of a stacked one) in the file dtype,
+    one at a time: fetching the next frees the last, so the host holds one layer's
+    tensor (for experts: one layer's [E, D, I] stack) at a time."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype, self.key, self.value = dtype, None, None
+
+    def __call__(self, param, r=None) -> np.ndarray:
+        if self.key != (id(param), r):
+            self.key, self.value = None, None  # free the previous copy first
+            a = param[...]
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                raise ValueError(
+                    "export_pretrained: the parameters span several processes; "
+                    "export from a single process that holds every shard"
+                )
+            a = jnp.asarray(a)
+            a = a.astype(self.dtype) if r is None else _layer_as(a, np.int32(r), self.dtype)
+            self.key, self.value = (id(param), r), np.asarray(jax.device_get(a))
+        return self.value
+
+
+def _export_entries(model: Transformer, dtype: np.dtype) -> list[tuple]:
+    """``(name, hf_shape, produce)`` for every tensor of the HF checkpoint, in the
+    order they are written; ``produce()`` returns the array (a view of the
+    fetched parameter in the HF layout)."""
+    cfg, fetch = model.cfg, _Fetch(dtype)
+    out = []
     for i, (blk, r) in enumerate(_layer_slots(model)):
         pre = f"model.layers.{i}."
         for suffix, attr, _, to_hf in _layer_table(cfg, blk.is_moe):
-            w = get(_get(blk, attr))[r]
-            out[pre + suffix] = to_hf(w) if to_hf else w
+            p = _get(blk, attr)
+
+            def produce(p=p, r=r, to_hf=to_hf):
+                w = fetch(p, r)
+                return to_hf(w) if to_hf else w
+
+            out.append((pre + suffix, _hf_shape(to_hf, p.shape[1:]), produce))
         if blk.is_moe:
-            g, u, dn = (get(blk.mlp.gate)[r], get(blk.mlp.up)[r], get(blk.mlp.down)[r])
-            for x in range(cfg.num_experts):
-                q = f"{pre}mlp.experts.{x}."
-                out[q + "gate_proj.weight"] = g[x].T
-                out[q + "up_proj.weight"] = u[x].T
-                out[q + "down_proj.weight"] = dn[x].T
-    out["model.embed_tokens.weight"] = get(model.embed)
-    out["model.norm.weight"] = get(model.final_norm.scale)
+            # One projection at a time over the experts: fetched once per layer.
+            for attr in ("gate", "up", "down"):
+                p = getattr(blk.mlp, attr)
+                _, e, a, b = p.shape
+                for x in range(e):
+                    name = f"{pre}mlp.experts.{x}.{attr}_proj.weight"
+                    out.append((name, (b, a), lambda p=p, r=r, x=x: fetch(p, r)[x].T))
+    v, d = cfg.vocab_size, cfg.d_model
+    out.append(("model.embed_tokens.weight", (v, d), lambda: fetch(model.embed)))
+    out.append(("model.norm.weight", (d,), lambda: fetch(model.final_norm.scale)))
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = get(model.lm_head).T
-    os.makedirs(path, exist_ok=True)
-    write_safetensors(
-        os.path.join(path, "model.safetensors"),
-        {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()},
+        out.append(("lm_head.weight", (v, d), lambda: fetch(model.lm_head).T))
+    return out
+
+
+def export_pretrained(
+    model: Transformer,
+    path: str,
+    *,
+    dtype: Optional[str] = None,
+    max_shard_size: Union[int, str] = "5GB",
+) -> list[str]:
+    """Write `model` as a HF checkpoint that transformers and vLLM load: config.json
+    plus ``model.safetensors``, or, past ``max_shard_size``, shards
+    ``model-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+
+    Streams: one parameter (or one layer of a stacked one) at a time is gathered
+    from its devices to the host, converted and written, so the host holds about
+    one tensor; parameters may be sharded over any mesh of this process. Weight
+    files of an earlier export in ``path`` that this one does not overwrite are
+    removed. The value head, which HF models lack, is not written.
+
+    Args:
+      dtype: tensor dtype in the files (default: the parameters' dtype, so bf16
+        models export bf16).
+      max_shard_size: bytes per file (an int, or "5GB", "500MB", "2GiB"); a tensor
+        larger than that gets a file of its own.
+
+    Returns the names of the weight files written (index included).
+    """
+    cfg = model.cfg
+    dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
+    hf = config_to_hf(cfg, dtype.name)
+    hf["torch_dtype"] = dtype.name  # the key transformers < 4.56 (and vLLM with it) read
+    entries = _export_entries(model, dtype)
+    files = write_sharded(
+        path,
+        [(name, dtype, shape) for name, shape, _ in entries],
+        (produce() for _, _, produce in entries),
+        max_shard_size=max_shard_size,
         metadata={"format": "pt"},
     )
-    with open(os.path.join(path, "config.json"), "w") as f:
+    tmp = os.path.join(path, "config.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(path, "config.json"))
+    return files
