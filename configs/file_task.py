@@ -27,6 +27,10 @@ def get_config(arg: str | None = None):
     c.task.difficulty = ""
     c.task.file = args.get("file", "")
     c.sft.steps = 0
+    # A user's prompts may be longer than the built-in tasks': 256 tokens (characters
+    # with the char tokenizer) by default; a longer one stops the run with an error
+    # naming config.rollout.max_prompt_len (or set rollout.long_prompts="truncate").
+    c.rollout.max_prompt_len = 256
     if args.get("smoke"):
         config_lib.apply_smoke(c)
         c.sft.steps = 0

@@ -13,6 +13,17 @@ Arguments: ``ckpt`` (required), ``gsm8k_files``, ``objective`` (default gspo,
 with the paper's clip range for long responses), ``replay`` (none | R2 | R3),
 ``smoke``. The mesh shards parameters over fsdp (all devices) and experts over
 ``expert``; change ``--config.mesh.*`` for a pod, e.g. data=4, fsdp=-1, expert=8.
+
+Memory (docs/memory.md, ``python -m experiments.memory_budget``): sized for one node
+of 8x H100 80GB, where f32 parameters and AdamW moments with one f32 gradient take
+56.9 GiB of each GPU. Hence no gradient accumulation (``micro_batches=1``: an
+accumulator would add 14.2 GiB), 16 prompts x 8 samples in 4 mini-batches (4 rows of
+P + T - 1 = 1407 tokens per GPU per update), remat 'full', logits in chunks of 128
+positions, cuDNN flash attention and 128 held-out prompts; the train step peaks near
+65 of the 75.7 GiB XLA may take with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` (set it:
+the default is 0.75). A KL term (``objective=grpo``) adds a 7.1 GiB reference copy: it does not fit
+one node. On TPU the attention is XLA's; a v5p-8 (4 chips) cannot hold the f32 state
+(114 GiB per chip), a v5p-16 (8 chips) runs this config as it is.
 """
 
 from gspo_jax import config as config_lib
@@ -35,24 +46,29 @@ def get_config(arg: str | None = None):
     c.task.difficulty = ""
     c.task.gsm8k_files = args.get("gsm8k_files", "")
     c.task.style = "instruct"
-    c.task.eval_size = 256
+    c.task.eval_size = 128  # x 4 samples at once: a 8.2 GiB KV cache per GPU
     c.task.format_reward = 0.1
     c.model.pretrained = args["ckpt"]
     c.tokenizer = c.model.pretrained  # tokenizer.json beside the weights
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.moe_backend = "ragged"  # grouped matmul on GPU/TPU
-    c.model.remat_policy = "dots"
+    c.model.remat_policy = "full"  # keeps 4 KiB per token per layer (docs/memory.md)
+    c.model.attention_impl = "auto"  # cuDNN flash attention on GPU, XLA elsewhere
+    c.model.logits_chunk_size = 128  # [rows, 128, 151936] f32 logits at a time
     c.mesh = dict(data=1, fsdp=-1, expert=1, tensor=1)
 
     name = args.get("objective", "gspo")
     config_lib.set_objective(c, name, PAPER_EPS.get(name, {}))
     c.updates.routing_replay = args.get("replay", "none")
-    c.rollout.prompts_per_step = 64
+    c.rollout.prompts_per_step = 16
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 1024
+    # GSM8K's longest question is 985 characters (train; 848 test): about 250 tokens,
+    # plus the instruction and the chat template; 384 holds every one, in one shape.
+    c.rollout.max_prompt_len = 384
     c.updates.num_minibatches = 4
-    c.updates.micro_batches = 4
+    c.updates.micro_batches = 1
     c.optimizer.lr = 1e-6
     c.optimizer.warmup_steps = 10
     c.optimizer.weight_decay = 0.01

@@ -29,6 +29,7 @@ REPLAY_MODES = ("none", "R2", "R3")
 TASKS = ("countdown", "arithmetic", "gsm8k", "file")
 FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
 BAD_ROWS = ("skip", "refuse")
+LONG_PROMPTS = ("refuse", "truncate")
 SCHEDULES = ("constant", "cosine", "linear")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -78,7 +79,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.moe_backend = "blocked"  # 'blocked' (CPU), 'ragged' (TPU/GPU grouped matmul), 'dense'
     c.model.scan_layers = True
+    # Rematerialisation of each layer group's activations in the backward pass:
+    # none, full, dots, dots_no_batch, dots_no_scores (docs/memory.md).
     c.model.remat_policy = "none"
+    # Attention of the full forward: auto (cuDNN flash on an NVIDIA GPU where it
+    # applies, else XLA), xla or cudnn.
+    c.model.attention_impl = "auto"
+    # Token log-probs take the [B, c, V] f32 logits c positions at a time (0 = the
+    # whole sequence at once): a 152k vocabulary needs it (docs/memory.md).
+    c.model.logits_chunk_size = 0
     # Architecture of an initialised model (ModelConfig fields); vocab_size 0 = the tokenizer's.
     c.model.fields = ml_collections.ConfigDict(
         dict(
@@ -113,6 +122,16 @@ def base_config() -> ml_collections.ConfigDict:
     # the trainer's): a controlled train-inference routing mismatch for CPU studies
     # (experiments/router_noise.md).
     c.rollout.router_noise_std = 0.0
+    # Every prompt is left-padded to max_prompt_len tokens: one shape for the sampler,
+    # the log-prob passes and the train step (and SFT) over the whole run, so no batch
+    # recompiles them. 64 fits Countdown's and arithmetic's compact prompts (at most 52
+    # characters with BOS, at every difficulty). A longer prompt is refused (an error
+    # naming this field and its length) with long_prompts "refuse", or with "truncate"
+    # cut to its last max_prompt_len tokens (the end holds the question's end, the
+    # answer format and the chat template's assistant turn) and counted in the RL
+    # step's ``prompts_truncated`` (``eval_prompts_truncated``, SFT's too).
+    c.rollout.max_prompt_len = 64
+    c.rollout.long_prompts = "refuse"
 
     # Rollout correction: importance weights pi_old / pi_sampler on the per-token
     # loss (docs/objectives.md, "Rollout correction"). mode: none, token_tis,
@@ -522,6 +541,8 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
     _finite(c, "rollout.top_p", low=0, high=1, low_open=True)
     _int(c, "rollout.top_k", low=0)
     _finite(c, "rollout.router_noise_std", low=0)
+    _int(c, "rollout.max_prompt_len", low=1)
+    _str(c, "rollout.long_prompts", choices=LONG_PROMPTS)
 
     for path in ("objective.name", "objective.hparams_of"):
         _str(c, path)
@@ -583,7 +604,15 @@ def _mesh_axis(c: ml_collections.ConfigDict, axis: str) -> int:
 
 
 # Set on config.model, not config.model.fields (train.model_config copies them over).
-MODEL_RUNTIME_FIELDS = ("dtype", "param_dtype", "moe_backend", "scan_layers", "remat_policy")
+MODEL_RUNTIME_FIELDS = (
+    "dtype",
+    "param_dtype",
+    "moe_backend",
+    "scan_layers",
+    "remat_policy",
+    "attention_impl",
+    "logits_chunk_size",
+)
 # ModelConfig fields without a default: an initialised model needs them.
 _MODEL_REQUIRED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads")
 _MODEL_REQUIRED += ("head_dim", "d_ff")
@@ -598,13 +627,21 @@ _MODEL_BOOLS = ("renormalize_topk", "qk_norm", "qkv_bias", "tie_embeddings", "va
 
 
 def _check_model_runtime(c: ml_collections.ConfigDict) -> None:
-    from gspo_jax.models.config import DTYPES, MOE_BACKENDS, REMAT_POLICIES
+    from gspo_jax.models.config import ATTENTION_IMPLS, DTYPES, MOE_BACKENDS, REMAT_POLICIES
 
     _str(c, "model.dtype", choices=DTYPES)
     _str(c, "model.param_dtype", choices=DTYPES)
     _str(c, "model.moe_backend", choices=MOE_BACKENDS)
     _str(c, "model.remat_policy", choices=REMAT_POLICIES)
+    _str(c, "model.attention_impl", choices=ATTENTION_IMPLS)
     _bool(c, "model.scan_layers")
+    _int(c, "model.logits_chunk_size", low=0, why=" (0 = off)")
+    if c.model.attention_impl == "cudnn" and c.model.dtype == "float32":
+        raise _err(
+            "model.attention_impl",
+            "'cudnn' (flash attention) needs model.dtype bfloat16 or float16, got float32; "
+            "use 'auto' or 'xla'",
+        )
 
 
 def _check_model_fields(c: ml_collections.ConfigDict) -> None:
@@ -638,8 +675,6 @@ def _check_model_fields(c: ml_collections.ConfigDict) -> None:
         _finite(c, f"model.fields.{key}", low=0)
     for key in present & set(_MODEL_BOOLS):
         _bool(c, f"model.fields.{key}")
-    if "logits_chunk_size" in f and f.logits_chunk_size is not None:
-        _int(c, "model.fields.logits_chunk_size", low=1, why=" or None")
     if "dense_layers" in f:
         layers = f.dense_layers
         if not (isinstance(layers, (list, tuple)) and all(_is_int(i) for i in layers)):
@@ -834,7 +869,11 @@ def validate(
                                                            'file' and no test_file
     model.dtype, model.param_dtype                         float32, bfloat16, float16
     model.moe_backend                                      blocked, ragged, dense
-    model.remat_policy                                     none, full, dots, dots_no_batch
+    model.remat_policy                                     none, full, dots, dots_no_batch,
+                                                           dots_no_scores
+    model.attention_impl                                   auto, xla, cudnn (cudnn: a
+                                                           bf16/f16 model.dtype)
+    model.logits_chunk_size                                int >= 0 (0 = off)
     model.scan_layers                                      bool
     model.fields.vocab_size                                int >= 0 (0 = the tokenizer's;
                                                            >= the tokenizer's)
@@ -849,7 +888,6 @@ def validate(
     model.fields.aux_loss_coef, z_loss_coef                finite >= 0
     model.fields.renormalize_topk, qk_norm, qkv_bias,      bool
     tie_embeddings, value_head
-    model.fields.logits_chunk_size                         None or int >= 1
     model.fields.dense_layers                              ints in [0, num_layers)
     model.fields.num_valid_tokens                          not set: the trainer derives it
     model.fields.axis_rules, other ModelConfig fields      ModelConfig's own checks
@@ -863,6 +901,8 @@ def validate(
                                                            bias the gradient)
     rollout.top_k                                          0 (int >= 0; likewise)
     rollout.router_noise_std                               finite >= 0; 0 for a dense model
+    rollout.max_prompt_len                                 int >= 1
+    rollout.long_prompts                                   refuse, truncate
     rollout_correction.mode, cap, c_low, c_high,           RolloutCorrection's checks (cap,
     seq_ratio                                              c_low, c_high finite >= 1)
     objective.name, objective.hparams.*                    a registered objective and its

@@ -20,7 +20,9 @@ How it runs
    B = b * G rows divide over the data-parallel shards), and
    every array is placed on the device (sharded over the mesh's data axes when
    a mesh is given).  Only these bucketed shapes reach the compiled function, so
-   a new batch recompiles only when it falls in a new (B, P) bucket.
+   a new batch recompiles only when it falls in a new (B, P) bucket; one
+   explicit bucket (``prompt_buckets=(P,)``, what the trainer uses with
+   ``rollout.max_prompt_len``) makes it one program for every batch.
 2. Device side, one ``jax.jit``-compiled function per (B, P, max_new_tokens,
    G, sampling mode): one prefill of the [b, P] prompts into a KV cache, then a
    ``lax.while_loop`` that samples token t from the last logits, records it and
@@ -84,8 +86,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Rollout", "Sampler"]
+__all__ = ["ROUTING", "Rollout", "Sampler"]
 
+# What of the routing record a rollout keeps (`Sampler.__call__`'s ``routing``):
+# everything (R3 replays it), the response tokens' only (``experts``: the
+# sampler/trainer routing mismatch), or nothing.
+ROUTING = ("all", "response", "none")
 _NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
 NOISE_STREAM = 2**31  # folded into rng for the router noise's keys (prompt ids are < 2**31)
 
@@ -116,11 +122,13 @@ class Rollout:
         ``concat(prompt_tokens, tokens)`` (the last prompt token for t = 0).  It
         is aligned with logp[r, t].  -1 where mask is 0.  With router noise, the
         experts actually used (the noisy router's top-K); logp and
-        logp_sampling are then those of the noisy forward too.
+        logp_sampling are then those of the noisy forward too.  None when the
+        sampler was asked for no routing record (``routing="none"``).
       prompt_tokens: int32[N, P], the prompts, left-padded with ``pad_id``.
       prompt_mask: bool[N, P], True on real prompt tokens.
       prompt_experts: int32[N, P, L, K], the prefill's top-K at every prompt
         position; -1 on padding.  ``prompt_experts[:, P-1] == experts[:, 0]``.
+        None unless the sampler was asked for the whole record (``routing="all"``).
     """
 
     tokens: jax.Array
@@ -143,8 +151,13 @@ class Rollout:
         o_t to produce o_{t+1} (``experts[:, t+1]``).  The last response token is
         never fed during sampling, so its position holds -1 (free routing); no
         response log-prob depends on it.  The logits at positions P-1 ... P+T-2
-        of that forward give ``logp``.
+        of that forward give ``logp``.  Needs the whole record (``routing="all"``).
         """
+        if self.prompt_experts is None or self.experts is None:
+            raise ValueError(
+                "Rollout.replay: the rollout has no prompt routing record; sample with "
+                "routing='all'"
+            )
         tail = jnp.full_like(self.experts[:, :1], -1)
         return jnp.concatenate([self.prompt_experts, self.experts[:, 1:], tail], axis=1)
 
@@ -333,17 +346,18 @@ class _Spec(NamedTuple):
     pad_id: int
     batch_sharding: Optional[NamedSharding]  # of [rows, ...] arrays
     router_noise: bool  # router_noise_std > 0 (the value itself is traced)
+    routing: str = "all"  # the routing record kept: all, response, none (ROUTING)
 
 
 class _Carry(NamedTuple):
     t: jax.Array  # int32[], the response index being sampled
     cache: Any  # the model's KVCache
     logits: jax.Array  # f32[B, V], next-token logits for response token t
-    route: jax.Array  # int32[B, L, K], routing of the position that gave them
+    route: Optional[jax.Array]  # int32[B, L, K], routing of the position that gave them
     tokens: jax.Array  # int32[B, T]
     logp: jax.Array  # f32[B, T]
     logp_sampling: jax.Array  # f32[B, T]
-    experts: jax.Array  # int32[B, T, L, K]
+    experts: Optional[jax.Array]  # int32[B, T, L, K] (None: no routing record)
     stopped: jax.Array  # bool[B], emitted a stop token
     lengths: jax.Array  # int32[B]
     history: jax.Array  # int32[B, M], the last M response tokens (stop matching)
@@ -444,21 +458,26 @@ def _generate(
     cache = cache.replace(
         k=jax.tree.map(shard, cache.k), v=jax.tree.map(shard, cache.v), valid=shard(cache.valid)
     )  # every cache array is [rows, ...]
-    topk = rows(aux.topk_indices.astype(jnp.int32))  # [B, P, L, K]
     prompt_mask = rows(prompt_mask)
     n_prompt = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
-    prompt_experts = jnp.where(prompt_mask[:, :, None, None], topk, -1)
-    route_shape = topk.shape[2:]
+    record = spec.routing != "none"  # the response tokens' routing (experts)
+    if record:
+        last_route = rows(aux.topk_indices[:, -1].astype(jnp.int32))  # [B, L, K]
+        route_shape = last_route.shape[1:]
+    prompt_experts = None
+    if spec.routing == "all":
+        topk = rows(aux.topk_indices.astype(jnp.int32))  # [B, P, L, K]
+        prompt_experts = jnp.where(prompt_mask[:, :, None, None], topk, -1)
 
     carry = _Carry(
         t=jnp.zeros((), jnp.int32),
         cache=cache,
         logits=rows(logits[:, 0].astype(jnp.float32)),
-        route=topk[:, -1],
+        route=last_route if record else None,
         tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),
         logp=shard(jnp.zeros((batch, steps), jnp.float32)),
         logp_sampling=shard(jnp.zeros((batch, steps), jnp.float32)),
-        experts=shard(jnp.full((batch, steps) + route_shape, -1, jnp.int32)),
+        experts=shard(jnp.full((batch, steps) + route_shape, -1, jnp.int32)) if record else None,
         stopped=jnp.zeros((batch,), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
         history=jnp.full((batch, stop_table.shape[1]), _NO_TOKEN, jnp.int32),
@@ -472,7 +491,6 @@ def _generate(
         tok = jnp.where(active, tok, spec.pad_id)
         lp = jnp.where(active, lp, 0.0)
         lps = jnp.where(active, lps, 0.0)
-        route = jnp.where(active[:, None, None], c.route, -1)
         history = jnp.concatenate([c.history[:, 1:], tok[:, None]], axis=1)
         # A stop sequence matches when every non-wildcard entry equals the
         # history at the same right-aligned offset: [B, S, M] -> [B].
@@ -483,7 +501,9 @@ def _generate(
             tokens=put(c.tokens, tok),
             logp=put(c.logp, lp),
             logp_sampling=put(c.logp_sampling, lps),
-            experts=put(c.experts, route),
+            experts=(
+                put(c.experts, jnp.where(active[:, None, None], c.route, -1)) if record else None
+            ),
             stopped=c.stopped | (active & hit),
             lengths=jnp.where(active, c.t + 1, c.lengths),
             history=history,
@@ -503,7 +523,7 @@ def _generate(
             t=c.t + 1,
             cache=cache,
             logits=logits[:, 0].astype(jnp.float32),
-            route=aux.topk_indices[:, 0].astype(jnp.int32),
+            route=aux.topk_indices[:, 0].astype(jnp.int32) if record else None,
         )
 
     def cond(c: _Carry) -> jax.Array:
@@ -525,7 +545,7 @@ def _generate(
         prompt_mask=prompt_mask,
         prompt_experts=prompt_experts,
     )
-    return {k: shard(v) for k, v in out.items()}
+    return {k: None if v is None else shard(v) for k, v in out.items()}
 
 
 _generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("spec",))
@@ -569,8 +589,9 @@ class Sampler:
     Compiled functions are cached per (batch bucket, prompt bucket,
     max_new_tokens, sampling mode, stop-table shapes): temperature, top_p and
     router_noise_std are traced values, so changing them does not recompile;
-    greedy-vs-sampling, top_k, whether top-p is on (top_p < 1) and whether
-    router noise is on (router_noise_std > 0) are static.
+    greedy-vs-sampling, top_k, whether top-p is on (top_p < 1), whether
+    router noise is on (router_noise_std > 0) and the routing record kept
+    (``routing``) are static.
 
     Args:
       graphdef, state: ``nnx.split(model)`` of a model with the
@@ -679,6 +700,7 @@ class Sampler:
         prompt_ids: Optional[Sequence[int]] = None,
         state=None,
         router_noise_std: float = 0.0,
+        routing: str = "all",
     ) -> Rollout:
         """Samples ``num_samples`` responses for every prompt.
 
@@ -700,6 +722,10 @@ class Sampler:
           router_noise_std: σ >= 0 of the Gaussian noise added to the sampler's
             router logits (every MoE layer, every token fed; module docstring):
             a controllable sampler/trainer routing mismatch.  0 = none.
+          routing: the routing record to keep (static: each value is a program
+            of its own): "all" (``experts`` and ``prompt_experts``, what R3
+            replays), "response" (``experts`` only; ``prompt_experts`` is None)
+            or "none" (both None: no [N, T, L, K] record in the decode loop).
 
         Returns:
           a `Rollout` with N = len(prompts) * num_samples rows (device arrays).
@@ -718,10 +744,11 @@ class Sampler:
             prompt_ids=prompt_ids,
             state=state,
             router_noise_std=router_noise_std,
+            routing=routing,
         )
         out = _generate_jit(*args, spec=spec)
         if n_rows < out["tokens"].shape[0]:
-            out = {k: v[:n_rows] for k, v in out.items()}
+            out = {k: None if v is None else v[:n_rows] for k, v in out.items()}
         return Rollout(**out)
 
     def _prepare(
@@ -740,6 +767,7 @@ class Sampler:
         prompt_ids: Optional[Sequence[int]] = None,
         state=None,
         router_noise_std: float = 0.0,
+        routing: str = "all",
     ):
         """Validates the arguments of `__call__` and builds the compiled
         function's arguments: (positional args, spec, number of real rows)."""
@@ -769,6 +797,8 @@ class Sampler:
             raise ValueError(
                 f"router_noise_std: must be a finite float >= 0, got {router_noise_std!r}"
             )
+        if routing not in ROUTING:
+            raise ValueError(f"routing: must be one of {ROUTING}, got {routing!r}")
         if not (_is_int(pad_id) and 0 <= pad_id < V):
             raise ValueError(f"pad_id: must be a token id in [0, {V}), got {pad_id!r}")
         if eos_id is None:
@@ -833,6 +863,7 @@ class Sampler:
             pad_id=int(pad_id),
             batch_sharding=self._sharding,
             router_noise=bool(router_noise_std > 0),
+            routing=routing,
         )
         if self._sharding is None:
             put = put_prompts = jnp.asarray

@@ -47,6 +47,10 @@ RESUMABLE_FIELDS = (
     "mesh.*",
     "model.moe_backend",
     "model.remat_policy",
+    # Prompt padding, and what a prompt longer than it does: raising the length or
+    # switching to "truncate" is how a run stopped by a long prompt goes on.
+    "rollout.max_prompt_len",
+    "rollout.long_prompts",
     "updates.max_consecutive_skips",
 )
 

@@ -9,8 +9,9 @@ One RL step (``RLPhase.step``; steps 1-4 are the stages of ``Trainer.collect``):
 1. sample: prompts from TFDS (:class:`gspo_jax.data.PromptSource`, a pure
    function of the data position, so a resumed run sees the same prompts), G
    samples per prompt (:class:`gspo_jax.rollout.Sampler`), with log-probs and
-   the R3 routing record;
-2. score: rewards (:func:`gspo_jax.rewards.score`);
+   the routing record its consumers need (the response tokens' for an MoE
+   model's mismatch metrics, the whole R3 record under R3 replay);
+2. score: rewards (:func:`gspo_jax.rewards.score`) of the decoded responses;
 3. shape and filter: DAPO's soft overlong punishment, dynamic sampling (more
    rounds of 1-3 until the batch is full, within ``dapo.max_sampling_rounds``)
    and overlong filtering;
@@ -19,6 +20,14 @@ One RL step (``RLPhase.step``; steps 1-4 are the stages of ``Trainer.collect``):
    the R2 replay), reference log-probs only when ``kl_coef`` is non-zero;
 6. ``num_epochs x num_minibatches`` calls of the one compiled
    :func:`gspo_jax.step.train_step`, each accumulating ``micro_batches``.
+
+Host traffic: the rollout stays on the devices. Only the response token ids,
+lengths and truncation flags come to the host (to decode and score them, and for
+the step's metrics); the batch is assembled on the devices from row indices
+(dynamic sampling's selection, the fill), and the mini-batches are gathered there
+too. Every prompt is left-padded to ``rollout.max_prompt_len`` (a longer one is
+refused or truncated: ``rollout.long_prompts``), so one shape serves the whole
+run: the sampler, the log-prob passes and the train step compile once.
 
 Before RL, a supervised warm start (``sft``) on the data set's reference
 solutions gives a policy that is sometimes right; it is a phase of its own,
@@ -31,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import sys
 import time
@@ -54,6 +62,7 @@ from gspo_jax.data import PromptSource
 from gspo_jax.data.user_file import FileTask
 from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.models import from_pretrained, init_sharded
+from gspo_jax.models.transformer import inference_params
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
@@ -109,8 +118,29 @@ def encode_prompt(tokenizer, text: str, messages=None) -> list[int]:
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
 
 
-def _pow2_at_least(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+def fit_prompts(
+    prompts: Sequence[Sequence[int]], max_len: int, policy: str, where: str = "a prompt"
+) -> tuple[list[list[int]], int]:
+    """Prompts (token ids) that fit ``rollout.max_prompt_len`` = ``max_len``, and how
+    many were truncated. ``policy`` (``rollout.long_prompts``): "refuse" raises a
+    ConfigError naming the field and the prompt's length; "truncate" keeps a long
+    prompt's last ``max_len`` tokens (its end holds the question's end, the answer
+    format and the chat template's assistant turn; the start, a BOS or a system
+    message, is what goes)."""
+    out, cut = [], 0
+    for i, p in enumerate(prompts):
+        p = list(p)
+        if len(p) > max_len:
+            if policy != "truncate":
+                raise config_lib.ConfigError(
+                    f"config.rollout.max_prompt_len: {where} of {len(p)} tokens (number {i} "
+                    f"of its batch) is longer than max_prompt_len={max_len}; raise it, or set "
+                    "config.rollout.long_prompts='truncate' to keep each long prompt's last "
+                    f"{max_len} tokens"
+                )
+            p, cut = p[-max_len:], cut + 1
+        out.append(p)
+    return out, cut
 
 
 def pad_left(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,14 +162,6 @@ def pad_right(
         toks[i, : len(s)] = s
         mask[i, : len(s)] = 1
     return toks, mask
-
-
-def _left_pad_to(x: np.ndarray, length: int, value) -> np.ndarray:
-    pad = length - x.shape[1]
-    if pad == 0:
-        return x
-    widths = [(0, 0), (pad, 0)] + [(0, 0)] * (x.ndim - 2)
-    return np.pad(x, widths, constant_values=value)
 
 
 # Metrics whose value after the first update (k = 0) and after the last update of a
@@ -197,13 +219,66 @@ def summarize_updates(ms: list[dict]) -> dict:
 class _Round:
     """One sampling round of :meth:`Trainer.collect`."""
 
-    rollout: Any  # the Rollout, on the host
+    rollout: Any  # the Rollout, on the devices
+    host: dict[str, np.ndarray]  # what comes to the host: tokens, lengths, truncated
     rewards: np.ndarray  # [n * G], shaped (Trainer.shape_and_filter)
     components: dict[str, np.ndarray]  # the reward's components (rewards.score)
     fails: dict[str, int]  # verifier failure counts
-    rows: dict[str, np.ndarray]  # the batch rows of the kept groups
+    rows: np.ndarray  # int[kept * G]: the rollout rows of the kept groups
     groups_kept: int
+    prompts_truncated: int
     sample_time: float
+
+
+# The Rollout's arrays the training batch is assembled from (`_assemble`); the
+# routing record only where the sampler kept it.
+_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp_sampling")
+_ROUTING_FIELDS = {"all": ("experts", "prompt_experts"), "response": ("experts",), "none": ()}
+
+
+def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
+    """The training batch, on the devices, from the rollouts of a step's sampling
+    rounds: row i is row ``src_row[i]`` of round ``src_round[i]``; ``valid`` 0 marks
+    padding rows (their mask is 0: dynamic sampling fell short).
+
+    ``parts``: per round, a dict of the Rollout's arrays (`_BATCH_FIELDS`, plus
+    ``experts`` and ``prompt_experts`` where the sampler kept them); a fixed number of
+    them (`Trainer.fill_batch` repeats round 0 for rounds not sampled), so that one
+    program serves every step. Returns the batch layout of :mod:`gspo_jax.step`:
+    ``prompt_tokens``, ``prompt_mask`` (f32), ``tokens``, ``mask`` (overlong
+    filtering applied), ``rollout_logp`` (the sampler's log-probs of the
+    distribution that drew the tokens), ``sampler_topk`` (the sampler's routing at
+    the response positions) and ``replay_r3`` (R3: the sampler's routing at every
+    input position [0, P+T-1)), the last two where the record is there.
+    """
+
+    def take(key):
+        out = jnp.take(parts[0][key], src_row, axis=0)
+        for r in range(1, len(parts)):
+            sel = (src_round == r).reshape((-1,) + (1,) * (out.ndim - 1))
+            out = jnp.where(sel, jnp.take(parts[r][key], src_row, axis=0), out)
+        return out
+
+    mask = take("mask").astype(jnp.float32)
+    if overlong_filter:
+        mask = shaping.overlong_mask(take("truncated"), mask)
+    batch = {
+        "prompt_tokens": take("prompt_tokens"),
+        "prompt_mask": take("prompt_mask").astype(jnp.float32),
+        "tokens": take("tokens"),
+        "mask": mask * valid[:, None],
+        "rollout_logp": take("logp_sampling"),
+    }
+    if "experts" in parts[0]:
+        # The sampler's routing of the position that produced each response token:
+        # positions P-1 ... P+T-2 of the replay array (prompt_experts[:, P-1] equals
+        # experts[:, 0]).
+        batch["sampler_topk"] = take("experts")
+    if "prompt_experts" in parts[0]:
+        batch["replay_r3"] = jnp.concatenate(
+            [take("prompt_experts"), batch["sampler_topk"][:, 1:]], axis=1
+        )
+    return batch
 
 
 class Trainer:
@@ -255,8 +330,24 @@ class Trainer:
                 "the model is dense (num_experts=0): use 'none'"
             )
         self.graphdef = graphdef
+        # One prompt length for the whole run: one program per batch size.
+        self.max_prompt_len = int(c.rollout.max_prompt_len)
         self.sampler = Sampler(
-            graphdef, params, vocab_size=self.model_cfg.vocab_size, mesh=self.mesh
+            graphdef,
+            params,
+            vocab_size=self.model_cfg.vocab_size,
+            mesh=self.mesh,
+            prompt_buckets=(self.max_prompt_len,),
+        )
+        # The routing record the training rollouts keep: R3 replays all of it; an MoE
+        # model's mismatch metrics compare the response tokens' with the trainer's.
+        if c.updates.routing_replay == "R3":
+            self.routing = "all"
+        else:
+            self.routing = "response" if self.model_cfg.num_moe_layers > 0 else "none"
+        self._assemble = jax.jit(
+            functools.partial(_assemble, overlong_filter=bool(c.dapo.overlong_filter)),
+            out_shardings=NamedSharding(self.mesh, P(BATCH_AXES)),
         )
         self.init_params = params  # where SFT (or RL, without SFT) starts
 
@@ -321,9 +412,16 @@ class Trainer:
     # ---- supervised warm start --------------------------------------------
 
     def sft_batch(self, position: int) -> dict[str, np.ndarray]:
+        return self._sft_batch(position)[0]
+
+    def _sft_batch(self, position: int) -> tuple[dict[str, np.ndarray], int]:
+        """The warm start's batch at data position ``position`` and the number of its
+        prompts truncated (`fit_prompts`)."""
         c, tok = self.c, self.tokenizer
         examples = self.train_data.batch(position, int(c.sft.batch_size))
-        prompts = [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples]
+        prompts, cut = self.fit_prompts(
+            [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples], "a warm-start prompt"
+        )
         T = int(c.rollout.max_new_tokens)
         responses = []
         for ex in examples:
@@ -337,10 +435,14 @@ class Trainer:
                     f"config.rollout.max_new_tokens: {T} is shorter than a reference solution ({len(r)} tokens)"
                 )
             responses.append(r)
-        p_len = _pow2_at_least(max(len(p) for p in prompts))
-        pt, pm = pad_left(prompts, p_len, tok.pad_id)
+        pt, pm = pad_left(prompts, self.max_prompt_len, tok.pad_id)
         rt, rm = pad_right(responses, T, tok.pad_id)
-        return {"prompt_tokens": pt, "prompt_mask": pm, "tokens": rt, "mask": rm}
+        return {"prompt_tokens": pt, "prompt_mask": pm, "tokens": rt, "mask": rm}, cut
+
+    def fit_prompts(self, prompts, where: str = "a prompt") -> tuple[list[list[int]], int]:
+        """`fit_prompts` with this run's ``rollout.max_prompt_len`` and ``long_prompts``."""
+        c = self.c
+        return fit_prompts(prompts, self.max_prompt_len, str(c.rollout.long_prompts), where)
 
     def _sft_optimizer(self):
         c = self.c
@@ -400,7 +502,8 @@ class Trainer:
         base = jax.random.key(c.seed)
         for i in range(start, steps):
             t0 = time.perf_counter()
-            batch = self.put_batch(self.sft_batch(i * int(c.sft.batch_size)))
+            host_batch, cut = self._sft_batch(i * int(c.sft.batch_size))
+            batch = self.put_batch(host_batch)
             state, m = fn(state, batch, jax.random.fold_in(base, i))
             safety.check_health(
                 jax.device_get({k: m[k] for k in ("params_finite", "skipped_in_a_row")}),
@@ -411,7 +514,8 @@ class Trainer:
                 m = jax.device_get(m)
                 dt = time.perf_counter() - t0
                 m["step_time"] = dt
-                m["tokens_per_s"] = float(np.sum(batch["mask"])) / dt
+                m["tokens_per_s"] = float(np.sum(host_batch["mask"])) / dt
+                m["prompts_truncated"] = cut
                 writer.write(i + 1, "sft", m)
                 bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
             bar.update(1)
@@ -440,16 +544,18 @@ class Trainer:
         num_samples: int | None = None,
         prompt_ids=None,
         router_noise: bool = False,
+        routing: str = "none",
     ):
         """Samples ``num_samples`` (default: the group size) per example. ``prompt_ids``
         (distinct, one per example) key each prompt's samples; default: the examples'
         split indices. ``router_noise``: add ``rollout.router_noise_std`` to the
         sampler's router logits (training rollouts; evaluation measures the policy
-        itself)."""
+        itself). ``routing``: the routing record to keep (`gspo_jax.rollout.ROUTING`).
+        Returns (the Rollout, on the devices; the number of prompts truncated)."""
         c, tok = self.c, self.tokenizer
-        ids = [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples]
+        ids, cut = self.fit_prompts([encode_prompt(tok, ex.prompt, ex.messages) for ex in examples])
         g = num_samples or int(c.rollout.group_size)
-        return self.sampler(
+        ro = self.sampler(
             ids,
             num_samples=g,
             max_new_tokens=int(c.rollout.max_new_tokens),
@@ -462,11 +568,21 @@ class Trainer:
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
             state=params,
             router_noise_std=float(c.rollout.router_noise_std) if router_noise else 0.0,
+            routing=routing,
+        )
+        return ro, cut
+
+    @staticmethod
+    def _host(ro) -> dict[str, np.ndarray]:
+        """What of a rollout comes to the host: the response token ids, lengths and
+        truncation flags (decoding, rewards, metrics). The rest stays on the devices."""
+        return jax.device_get(
+            {"tokens": ro.tokens, "lengths": ro.lengths, "truncated": ro.truncated}
         )
 
-    def _texts(self, ro) -> list[str]:
-        toks, mask = np.asarray(ro.tokens), np.asarray(ro.mask)
-        return [self.tokenizer.decode(toks[i][mask[i] > 0].tolist()) for i in range(toks.shape[0])]
+    def _texts(self, host: dict[str, np.ndarray]) -> list[str]:
+        toks, lengths = host["tokens"], host["lengths"]
+        return [self.tokenizer.decode(toks[i, : lengths[i]].tolist()) for i in range(len(toks))]
 
     def evaluate(self, params, examples=None) -> dict[str, float]:
         """Held-out metrics on the first ``task.eval_size`` test prompts (or ``examples``).
@@ -484,17 +600,19 @@ class Trainer:
             examples = self.eval_data.first(int(c.task.eval_size))
         k = int(c.task.eval_samples)
         metas = [ex.meta for ex in examples for _ in range(k)]
-        ro = self._rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
-        texts = self._texts(ro)
+        ro, cut = self._rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
+        texts = self._texts(self._host(ro))
         _, sampled, _ = rewards.score(c.task.name, texts, metas)
         # A user-file task's answers are read as its verifier reads them (numeric: values).
         kind = c.task.get("verifier", "") if c.task.name == "file" else c.task.name
         answers = evaluation.final_answers(kind, texts)
-        ro = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
-        _, greedy, _ = rewards.score(c.task.name, self._texts(ro), [ex.meta for ex in examples])
+        ro, _ = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
+        greedy_texts = self._texts(self._host(ro))
+        _, greedy, _ = rewards.score(c.task.name, greedy_texts, [ex.meta for ex in examples])
         out = {
             "eval_reward_mean": float(np.mean(sampled["correct"])),
             "eval_greedy_reward": float(np.mean(greedy["correct"])),
+            "eval_prompts_truncated": cut,
         }
         out.update(
             evaluation.eval_metrics(
@@ -511,8 +629,9 @@ class Trainer:
 
         Rounds of sample -> score -> shape and filter, until the kept groups fill
         the batch (one round without dynamic sampling); then the batch is filled
-        and given its advantages. Returns the host batch (without old log-probs)
-        and host metrics.
+        and given its advantages. Returns the batch (without old log-probs), on the
+        devices, and host metrics. Of the rollouts only the response token ids,
+        lengths and truncation flags came to the host.
         """
         c = self.c
         n_prompts = int(c.rollout.prompts_per_step)
@@ -522,117 +641,122 @@ class Trainer:
             # Round r of step s reads prompts at position (s * max_rounds + r) * n_prompts,
             # a pure function of the step: resume needs no extra data state.
             pos = (step_idx * max_rounds + rnd) * n_prompts
-            examples, ro, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
-            r, components, fails = self.score(examples, ro)
-            shaped, rows, groups_kept = self.shape_and_filter(ro, r, components["correct"])
-            rounds.append(_Round(ro, shaped, components, fails, rows, groups_kept, seconds))
+            examples, ro, cut, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
+            host = self._host(ro)
+            r, components, fails = self.score(examples, host)
+            shaped, rows, groups_kept = self.shape_and_filter(host, r, components["correct"])
+            rounds.append(
+                _Round(ro, host, shaped, components, fails, rows, groups_kept, cut, seconds)
+            )
             if sum(r.groups_kept for r in rounds) >= n_prompts:
                 break
-        batch = self.fill_batch([r.rows for r in rounds])
+        batch = self.fill_batch(rounds)
         self.advantages(batch)
         return batch, self._collect_metrics(rounds)
 
     def sample(self, params, pos: int, rng):
         """Stage 1, sample: the ``prompts_per_step`` prompts at data position ``pos``
         and ``group_size`` responses to each. Returns (examples, the rollout on the
-        host, seconds spent sampling)."""
+        devices, the number of prompts truncated, seconds spent sampling)."""
         n = int(self.c.rollout.prompts_per_step)
         examples = self.train_data.batch(pos, n)
         t0 = time.perf_counter()
         # Keyed by data stream id, not split index: a batch across an epoch boundary
         # may hold one example twice, and the sampler needs distinct ids.
-        ro = self._rollout(
+        ro, cut = self._rollout(
             params,
             examples,
             rng,
             prompt_ids=self.train_data.stream_ids(pos, n).tolist(),
             router_noise=True,
+            routing=self.routing,
         )
-        ro = jax.device_get(ro)
-        return examples, ro, time.perf_counter() - t0
+        jax.block_until_ready(ro)
+        return examples, ro, cut, time.perf_counter() - t0
 
-    def score(self, examples, ro) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int]]:
+    def score(self, examples, host) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int]]:
         """Stage 2, score: the task's verifier on the decoded responses
-        (:func:`gspo_jax.rewards.score`). Returns (rewards [n * G], their components,
-        verifier failure counts)."""
+        (:func:`gspo_jax.rewards.score`; ``host``: `_host` of the rollout). Returns
+        (rewards [n * G], their components, verifier failure counts)."""
         c = self.c
         g = int(c.rollout.group_size)
         metas = [ex.meta for ex in examples for _ in range(g)]
         return rewards.score(
-            c.task.name, self._texts(ro), metas, format_weight=float(c.task.format_reward)
+            c.task.name, self._texts(host), metas, format_weight=float(c.task.format_reward)
         )
 
     def shape_and_filter(
-        self, ro, r: np.ndarray, correct: np.ndarray
-    ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
-        """Stage 3, shape and filter (DAPO), on one round: the soft overlong
-        punishment added to the rewards ``r``; dynamic sampling keeps only the groups
-        whose correctness differs (``correct``, the verifier's 0/1 per response: DAPO
-        filters on accuracy, not on the shaped reward, so a length penalty or a format
-        reward cannot keep a group whose answers are all right or all wrong);
-        overlong filtering zeroes the mask of truncated responses. Returns (the shaped
-        rewards of every response, the batch rows of the kept groups, the number of
-        groups kept)."""
+        self, host, r: np.ndarray, correct: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Stage 3, shape and filter (DAPO), on one round (``host``: `_host` of its
+        rollout): the soft overlong punishment added to the rewards ``r``; dynamic
+        sampling keeps only the groups whose correctness differs (``correct``, the
+        verifier's 0/1 per response: DAPO filters on accuracy, not on the shaped
+        reward, so a length penalty or a format reward cannot keep a group whose
+        answers are all right or all wrong). Overlong filtering (the mask of truncated
+        responses zeroed) happens on the devices, in `_assemble`. Returns (the shaped
+        rewards of every response, the rows of the kept groups, the number of groups
+        kept)."""
         c = self.c
         g, T = int(c.rollout.group_size), int(c.rollout.max_new_tokens)
         if c.dapo.soft_overlong:
-            length = np.asarray(ro.mask).sum(axis=1)
-            r = r + np.asarray(
+            length = np.asarray(host["lengths"], np.float32)
+            r = r + jax.device_get(
                 shaping.soft_overlong_penalty(
                     jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)
                 )
             )
         keep = (
-            np.asarray(shaping.dynamic_sampling_keep(jnp.asarray(correct).reshape(-1, g)))
+            jax.device_get(shaping.dynamic_sampling_keep(jnp.asarray(correct).reshape(-1, g)))
             if c.dapo.dynamic_sampling
             else np.ones(len(r) // g, bool)
         )
-        mask = np.asarray(ro.mask, np.float32)
-        if c.dapo.overlong_filter:
-            mask = np.asarray(shaping.overlong_mask(jnp.asarray(ro.truncated), jnp.asarray(mask)))
-        part = {
-            "prompt_tokens": np.asarray(ro.prompt_tokens),
-            "prompt_mask": np.asarray(ro.prompt_mask, np.float32),
-            "tokens": np.asarray(ro.tokens),
-            "mask": mask,
-            "rewards": r,
-            # The sampler's log-probs under the distribution that drew the tokens.
-            "rollout_logp": np.asarray(ro.logp_sampling),
-            # R3: the rollout's routing at every input position [0, P+T-1).
-            "replay_r3": np.asarray(ro.replay())[:, :-1],
-        }
-        rows = np.repeat(keep, g)
-        return r, {k: v[rows] for k, v in part.items()}, int(keep.sum())
+        rows = np.flatnonzero(np.repeat(keep, g))
+        return r, rows, int(keep.sum())
 
-    def fill_batch(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def fill_batch(self, rounds: list[_Round]) -> dict[str, Any]:
         """Stage 3, the batch: exactly ``prompts_per_step`` groups from the rounds'
-        kept rows, prompts left-padded to a common bucket. If dynamic sampling fell
-        short, the missing groups are padding whose mask is 0 (they add nothing)."""
+        kept rows, assembled on the devices (`_assemble`; only row indices go there
+        from the host). If dynamic sampling fell short, the missing groups are copies
+        of the first kept one (of row 0 if none was kept) whose mask is 0 (they add
+        nothing). ``rewards`` (host, shaped) are the batch rows' rewards, for
+        `advantages`."""
         c = self.c
         n_rows = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
-        T = int(c.rollout.max_new_tokens)
-        p_len = max(k["prompt_tokens"].shape[1] for k in parts)
-        for k in parts:  # a common prompt bucket across rounds
-            k["prompt_tokens"] = _left_pad_to(k["prompt_tokens"], p_len, self.tokenizer.pad_id)
-            k["prompt_mask"] = _left_pad_to(k["prompt_mask"], p_len, 0)
-            k["replay_r3"] = _left_pad_to(k["replay_r3"], p_len + T - 1, -1)
-        batch = {key: np.concatenate([k[key] for k in parts], axis=0)[:n_rows] for key in parts[0]}
-        short = n_rows - batch["tokens"].shape[0]
-        if short:
-            batch = {
-                key: np.concatenate([v, np.repeat(v[:1], short, axis=0)], axis=0)
-                for key, v in batch.items()
-            }
-            batch["mask"][-short:] = 0
+        src_round = np.concatenate([np.full(len(r.rows), i) for i, r in enumerate(rounds)])
+        src_row = np.concatenate([r.rows for r in rounds])
+        reward = np.concatenate([r.rewards[r.rows] for r in rounds])
+        src_round, src_row, reward = src_round[:n_rows], src_row[:n_rows], reward[:n_rows]
+        valid = (np.arange(n_rows) < len(src_row)).astype(np.float32)
+        if not len(src_row):  # nothing kept: the padding copies row 0 of round 0
+            src_round, src_row, reward = np.zeros(1, int), np.zeros(1, int), rounds[0].rewards[:1]
+        short = n_rows - len(src_row)
+        src_round = np.concatenate([src_round, np.repeat(src_round[:1], short)])
+        src_row = np.concatenate([src_row, np.repeat(src_row[:1], short)])
+        reward = np.concatenate([reward, np.repeat(reward[:1], short)])
+        # Every round's arrays, the same number of rounds each step (round 0 repeated
+        # for the rounds not sampled): one program for every step.
+        max_rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        fields = _BATCH_FIELDS + _ROUTING_FIELDS[self.routing]
+        parts = [{k: getattr(r.rollout, k) for k in fields} for r in rounds]
+        parts += [parts[0]] * (max_rounds - len(parts))
+        batch = self._assemble(
+            tuple(parts),
+            jnp.asarray(src_round, jnp.int32),
+            jnp.asarray(src_row, jnp.int32),
+            jnp.asarray(valid),
+        )
+        batch["rewards"] = reward
         return batch
 
-    def advantages(self, batch: dict[str, np.ndarray]) -> None:
-        """Stage 4, advantages: replaces the batch's ``rewards`` by per-response
-        ``advantages`` over each group (``config.advantage``). For GAE they need the
-        critic's values, computed with the old log-probs (:meth:`RLPhase.prepare`):
-        zeros here, and the rewards are kept as ``seq_rewards``."""
+    def advantages(self, batch: dict[str, Any]) -> None:
+        """Stage 4, advantages: replaces the batch's ``rewards`` (host) by per-response
+        ``advantages`` over each group (``config.advantage``), on the devices. For GAE
+        they need the critic's values, computed with the old log-probs
+        (:meth:`RLPhase.prepare`): zeros here, and the rewards are kept as
+        ``seq_rewards``."""
         c = self.c
-        rg = batch.pop("rewards").reshape(-1, int(c.rollout.group_size))
+        rg = np.asarray(batch.pop("rewards")).reshape(-1, int(c.rollout.group_size))
         if c.advantage == "group":
             a = adv_lib.group(jnp.asarray(rg))
         elif c.advantage == "group_no_std":
@@ -641,8 +765,12 @@ class Trainer:
             a = adv_lib.rloo(jnp.asarray(rg))
         else:  # gae
             a = jnp.zeros_like(jnp.asarray(rg))
-            batch["seq_rewards"] = rg.reshape(-1).astype(np.float32)
-        batch["advantages"] = np.asarray(a, np.float32).reshape(-1)
+            batch["seq_rewards"] = self._put_rows(rg.reshape(-1).astype(np.float32))
+        batch["advantages"] = self._put_rows(jnp.asarray(a, jnp.float32).reshape(-1))
+
+    def _put_rows(self, x) -> jax.Array:
+        """A [rows, ...] array on the mesh, sharded over its rows as `put_batch` does."""
+        return jax.device_put(x, self._batch_sharding(x))
 
     def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
         """Host metrics of one step's rounds (every sampled response, kept or not)."""
@@ -650,7 +778,7 @@ class Trainer:
         n_prompts, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
         r_all = np.concatenate([r.rewards for r in rounds])
         rg_all = r_all.reshape(-1, g)
-        lengths = [np.asarray(r.rollout.mask).sum(axis=1) for r in rounds]
+        lengths = [np.asarray(r.host["lengths"], np.float32) for r in rounds]
         length = np.concatenate(lengths)
         fail_counts: dict[str, int] = {}
         for r in rounds:
@@ -666,8 +794,9 @@ class Trainer:
             "zero_std_group_frac": float(np.mean(rg_all.std(axis=1) == 0)),
             "response_len": float(length.mean()),
             "truncation_rate": float(
-                np.concatenate([np.asarray(r.rollout.truncated) for r in rounds]).mean()
+                np.concatenate([np.asarray(r.host["truncated"]) for r in rounds]).mean()
             ),
+            "prompts_truncated": sum(r.prompts_truncated for r in rounds),
             "sampling_rounds": len(rounds),
             "dynamic_sampling_bound_hit": float(
                 c.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts
@@ -706,6 +835,20 @@ def _take(batch: dict[str, jax.Array], idx: np.ndarray) -> dict[str, jax.Array]:
     return {k: v[idx] for k, v in batch.items()}
 
 
+def _permutations(key, *, n: int, epochs: int) -> jax.Array:
+    """int32[epochs, n]: the mini-batch order of each epoch of one rollout's updates
+    (epoch e: ``permutation(fold_in(key, e), n)``)."""
+    perm = lambda e: jax.random.permutation(jax.random.fold_in(key, e), n)
+    return jnp.stack([perm(e) for e in range(epochs)]).astype(jnp.int32)
+
+
+def _minibatch(batch: dict[str, jax.Array], perm, epoch, j, *, size: int) -> dict[str, jax.Array]:
+    """Mini-batch ``j`` of epoch ``epoch``: the rows ``perm[epoch, j*size : (j+1)*size]``
+    of every array of the batch, gathered on the devices (``epoch``, ``j`` traced)."""
+    idx = jax.lax.dynamic_slice_in_dim(perm[epoch], j * size, size)
+    return {k: jnp.take(v, idx, axis=0) for k, v in batch.items()}
+
+
 class RLPhase:
     """The RL phase of a :class:`Trainer`: compiled functions and the step loop."""
 
@@ -724,8 +867,9 @@ class RLPhase:
             b2=c.optimizer.b2,
             grad_clip=c.optimizer.grad_clip,
         )
-        # The reference policy is where RL starts; copied, as the state is donated.
-        self.ref_params = jax.tree.map(jnp.copy, params) if trainer.kl_coef else None
+        # The reference policy is where RL starts; copied, as the state is donated, and
+        # held in the compute dtype (the same logits; docs/memory.md).
+        self.ref_params = inference_params(params, trainer.model_cfg) if trainer.kl_coef else None
         self.state = trainer.new_state(params, self.optimizer)
         self.train_fn = trainer.jit_step(
             step.train_step,
@@ -756,14 +900,23 @@ class RLPhase:
             functools.partial(rollout_correction, rc=trainer.rollout_correction)
         )
         self.mismatch_fn = jax.jit(step.mismatch_metrics)
+        # The mini-batches: the permutation and the gather on the devices.
+        n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+        self.perm_fn = jax.jit(
+            functools.partial(_permutations, n=n, epochs=int(c.updates.num_epochs))
+        )
+        self.minibatch_fn = jax.jit(
+            functools.partial(_minibatch, size=n // int(c.updates.num_minibatches)),
+            out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+        )
 
-    def prepare(
-        self, host_batch: dict[str, np.ndarray]
-    ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    def prepare(self, collected: dict[str, Any]) -> tuple[dict[str, jax.Array], dict[str, Any]]:
         """Device batch with old (and reference) log-probs, routing records and the
-        rollout correction; and the step's train-inference mismatch metrics."""
+        rollout correction; and the step's train-inference mismatch metrics.
+        ``collected``: `Trainer.collect`'s batch (on the devices already; host arrays
+        are placed)."""
         c = self.t.c
-        dev = self.t.put_batch(host_batch)
+        dev = self.t.put_batch(collected)
         old = self.logp_fn(self.state.params, dev)
         batch = {
             k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask", "advantages")
@@ -775,8 +928,11 @@ class RLPhase:
             old_router_logp=old["router_logp"],
         )
         if self.moe:  # the sampler's routing at the response positions
-            p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
-            batch["sampler_topk"] = step.response_slice(dev["replay_r3"], p, t)
+            if "sampler_topk" in dev:
+                batch["sampler_topk"] = dev["sampler_topk"]
+            else:
+                p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
+                batch["sampler_topk"] = step.response_slice(dev["replay_r3"], p, t)
         if c.updates.routing_replay == "R2":
             batch["replay"] = old["topk"]
         elif c.updates.routing_replay == "R3":
@@ -807,33 +963,29 @@ class RLPhase:
         t, c = self.t, self.t.c
         rng = jax.random.fold_in(jax.random.key(c.seed + 1), s)
         t0 = time.perf_counter()
-        host_batch, info = t.collect(self.state.params, s, rng)
+        collected, info = t.collect(self.state.params, s, rng)
         t1 = time.perf_counter()
-        batch, pinfo = self.prepare(host_batch)
+        batch, pinfo = self.prepare(collected)
         jax.block_until_ready(batch)
         t2 = time.perf_counter()
-        n = batch["tokens"].shape[0]
-        mb = n // int(c.updates.num_minibatches)
-        perm_key = jax.random.fold_in(rng, 1_000_003)
+        perm = self.perm_fn(jax.random.fold_in(rng, 1_000_003))
         ms, where = [], []
         for epoch in range(int(c.updates.num_epochs)):
-            perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
             for j in range(int(c.updates.num_minibatches)):
-                idx = perm[j * mb : (j + 1) * mb]
-                mini = t.put_batch(_take(batch, idx))
+                mini = self.minibatch_fn(batch, perm, np.int32(epoch), np.int32(j))
                 self.state, m = self.train_fn(
                     self.state, mini, jax.random.fold_in(rng, 7 + len(ms))
                 )
                 ms.append(m)
                 where.append({"k": len(where), "epoch": epoch, "minibatch": j})
-        ms, pinfo = jax.device_get((ms, pinfo))
+        ms, pinfo, mask_sum = jax.device_get((ms, pinfo, jnp.sum(batch["mask"])))
         t3 = time.perf_counter()
         updates = [dict(w, **u) for w, u in zip(where, ms)]
         m = summarize_updates(ms)
         m.update(info)
         m.update(pinfo)
         step_time = t3 - t0
-        trained_tokens = float(np.sum(host_batch["mask"])) * int(c.updates.num_epochs)
+        trained_tokens = float(mask_sum) * int(c.updates.num_epochs)
         m.update(
             step_time=step_time,
             rollout_time=t1 - t0,

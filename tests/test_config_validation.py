@@ -128,6 +128,10 @@ def _is_number(v):
         ("model.dtype", "float64"),
         ("model.param_dtype", "int8"),
         ("model.remat_policy", "everything"),
+        ("model.attention_impl", "flash"),
+        ("model.logits_chunk_size", -1),
+        ("model.logits_chunk_size", 2.5),
+        ("model.logits_chunk_size", None),  # 0 is "off"
         ("model.moe_backend", "capacity"),
         ("compilation_cache_dir", None),
         ("tokenizer", ""),
@@ -283,8 +287,6 @@ def test_every_string_field_refuses_a_non_string(path):
         ("init_std", -0.02, 0.02),
         ("aux_loss_coef", NAN, 0.01),
         ("z_loss_coef", -1.0, 0.001),
-        ("logits_chunk_size", 0, 8),
-        ("logits_chunk_size", 2.5, None),
         ("renormalize_topk", 1, False),
         ("qk_norm", "no", False),
         ("qkv_bias", None, True),
@@ -316,7 +318,6 @@ def test_the_sweep_covers_every_model_config_field():
         "init_std",
         "aux_loss_coef",
         "z_loss_coef",
-        "logits_chunk_size",
         "renormalize_topk",
         "qk_norm",
         "qkv_bias",
@@ -339,6 +340,27 @@ def test_model_fields_keys():
     c = _smoke()
     c.model.fields.dtype = "bfloat16"  # train.model_config would overwrite it
     assert "config.model.dtype" in _raises(c, "model.fields.dtype")
+
+
+def test_model_runtime_memory_fields():
+    """logits_chunk_size and attention_impl are runtime settings (config.model), given to
+    initialised and pretrained models alike; 0 turns the logits chunking off."""
+    assert {"logits_chunk_size", "attention_impl"} <= set(config_lib.MODEL_RUNTIME_FIELDS)
+    c = _smoke()
+    assert config_lib.model_config(c, 40).logits_chunk_size is None  # default 0 = off
+    c.model.logits_chunk_size = 128
+    c.model.attention_impl = "xla"
+    config_lib.validate(c, 8)
+    cfg = config_lib.model_config(c, 40)
+    assert (cfg.logits_chunk_size, cfg.attention_impl) == (128, "xla")
+    c = _smoke()
+    c.model.fields.logits_chunk_size = 8  # the old place: refused, pointing to the new one
+    assert "config.model.logits_chunk_size" in _raises(c, "model.fields.logits_chunk_size")
+    c = _smoke()
+    c.model.attention_impl = "cudnn"  # flash attention needs a 16-bit compute dtype
+    assert "bfloat16" in _raises(c, "model.attention_impl")
+    c.model.dtype = "bfloat16"
+    config_lib.validate(c, 8)
 
 
 def test_cross_field_model_constraints():

@@ -498,3 +498,23 @@ def test_first_true_and_argmax_equal_jnp_argmax():
     for cpu in (True, False):
         np.testing.assert_array_equal(rollout._argmax(x, cpu), jnp.argmax(x, axis=-1))
         np.testing.assert_array_equal(rollout._first_true(m, cpu), jnp.argmax(m, axis=-1))
+
+
+def test_routing_record_can_be_left_out(sampler, compile_counts):
+    # routing="response" keeps the response tokens' record only, "none" none at all
+    # (a program of its own each); the samples are the same.
+    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(3), router_noise_std=0.5)
+    full = sampler(PROMPTS, **kw)
+    compile_counts.clear()
+    resp = sampler(PROMPTS, routing="response", **kw)
+    none = sampler(PROMPTS, routing="none", **kw)
+    assert compile_counts[GENERATE] == 2
+    assert resp.prompt_experts is None and none.experts is None and none.prompt_experts is None
+    np.testing.assert_array_equal(np.asarray(resp.experts), np.asarray(full.experts))
+    for r in (resp, none):
+        for name in ("tokens", "mask", "logp", "logp_sampling"):
+            np.testing.assert_array_equal(np.asarray(getattr(r, name)), np.asarray(getattr(full, name)))
+    with pytest.raises(ValueError, match="routing='all'"):
+        resp.replay()
+    with pytest.raises(ValueError, match="routing"):
+        sampler(PROMPTS, routing="prompt", **kw)

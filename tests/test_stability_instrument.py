@@ -7,7 +7,6 @@ import json
 import math
 import os
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -331,16 +330,13 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(data_dir,
     c = _config(data_dir, **{"dapo.dynamic_sampling": True})
     trainer = train.Trainer(c, str(tmp_path))
     g, n = 4, 3
-    ro = types.SimpleNamespace(
-        mask=np.ones((n * g, 16), np.float32), truncated=np.zeros(n * g, bool),
-        prompt_tokens=np.zeros((n * g, 8), np.int32), prompt_mask=np.ones((n * g, 8), np.float32),
-        tokens=np.zeros((n * g, 16), np.int32), logp_sampling=np.zeros((n * g, 16), np.float32),
-        replay=lambda: np.zeros((n * g, 24, 2, 2), np.int32))
+    host = {"tokens": np.zeros((n * g, 16), np.int32), "lengths": np.full(n * g, 16, np.int32),
+            "truncated": np.zeros(n * g, bool)}
     correct = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0], np.float32)
     shaped = correct + np.array([0, 0, 0, 0, 0.1, -0.2, 0.3, 0, 0, 0, 0, 0], np.float32)
-    _, rows, kept = trainer.shape_and_filter(ro, shaped, correct)
-    assert kept == 1 and rows["tokens"].shape[0] == g
-    np.testing.assert_array_equal(rows["rewards"], shaped[8:])
+    r, rows, kept = trainer.shape_and_filter(host, shaped, correct)
+    assert kept == 1 and rows.tolist() == [8, 9, 10, 11]
+    np.testing.assert_array_equal(r[rows], shaped[8:])
 
 
 def test_consecutive_skip_limit_stops_a_run(data_dir, tmp_path):

@@ -23,7 +23,8 @@ from typing import Optional
 import jax.numpy as jnp
 
 MOE_BACKENDS = ("blocked", "ragged", "dense")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_no_scores")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -74,9 +75,19 @@ class ModelConfig:
         norms' statistics and the returned logits are always f32.
       scan_layers: ``lax.scan`` over repeated identical layer groups (one compiled
         body) instead of unrolling.  The parameter layout is the same either way.
-      remat_policy: 'none' | 'full' (save nothing) | 'dots' (save matmul outputs)
-        | 'dots_no_batch' (save matmuls without batch dims).  Applied per scanned
-        layer group.
+      remat_policy: 'none' | 'full' (save nothing) | 'dots' (save every matmul
+        output, the attention scores [B, H, T, S] and the experts' batched
+        products included) | 'dots_no_batch' (save the matmuls without batch dims:
+        the q/k/v/o projections, dense MLPs and the router) | 'dots_no_scores'
+        ('dots_no_batch' plus the attention output [B, T, H, hd] before the output
+        projection, so the backward pass recomputes only the scores; no
+        [B, H, T, S] array is saved, see transformer._REMAT).  Applied per
+        scanned layer group.
+      attention_impl: the full forward's attention (`jax.nn.dot_product_attention`):
+        'xla' (einsum scores; every backend), 'cudnn' (the cuDNN flash kernel:
+        NVIDIA GPU, bf16/f16, head_dim a multiple of 8 <= 128; an odd length is
+        padded by one) or 'auto' (cudnn where all of that holds, else xla).  The KV-cache decode
+        path is the same einsum attention whatever this says.
       moe_backend: 'blocked' (sort-based, dropless, expert-blocked batched matmul;
         fast on CPU), 'ragged' (sort-based, ``lax.ragged_dot``; for TPU/GPU) or
         'dense' (every expert on every token, masked; the reference).
@@ -85,7 +96,8 @@ class ModelConfig:
       aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
       z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
       value_head: add a scalar value head (PPO critic).
-      logits_chunk_size: default chunk over T in `token_logprobs` (None = whole T).
+      logits_chunk_size: default chunk over T in `token_logprobs` (None = whole T;
+        0 is taken as None, the experiment config's "off").
       num_valid_tokens: token ids >= this are padding rows of the embedding (a real
         checkpoint pads its vocabulary beyond the tokenizer's); their logits are set
         to -1e30 in every forward, so they are never sampled and carry no probability
@@ -118,6 +130,7 @@ class ModelConfig:
     dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "none"
+    attention_impl: str = "auto"
     moe_backend: str = "blocked"
     moe_block_size: int = 64
     aux_loss_coef: float = 0.0
@@ -174,11 +187,23 @@ class ModelConfig:
         need(
             self.remat_policy in REMAT_POLICIES, "remat_policy", f"must be one of {REMAT_POLICIES}"
         )
-        need(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {MOE_BACKENDS}")
         need(
-            self.logits_chunk_size is None or self.logits_chunk_size > 0,
+            self.attention_impl in ATTENTION_IMPLS,
+            "attention_impl",
+            f"must be one of {ATTENTION_IMPLS}",
+        )
+        need(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {MOE_BACKENDS}")
+        if self.logits_chunk_size == 0 and not isinstance(self.logits_chunk_size, bool):
+            object.__setattr__(self, "logits_chunk_size", None)  # the config's 0 = off
+        need(
+            self.logits_chunk_size is None
+            or (
+                isinstance(self.logits_chunk_size, int)
+                and not isinstance(self.logits_chunk_size, bool)
+                and self.logits_chunk_size > 0
+            ),
             "logits_chunk_size",
-            "must be None or > 0",
+            "must be None, 0 (off) or an int > 0",
         )
         need(
             0 <= self.num_valid_tokens <= self.vocab_size,

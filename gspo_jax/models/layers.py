@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gspo_jax.models.config import ModelConfig
 
@@ -90,6 +91,44 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     c = cos[:, :, None, :].astype(x.dtype)
     s = sin[:, :, None, :].astype(x.dtype)
     return x * c + rot * s
+
+
+def attention_implementation(cfg: ModelConfig, dtype) -> str:
+    """'xla' or 'cudnn': the `implementation` of `jax.nn.dot_product_attention` in
+    the full forward, from ``cfg.attention_impl``.
+
+    'auto' takes cuDNN's flash kernel (no [B, H, T, S] scores in memory, causal
+    tiles skipped) where it applies, XLA's einsum attention elsewhere.  The one
+    backend check: ``jax.default_backend() == 'gpu'`` (this project's GPUs are
+    NVIDIA's; cuDNN is CUDA-only), with the kernel's own limits on the inputs: f16
+    or bf16, head_dim a multiple of 8 and <= 128 (256 on Hopper; 128 holds on every
+    GPU).  Its third limit, an even length when a mask is differentiated, is met by
+    padding (`_pad_to_even`).  TPUs and CPUs get 'xla': a TPU flash kernel (Pallas
+    splash attention) is not wired in, so there the scores of one layer exist at a
+    time (and remat policies other than 'dots' keep them out of the saved
+    residuals).
+    """
+    impl = cfg.attention_impl
+    if impl != "auto":
+        return impl
+    ok = (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and cfg.head_dim % 8 == 0
+        and cfg.head_dim <= 128
+    )
+    return "cudnn" if ok else "xla"
+
+
+def _pad_to_even(q, k, v, mask):
+    """One more position on q, k, v [B, T, N, hd] and the mask [B, 1, T, T] when T is
+    odd (cuDNN's backward with a mask needs even lengths): the new key is visible to
+    no query (the mask is False there; it is also later than every query), and the
+    new query's output is dropped by the caller."""
+    if q.shape[1] % 2 == 0:
+        return q, k, v, mask
+    widen = lambda a: jnp.pad(a, ((0, 0), (0, 1), (0, 0), (0, 0)))
+    return widen(q), widen(k), widen(v), jnp.pad(mask, ((0, 0), (0, 0), (0, 1), (0, 1)))
 
 
 def attention_mask(q_slots: jax.Array, k_slots: jax.Array, k_valid: jax.Array) -> jax.Array:
@@ -180,14 +219,49 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k = k.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
-        v = v.swapaxes(1, 2)
+        q = apply_rope(q, cos, sin)  # [B, T, H, hd]
+        k = apply_rope(k, cos, sin)  # [B, T, KV, hd]
+        scale = cfg.head_dim**-0.5
+        if cache is None:
+            # The full forward (training, log-prob passes): q [B, T, H, hd] against
+            # k, v [B, T, KV, hd] under the slot mask [B, 1, T, T] (causal & key
+            # valid, one mask for all heads).  The XLA implementation does the
+            # decode path's arithmetic below (f32 scores, scaled, masked to a
+            # finite minimum, f32 softmax, probabilities in x's dtype) with the same
+            # head grouping (query head n reads KV head n // G).  is_causal repeats
+            # what the mask says; it lets cuDNN skip the tiles above the diagonal.
+            impl = attention_implementation(cfg, dt)
+            qkvm = (q, k, v, mask[:, None])
+            if impl == "cudnn":
+                qkvm = _pad_to_even(*qkvm)
+            out = jax.nn.dot_product_attention(
+                *qkvm[:3],
+                mask=qkvm[3],
+                scale=scale,
+                is_causal=impl == "cudnn",
+                implementation=impl,
+            )[:, :t]
+            # [B, T, H, hd]; saved by the remat policy 'dots_no_scores'
+            # (transformer._REMAT), which saves no [B, H, T, S] scores.
+            out = checkpoint_name(out, "attn_ctx")
+            k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
+        else:
+            out, k, v = self._attend_cached(q, k, v, mask, cache, scale)
+        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
+
+    def _attend_cached(self, q, k, v, mask, cache, scale):
+        """The KV-cache path of `__call__` (prefill and decode steps), in einsums:
+        one softmax over the cached slots' and the new tokens' scores.  Returns
+        (out [B, T, H, hd], new keys [B, KV, hd, T], new values [B, KV, T, hd])."""
+        cfg = self.cfg
+        dt = q.dtype
+        b, t = q.shape[:2]
+        k_layers, v_layers, layer, cache_mask = cache
+        k = k.swapaxes(1, 2).astype(k_layers[0].dtype)  # [B, KV, T, hd]
+        v = v.swapaxes(1, 2).astype(v_layers[0].dtype)
         kvh = cfg.num_kv_heads
         g = cfg.num_heads // kvh
         qg = q.reshape(b, t, kvh, g, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
-        scale = cfg.head_dim**-0.5
 
         def scores(keys, m, spec="bkgth,bksh->bkgts"):
             # keys [B, KV, S', hd] (or [B, KV, hd, S'] with spec "...,bkhs->..."),
@@ -198,31 +272,22 @@ class Attention(nnx.Module):
         def mix(p, values):  # p [B, KV, G, T, S'], values [B, KV, S', hd] -> [B, KV, G, T, hd]
             return jnp.einsum("bkgts,bksh->bkgth", p.astype(dt), values.astype(dt))
 
-        if cache is None:
-            out = mix(jax.nn.softmax(scores(k, mask), axis=-1), v)
+        s_new = scores(k, mask)
+
+        def attend(j):  # this layer's queries over layer j's cache + the new tokens
+            kc, vc = k_layers[j], v_layers[j]  # [B, KV, hd, S], [B, KV, S, hd]
+            s_cached = scores(kc, cache_mask, "bkgth,bkhs->bkgts")
+            p = jax.nn.softmax(jnp.concatenate([s_cached, s_new], axis=-1), axis=-1)
+            return mix(p[..., : vc.shape[2]], vc) + mix(p[..., vc.shape[2] :], v)
+
+        if isinstance(layer, int):
+            out = attend(layer)
         else:
-            k_layers, v_layers, layer, cache_mask = cache
-            k = k.astype(k_layers[0].dtype)
-            v = v.astype(v_layers[0].dtype)
-            s_new = scores(k, mask)
-
-            def attend(
-                j,
-            ):  # attention of this layer's queries over layer j's cache + the new tokens
-                kc, vc = k_layers[j], v_layers[j]  # [B, KV, hd, S], [B, KV, S, hd]
-                s_cached = scores(kc, cache_mask, "bkgth,bkhs->bkgts")
-                p = jax.nn.softmax(jnp.concatenate([s_cached, s_new], axis=-1), axis=-1)
-                return mix(p[..., : vc.shape[2]], vc) + mix(p[..., vc.shape[2] :], v)
-
-            if isinstance(layer, int):
-                out = attend(layer)
-            else:
-                out = jax.lax.switch(
-                    layer, [functools.partial(attend, j) for j in range(len(k_layers))]
-                )
-            k = k.swapaxes(2, 3)  # [B, KV, hd, T]: the cached keys' layout
+            out = jax.lax.switch(
+                layer, [functools.partial(attend, j) for j in range(len(k_layers))]
+            )
         out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
+        return out, k.swapaxes(2, 3), v  # keys [B, KV, hd, T]: the cached keys' layout
 
 
 def swiglu(x, w_gate, w_up, w_down):

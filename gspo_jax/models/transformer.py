@@ -125,11 +125,50 @@ def _check_temperature(temperature) -> float:
     return float(temperature)
 
 
+_CP = jax.checkpoint_policies
+# What the backward pass of a rematerialised layer group reads back instead of
+# recomputing.  'dots' saves every dot_general output, the full forward's attention
+# scores [B, KV, G, T, S] (f32) and probabilities @ values among them: L layers of
+# B * H * T^2 * 4 bytes.  'dots_no_scores' saves the dot_generals without batch
+# dims (q/k/v/o projections, dense MLP, router logits) and the attention output
+# [B, T, H, hd] (named "attn_ctx" in layers.Attention); the backward pass then
+# recomputes one layer's scores at a time.  No policy saves the experts' grouped
+# products (`lax.ragged_dot` is not a dot_general; the CPU backend's are batched).
+# tests/test_memory.py checks what each policy saves.
 _REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _CP.nothing_saveable,
+    "dots": _CP.checkpoint_dots,
+    "dots_no_batch": _CP.dots_with_no_batch_dims_saveable,
+    "dots_no_scores": _CP.save_from_both_policies(
+        _CP.dots_with_no_batch_dims_saveable, _CP.save_only_these_names("attn_ctx")
+    ),
 }
+
+
+# Parameters the forward reads in float32 whatever the compute dtype: the router
+# (its logits are an f32 matmul, moe.MoE) and the value head (Transformer.value).
+F32_PARAMS = ("router", "value_w", "value_b")
+
+
+def inference_params(params, cfg: ModelConfig):
+    """A copy of a model's parameters for forward passes only (the RL reference
+    policy): every floating parameter the forward casts to the compute dtype
+    (`cfg.dtype`) stored in it, those of `F32_PARAMS` as they are.
+
+    The forward gives bitwise the logits it gives from `params`: each of its
+    ``param.astype(dtype)`` casts is made once here instead of in every forward
+    (a cast to the dtype a value already has is the identity).  At bf16 compute and
+    f32 storage the copy takes half the memory.  Always a new buffer (the trainer
+    donates `params` to its update)."""
+    dt = cfg.jnp_dtype
+
+    def cast(path, a):
+        keys = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+        if keys & set(F32_PARAMS) or not jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.copy(a)
+        return jnp.copy(a) if a.dtype == dt else a.astype(dt)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 class Block(nnx.Module):
