@@ -47,6 +47,10 @@ RESUMABLE_FIELDS = (
     "mesh.*",
     "model.moe_backend",
     "model.remat_policy",
+    # How logits and attention are computed, not what: chunking changes no number, the
+    # attention kernel only rounding (as a change of hardware would).
+    "model.logits_chunk_size",
+    "model.attention_impl",
     # Prompt padding, and what a prompt longer than it does: raising the length or
     # switching to "truncate" is how a run stopped by a long prompt goes on.
     "rollout.max_prompt_len",
