@@ -272,7 +272,8 @@ def fig_flips_per_layer(idx: Index, path: str, arm: str = "moe8") -> bool:
         ax.set_title(f"{arm}, {obj}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("free-router flip fraction")
-    axes[0][-1].legend(fontsize=6)
+    for ax in axes[0]:
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
