@@ -299,7 +299,7 @@ def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
 
 
 def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
-    from experiments.stability import stage1_probes, stage2_config
+    from experiments.stability import stage2_config
 
     monkeypatch.setattr(stage2_config, "PLAN", str(tmp_path / "missing.json"))
     with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
@@ -309,4 +309,3 @@ def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(stage2_config, "PLAN", str(plan))
     c = stage2_config.get_config()
     assert c.lrs == (3e-4, 1e-3) and c.gspo_eps == (0.01, 0.0133)
-    assert stage1_probes.load_stage_config  # the loader the scripts share

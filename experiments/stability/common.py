@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -103,6 +104,22 @@ def write_jsonl(path: str, records: Iterable[dict]) -> None:
         for r in records:
             f.write(json.dumps(r, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def read_records(folder: str) -> list[dict]:
+    """Every record of every ``*.jsonl`` file in ``folder``, files in name order (a
+    stage's per-run summaries or per-probe records)."""
+    return [r for p in sorted(glob.glob(os.path.join(folder, "*.jsonl"))) for r in read_jsonl(p)]
+
+
+def load_stage_config(path: str, arg):
+    """``get_config(arg)`` of the stage config file at ``path``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stage_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg)
 
 
 def rl_records(workdir: str) -> list[dict]:
@@ -221,6 +238,20 @@ def bootstrap_ci(
     stats = np.array([statistic(x[i]) for i in idx], np.float64)
     a = (1.0 - level) / 2.0
     return est, float(np.quantile(stats, a)), float(np.quantile(stats, 1.0 - a))
+
+
+def bootstrap_diff_ci(a, b, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0):
+    """(mean(a) - mean(b), lower, upper): percentile bootstrap interval of the
+    difference of means, resampling each group's runs (seeds) independently."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 1 or b.ndim != 1 or not len(a) or not len(b):
+        raise ValueError("a, b: expected non-empty 1-D sequences")
+    rng = np.random.default_rng(seed)
+    ia = rng.integers(0, len(a), (n_boot, len(a)))
+    ib = rng.integers(0, len(b), (n_boot, len(b)))
+    d = a[ia].mean(axis=1) - b[ib].mean(axis=1)
+    q = (1.0 - level) / 2.0
+    return float(a.mean() - b.mean()), float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
 
 
 def critical_lr(lrs: Sequence[float], collapse_rate: Sequence[float], threshold: float = 0.5):

@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments.stability import common  # noqa: E402
+from experiments.stability.common import load_stage_config  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax import routing, step  # noqa: E402
 
@@ -297,16 +298,6 @@ def main(argv=None) -> None:
         return
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
     print(f"stage 1: {n} probes run into {args.out}")
-
-
-def load_stage_config(path: str, arg):
-    """``get_config(arg)`` of the stage config file at ``path``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("stage_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(arg)
 
 
 if __name__ == "__main__":

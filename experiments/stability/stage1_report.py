@@ -10,7 +10,6 @@ left out of the figures and reported as missing by the rules that need it.
 from __future__ import annotations
 
 import collections
-import glob
 import json
 import math
 import os
@@ -21,13 +20,6 @@ from experiments.stability import common
 
 MOE_ARMS = ("moe2", "moe4", "moe8")
 PAIRS = ((2, "moe2", "dense2"), (4, "moe4", "dense4"))
-
-
-def load(out: str) -> list[dict]:
-    recs = []
-    for path in sorted(glob.glob(os.path.join(out, "probes", "*.jsonl"))):
-        recs.extend(common.read_jsonl(path))
-    return recs
 
 
 class Index:
@@ -516,7 +508,7 @@ def decisions(idx: Index, calib, sc) -> str:
 def report(out: str, sc) -> None:
     from experiments.stability.stage1_probes import gspo_grid
 
-    recs = load(out)
+    recs = common.read_records(os.path.join(out, "probes"))
     if not recs:
         raise SystemExit(f"{out}/probes: no probe records yet")
     idx = Index(recs)

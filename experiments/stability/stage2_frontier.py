@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from experiments.stability import common  # noqa: E402
-from experiments.stability.stage1_probes import load_stage_config  # noqa: E402
+from experiments.stability.common import load_stage_config  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage2")
 STAGE = "stage2"
@@ -92,16 +92,6 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
 
 # --------------------------------------------------------------------------
 # Report.
-
-
-def load(out: str) -> list[dict]:
-    import glob
-
-    return [
-        r
-        for p in sorted(glob.glob(os.path.join(out, "runs", "*.jsonl")))
-        for r in common.read_jsonl(p)
-    ]
 
 
 def frontier(runs: list[dict]) -> dict:
@@ -239,7 +229,7 @@ def figures(runs: list[dict], fr: dict, out: str) -> None:
 
 
 def report(out: str, sc) -> None:
-    runs = load(out)
+    runs = common.read_records(os.path.join(out, "runs"))
     if not runs:
         raise SystemExit(f"{out}/runs: no finished runs yet")
     fr = frontier(runs)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from experiments.stability import common, stage3_config  # noqa: E402
-from experiments.stability.stage1_probes import load_stage_config  # noqa: E402
+from experiments.stability.common import load_stage_config  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage3")
 STAGE = "stage3"
@@ -316,14 +316,6 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
 # Report.
 
 
-def load(out: str) -> list[dict]:
-    return [
-        r
-        for p in sorted(glob.glob(os.path.join(out, "runs", "*.jsonl")))
-        for r in common.read_jsonl(p)
-    ]
-
-
 def arm_order(runs: list[dict]) -> list[str]:
     known = [row[0] for row in stage3_config.ARMS] + [stage3_config.DENSE_REFERENCE]
     present = {r["arm"] for r in runs}
@@ -482,7 +474,7 @@ def fig_precursors(groups: dict[str, list[dict]], path: str) -> None:
 
 
 def report(out: str) -> None:
-    runs = load(out)
+    runs = common.read_records(os.path.join(out, "runs"))
     if not runs:
         raise SystemExit(f"{out}/runs: no finished runs yet")
     groups = by_arm(runs)

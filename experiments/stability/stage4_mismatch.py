@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import math
 import os
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from experiments.stability import common, stage4_config  # noqa: E402
-from experiments.stability.stage1_probes import load_stage_config  # noqa: E402
+from experiments.stability.common import bootstrap_diff_ci, load_stage_config  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage4")
 STAGE = "stage4"
@@ -272,34 +271,12 @@ def run_mean(run: dict, key: str) -> float:
     return _mean(run["series"].get(key))
 
 
-def bootstrap_diff_ci(a, b, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0):
-    """(mean(a) - mean(b), lower, upper): percentile bootstrap interval of the
-    difference of means, resampling each group's runs (seeds) independently."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.ndim != 1 or b.ndim != 1 or not len(a) or not len(b):
-        raise ValueError("a, b: expected non-empty 1-D sequences")
-    rng = np.random.default_rng(seed)
-    ia = rng.integers(0, len(a), (n_boot, len(a)))
-    ib = rng.integers(0, len(b), (n_boot, len(b)))
-    d = a[ia].mean(axis=1) - b[ib].mean(axis=1)
-    q = (1.0 - level) / 2.0
-    return float(a.mean() - b.mean()), float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
-
-
 def r3_removes(grpo_kl, r3_kl, factor: float = 10.0) -> bool:
     """Rule 1 at one noise level: R3's seed-mean mismatch_kl at least ``factor`` × below
     GRPO's, with non-overlapping bootstrap intervals. Arguments: (mean, lo, hi)."""
     g, g_lo, _ = grpo_kl
     r, _, r_hi = r3_kl
     return bool(r * factor <= g and r_hi < g_lo)
-
-
-def load(out: str) -> list[dict]:
-    return [
-        r
-        for p in sorted(glob.glob(os.path.join(out, "runs", "*.jsonl")))
-        for r in common.read_jsonl(p)
-    ]
 
 
 def cells(runs: list[dict]) -> dict:
@@ -431,7 +408,7 @@ def figure(cs: dict, path: str) -> None:
 
 
 def report(out: str) -> None:
-    runs = load(out)
+    runs = common.read_records(os.path.join(out, "runs"))
     if not runs:
         raise SystemExit(f"{out}/runs: no finished runs yet")
     cs = cells(runs)
