@@ -6,6 +6,11 @@
   full forward, dispatch backends, remat) at f32 tolerances; on GPU the default
   would use TF32 (errors ~1e-3), on CPU full precision is already the default.
 * 8 fake CPU devices, for the sharding tests; must be set before JAX starts.
+  XLA's CPU scheduler that orders a program for concurrency is off: with it, the
+  devices of one sharded program (one pool thread each on a small machine) can sit
+  in two different all-reduces at once, waiting for each other, until XLA aborts
+  the process after 40 s (seen on 2 cores in the stage-1 probe's update: 6 threads
+  in one all-reduce, 2 in another). `docs/distributed.md` says the same to users.
 * One persistent XLA compilation cache for the session, its xdist workers and
   the trainer subprocesses they start: the trainer tests run the same programs
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
@@ -18,7 +23,10 @@ import collections
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false",
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gspo_jax_tests_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

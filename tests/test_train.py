@@ -158,7 +158,10 @@ def test_every_objective_config_is_valid():
 
 def _run_subprocess(workdir, args, devices, *, data_dir, wait=True):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = (  # conftest's flags, another device count
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     # absl wants --config=... before any --config.<field>=... override.
     cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}"] + list(args) + [
