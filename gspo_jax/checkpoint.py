@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from gspo_jax import multihost
+
 MANIFEST = "checksums.json"
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # orbax's step directory names
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -308,6 +310,7 @@ class PhaseCheckpointer:
         if not steps:
             raise FileNotFoundError(f"no {self.phase!r} checkpoint in {self.directory}")
         self._remove_empty_step_dirs()
+        multihost.barrier(f"checkpoints/{self.phase}: empty directories removed")
         self._mngr.reload()  # see the directories as they are now
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         skipped: list[tuple[int, str]] = []
@@ -349,10 +352,7 @@ class PhaseCheckpointer:
                     dst, n = f"{src}.unusable{n}", n + 1
                 os.rename(src, dst)
                 self._log(f"moved step {s} aside to {os.path.basename(dst)}")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"checkpoints/{self.phase}: moved aside")
+        multihost.barrier(f"checkpoints/{self.phase}: moved aside")
         self._mngr.reload()
 
     def wait(self) -> None:

@@ -33,6 +33,7 @@ LONG_PROMPTS = ("refuse", "truncate")
 SCHEDULES = ("constant", "cosine", "linear")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+DISTRIBUTED_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -208,6 +209,14 @@ def base_config() -> ml_collections.ConfigDict:
     # name "" = the workdir's name; dir "" = the workdir (runs go to <dir>/wandb).
     c.wandb = ml_collections.ConfigDict(
         dict(enabled=False, project="gspo_jax", entity="", name="", mode="auto", dir="")
+    )
+    # Several processes (hosts) in one run: `gspo_jax.train.maybe_initialize_distributed`.
+    # mode "auto": start jax.distributed when a coordinator is named (here or in
+    # JAX_COORDINATOR_ADDRESS) or the environment is a multi-process srun or Open MPI
+    # job or a TPU pod; "on": always (JAX detects what is not given); "off": never.
+    # num_processes 0 and process_id -1: detected.
+    c.distributed = ml_collections.ConfigDict(
+        dict(mode="auto", coordinator_address="", num_processes=0, process_id=-1)
     )
     return c
 
@@ -508,6 +517,10 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
     for path in ("wandb.project", "wandb.entity", "wandb.name", "wandb.dir"):
         _str(c, path)
     _str(c, "wandb.mode", choices=WANDB_MODES)
+    _str(c, "distributed.mode", choices=DISTRIBUTED_MODES)
+    _str(c, "distributed.coordinator_address")
+    _int(c, "distributed.num_processes", low=0)
+    _int(c, "distributed.process_id", low=-1)
 
     for path in ("task.name", "task.difficulty", "task.data_dir", "task.style"):
         _str(c, path)
@@ -847,6 +860,9 @@ def validate(
     progress_bar, wandb.enabled                            bool
     wandb.project, entity, name, dir                       str ("" = default)
     wandb.mode                                             auto, online, offline, disabled
+    distributed.mode                                       auto, on, off
+    distributed.coordinator_address                        str ("" = detected)
+    distributed.num_processes / .process_id                int >= 0 / >= -1 (0, -1 = detected)
     tokenizer                                              "char" or a directory (non-empty)
     compilation_cache_dir, task.data_dir,                  str ("" = off / default)
     task.gsm8k_files, model.pretrained

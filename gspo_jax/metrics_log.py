@@ -37,7 +37,9 @@ class MetricsWriter:
 
     TensorBoard tags are ``<phase>/<metric>`` (``<tb_prefix>/<metric>`` when a
     prefix is given), at the record's step or the ``tb_step`` given to `write`; a
-    `WandbWriter`, when given, gets each record under the same names.
+    `WandbWriter`, when given, gets each record under the same names. A writer that
+    is not ``enabled`` (every process of a run but the first) writes nothing; `write`
+    still returns the record.
     """
 
     def __init__(
@@ -50,15 +52,18 @@ class MetricsWriter:
         filename: str = "metrics.jsonl",
         tb_prefix: str | None = None,
         wandb: WandbWriter | None = None,
+        enabled: bool = True,
     ):
-        os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self.tb_prefix = tb_prefix
-        self._wandb = wandb
+        self._wandb = wandb if enabled else None
+        self._f = self._tb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
         if resume_step is not None:
             self._truncate_after(resume_step, resume_phase)
         self._f = open(self.path, "a", encoding="utf-8")
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -88,6 +93,8 @@ class MetricsWriter:
     ) -> dict:
         rec = {"step": int(step), "phase": phase}
         rec.update({k: _scalar(v) for k, v in metrics.items()})
+        if self._f is None:  # not enabled
+            return rec
         self._f.write(json.dumps(rec, sort_keys=True) + "\n")
         self._f.flush()
         prefix, at = self.tb_prefix or phase, int(step if tb_step is None else tb_step)
@@ -105,12 +112,14 @@ class MetricsWriter:
         return rec
 
     def flush(self) -> None:
-        self._f.flush()
+        if self._f is not None:
+            self._f.flush()
         if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -39,6 +39,7 @@ RESUMABLE_FIELDS = (
     "progress_bar",
     "compilation_cache_dir",
     "wandb.*",
+    "distributed.*",
     "task.data_dir",
     "task.gsm8k_files",
     "task.eval_size",
@@ -313,9 +314,21 @@ class RunGuard:
 
     @property
     def requested(self) -> bool:
-        return self.shutdown.requested
+        """Whether this process, or any process of the run, was asked to stop: every
+        process saves the same step's checkpoint and stops after it. Ask once a step."""
+        from gspo_jax import multihost
+
+        return multihost.any_process(self.shutdown.requested)
 
     def exit(self, where: str) -> None:
+        if self.shutdown.signum is None:  # another process of the run was signalled
+            print(
+                f"stopped after {where}: another process of the run was asked to stop; the "
+                "checkpoint of that step is saved: run the same command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise Preempted(128 + signal.SIGTERM)
         self.shutdown.exit(where)
 
     def heartbeat(self) -> None:

@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, objectives, rewards, safety, shaping, step
+from gspo_jax import evaluation, multihost, objectives, rewards, safety, shaping, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
@@ -74,19 +74,50 @@ BATCH_AXES = ("data", "fsdp")
 # Building blocks.
 
 
-def maybe_initialize_distributed() -> None:
-    """Start multi-host JAX when the environment names a coordinator."""
-    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if addr:
-        jax.distributed.initialize(
-            coordinator_address=addr,
-            num_processes=int(os.environ["JAX_NUM_PROCESSES"])
-            if "JAX_NUM_PROCESSES" in os.environ
-            else None,
-            process_id=int(os.environ["JAX_PROCESS_ID"])
-            if "JAX_PROCESS_ID" in os.environ
-            else None,
-        )
+def cluster_detected(environ=os.environ) -> str | None:
+    """The multi-process launcher the environment shows, or None: a coordinator named in
+    JAX_COORDINATOR_ADDRESS, an srun step or Open MPI job of more than one task, a TPU
+    pod on GKE or a Cloud TPU VM. JAX finds the coordinator, process count and id in each."""
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    # srun's step, not the batch script's allocation (SLURM_NTASKS is set there too).
+    if int(environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        return "SLURM"
+    if int(environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if len([h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "TPU pod"
+    try:  # JAX's own test (private): on a Cloud TPU VM initialize() needs no arguments
+        from jax._src.clusters.cloud_tpu_cluster import running_in_cloud_tpu_vm
+    except ImportError:
+        running_in_cloud_tpu_vm = False
+    return "Cloud TPU VM" if running_in_cloud_tpu_vm else None
+
+
+def maybe_initialize_distributed(d: ml_collections.ConfigDict) -> bool:
+    """Start multi-process JAX (`jax.distributed.initialize`) where the run has several
+    processes; call before anything touches a device. ``d``: the config's
+    ``distributed`` block (`gspo_jax.config`); JAX_NUM_PROCESSES and JAX_PROCESS_ID in
+    the environment stand in for its counts. Returns whether it started. CPU processes
+    exchange data through gloo (`docs/distributed.md`)."""
+    address = str(d.coordinator_address) or None
+    if d.mode == "off" or jax.distributed.is_initialized():
+        return False
+    if d.mode == "auto" and address is None and cluster_detected() is None:
+        return False
+    num = int(d.num_processes) or int(os.environ.get("JAX_NUM_PROCESSES", 0)) or None
+    pid = int(d.process_id)
+    pid = pid if pid >= 0 else int(os.environ.get("JAX_PROCESS_ID", -1))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=address, num_processes=num, process_id=pid if pid >= 0 else None
+    )
+    print(
+        f"jax.distributed: process {jax.process_index()} of {jax.process_count()}, "
+        f"{jax.local_device_count()} of {jax.device_count()} devices",
+        flush=True,
+    )
+    return True
 
 
 def make_mesh(shape: dict[str, int]) -> Mesh:
@@ -220,7 +251,7 @@ class _Round:
     """One sampling round of :meth:`Trainer.collect`."""
 
     rollout: Any  # the Rollout, on the devices
-    host: dict[str, np.ndarray]  # what comes to the host: tokens, lengths, truncated
+    host: dict[str, np.ndarray]  # lengths and truncation flags of every row (Trainer.score)
     rewards: np.ndarray  # [n * G], shaped (Trainer.shape_and_filter)
     components: dict[str, np.ndarray]  # the reward's components (rewards.score)
     fails: dict[str, int]  # verifier failure counts
@@ -300,8 +331,13 @@ class Trainer:
             kw["gsm8k_files"] = c.task.gsm8k_files or None
         if c.task.name == "file":
             kw["file_task"] = FileTask.from_config(c.task)
+        # One process prepares a data set that is not on disk yet; the others then read it.
+        if not multihost.is_primary():
+            multihost.barrier("data prepared")
         self.train_data = PromptSource(c.task.name, "train", **kw)
         self.eval_data = PromptSource(c.task.name, "test", shuffle=False, **kw)
+        if multihost.is_primary():
+            multihost.barrier("data prepared")
 
         # The policy, created already sharded.
         if c.model.pretrained:
@@ -572,17 +608,46 @@ class Trainer:
         )
         return ro, cut
 
-    @staticmethod
-    def _host(ro) -> dict[str, np.ndarray]:
-        """What of a rollout comes to the host: the response token ids, lengths and
-        truncation flags (decoding, rewards, metrics). The rest stays on the devices."""
-        return jax.device_get(
-            {"tokens": ro.tokens, "lengths": ro.lengths, "truncated": ro.truncated}
-        )
-
     def _texts(self, host: dict[str, np.ndarray]) -> list[str]:
         toks, lengths = host["tokens"], host["lengths"]
         return [self.tokenizer.decode(toks[i, : lengths[i]].tolist()) for i in range(len(toks))]
+
+    def score(
+        self, examples, ro, *, num_samples: int | None = None, answers: str | None = None
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int], dict[str, np.ndarray]]:
+        """Stage 2, score: the task's verifier on the decoded responses of rollout ``ro``
+        (``num_samples`` per example; default: the group size).
+
+        What of a rollout comes to the host is the response token ids, lengths and
+        truncation flags; the rest stays on the devices. Each process decodes and
+        verifies only the rows on its own devices; their per-row results are then
+        gathered to every process (`gspo_jax.multihost`; in one process there is
+        nothing to gather). ``answers``: also the final answers as `evaluation` reads
+        them for this verifier kind, as codes (``components["answer_code"]``).
+
+        Returns (rewards [n * G], their components, verifier failure counts, and
+        ``{"lengths", "truncated"}`` of every row), the same on every process.
+        """
+        c = self.c
+        g = num_samples or int(c.rollout.group_size)
+        rows, host = multihost.local_rows(
+            {"tokens": ro.tokens, "lengths": ro.lengths, "truncated": ro.truncated}
+        )
+        texts = self._texts(host)
+        metas = [ex.meta for ex in examples for _ in range(g)][rows]
+        r, components, fails = rewards.score(
+            c.task.name, texts, metas, format_weight=float(c.task.format_reward)
+        )
+        per_row = dict(components, reward=r, lengths=host["lengths"], truncated=host["truncated"])
+        if answers is not None:
+            per_row["answer_code"] = multihost.answer_codes(
+                evaluation.final_answers(answers, texts)
+            )
+        per_row = {k: multihost.gather_rows(v, ro.tokens) for k, v in per_row.items()}
+        fails = multihost.sum_counts(fails, ro.tokens)
+        r = per_row.pop("reward")
+        host = {k: per_row.pop(k) for k in ("lengths", "truncated")}
+        return r, per_row, fails, host
 
     def evaluate(self, params, examples=None) -> dict[str, float]:
         """Held-out metrics on the first ``task.eval_size`` test prompts (or ``examples``).
@@ -599,16 +664,13 @@ class Trainer:
         if examples is None:
             examples = self.eval_data.first(int(c.task.eval_size))
         k = int(c.task.eval_samples)
-        metas = [ex.meta for ex in examples for _ in range(k)]
         ro, cut = self._rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
-        texts = self._texts(self._host(ro))
-        _, sampled, _ = rewards.score(c.task.name, texts, metas)
         # A user-file task's answers are read as its verifier reads them (numeric: values).
         kind = c.task.get("verifier", "") if c.task.name == "file" else c.task.name
-        answers = evaluation.final_answers(kind, texts)
+        _, sampled, _, _ = self.score(examples, ro, num_samples=k, answers=kind)
+        answers = multihost.codes_to_answers(sampled["answer_code"])
         ro, _ = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
-        greedy_texts = self._texts(self._host(ro))
-        _, greedy, _ = rewards.score(c.task.name, greedy_texts, [ex.meta for ex in examples])
+        _, greedy, _, _ = self.score(examples, ro, num_samples=1)
         out = {
             "eval_reward_mean": float(np.mean(sampled["correct"])),
             "eval_greedy_reward": float(np.mean(greedy["correct"])),
@@ -631,7 +693,7 @@ class Trainer:
         the batch (one round without dynamic sampling); then the batch is filled
         and given its advantages. Returns the batch (without old log-probs), on the
         devices, and host metrics. Of the rollouts only the response token ids,
-        lengths and truncation flags came to the host.
+        lengths and truncation flags came to the host (`score`).
         """
         c = self.c
         n_prompts = int(c.rollout.prompts_per_step)
@@ -642,8 +704,7 @@ class Trainer:
             # a pure function of the step: resume needs no extra data state.
             pos = (step_idx * max_rounds + rnd) * n_prompts
             examples, ro, cut, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
-            host = self._host(ro)
-            r, components, fails = self.score(examples, host)
+            r, components, fails, host = self.score(examples, ro)
             shaped, rows, groups_kept = self.shape_and_filter(host, r, components["correct"])
             rounds.append(
                 _Round(ro, host, shaped, components, fails, rows, groups_kept, cut, seconds)
@@ -674,22 +735,11 @@ class Trainer:
         jax.block_until_ready(ro)
         return examples, ro, cut, time.perf_counter() - t0
 
-    def score(self, examples, host) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int]]:
-        """Stage 2, score: the task's verifier on the decoded responses
-        (:func:`gspo_jax.rewards.score`; ``host``: `_host` of the rollout). Returns
-        (rewards [n * G], their components, verifier failure counts)."""
-        c = self.c
-        g = int(c.rollout.group_size)
-        metas = [ex.meta for ex in examples for _ in range(g)]
-        return rewards.score(
-            c.task.name, self._texts(host), metas, format_weight=float(c.task.format_reward)
-        )
-
     def shape_and_filter(
         self, host, r: np.ndarray, correct: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Stage 3, shape and filter (DAPO), on one round (``host``: `_host` of its
-        rollout): the soft overlong punishment added to the rewards ``r``; dynamic
+        """Stage 3, shape and filter (DAPO), on one round (``host``: the row lengths
+        `score` returns): the soft overlong punishment added to the rewards ``r``; dynamic
         sampling keeps only the groups whose correctness differs (``correct``, the
         verifier's 0/1 per response: DAPO filters on accuracy, not on the shaped
         reward, so a length penalty or a format reward cannot keep a group whose
@@ -741,10 +791,7 @@ class Trainer:
         parts = [{k: getattr(r.rollout, k) for k in fields} for r in rounds]
         parts += [parts[0]] * (max_rounds - len(parts))
         batch = self._assemble(
-            tuple(parts),
-            jnp.asarray(src_round, jnp.int32),
-            jnp.asarray(src_row, jnp.int32),
-            jnp.asarray(valid),
+            tuple(parts), src_round.astype(np.int32), src_row.astype(np.int32), valid
         )
         batch["rewards"] = reward
         return batch
@@ -766,10 +813,11 @@ class Trainer:
         else:  # gae
             a = jnp.zeros_like(jnp.asarray(rg))
             batch["seq_rewards"] = self._put_rows(rg.reshape(-1).astype(np.float32))
-        batch["advantages"] = self._put_rows(jnp.asarray(a, jnp.float32).reshape(-1))
+        batch["advantages"] = self._put_rows(np.asarray(a, np.float32).reshape(-1))
 
-    def _put_rows(self, x) -> jax.Array:
-        """A [rows, ...] array on the mesh, sharded over its rows as `put_batch` does."""
+    def _put_rows(self, x: np.ndarray) -> jax.Array:
+        """A host [rows, ...] array (the same on every process) on the mesh, sharded over
+        its rows as `put_batch` does."""
         return jax.device_put(x, self._batch_sharding(x))
 
     def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
@@ -809,7 +857,7 @@ class Trainer:
 
 
 def _progress(c, total: int, start: int, desc: str):
-    if c.progress_bar and jax.process_index() == 0:
+    if c.progress_bar and multihost.is_primary():
         from tqdm import tqdm
 
         return tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
@@ -1027,16 +1075,21 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     The workdir is locked for this trainer; a resume with a config that changes what
     its checkpoints mean is refused before anything is written; SIGTERM or SIGINT
     ends the run after the current step with a checkpoint (`gspo_jax.safety`).
+    With several processes (`maybe_initialize_distributed`) every process calls this
+    with the same config and workdir (a file system they share); only the first writes
+    logs and the run's config (`gspo_jax.multihost`).
     """
     enable_compilation_cache(str(c.get("compilation_cache_dir", "")))
     os.makedirs(workdir, exist_ok=True)
-    with safety.RunGuard(workdir, lock=jax.process_index() == 0) as guard:
+    primary = multihost.is_primary()
+    with safety.RunGuard(workdir, lock=primary) as guard:
         safety.check_resume_config(c, workdir)
         trainer = Trainer(c, workdir)  # validates the config
-        if jax.process_index() == 0:
+        multihost.barrier("resume config checked")  # by every process, before it is replaced
+        if primary:
             safety.save_run_config(c, workdir)
         record = safety.config_record(c)
-        with open_wandb(c.wandb, workdir, record, enabled=jax.process_index() == 0) as wb:
+        with open_wandb(c.wandb, workdir, record, enabled=primary) as wb:
             return _run(trainer, guard, wb)
 
 
@@ -1046,10 +1099,13 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints)
     )
     resuming_rl = rl_ckpt.latest_step() is not None
+    primary = multihost.is_primary()  # the one process that writes the logs
 
     def open_log(phase: str, step_: int) -> MetricsWriter:
         """metrics.jsonl cut back to (phase, step_): where this run resumes."""
-        return MetricsWriter(workdir, resume_step=step_, resume_phase=phase, wandb=wb)
+        return MetricsWriter(
+            workdir, resume_step=step_, resume_phase=phase, wandb=wb, enabled=primary
+        )
 
     writer = None
     if int(c.sft.steps) > 0 and not resuming_rl:
@@ -1073,6 +1129,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         filename="updates.jsonl",
         tb_prefix="updates",
         wandb=wb,
+        enabled=primary,
     )
     records = []
     steps = int(c.total_rl_steps)
@@ -1096,8 +1153,9 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         )
         bar.update(1)
         meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c)}
-        rl_ckpt.save(s + 1, rl.state, meta, force=(s + 1 == steps) or guard.requested)
-        if guard.requested:
+        stop = guard.requested
+        rl_ckpt.save(s + 1, rl.state, meta, force=(s + 1 == steps) or stop)
+        if stop:
             rl_ckpt.close()
             update_writer.close()
             writer.close()
@@ -1133,10 +1191,10 @@ def main(argv: Sequence[str]) -> None:
 
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    maybe_initialize_distributed()
     cfg = flags.FLAGS.config
     if cfg is None:
         raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
+    maybe_initialize_distributed(cfg.distributed)
     run(cfg, flags.FLAGS.workdir)
 
 
