@@ -257,15 +257,21 @@ class GracefulShutdown:
         self._previous.clear()
 
     def exit(self, where: str) -> None:
-        """Say where the run stopped and exit with 128 + the signal's number."""
-        name = signal.Signals(self.signum).name
+        """Say where the run stopped and exit with 128 + the signal's number (SIGTERM's
+        where another process of the run was the one signalled)."""
+        signum = self.signum or signal.SIGTERM
+        why = (
+            f"by {signal.Signals(signum).name}"
+            if self.signum
+            else "because another process of the run was asked to stop"
+        )
         print(
-            f"stopped by {name} after {where}; the checkpoint of that step is saved: run the "
+            f"stopped {why} after {where}; the checkpoint of that step is saved: run the "
             "same command to resume",
             file=sys.stderr,
             flush=True,
         )
-        raise Preempted(128 + self.signum)
+        raise Preempted(128 + signum)
 
 
 def check_health(metrics: Mapping[str, Any], c: ml_collections.ConfigDict, where: str) -> None:
@@ -321,14 +327,6 @@ class RunGuard:
         return multihost.any_process(self.shutdown.requested)
 
     def exit(self, where: str) -> None:
-        if self.shutdown.signum is None:  # another process of the run was signalled
-            print(
-                f"stopped after {where}: another process of the run was asked to stop; the "
-                "checkpoint of that step is saved: run the same command to resume",
-                file=sys.stderr,
-                flush=True,
-            )
-            raise Preempted(128 + signal.SIGTERM)
         self.shutdown.exit(where)
 
     def heartbeat(self) -> None:

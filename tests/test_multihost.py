@@ -240,3 +240,13 @@ def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path):
         return [f for _, _, files in os.walk(os.path.join(w, "tb")) for f in files]
 
     assert len(events(two)) == 2 * len(events(one)) > 0
+
+
+def test_a_process_stopped_for_another_says_so(capsys):
+    from gspo_jax import safety
+
+    shutdown = safety.GracefulShutdown()  # this process got no signal
+    with pytest.raises(safety.Preempted) as e:
+        shutdown.exit("rl step 3")
+    assert e.value.code == 128 + signal.SIGTERM
+    assert "another process of the run was asked to stop after rl step 3" in capsys.readouterr().err
