@@ -1,0 +1,446 @@
+"""Accelerator benchmark: the train step's model FLOP utilisation, the sampler's decode
+rate against the HBM roofline, the old-log-prob pass, and peak device memory, each as a
+ratio to what the hardware allows, in one run.
+
+    python experiments/bench_accelerator.py --size h200 --json out.json   # one H200
+    python experiments/bench_accelerator.py --size tiny                   # any CPU, seconds
+
+The model (``--size h200``) is Qwen3-MoE-shaped and trains on one H200 from random
+initialisation: 16 layers, d_model 2048, 32 query / 4 KV heads of 128 with q/k norm,
+64 experts of width 768, top-8, Qwen3's 151,936-entry vocabulary (untied), f32 storage,
+bf16 compute (`SIZES`). It has 5.2B parameters, 1.2B of them active per token.
+
+What each figure is:
+
+* Train step: `gspo_jax.step.train_step` (GRPO's loss, micro-batched, AdamW) on a
+  mini-batch of rollout-shaped rows (prompt + response). Model FLOPs per token are
+  6 x the active matmul parameters (the output head included) plus causal attention,
+  6 x L x H x head_dim x T. Rematerialisation is not counted. MFU = model FLOP/s over
+  the bf16 dense peak (``--peak-tflops``; 790 measured on the H200 of this project).
+  One row per MoE dispatch path (``--backends``).
+* Old log-probs: `gspo_jax.step.logprob_pass` over the same mini-batch (forward only:
+  2 x FLOPs).
+* Sampler: `gspo_jax.rollout.Sampler`, prompts of ``prompt_len`` tokens, responses of
+  exactly ``--new-tokens`` tokens (no stop token). The roofline counts the bytes one
+  decode step must read: all non-expert weights in bf16, the experts the batch touches
+  (expected distinct experts of top-K picks over E, uniform routing), and the KV cache
+  at the mean context. It divides them by the HBM bandwidth (``--hbm-tbs``, 4.8 TB/s).
+  Prefill is timed by a one-token call.
+* Peak memory: XLA's compiled estimate (arguments + outputs + temporaries - aliased)
+  of each program, and the runtime's ``peak_bytes_in_use`` after each part, which
+  accumulates (run one part per process for clean peaks: ``--parts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from gspo_jax import step
+from gspo_jax.models import ModelConfig
+from gspo_jax.models.sharding import init_sharded
+from gspo_jax.models.transformer import inference_params
+from gspo_jax.rollout import Sampler
+
+SIZES = {
+    "h200": dict(
+        model=dict(
+            vocab_size=151936,
+            d_model=2048,
+            num_layers=12,  # 16 does not fit: the train step peaks at 134 GiB (see README)
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            d_ff=6144,
+            moe_d_ff=768,
+            num_experts=64,
+            top_k=8,
+            qk_norm=True,
+            tie_embeddings=False,
+            param_dtype="float32",
+            dtype="bfloat16",
+            remat_policy="dots_no_scores",
+            logits_chunk_size=512,
+        ),
+        rows=32,  # sequences per mini-batch
+        prompt_len=128,
+        response_len=1920,  # 2,048 tokens per sequence
+        micro_batches=4,
+        sampler_batches=(64, 256, 1024),
+        new_tokens=1024,
+    ),
+    "tiny": dict(
+        model=dict(
+            vocab_size=512,
+            d_model=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            d_ff=128,
+            moe_d_ff=32,
+            num_experts=8,
+            top_k=2,
+            qk_norm=True,
+            tie_embeddings=False,
+            param_dtype="float32",
+            dtype="float32",
+            remat_policy="dots_no_scores",
+            logits_chunk_size=16,
+        ),
+        rows=4,
+        prompt_len=8,
+        response_len=24,
+        micro_batches=2,
+        sampler_batches=(4, 8),
+        new_tokens=8,
+    ),
+}
+
+
+def model_config(size: str, backend: str, layers: int = 0) -> ModelConfig:
+    m = dict(SIZES[size]["model"])
+    m["num_layers"] = layers or m["num_layers"]
+    m["param_dtype"], m["dtype"] = jnp.dtype(m["param_dtype"]), jnp.dtype(m["dtype"])
+    if jax.default_backend() == "gpu" and m["dtype"] == jnp.bfloat16:
+        m["attention_impl"] = "cudnn"  # the flash kernel takes 16-bit inputs only
+    return ModelConfig(moe_backend=backend, **m)
+
+
+def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
+    """Parameters that take part in a matmul per token (the embedding lookup does not;
+    the output head does): all experts, or only the top-K (``active``)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    n = cfg.vocab_size * d  # output head
+    for moe in cfg.layer_kinds:
+        n += d * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * d
+        if moe:
+            experts = cfg.top_k if active else cfg.num_experts
+            n += d * cfg.num_experts + experts * 3 * d * cfg.moe_d_ff
+        else:
+            n += 3 * d * cfg.d_ff
+    return n
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6 x active matmul parameters + causal attention (6 x L x H x hd x T)."""
+    attn = 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return 6 * matmul_params(cfg, active=True) + attn
+
+
+def decode_bytes(cfg: ModelConfig, batch: int, context: float) -> float:
+    """Bytes one decode step reads at bf16: every non-expert weight once, the experts
+    that ``batch`` tokens touch (expected distinct of top-K out of E, uniform), and the
+    KV cache of ``context`` positions per row."""
+    d, hd = cfg.d_model, cfg.head_dim
+    dense = cfg.vocab_size * d  # output head (the embedding rows read are negligible)
+    expert = 3 * d * cfg.moe_d_ff
+    touched = 0.0
+    for moe in cfg.layer_kinds:
+        dense += d * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * d
+        if moe:
+            dense += d * cfg.num_experts
+            p_untouched = (1 - cfg.top_k / cfg.num_experts) ** batch
+            touched += cfg.num_experts * (1 - p_untouched) * expert
+        else:
+            dense += 3 * d * cfg.d_ff
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * hd
+    return 2.0 * (dense + touched + kv)
+
+
+def timed(fn, *args, reps: int):
+    """(median seconds of ``reps`` calls after one warm-up, the warm-up's seconds, out)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), first, out
+
+
+def compiled_bytes(jitted, *args) -> int | None:
+    """XLA's peak estimate of a jitted program: arguments + outputs + temporaries -
+    aliased (donated) buffers."""
+    try:
+        m = jitted.lower(*args).compile().memory_analysis()
+    except Exception:  # not every backend reports it
+        return None
+    if m is None:
+        return None
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def runtime_peak() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (a ratio of a tiny CPU run is not rounded to 0)."""
+    return float(f"{x:.4g}")
+
+
+def gib(x) -> float | None:
+    return None if x is None else round(x / 2**30, 2)
+
+
+def top_ops(trace_dir: str, n: int = 25) -> list[dict]:
+    """The device ops that took the most time in a `jax.profiler.trace` (its Perfetto
+    JSON): name, total milliseconds, calls, share of all device time."""
+    import glob
+    import gzip
+
+    paths = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    if not paths:
+        return []
+    with gzip.open(paths[0]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {
+        e["pid"]: e["args"].get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device = {pid for pid, name in names.items() if "/device:" in name}
+    total: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
+            t = total.setdefault(e["name"], [0.0, 0])
+            t[0] += e["dur"] / 1e3
+            t[1] += 1
+    all_ms = sum(v[0] for v in total.values()) or 1.0
+    rows = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [
+        dict(op=k[:120], ms=round(v[0], 3), calls=v[1], share=round(v[0] / all_ms, 4))
+        for k, v in rows
+    ]
+
+
+def rollout_batch(cfg: ModelConfig, rows: int, prompt_len: int, response_len: int, seed=0):
+    rs = np.random.RandomState(seed)
+    return {
+        "prompt_tokens": jnp.asarray(rs.randint(1, cfg.vocab_size, (rows, prompt_len)), jnp.int32),
+        "prompt_mask": jnp.ones((rows, prompt_len), bool),
+        "tokens": jnp.asarray(rs.randint(1, cfg.vocab_size, (rows, response_len)), jnp.int32),
+        "mask": jnp.ones((rows, response_len), jnp.float32),
+        "advantages": jnp.asarray(rs.randn(rows), jnp.float32),
+    }
+
+
+def bench_train(size: str, backend: str, args) -> dict:
+    s = SIZES[size]
+    cfg = model_config(size, backend, args.layers)
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    model = init_sharded(cfg, mesh, seed=0)
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    batch = rollout_batch(cfg, s["rows"], s["prompt_len"], s["response_len"])
+    seq = s["prompt_len"] + s["response_len"] - 1  # the model reads all but the last token
+    tokens = s["rows"] * seq
+
+    logp = jax.jit(
+        lambda p, b: step.logprob_pass(p, b, graphdef=graphdef, values=False, temperature=1.0)
+    )
+    old_mem = compiled_bytes(logp, params, batch)
+    old_s, old_first, old = timed(logp, params, batch, reps=args.reps)
+    batch = dict(
+        batch,
+        old_logp=old["logp"],
+        old_topk=old["topk_resp"],
+        old_free_topk=old["free_topk_resp"],
+        old_router_logp=old["router_logp"],
+    )
+    del old
+    optimizer, sched = step.make_optimizer(
+        lr=1e-6,
+        schedule="constant",
+        total_steps=1000,
+        warmup_steps=0,
+        end_lr_ratio=1.0,
+        weight_decay=0.0,
+        b1=0.9,
+        b2=0.999,
+        grad_clip=1.0,
+    )
+    state = step.TrainState.create(params, jax.jit(optimizer.init)(params))
+    # GRPO without its KL term (no reference pass in a throughput figure).
+    scfg = step.StepConfig(
+        objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=s["micro_batches"]
+    )
+    train = jax.jit(
+        lambda st, b, r: step.train_step(
+            st, b, r, graphdef=graphdef, optimizer=optimizer, schedule=sched, cfg=scfg
+        ),
+        donate_argnums=(0,),
+    )
+    rng = jax.random.key(0)
+    train_mem = compiled_bytes(train, state, batch, rng)
+
+    def run(st):  # the state is donated: thread it through
+        st, m = train(st, batch, rng)
+        return st, m
+
+    t0 = time.perf_counter()
+    state, m = jax.block_until_ready(run(state))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        state, m = jax.block_until_ready(run(state))
+        times.append(time.perf_counter() - t0)
+    sec = float(np.median(times))
+    profile = None
+    if args.profile:  # one more step, traced
+        d = f"{args.profile}/train_{backend}"
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            state, m = jax.block_until_ready(run(state))
+        profile = top_ops(d)
+    flops = train_flops_per_token(cfg, seq) * tokens
+    peak = args.peak_tflops * 1e12
+    return dict(
+        part="train",
+        backend=backend,
+        layers=cfg.num_layers,
+        params=cfg.num_params(),
+        active_params=cfg.num_params(active=True),
+        tokens=tokens,
+        seq_len=seq,
+        micro_batches=s["micro_batches"],
+        step_s=round(sec, 4),
+        first_call_s=round(first, 2),
+        tokens_per_s=round(tokens / sec, 1),
+        model_tflops=round(flops / sec / 1e12, 2),
+        mfu=_sig(flops / sec / peak),
+        loss_finite=bool(np.isfinite(float(m["loss"]))),
+        old_logp_s=round(old_s, 4),
+        old_logp_first_call_s=round(old_first, 2),
+        old_logp_mfu=_sig(flops / 3 / old_s / peak),
+        train_compiled_gib=gib(train_mem),
+        old_logp_compiled_gib=gib(old_mem),
+        runtime_peak_gib=gib(runtime_peak()),
+        profile=profile,
+    )
+
+
+def bench_sampler(size: str, backend: str, args) -> list[dict]:
+    s = SIZES[size]
+    cfg = model_config(size, backend, args.layers)
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    from flax import nnx
+
+    graphdef, params = nnx.split(init_sharded(cfg, mesh, seed=0))
+    params = inference_params(params, cfg)  # bf16 weights, as a rollout holds them
+    p = s["prompt_len"]
+    sampler = Sampler(graphdef, params, vocab_size=cfg.vocab_size, prompt_buckets=(p,))
+    rs = np.random.RandomState(0)
+    rows = []
+    batches = [int(x) for x in args.sampler_batches.split(",") if x] or s["sampler_batches"]
+    for b in batches:
+        prompts = rs.randint(1, cfg.vocab_size, (b, p)).tolist()
+
+        def sample(n, prompts=prompts):
+            return sampler(
+                prompts,
+                num_samples=1,
+                max_new_tokens=n,
+                rng=jax.random.key(0),
+                temperature=1.0,
+                eos_id=None,
+                routing="none",
+            ).tokens
+
+        n = args.new_tokens or s["new_tokens"]
+        prefill_s, _, _ = timed(lambda: sample(1), reps=args.reps)
+        total_s, first, _ = timed(lambda: sample(n), reps=max(1, args.reps // 2))
+        decode_s = max(total_s - prefill_s, 1e-9)
+        profile = None
+        if args.profile and b == max(batches):
+            d = f"{args.profile}/sampler_{b}"
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                jax.block_until_ready(sample(min(n, 64)))
+            profile = top_ops(d)
+        per_step = decode_s / (n - 1) if n > 1 else decode_s
+        roof = decode_bytes(cfg, b, p + n / 2) / (args.hbm_tbs * 1e12)
+        rows.append(
+            dict(
+                part="sampler",
+                backend=backend,
+                batch=b,
+                prompt_len=p,
+                new_tokens=n,
+                total_s=round(total_s, 3),
+                first_call_s=round(first, 2),
+                prefill_s=round(prefill_s, 4),
+                prefill_us_per_prompt_token=round(prefill_s / (b * p) * 1e6, 3),
+                decode_step_ms=round(per_step * 1e3, 3),
+                decode_tokens_per_s=round(b / per_step, 1),
+                roofline_step_ms=round(roof * 1e3, 3),
+                frac_roofline=_sig(roof / per_step),
+                runtime_peak_gib=gib(runtime_peak()),
+                profile=profile,
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--parts", default="train,sampler", help="train, sampler (comma-separated)")
+    ap.add_argument(
+        "--backends", default="ragged,blocked", help="MoE dispatch paths of the train step"
+    )
+    ap.add_argument("--sampler-backend", default="ragged")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=0, help="0: the size's")
+    ap.add_argument("--new-tokens", type=int, default=0, help="0: the size's")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak")
+    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
+    ap.add_argument("--sampler-batches", default="", help="comma-separated; default: the size's")
+    ap.add_argument("--profile", default="", help="trace one step of each part into this folder")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    res = dict(
+        device=getattr(dev, "device_kind", dev.platform),
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        size=args.size,
+        model=SIZES[args.size]["model"],
+        peak_tflops=args.peak_tflops,
+        hbm_tbs=args.hbm_tbs,
+        rows=[],
+    )
+    print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+    parts = [x for x in args.parts.split(",") if x]
+    if "sampler" in parts:
+        res["rows"] += bench_sampler(args.size, args.sampler_backend, args)
+    if "train" in parts:
+        for backend in [x for x in args.backends.split(",") if x]:
+            row = bench_train(args.size, backend, args)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
