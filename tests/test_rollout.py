@@ -287,6 +287,8 @@ def test_training_forward_at_the_sampling_temperature_gives_logp_sampling(sample
 def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, compile_counts):
     # What the sampler runs off CPU (`rollout._use_cpu_sampling()` False: sort,
     # jnp.cumsum, argmax), here on CPU: a program of its own, the same rollout.
+    if not rollout._use_cpu_sampling():
+        pytest.skip("off CPU the sampler runs the plain method already (seen on an H200)")
     kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7, top_p=0.9)
     cpu = sampler(PROMPTS, **kw)
     monkeypatch.setattr(rollout, "_use_cpu_sampling", lambda: False)
