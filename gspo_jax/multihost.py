@@ -113,7 +113,8 @@ def sum_counts(counts: dict[str, int], like: jax.Array) -> dict[str, int]:
     from jax.experimental import multihost_utils
 
     keys = sorted(counts)
-    mine = np.asarray([counts[k] if owns_rows(like) else 0 for k in keys], np.int32)
+    owner = owns_rows(like)
+    mine = np.asarray([counts[k] if owner else 0 for k in keys], np.int32)
     total = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
     return {k: int(v) for k, v in zip(keys, total)}
 

@@ -39,12 +39,7 @@ def _config(data_dir, **overrides):
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.sft.steps = 0
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
     return c
 
 

@@ -34,12 +34,7 @@ def data_dir(tmp_path_factory):
 def _smoke(data_dir, objective="gspo", **overrides):
     c = default_config.get_config(f"objective={objective},smoke")
     c.task.data_dir = data_dir
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
     return c
 
 

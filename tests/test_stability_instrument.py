@@ -230,12 +230,7 @@ def _config(data_dir, **overrides):
     c.task.data_dir = data_dir
     c.sft.steps = 0
     c.rollout.prompts_per_step = 8  # 32 rows: mini-batches of 16 over 8 fake devices
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
     return c
 
 
