@@ -371,7 +371,7 @@ def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     assert len(summary["series"]["reward_mean"]) == 2
     assert (root / "stage3" / "grpo_r3_s0" / "metrics.jsonl").exists()
     # A second invocation resumes: nothing left to run.
-    sc = S3.load_stage_config(CFG3, "smoke")
+    sc = common.load_stage_config(CFG3, "smoke")
     assert S3.run_all(sc, str(root), str(out), common.Budget(None)) == 0
     S3.main(["--report", "--out", str(out)])
     for name in ("reward_vs_updates.png", "precursors.png", "table.md"):

@@ -138,6 +138,38 @@ def test_apply_overrides_names_an_unknown_field():
 
 
 # --------------------------------------------------------------------------
+# The command line every stage shares.
+
+
+def test_stage_filters_select_a_subset_and_name_a_value_the_config_lacks():
+    from experiments.stability import stage3_replay
+
+    only = ("arms", "updates", "seeds")
+    ap = common.stage_parser("doc", "/tmp/out", "stage4_config.py", only)
+    args = ap.parse_args(["--config", ap.get_default("config") + ":smoke", "--only-seeds", "0"])
+    sc = common.stage_config(args, only)
+    assert sc.seeds == (0,) and sc.arms == ("grpo", "grpo_r3", "grpo_tis")
+    args = ap.parse_args(["--config", args.config, "--only-updates", "2", "--only-arms", "grpo"])
+    sc = common.stage_config(args, only)
+    assert sc.updates == (2,) and isinstance(sc.updates[0], int) and sc.arms == ("grpo",)
+    for flag, value, message in [
+        ("--only-arms", "grpo,grpo_r9", r"--only-arms 'grpo,grpo_r9'.*\['grpo_r9'\].*known: grpo"),
+        ("--only-seeds", "0,7", r"--only-seeds '0,7'.*\[7\]"),
+        ("--only-seeds", "one", r"--only-seeds 'one': expected int"),
+        ("--only-updates", ",", r"--only-updates ',': not in the config \(empty\)"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            common.stage_config(ap.parse_args(["--config", args.config, flag, value]), only)
+    # Stage 3 also accepts the dense reference row, which is not one of its default arms.
+    ap3 = common.stage_parser("doc", "/tmp/out", "stage3_config.py", ("arms", "seeds"))
+    args = ap3.parse_args(
+        ["--config", ap3.get_default("config") + ":smoke", "--only-arms", "grpo_dense"]
+    )
+    sc = common.stage_config(args, ("arms", "seeds"), known={"arms": stage3_replay.table_rows})
+    assert sc.arms == ("grpo_dense",)
+
+
+# --------------------------------------------------------------------------
 # Stage 1's drift metrics against NumPy.
 
 
@@ -271,7 +303,7 @@ def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
     # A second invocation resumes: nothing left to run.
     assert (
         stage1_probes.run_all(
-            stage1_probes.load_stage_config(cfg1.split(":")[0], "smoke"),
+            common.load_stage_config(cfg1.split(":")[0], "smoke"),
             str(root),
             str(out1),
             common.Budget(None),

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import math
@@ -164,6 +165,57 @@ class Budget:
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+# --------------------------------------------------------------------------
+# The command line every stage script shares.
+
+
+def stage_parser(doc: str, out: str, config_file: str, only: Sequence[str]):
+    """``--root``, ``--out``, ``--config``, ``--max-minutes``, ``--report`` and one
+    comma-separated ``--only-<field>`` per name in ``only``; a stage adds its own flags
+    to the parser it gets back."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--root", default="runs/stability", help="warm starts, data and runs (large)")
+    ap.add_argument("--out", default=out, help="compact results (committed)")
+    ap.add_argument(
+        "--config",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), config_file),
+        help="the stage's config file, PATH or PATH:ARG (e.g. ...:smoke)",
+    )
+    for field in only:
+        ap.add_argument(
+            f"--only-{field}", default="", help=f"a comma-separated subset of config.{field}"
+        )
+    ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")
+    ap.add_argument("--report", action="store_true", help="figures and tables from --out")
+    return ap
+
+
+def stage_config(args, only: Sequence[str], known: dict[str, Callable] | None = None):
+    """The stage config of ``--config`` with each ``--only-<field>`` applied. A value
+    the config does not list (``known[field](config)``; by default ``config.<field>``)
+    is an error that names the flag and the values it accepts."""
+    path, _, arg = args.config.partition(":")
+    sc = load_stage_config(path, arg or None)
+    for field in only:
+        given = getattr(args, "only_" + field)
+        if not given:
+            continue
+        allowed = tuple((known or {}).get(field, lambda c: c[field])(sc))
+        cast = type(allowed[0]) if allowed else str
+        try:
+            values = tuple(cast(v) for v in given.split(",") if v)
+        except ValueError:
+            raise SystemExit(f"--only-{field} {given!r}: expected {cast.__name__} values") from None
+        unknown = [v for v in values if v not in allowed]
+        if unknown or not values:
+            raise SystemExit(
+                f"--only-{field} {given!r}: not in the config ({unknown or 'empty'}); "
+                f"known: {', '.join(map(str, allowed))}"
+            )
+        sc[field] = values
+    return sc
 
 
 # --------------------------------------------------------------------------

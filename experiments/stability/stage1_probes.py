@@ -29,7 +29,6 @@ script resumes after an interrupted chunk.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
@@ -43,7 +42,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments.stability import common  # noqa: E402
-from experiments.stability.common import load_stage_config  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax import routing, step  # noqa: E402
 
@@ -276,21 +274,9 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default="runs/stability", help="warm starts and data (large)")
-    ap.add_argument("--out", default=OUT, help="compact results (committed)")
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "stage1_config.py"))
-    ap.add_argument("--only-arms", default="", help="comma-separated subset of config.arms")
-    ap.add_argument("--only-seeds", default="", help="comma-separated subset of config.seeds")
-    ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")
-    ap.add_argument("--report", action="store_true", help="figures and tables from --out")
-    args = ap.parse_args(argv)
-    path, _, arg = args.config.partition(":")
-    sc = load_stage_config(path, arg or None)
-    if args.only_arms:
-        sc.arms = tuple(a for a in args.only_arms.split(",") if a)
-    if args.only_seeds:
-        sc.seeds = tuple(int(s) for s in args.only_seeds.split(",") if s)
+    only = ("arms", "seeds")
+    args = common.stage_parser(__doc__, OUT, "stage1_config.py", only).parse_args(argv)
+    sc = common.stage_config(args, only)
     if args.report:
         from experiments.stability import stage1_report
 

@@ -13,7 +13,6 @@ when it finishes, and a run with a summary is skipped.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import math
 import os
@@ -24,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from experiments.stability import common  # noqa: E402
-from experiments.stability.common import load_stage_config  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage2")
 STAGE = "stage2"
@@ -242,24 +240,9 @@ def report(out: str, sc) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default="runs/stability", help="warm starts and runs (large)")
-    ap.add_argument("--out", default=OUT, help="compact results (committed)")
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "stage2_config.py"))
-    ap.add_argument("--only-arms", default="")
-    ap.add_argument("--only-variants", default="")
-    ap.add_argument("--only-seeds", default="")
-    ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")
-    ap.add_argument("--report", action="store_true")
-    args = ap.parse_args(argv)
-    path, _, arg = args.config.partition(":")
-    sc = load_stage_config(path, arg or None)
-    if args.only_arms:
-        sc.arms = tuple(args.only_arms.split(","))
-    if args.only_variants:
-        sc.variants = tuple(args.only_variants.split(","))
-    if args.only_seeds:
-        sc.seeds = tuple(int(s) for s in args.only_seeds.split(","))
+    only = ("arms", "variants", "seeds")
+    args = common.stage_parser(__doc__, OUT, "stage2_config.py", only).parse_args(argv)
+    sc = common.stage_config(args, only)
     if args.report:
         report(args.out, sc)
         return

@@ -21,7 +21,6 @@ each precursor with the threshold fixed in the README (`PRECURSORS`).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import math
@@ -33,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from experiments.stability import common, stage3_config  # noqa: E402
-from experiments.stability.common import load_stage_config  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage3")
 STAGE = "stage3"
@@ -506,30 +504,12 @@ def report(out: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default="runs/stability", help="warm starts and runs (large)")
-    ap.add_argument("--out", default=OUT, help="compact results (committed)")
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "stage3_config.py"))
-    ap.add_argument("--only-arms", default="", help="comma-separated arms of the table")
-    ap.add_argument("--only-seeds", default="", help="comma-separated subset of config.seeds")
-    ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")
-    ap.add_argument("--report", action="store_true", help="figures and table from --out")
-    args = ap.parse_args(argv)
-    if args.report:
+    only = ("arms", "seeds")
+    args = common.stage_parser(__doc__, OUT, "stage3_config.py", only).parse_args(argv)
+    if args.report:  # the report reads --out alone: the config needs stage 2's choice
         report(args.out)
         return
-    path, _, arg = args.config.partition(":")
-    sc = load_stage_config(path, arg or None)
-    if args.only_arms:
-        arms = tuple(a for a in args.only_arms.split(",") if a)
-        unknown = sorted(set(arms) - set(table_rows(sc)))
-        if unknown:
-            raise SystemExit(
-                f"--only-arms: unknown arm(s) {unknown}; known: {sorted(table_rows(sc))}"
-            )
-        sc.arms = arms
-    if args.only_seeds:
-        sc.seeds = tuple(int(s) for s in args.only_seeds.split(",") if s)
+    sc = common.stage_config(args, only, known={"arms": table_rows})
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
     print(f"stage 3: {n} runs finished into {args.out}")
 

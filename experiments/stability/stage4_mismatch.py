@@ -22,7 +22,6 @@ checkpoints in ``<root>/stage4/<name>``; its compact summary goes to
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import math
@@ -35,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from experiments.stability import common, stage4_config  # noqa: E402
-from experiments.stability.common import bootstrap_diff_ci, load_stage_config  # noqa: E402
+from experiments.stability.common import bootstrap_diff_ci  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage4")
 STAGE = "stage4"
@@ -446,31 +445,17 @@ def report(out: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default="runs/stability", help="warm starts and runs (large)")
-    ap.add_argument("--out", default=OUT, help="compact results (committed)")
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "stage4_config.py"))
+    only = ("arms", "updates", "seeds")
+    ap = common.stage_parser(__doc__, OUT, "stage4_config.py", only)
     ap.add_argument("--calibrate", action="store_true", help="find σ, write calibration.json")
-    ap.add_argument("--only-arms", default="")
-    ap.add_argument("--only-updates", default="")
-    ap.add_argument("--only-seeds", default="")
-    ap.add_argument("--max-minutes", type=float, default=None, help="the chunk's budget")
-    ap.add_argument("--report", action="store_true")
     args = ap.parse_args(argv)
     if args.report:
         report(args.out)
         return
-    path, _, arg = args.config.partition(":")
-    sc = load_stage_config(path, arg or None)
+    sc = common.stage_config(args, only)
     if args.calibrate:
         calibrate(sc, args.root, args.out)
         return
-    if args.only_arms:
-        sc.arms = tuple(a for a in args.only_arms.split(",") if a)
-    if args.only_updates:
-        sc.updates = tuple(int(u) for u in args.only_updates.split(",") if u)
-    if args.only_seeds:
-        sc.seeds = tuple(int(s) for s in args.only_seeds.split(",") if s)
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
     print(f"stage 4: {n} runs finished into {args.out}")
 
