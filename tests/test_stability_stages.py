@@ -107,6 +107,33 @@ def test_critical_lr_ci_is_exact_for_unanimous_seeds_and_censored_above_the_grid
     assert "> grid" in common.fmt_ci(1e-3, 1e-4, math.inf, ".3g")
 
 
+def test_stage2_decision_needs_the_whole_grid_and_separated_intervals():
+    import ml_collections
+
+    from experiments.stability import stage2_frontier
+
+    sc = ml_collections.ConfigDict(dict(variants=("grpo",), lrs=(1e-4, 1e-3), seeds=(0, 1, 2)))
+
+    def runs(arm, collapsed_at_1e3):
+        return [
+            dict(arm=arm, variant="grpo", lr=lr, seed=s, eval_final=0.5, collapsed=c)
+            for lr, flags in ((1e-4, [False] * 3), (1e-3, collapsed_at_1e3))
+            for s, c in enumerate(flags)
+        ]
+
+    # The MoE collapses at 1e-3 in every seed, the dense twin in none: above the grid.
+    fr = stage2_frontier.frontier(runs("moe2", [True] * 3) + runs("dense2", [False] * 3))
+    (line,) = stage2_frontier.decide(fr, sc)
+    assert "**MoE-specific collapse**" in line and "> grid" in line
+    # Both collapse in every seed: the same critical lr, no verdict of specificity.
+    fr = stage2_frontier.frontier(runs("moe2", [True] * 3) + runs("dense2", [True] * 3))
+    assert "not MoE-specific" in stage2_frontier.decide(fr, sc)[0]
+    # A seed missing: numbers, marked preliminary, and no verdict.
+    fr = stage2_frontier.frontier(runs("moe2", [True] * 3) + runs("dense2", [False] * 3)[:-1])
+    (line,) = stage2_frontier.decide(fr, sc)
+    assert line.startswith("- grpo: preliminary, 11 of 12 runs") and "MoE-specific" not in line
+
+
 # --------------------------------------------------------------------------
 # Arms.
 

@@ -113,19 +113,28 @@ def frontier(runs: list[dict]) -> dict:
     return out
 
 
-def decide(fr: dict, variants) -> list[str]:
-    """The README's rule: MoE-specific iff the MoE's interval lies below the dense one's."""
+def decide(fr: dict, sc) -> list[str]:
+    """The README's rule: MoE-specific iff the MoE's interval lies below the dense one's.
+    An objective whose grid (every lr × every seed of ``sc``, both architectures) is
+    not complete gets its numbers marked preliminary, not a verdict."""
     lines = []
-    for v in variants:
+    for v in sc.variants:
         moe, dense = fr.get(("moe2", v)), fr.get(("dense2", v))
         if moe is None or dense is None:
             lines.append(f"- {v}: undecided (an architecture has no runs).")
             continue
-        (_, _, m_hi), (_, d_lo, _) = moe["critical"], dense["critical"]
-        specific = m_hi < d_lo
+        numbers = (
+            f"MoE critical lr {common.fmt_ci(*moe['critical'], '.3g')}, dense "
+            f"{common.fmt_ci(*dense['critical'], '.3g')}"
+        )
+        runs = sum(len(f) for d in (moe, dense) for f in d["flags"].values())
+        full = 2 * len(sc.lrs) * len(sc.seeds)
+        if runs < full:
+            lines.append(f"- {v}: preliminary, {runs} of {full} runs: {numbers}.")
+            continue
+        specific = moe["critical"][2] < dense["critical"][1]
         lines.append(
-            f"- {v}: MoE critical lr {common.fmt_ci(*moe['critical'], '.3g')}, dense "
-            f"{common.fmt_ci(*dense['critical'], '.3g')} → "
+            f"- {v}: {numbers} → "
             + ("**MoE-specific collapse**." if specific else "not MoE-specific at this scale.")
         )
     return lines
@@ -233,7 +242,7 @@ def report(out: str, sc) -> None:
     fr = frontier(runs)
     figures(runs, fr, out)
     text = ["# Stage 2: the stability frontier\n", f"{len(runs)} finished runs.\n", table(fr)]
-    text += ["\n## Decision (README, Stage 2)\n"] + decide(fr, sc.variants)
+    text += ["\n## Decision (README, Stage 2)\n"] + decide(fr, sc)
     with open(os.path.join(out, "frontier.md"), "w") as f:
         f.write("\n".join(text) + "\n")
     print(f"stage 2 report: {len(runs)} runs -> {out}")
