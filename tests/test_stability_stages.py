@@ -112,7 +112,9 @@ def test_stage2_decision_needs_the_whole_grid_and_separated_intervals():
 
     from experiments.stability import stage2_frontier
 
-    sc = ml_collections.ConfigDict(dict(variants=("grpo",), lrs=(1e-4, 1e-3), seeds=(0, 1, 2)))
+    sc = ml_collections.ConfigDict(
+        dict(arms=("moe2", "dense2"), variants=("grpo",), lrs=(1e-4, 1e-3), seeds=(0, 1, 2))
+    )
 
     def runs(arm, collapsed_at_1e3):
         return [
@@ -368,3 +370,49 @@ def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(stage2_config, "PLAN", str(plan))
     c = stage2_config.get_config()
     assert c.lrs == (3e-4, 1e-3) and c.gspo_eps == (0.01, 0.0133)
+
+
+def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_path, monkeypatch):
+    from experiments.stability import stage2_config, stage2_frontier
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"lrs": [3e-4, 1e-3], "eps_low": 0.01, "eps_high": 0.0133}))
+    monkeypatch.setattr(stage2_config, "PLAN", str(plan))
+    full = stage2_config.get_config()
+    for name, arms, updates in [
+        ("moe4", ("moe4", "dense4"), 16),
+        ("moe2k1", ("moe2k1", "dense2"), 16),
+        ("updates32", ("moe2", "dense2"), 32),
+    ]:
+        c = stage2_config.get_config(f"search={name}")
+        assert (c.arms, c.updates, c.variants) == (arms, updates, ("grpo",))
+        assert (c.lrs, c.seeds, c.steps) == (full.lrs, full.seeds, full.steps)
+        assert stage2_frontier.stage_name(c) == f"stage2_search/{name}"
+    assert stage2_frontier.stage_name(full) == "stage2"
+    with pytest.raises(ValueError, match="search='moe3'.*known: moe4, moe2k1, updates32"):
+        stage2_config.get_config("search=moe3")
+
+    # The search's runs go to their own folders under --root and results/, with their
+    # updates per rollout in each summary.
+    calls = []
+
+    def fake_run_rl(root, stage, name, arm, seed, overrides, steps, smoke=False):
+        calls.append((stage, name, overrides["updates.num_minibatches"]))
+        return str(tmp_path / "never")
+
+    monkeypatch.setattr(common, "run_rl", fake_run_rl)
+    monkeypatch.setattr(
+        common,
+        "summarize_run",
+        lambda wd, meta: dict(
+            meta, collapsed=False, collapse_step=None, eval_start=0.2, eval_final=0.3
+        ),
+    )
+    monkeypatch.setattr(common, "RESULTS", str(tmp_path / "results"))
+    cfg = os.path.join(REPO, "experiments", "stability", "stage2_config.py")
+    stage2_frontier.main(["--root", str(tmp_path), "--config", cfg + ":search=updates32"])
+    n = 2 * len(common.load_stage_config(cfg, "search=updates32").lrs) * 3
+    assert len(calls) == n  # arms × lrs × seeds, GRPO only (the file loads the real plan)
+    assert {c[0] for c in calls} == {"stage2_search/updates32"} and {c[2] for c in calls} == {32}
+    runs = common.read_records(str(tmp_path / "results" / "stage2_search" / "updates32" / "runs"))
+    assert len(runs) == n and {r["updates"] for r in runs} == {32}

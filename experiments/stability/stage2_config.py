@@ -6,6 +6,8 @@ The learning rates and GSPO's calibrated range come from stage 1's report
     PYTHONPATH=. python experiments/stability/stage2_frontier.py --root runs/stability
     PYTHONPATH=. python experiments/stability/stage2_frontier.py --root /tmp/s2 \
         --config experiments/stability/stage2_config.py:smoke          # seconds
+    PYTHONPATH=. python experiments/stability/stage2_frontier.py --root runs/stability \
+        --config experiments/stability/stage2_config.py:search=moe4    # stage 3's search
 """
 
 import json
@@ -18,8 +20,27 @@ PLAN = os.path.join(
 )
 
 
+# Stage 3's setting search (README, Stage 3, "Setting"): when stage 2 finds no lr at
+# which moe2 GRPO collapses and dense2 GRPO does not, the same frontier, GRPO only, is
+# run for each fallback in this order until one qualifies. ``search=<name>``.
+SEARCH = {
+    "moe4": dict(arms=("moe4", "dense4")),
+    "moe2k1": dict(arms=("moe2k1", "dense2")),  # top-1 at equal active parameters
+    "updates32": dict(updates=32),
+}
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    from gspo_jax import config as config_lib
+
+    args = config_lib.parse_arg(arg, known=("smoke", "search"))
+    search = str(args.get("search", ""))
+    if search and search not in SEARCH:
+        raise ValueError(
+            f"stage2_config: search={search!r} is not a fallback; known: {', '.join(SEARCH)}"
+        )
     c = ml_collections.ConfigDict()
+    c.search = search
     c.arms = ("moe2", "dense2")
     c.variants = ("grpo", "grpo_dual", "gspo")
     c.seeds = (0, 1, 2)
@@ -27,18 +48,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.updates = 16  # optimizer updates per rollout
     c.dual_clip = 3.0
     c.grpo_eps = (0.2, 0.28)
-    c.smoke = arg == "smoke"
+    c.smoke = bool(args.get("smoke", False))
+    if search:
+        c.variants = ("grpo",)
+        c.update(SEARCH[search])
     if c.smoke:
-        c.arms = ("moe2", "dense2")
-        c.variants = ("grpo", "gspo")
+        if not search:
+            c.variants = ("grpo", "gspo")
         c.seeds = (0,)
         c.steps = 2
         c.updates = 2
         c.lrs = (1e-3,)
         c.gspo_eps = (3e-4, 4e-4)
         return c
-    if arg:
-        raise ValueError(f"stage2_config: unknown argument {arg!r} (known: smoke)")
     if not os.path.exists(PLAN):
         raise FileNotFoundError(
             f"{PLAN}: missing. Stage 2's learning rates and GSPO's calibrated range come "

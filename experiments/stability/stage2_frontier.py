@@ -25,7 +25,12 @@ import numpy as np  # noqa: E402
 from experiments.stability import common  # noqa: E402
 
 OUT = os.path.join(common.RESULTS, "stage2")
-STAGE = "stage2"
+
+
+def stage_name(sc) -> str:
+    """Where the grid's runs live under ``--root`` and its results under ``results/``:
+    ``stage2``, or ``stage2_search/<fallback>`` for stage 3's setting search."""
+    return f"stage2_search/{sc.search}" if sc.get("search") else "stage2"
 
 
 def overrides(sc, variant: str, lr: float) -> dict:
@@ -69,7 +74,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                         return done
                     wd = common.run_rl(
                         root,
-                        STAGE,
+                        stage_name(sc),
                         name,
                         arm,
                         int(seed),
@@ -77,7 +82,13 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                         int(sc.steps),
                         smoke=sc.smoke,
                     )
-                    meta = dict(arm=arm, variant=variant, lr=float(lr), seed=int(seed))
+                    meta = dict(
+                        arm=arm,
+                        variant=variant,
+                        lr=float(lr),
+                        seed=int(seed),
+                        updates=int(sc.updates),
+                    )
                     summary = common.summarize_run(wd, meta)
                     common.write_jsonl(path, [summary])
                     log(
@@ -118,8 +129,9 @@ def decide(fr: dict, sc) -> list[str]:
     An objective whose grid (every lr × every seed of ``sc``, both architectures) is
     not complete gets its numbers marked preliminary, not a verdict."""
     lines = []
+    moe_arm, dense_arm = sc.arms
     for v in sc.variants:
-        moe, dense = fr.get(("moe2", v)), fr.get(("dense2", v))
+        moe, dense = fr.get((moe_arm, v)), fr.get((dense_arm, v))
         if moe is None or dense is None:
             lines.append(f"- {v}: undecided (an architecture has no runs).")
             continue
@@ -241,7 +253,14 @@ def report(out: str, sc) -> None:
         raise SystemExit(f"{out}/runs: no finished runs yet")
     fr = frontier(runs)
     figures(runs, fr, out)
-    text = ["# Stage 2: the stability frontier\n", f"{len(runs)} finished runs.\n", table(fr)]
+    title = (
+        f"Stage 3's setting search: {sc.search}" if sc.search else "Stage 2: the stability frontier"
+    )
+    text = [
+        f"# {title}\n",
+        f"{len(runs)} finished runs; arms {', '.join(sc.arms)}, {sc.updates} updates per rollout.\n",
+        table(fr),
+    ]
     text += ["\n## Decision (README, Stage 2)\n"] + decide(fr, sc)
     with open(os.path.join(out, "frontier.md"), "w") as f:
         f.write("\n".join(text) + "\n")
@@ -252,6 +271,8 @@ def main(argv=None) -> None:
     only = ("arms", "variants", "seeds")
     args = common.stage_parser(__doc__, OUT, "stage2_config.py", only).parse_args(argv)
     sc = common.stage_config(args, only)
+    if sc.search and args.out == OUT:
+        args.out = os.path.join(common.RESULTS, stage_name(sc))
     if args.report:
         report(args.out, sc)
         return

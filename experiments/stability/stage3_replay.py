@@ -208,8 +208,11 @@ def check_setting(sc, stage2_runs: str = STAGE2_RUNS) -> None:
             f" Stage 2's results ({stage2_runs}) give lr={lr:g} for {sc.arm}/{sc.dense_arm}."
             if lr is not None
             else f" Stage 2's results ({stage2_runs}) give none for {sc.arm}/{sc.dense_arm}: "
-            "the README's fallbacks come next (arm=moe4,dense_arm=dense4; arm=moe2k1; "
-            "updates=32)."
+            "the README's fallbacks come next, each a GRPO frontier "
+            "(stage2_frontier.py --config experiments/stability/stage2_config.py:search=<name>, "
+            "results in results/stage2_search/<name>) read by the same rule: search=moe4 "
+            "(then arm=moe4,dense_arm=dense4), search=moe2k1 (arm=moe2k1), search=updates32 "
+            "(updates=32)."
         )
     raise SystemExit(
         "stage 3: the setting's learning rate is not given. It is chosen from stage 2 by "
