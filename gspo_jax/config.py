@@ -669,6 +669,8 @@ def _check_model_fields(c: ml_collections.ConfigDict) -> None:
             raise _err(path, f"a runtime setting: set config.model.{key} (this one is ignored)")
         if key in _MODEL_DERIVED:
             raise _err(path, "derived from the tokenizer's vocabulary; leave it out")
+        if key == "moe_groups":
+            raise _err(path, "set by the trainer to the mesh's batch shards; leave it out")
         if key not in known:
             near = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean config.model.fields.{near[0]}?" if near else ""

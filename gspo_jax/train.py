@@ -339,7 +339,9 @@ class Trainer:
         if multihost.is_primary():
             multihost.barrier("data prepared")
 
-        # The policy, created already sharded.
+        # The policy, created already sharded. Each batch shard dispatches its own
+        # tokens to the experts (ModelConfig.moe_groups).
+        moe_groups = int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
         if c.model.pretrained:
             model = from_pretrained(
                 c.model.pretrained,
@@ -347,12 +349,15 @@ class Trainer:
                 value_head=c.advantage == "gae",
                 # Embedding rows past the tokenizer's vocabulary are padding: never sampled.
                 num_valid_tokens=self.tokenizer.vocab_size,
+                moe_groups=moe_groups,
                 **{k: c.model[k] for k in config_lib.MODEL_RUNTIME_FIELDS},
             )
             self.model_cfg = model.cfg
             graphdef, params = nnx.split(model)
         else:
-            self.model_cfg = config_lib.model_config(c, self.tokenizer.vocab_size)
+            self.model_cfg = dataclasses.replace(
+                config_lib.model_config(c, self.tokenizer.vocab_size), moe_groups=moe_groups
+            )
             model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
             graphdef, params = nnx.split(model)
         non_params = nnx.split(model, nnx.Param, ...)[2]

@@ -328,7 +328,8 @@ def test_the_sweep_covers_every_model_config_field():
     }
     in_base = set(_smoke().model.fields.keys())
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    derived = {"num_valid_tokens"}  # train.model_config sets it from the tokenizer
+    # train.model_config sets the first from the tokenizer, the Trainer the second from the mesh
+    derived = {"num_valid_tokens", "moe_groups"}
     assert fields == checked | in_base | derived | set(config_lib.MODEL_RUNTIME_FIELDS)
 
 
@@ -394,6 +395,12 @@ def test_num_valid_tokens_is_the_trainers():
     c = _set(_smoke(), "model.fields.vocab_size", 32)
     c.model.fields.num_valid_tokens = 20  # fewer would mask real tokens
     _raises(c, "model.fields.num_valid_tokens", tokenizer_vocab_size=20)
+
+
+def test_moe_groups_is_the_trainers():
+    c = _smoke()
+    c.model.fields.moe_groups = 2
+    assert "mesh's batch shards" in _raises(c, "model.fields.moe_groups")
 
 
 def test_vocab_size_of_a_pretrained_model_is_the_checkpoints():

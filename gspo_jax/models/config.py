@@ -93,6 +93,10 @@ class ModelConfig:
         'dense' (every expert on every token, masked; the reference).
       moe_block_size: rows per block of the 'blocked' backend (an upper bound;
         shrunk for small token counts).
+      moe_groups: the 'blocked' and 'ragged' dispatches sort and compute the tokens
+        of this many equal blocks of batch rows separately (gcd with the rows of a
+        call): the trainer sets it to the mesh's batch shards (data x fsdp), so that
+        each device dispatches its own rows. Changes no value.
       aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
       z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
       value_head: add a scalar value head (PPO critic).
@@ -133,6 +137,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     moe_backend: str = "blocked"
     moe_block_size: int = 64
+    moe_groups: int = 1
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     value_head: bool = False
@@ -156,6 +161,7 @@ class ModelConfig:
             "d_ff",
             "moe_every",
             "moe_block_size",
+            "moe_groups",
         ):
             need(
                 isinstance(getattr(self, f), int) and getattr(self, f) > 0,
