@@ -96,7 +96,9 @@ class ModelConfig:
       moe_groups: the 'blocked' and 'ragged' dispatches sort and compute the tokens
         of this many equal blocks of batch rows separately (gcd with the rows of a
         call): the trainer sets it to the mesh's batch shards (data x fsdp), so that
-        each device dispatches its own rows. Changes no value.
+        each device dispatches its own rows. Changes no value. With 'ragged', each
+        group gets its own copy of the expert weights (``ragged_dot`` batches no
+        other way): one per device when the rows are sharded, so keep 1 on one device.
       aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
       z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
       value_head: add a scalar value head (PPO critic).
