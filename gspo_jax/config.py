@@ -633,7 +633,11 @@ _MODEL_POSITIVE_INTS = _MODEL_REQUIRED[1:] + ("moe_every", "moe_block_size")
 _MODEL_NONNEGATIVE_INTS = ("vocab_size", "moe_d_ff", "num_experts", "top_k", "first_dense_layers")
 # Derived by train.model_config from the tokenizer (the padding rows of a vocab_size
 # larger than the tokenizer's); set here it could mask real tokens.
-_MODEL_DERIVED = ("num_valid_tokens",)
+# ModelConfig fields the trainer sets, and from what.
+_MODEL_DERIVED = {
+    "num_valid_tokens": "derived from the tokenizer's vocabulary",
+    "moe_groups": "set by the trainer to the mesh's batch shards",
+}
 _MODEL_POSITIVE_REALS = ("rope_theta", "norm_eps", "init_std")
 _MODEL_NONNEGATIVE_REALS = ("aux_loss_coef", "z_loss_coef")
 _MODEL_BOOLS = ("renormalize_topk", "qk_norm", "qkv_bias", "tie_embeddings", "value_head")
@@ -668,9 +672,7 @@ def _check_model_fields(c: ml_collections.ConfigDict) -> None:
         if key in MODEL_RUNTIME_FIELDS:
             raise _err(path, f"a runtime setting: set config.model.{key} (this one is ignored)")
         if key in _MODEL_DERIVED:
-            raise _err(path, "derived from the tokenizer's vocabulary; leave it out")
-        if key == "moe_groups":
-            raise _err(path, "set by the trainer to the mesh's batch shards; leave it out")
+            raise _err(path, f"{_MODEL_DERIVED[key]}; leave it out")
         if key not in known:
             near = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean config.model.fields.{near[0]}?" if near else ""

@@ -78,21 +78,25 @@ def test_micro_batches_equal_whole_mini_batch(setup, objective):
             np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-7, err_msg=key)
 
 
+def _on_policy_batch(cfg, n, *, seed, mask):
+    """A fresh model of ``cfg`` and n unpadded prompts with responses, their old-policy
+    records taken from that model and random advantages."""
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    rs = np.random.RandomState(seed)
+    batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (n, P)), jnp.int32), "prompt_mask": jnp.ones((n, P)),
+             "tokens": jnp.asarray(rs.randint(3, 24, (n, T)), jnp.int32), "mask": mask}
+    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
+                 old_free_topk=old["free_topk_resp"], advantages=jnp.asarray(rs.normal(size=n), jnp.float32))
+    return graphdef, params, batch
+
+
 def test_dense_model_trains():
     """A model with no MoE layer (num_experts=0): no router, so gamma = 1, nothing
     flips, and every objective's step runs (RSPO is then GMPO)."""
     cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    rs = np.random.RandomState(1)
-    batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (N, P)), jnp.int32),
-             "prompt_mask": jnp.ones((N, P)), "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
-             "mask": jnp.ones((N, T)).at[2, 2:].set(0.0)}
-    old = step.logprob_pass(params, batch, graphdef=graphdef)
-    assert old["topk_resp"].shape == (N, T, 0, 0)
-    batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
-                 old_free_topk=old["free_topk_resp"],
-                 advantages=jnp.asarray(rs.normal(size=N), jnp.float32))
+    graphdef, params, batch = _on_policy_batch(cfg, N, seed=1, mask=jnp.ones((N, T)).at[2, 2:].set(0.0))
+    assert batch["old_topk"].shape == (N, T, 0, 0)
     for objective in ("gspo", "rspo"):
         state, m = _run((graphdef, params, None), objective, 2, batch=batch, router_coefs=(0.01, 0.001))
         assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0 and int(state.skipped) == 0
@@ -166,14 +170,7 @@ def test_micro_batches_keep_the_work_on_every_batch_device():
     if jax.device_count() < 4:
         pytest.skip("needs 4 (fake) devices")
     cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    rs = np.random.RandomState(2)
-    n = 128
-    batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (n, P)), jnp.int32), "prompt_mask": jnp.ones((n, P)),
-             "tokens": jnp.asarray(rs.randint(3, 24, (n, T)), jnp.int32), "mask": jnp.ones((n, T))}
-    old = step.logprob_pass(params, batch, graphdef=graphdef)
-    batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
-                 old_free_topk=old["free_topk_resp"], advantages=jnp.asarray(rs.normal(size=n), jnp.float32))
+    graphdef, params, batch = _on_policy_batch(cfg, 128, seed=2, mask=jnp.ones((128, T)))
     rows = NamedSharding(Mesh(np.asarray(jax.devices()[:4]), ("data",)), PartitionSpec("data"))
     opt = optax.sgd(1e-3)
     state = step.TrainState.create(params, opt.init(params))

@@ -401,6 +401,14 @@ def apply_overrides(c, overrides: dict) -> None:
 RL_PROMPT_LEN = 48
 
 
+def rl_config(arm: str, seed: int, root: str, *, smoke: bool = False):
+    """`base_config` as every RL run of stages 2-4 uses it: data under ``root``,
+    prompts padded to `RL_PROMPT_LEN`."""
+    c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"))
+    c.rollout.max_prompt_len = RL_PROMPT_LEN
+    return c
+
+
 def run_rl(
     root: str,
     stage: str,
@@ -422,8 +430,7 @@ def run_rl(
         return workdir
     warm = ensure_warm_start(root, arm, seed, smoke=smoke)
     copy_warm_start(warm, workdir)
-    c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"))
-    c.rollout.max_prompt_len = RL_PROMPT_LEN
+    c = rl_config(arm, seed, root, smoke=smoke)
     apply_overrides(c, overrides)
     c.total_rl_steps = int(steps)
     train.run(c, workdir)

@@ -30,7 +30,7 @@ OUT = os.path.join(common.RESULTS, "stage2")
 def stage_name(sc) -> str:
     """Where the grid's runs live under ``--root`` and its results under ``results/``:
     ``stage2``, or ``stage2_search/<fallback>`` for stage 3's setting search."""
-    return f"stage2_search/{sc.search}" if sc.get("search") else "stage2"
+    return f"stage2_search/{sc.search}" if sc.search else "stage2"
 
 
 def overrides(sc, variant: str, lr: float) -> dict:

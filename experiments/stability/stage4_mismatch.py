@@ -95,8 +95,7 @@ def calibrate(sc, root: str, out: str, log=print) -> dict:
 
     seed = int(sc.calib_seed)
     warm = common.ensure_warm_start(root, sc.arm, seed, smoke=sc.smoke)
-    c = common.base_config(sc.arm, seed, smoke=sc.smoke, data_dir=os.path.join(root, "data"))
-    c.rollout.max_prompt_len = common.RL_PROMPT_LEN  # as the stage's RL runs pad
+    c = common.rl_config(sc.arm, seed, root, smoke=sc.smoke)  # as the stage's RL runs
     trainer = train.Trainer(c, warm)
     params = trainer.warm_start_params()
     if params is None:
