@@ -194,7 +194,10 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
     monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
     c = stage3_config.get_config("lr=0.003,arm=moe4,dense_arm=dense4,updates=32")
     assert (c.arm, c.dense_arm, c.lr, c.updates, c.steps) == ("moe4", "dense4", 3e-3, 32, 80)
-    assert c.seeds == (0, 1, 2, 3, 4)
+    assert c.seeds == (0, 1, 2, 3, 4) and c.task == "small"
+    assert stage3_config.get_config("lr=0.003,task=hard").task == "hard"
+    with pytest.raises(ValueError, match="task 'medium'"):
+        stage3_config.get_config("lr=0.003,task=medium")
     assert c.arms == (
         "grpo",
         "grpo_r2",

@@ -383,21 +383,23 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_pa
         ("moe4", ("moe4", "dense4"), 16),
         ("moe2k1", ("moe2k1", "dense2"), 16),
         ("updates32", ("moe2", "dense2"), 32),
+        ("hard", ("moe2", "dense2"), 16),
     ]:
         c = stage2_config.get_config(f"search={name}")
         assert (c.arms, c.updates, c.variants) == (arms, updates, ("grpo",))
+        assert c.task == ("hard" if name == "hard" else "small")
         assert (c.lrs, c.seeds, c.steps) == (full.lrs, full.seeds, full.steps)
         assert stage2_frontier.stage_name(c) == f"stage2_search/{name}"
     assert stage2_frontier.stage_name(full) == "stage2"
-    with pytest.raises(ValueError, match="search='moe3'.*known: moe4, moe2k1, updates32"):
+    with pytest.raises(ValueError, match="search='moe3'.*known: moe4, moe2k1, updates32, hard"):
         stage2_config.get_config("search=moe3")
 
     # The search's runs go to their own folders under --root and results/, with their
     # updates per rollout in each summary.
     calls = []
 
-    def fake_run_rl(root, stage, name, arm, seed, overrides, steps, smoke=False):
-        calls.append((stage, name, overrides["updates.num_minibatches"]))
+    def fake_run_rl(root, stage, name, arm, seed, overrides, steps, smoke=False, task="small"):
+        calls.append((stage, name, overrides["updates.num_minibatches"], task))
         return str(tmp_path / "never")
 
     monkeypatch.setattr(common, "run_rl", fake_run_rl)
@@ -416,3 +418,25 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_pa
     assert {c[0] for c in calls} == {"stage2_search/updates32"} and {c[2] for c in calls} == {32}
     runs = common.read_records(str(tmp_path / "results" / "stage2_search" / "updates32" / "runs"))
     assert len(runs) == n and {r["updates"] for r in runs} == {32}
+    assert {c[3] for c in calls} == {"small"} and {r["task"] for r in runs} == {"small"}
+    calls.clear()
+    stage2_frontier.main(
+        ["--root", str(tmp_path), "--config", cfg + ":search=hard", "--only-seeds", "0"]
+    )
+    assert {c[0] for c in calls} == {"stage2_search/hard"} and {c[3] for c in calls} == {"hard"}
+
+
+def test_the_hard_task_is_its_own_setting_with_its_own_warm_starts():
+    small = common.rl_config("moe2", 0, "/r")
+    hard = common.rl_config("moe2", 0, "/r", task="hard")
+    assert (small.task.difficulty, small.rollout.max_new_tokens) == ("small", 24)
+    assert (hard.task.difficulty, hard.rollout.max_new_tokens) == ("hard", 48)
+    # "Make 999 from 99 99 99 99 with + - * /, each once." does not fit the small task's 48.
+    assert (
+        small.rollout.max_prompt_len == common.RL_PROMPT_LEN and hard.rollout.max_prompt_len == 64
+    )
+    assert hard.model.fields.num_experts == small.model.fields.num_experts
+    assert common.warm_start_dir("/r", "moe2", 1) == "/r/warm/moe2_s1"
+    assert common.warm_start_dir("/r", "moe2", 1, "hard") == "/r/warm/hard/moe2_s1"
+    with pytest.raises(ValueError, match="task 'medium': expected one of small, hard"):
+        common.base_config("moe2", 0, task="medium")

@@ -68,14 +68,34 @@ def is_moe(arm: str) -> bool:
     return arm.startswith("moe")
 
 
-def base_config(arm: str, seed: int, *, smoke: bool = False, data_dir: str = ""):
-    """configs/stability.py's setting for ``arm`` and ``seed``: the Countdown task, the
-    supervised warm start, router losses off in RL, no progress bar."""
+# The task of a setting. "small" is configs/stability.py's Countdown (3 numbers in 1..9,
+# responses up to 24 characters), every stage's task; "hard" is stage 3's last fallback
+# (README, Stage 3, "Setting"): Countdown ``hard`` (4 numbers in 1..99, target
+# 100..999) with responses up to 48 characters and its own warm starts.
+TASKS = {
+    "small": {},
+    "hard": {"task.difficulty": "hard", "rollout.max_new_tokens": 48},
+}
+
+
+def check_task(task: str) -> str:
+    if task not in TASKS:
+        raise ValueError(f"task {task!r}: expected one of {', '.join(TASKS)}")
+    return task
+
+
+def base_config(
+    arm: str, seed: int, *, smoke: bool = False, data_dir: str = "", task: str = "small"
+):
+    """configs/stability.py's setting for ``arm`` and ``seed``: the Countdown task (or
+    the ``task`` of `TASKS`), the supervised warm start, router losses off in RL, no
+    progress bar."""
     from configs import stability as stability_config
 
     c = stability_config.get_config("smoke" if smoke else None)
     for key, value in arm_fields(arm, smoke=smoke).items():
         c.model.fields[key] = value
+    apply_overrides(c, TASKS[check_task(task)])
     c.seed = int(seed)
     c.updates.aux_loss_coef = 0.0
     c.updates.z_loss_coef = 0.0
@@ -132,14 +152,22 @@ def finished(workdir: str, steps: int) -> bool:
     return any(r["step"] >= steps and "eval_reward_mean" in r for r in rl_records(workdir))
 
 
-def ensure_warm_start(root: str, arm: str, seed: int, *, smoke: bool = False) -> str:
-    """``<root>/warm/<arm>_s<seed>``: the supervised warm start of that arm and seed
-    (trained here unless already finished), with its held-out evaluation at RL step 0."""
+def warm_start_dir(root: str, arm: str, seed: int, task: str = "small") -> str:
+    """``<root>/warm/<arm>_s<seed>``; another task's under ``<root>/warm/<task>/``."""
+    sub = () if check_task(task) == "small" else (task,)
+    return os.path.join(root, "warm", *sub, f"{arm}_s{seed}")
+
+
+def ensure_warm_start(
+    root: str, arm: str, seed: int, *, smoke: bool = False, task: str = "small"
+) -> str:
+    """`warm_start_dir`: the supervised warm start of that arm, seed and task (trained
+    here unless already finished), with its held-out evaluation at RL step 0."""
     from gspo_jax import train
 
-    workdir = os.path.join(root, "warm", f"{arm}_s{seed}")
+    workdir = warm_start_dir(root, arm, seed, task)
     if not finished(workdir, 0):
-        c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"))
+        c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"), task=task)
         c.total_rl_steps = 0
         train.run(c, workdir)
     return workdir
@@ -398,14 +426,17 @@ def apply_overrides(c, overrides: dict) -> None:
 # by name. Padding is masked and RoPE is relative, so this changes rounding only (one
 # stage-2 run, moe2 GRPO lr 1e-3: rewards equal and losses within 1e-6 over 3 steps),
 # and the step is compute-bound: 6.1 s at 64 against 4.5 s at 46 on this 2-core CPU.
+# The `hard` task's prompts ("Make 999 from 99 99 99 99 with + - * /, each once.") reach
+# 53 tokens: they keep configs/stability.py's 64.
 RL_PROMPT_LEN = 48
 
 
-def rl_config(arm: str, seed: int, root: str, *, smoke: bool = False):
+def rl_config(arm: str, seed: int, root: str, *, smoke: bool = False, task: str = "small"):
     """`base_config` as every RL run of stages 2-4 uses it: data under ``root``,
-    prompts padded to `RL_PROMPT_LEN`."""
-    c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"))
-    c.rollout.max_prompt_len = RL_PROMPT_LEN
+    prompts of the small task padded to `RL_PROMPT_LEN`."""
+    c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"), task=task)
+    if task == "small":
+        c.rollout.max_prompt_len = RL_PROMPT_LEN
     return c
 
 
@@ -419,18 +450,19 @@ def run_rl(
     steps: int,
     *,
     smoke: bool = False,
+    task: str = "small",
 ) -> str:
-    """``<root>/<stage>/<name>``: ``steps`` RL steps of ``arm`` from its warm start for
-    ``seed`` under ``overrides``; resumed from its own checkpoints when a previous
-    chunk stopped it, skipped when finished. Returns the workdir."""
+    """``<root>/<stage>/<name>``: ``steps`` RL steps of ``arm`` on ``task`` from its
+    warm start for ``seed`` under ``overrides``; resumed from its own checkpoints when
+    a previous chunk stopped it, skipped when finished. Returns the workdir."""
     from gspo_jax import train
 
     workdir = os.path.join(root, stage, name)
     if finished(workdir, steps):
         return workdir
-    warm = ensure_warm_start(root, arm, seed, smoke=smoke)
+    warm = ensure_warm_start(root, arm, seed, smoke=smoke, task=task)
     copy_warm_start(warm, workdir)
-    c = rl_config(arm, seed, root, smoke=smoke)
+    c = rl_config(arm, seed, root, smoke=smoke, task=task)
     apply_overrides(c, overrides)
     c.total_rl_steps = int(steps)
     train.run(c, workdir)

@@ -27,6 +27,8 @@ SEARCH = {
     "moe4": dict(arms=("moe4", "dense4")),
     "moe2k1": dict(arms=("moe2k1", "dense2")),  # top-1 at equal active parameters
     "updates32": dict(updates=32),
+    # Countdown `hard`, responses up to 48 characters, its own warm starts (common.TASKS)
+    "hard": dict(task="hard"),
 }
 
 
@@ -41,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         )
     c = ml_collections.ConfigDict()
     c.search = search
+    c.task = "small"  # common.TASKS
     c.arms = ("moe2", "dense2")
     c.variants = ("grpo", "grpo_dual", "gspo")
     c.seeds = (0, 1, 2)

@@ -81,6 +81,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                         overrides(sc, variant, lr),
                         int(sc.steps),
                         smoke=sc.smoke,
+                        task=sc.task,
                     )
                     meta = dict(
                         arm=arm,
@@ -88,6 +89,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                         lr=float(lr),
                         seed=int(seed),
                         updates=int(sc.updates),
+                        task=sc.task,
                     )
                     summary = common.summarize_run(wd, meta)
                     common.write_jsonl(path, [summary])

@@ -10,13 +10,16 @@ is ever chosen by hand.
         --config experiments/stability/stage3_config.py:lr=0.003     # moe2, 16 updates
     PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
         --config experiments/stability/stage3_config.py:lr=0.003,arm=moe4,dense_arm=dense4
+    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+        --config experiments/stability/stage3_config.py:lr=0.003,task=hard
     PYTHONPATH=. python experiments/stability/stage3_replay.py --root /tmp/s3 \
         --config experiments/stability/stage3_config.py:smoke          # seconds
 
 Arguments (comma-separated): ``lr`` (required outside smoke), ``arm`` / ``dense_arm``
 (the setting's MoE and its dense twin, default moe2 / dense2; the README's fallbacks
 moe4 / dense4 and moe2k1 / dense2), ``updates`` (optimizer updates per rollout, default
-16; the fallback 32), ``smoke``.
+16; the fallback 32), ``task`` (``small``, the default, or the last fallback's ``hard``:
+Countdown ``hard`` with responses up to 48 characters, common.TASKS), ``smoke``.
 """
 
 import json
@@ -82,9 +85,10 @@ def arm_table(gspo_eps) -> tuple:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    from experiments.stability import common
     from gspo_jax import config as config_lib
 
-    args = config_lib.parse_arg(arg, known=("smoke", "lr", "arm", "dense_arm", "updates"))
+    args = config_lib.parse_arg(arg, known=("smoke", "lr", "arm", "dense_arm", "updates", "task"))
     c = ml_collections.ConfigDict()
     c.smoke = bool(args.get("smoke", False))
     # The setting (README, "Setting"): the MoE arm and its dense twin, the learning rate
@@ -93,9 +97,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.dense_arm = str(args.get("dense_arm", "dense2"))
     c.lr = float(args["lr"]) if "lr" in args else None
     c.updates = int(args.get("updates", 16))
-    # The README's last fallback (responses of 48 characters, difficulty "medium") is not
-    # a setting here: Countdown has no "medium" config (gspo_jax/data/countdown.py) and
-    # common.ensure_warm_start trains every warm start on configs/stability.py's task.
+    c.task = common.check_task(str(args.get("task", "small")))
     c.steps = 80
     c.seeds = (0, 1, 2, 3, 4)
     c.arms = tuple(row[0] for row in ARMS)

@@ -212,7 +212,7 @@ def check_setting(sc, stage2_runs: str = STAGE2_RUNS) -> None:
             "(stage2_frontier.py --config experiments/stability/stage2_config.py:search=<name>, "
             "results in results/stage2_search/<name>) read by the same rule: search=moe4 "
             "(then arm=moe4,dense_arm=dense4), search=moe2k1 (arm=moe2k1), search=updates32 "
-            "(updates=32)."
+            "(updates=32), search=hard (task=hard)."
         )
     raise SystemExit(
         "stage 3: the setting's learning rate is not given. It is chosen from stage 2 by "
@@ -257,7 +257,12 @@ def run_name(name: str, seed: int) -> str:
 
 
 def setting_meta(sc) -> dict:
-    return dict(lr=float(sc.lr), updates=int(sc.updates), setting=f"{sc.arm}/{sc.dense_arm}")
+    return dict(
+        lr=float(sc.lr),
+        updates=int(sc.updates),
+        setting=f"{sc.arm}/{sc.dense_arm}",
+        task=sc.task,
+    )
 
 
 def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
@@ -291,6 +296,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 overrides(sc, name),
                 int(sc.steps),
                 smoke=sc.smoke,
+                task=sc.task,
             )
             _, objective, _, replay, gamma_min = rows[name]
             meta = dict(
