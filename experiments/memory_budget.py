@@ -15,8 +15,9 @@ XLA's compiled memory analysis.
 Three phases of an RL step hold different arrays; the peak of a run is the largest:
 
 * rollout: the resident state and the sampler's KV cache;
-* log-prob passes (the old policy, and the reference under KL): one forward over the
-  whole rollout batch at once (`gspo_jax.step.logprob_pass`);
+* log-prob passes (the old policy, and the reference under KL): forwards over the
+  rollout batch in `logprob_micro_batches` pieces, one after another
+  (`gspo_jax.step.logprob_pass`);
 * train step: value-and-grad of one micro-batch under the remat policy, then the
   optimizer update.
 """
@@ -154,6 +155,7 @@ class Run:
     max_new_tokens: int = 1024
     num_minibatches: int = 4
     micro_batches: int = 1
+    logprob_micro_batches: int = 1  # config.updates.logprob_micro_batches
     remat_policy: str = "full"
     attention: str = "flash"  # "flash" (cuDNN) or "xla" (einsum scores)
     logits_chunk_size: int = 128  # 0 = the whole sequence
@@ -268,7 +270,7 @@ class Budget:
         n_rows = run.rows // run.num_minibatches // run.micro_batches
         if n_rows * run.num_minibatches * run.micro_batches != run.rows:
             raise ValueError("num_minibatches * micro_batches must divide the rollout rows")
-        if n_rows % self.data_shards or run.rows % self.data_shards:
+        if n_rows % self.data_shards or run.rows % (self.data_shards * run.logprob_micro_batches):
             raise ValueError(f"the batch does not split over {self.data_shards} data shards")
 
     # ------------------------------------------------------------ categories
@@ -317,8 +319,9 @@ class Budget:
         return r.rows // r.num_minibatches // r.micro_batches // self.data_shards
 
     def pass_rows(self) -> int:
-        """Rows per device of a log-prob pass: the whole rollout batch at once."""
-        return self.run.rows // self.data_shards
+        """Rows per device of a log-prob pass: the rollout batch, logprob_micro_batches
+        pieces one after another."""
+        return self.run.rows // self.run.logprob_micro_batches // self.data_shards
 
     def activations(self) -> float:
         """Train step: tokens * (saved_per_token + top_saved_per_token), tokens =

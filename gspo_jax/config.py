@@ -162,6 +162,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.updates.num_minibatches = 2  # optimizer steps per rollout and epoch
     c.updates.num_epochs = 1
     c.updates.micro_batches = 1  # gradient accumulation inside a mini-batch
+    # The old-policy (and reference) log-prob passes run the rollout batch in this many
+    # strided pieces, one after another: their activations and logits are those of
+    # rollout rows / logprob_micro_batches at a time (docs/memory.md).
+    c.updates.logprob_micro_batches = 1
     c.updates.routing_replay = "none"
     c.updates.gamma_min = 0.5  # RSPO's floor on the router-shift weight
     # Router losses in RL: off by default (the warm start keeps its own, sft.*). When
@@ -569,7 +573,7 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
     _int(c, "dapo.max_sampling_rounds", low=1)
     _int(c, "dapo.overlong_cache_len", low=1)
 
-    for path in ("num_minibatches", "num_epochs", "micro_batches"):
+    for path in ("num_minibatches", "num_epochs", "micro_batches", "logprob_micro_batches"):
         _int(c, "updates." + path, low=1)
     _str(c, "updates.routing_replay")
     _finite(c, "updates.gamma_min", low=0, high=1, low_open=True)
@@ -937,6 +941,9 @@ def validate(
                                                            with soft_overlong
     updates.num_minibatches, micro_batches                 int >= 1, dividing the rollout
                                                            batch and the mini-batch
+    updates.logprob_micro_batches                          int >= 1, dividing the rollout
+                                                           batch into pieces that split
+                                                           over the batch shards
     updates.num_epochs                                     int >= 1
     updates.routing_replay                                 none, R2, R3 (R2/R3: MoE only)
     updates.gamma_min                                      finite in (0, 1]
@@ -1106,6 +1113,13 @@ def validate(
             "mesh",
             f"the micro-batch of {n // mb // micro} sequences is not divisible by the "
             f"data*fsdp = {batch_shards} batch shards",
+        )
+    lp = int(c.updates.logprob_micro_batches)
+    if n % lp or (n // lp) % batch_shards:
+        raise _err(
+            "updates.logprob_micro_batches",
+            f"{lp} pieces of the rollout batch of {n} sequences: each must be a whole number "
+            f"of sequences divisible by the data*fsdp = {batch_shards} batch shards",
         )
     if int(c.sft.steps) > 0 and int(c.sft.batch_size) % batch_shards:
         raise _err(

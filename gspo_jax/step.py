@@ -189,6 +189,13 @@ def _split_micro(tree, m: int):
     )
 
 
+def _merge_micro(tree):
+    """The inverse of `_split_micro`: [m, n/m, ...] -> [n, ...] in row order."""
+    return jax.tree.map(
+        lambda x: x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), tree
+    )
+
+
 def _accumulate(loss_fn, params, batch, m: int):
     """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan).
 
@@ -269,6 +276,7 @@ def logprob_pass(
     replay_key: str | None = None,
     values: bool = False,
     temperature: float = 1.0,
+    micro_batches: int = 1,
 ):
     """Per-token log-probs of the response under ``params`` (no gradient).
 
@@ -279,24 +287,41 @@ def logprob_pass(
     (``topk_resp``), the router log-softmax there (RSPO's old router log-probs) and
     the free router's top-K (``free_topk_resp``, what it chooses whatever replay
     forced); with ``values``, the critic's V(s_t) too.
+
+    ``micro_batches``: the rows run in that many strided pieces, one after another
+    (``lax.map``), so that the pass holds the activations and logits of N /
+    micro_batches rows at a time; every row's outputs are its own either way.
     """
     model = nnx.merge(graphdef, params)
-    replay = batch[replay_key] if replay_key else None
-    logp, entropy, v, aux = _forward(model, batch, replay, values=values, temperature=temperature)
-    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    topk_resp = response_slice(aux.topk_indices, p, t)
-    router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), topk_resp)
-    out = {
-        "logp": logp,
-        "entropy": entropy,
-        "topk": aux.topk_indices,
-        "topk_resp": topk_resp,
-        "free_topk_resp": response_slice(aux.free_topk_indices, p, t),
-        "router_logp": router_lp,
-    }
-    if values:
-        out["values"] = v
-    return out
+    keys = ["prompt_tokens", "prompt_mask", "tokens", "mask"] + ([replay_key] if replay_key else [])
+
+    def one(rows: Batch) -> dict[str, jax.Array]:
+        replay = rows[replay_key] if replay_key else None
+        logp, entropy, v, aux = _forward(
+            model, rows, replay, values=values, temperature=temperature
+        )
+        p, t = rows["prompt_tokens"].shape[1], rows["tokens"].shape[1]
+        topk_resp = response_slice(aux.topk_indices, p, t)
+        router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), topk_resp)
+        out = {
+            "logp": logp,
+            "entropy": entropy,
+            "topk": aux.topk_indices,
+            "topk_resp": topk_resp,
+            "free_topk_resp": response_slice(aux.free_topk_indices, p, t),
+            "router_logp": router_lp,
+        }
+        if values:
+            out["values"] = v
+        return out
+
+    rows = {k: batch[k] for k in keys}
+    if micro_batches == 1:
+        return one(rows)
+    n = batch["tokens"].shape[0]
+    if n % micro_batches:
+        raise ValueError(f"logprob_pass: micro_batches={micro_batches} does not divide {n} rows")
+    return _merge_micro(jax.lax.map(one, _split_micro(rows, micro_batches)))
 
 
 def has_signal(advantages: jax.Array, mask: jax.Array) -> jax.Array:

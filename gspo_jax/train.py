@@ -939,6 +939,7 @@ class RLPhase:
             graphdef=trainer.graphdef,
             values=self.critic,
             temperature=float(c.rollout.temperature),
+            micro_batches=int(c.updates.logprob_micro_batches),
         )
         # The old policy's pass replays the sampler's routing under R3; the reference
         # policy's always routes freely (it is pi_ref, not pi_ref under pi's routing).

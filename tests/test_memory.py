@@ -274,6 +274,12 @@ def test_budget_categories():
     # KV cache: rows / device * L * 2 * KV * hd * (P + T - 1) * 2 bytes.
     assert budget.kv_cache() == 16 * 48 * 2 * 4 * 128 * (384 + 1024 - 1) * 2
     assert budget.train_rows() == 4 and budget.pass_rows() == 16
+    pieces = mb.Budget(cfg, mb.H100_8, mb.Run(prompts_per_step=16, logprob_micro_batches=4))
+    assert pieces.pass_rows() == 4 and pieces.train_rows() == 4
+    assert pieces.phases()["log-prob pass"] < budget.phases()["log-prob pass"]
+    assert pieces.phases()["train step"] == budget.phases()["train step"]
+    with pytest.raises(ValueError, match="does not split over 8 data shards"):
+        mb.Budget(cfg, mb.H100_8, mb.Run(prompts_per_step=16, logprob_micro_batches=32))
     # Logits: 4 rows * 128 positions * V * f32 * 3, and the gathered head.
     assert budget.logits_train() == 4 * 128 * 151936 * 4 * 3 + 2048 * 151936 * 2
     kl = mb.Budget(cfg, mb.H100_8, mb.Run(prompts_per_step=16, kl=True))
@@ -296,6 +302,7 @@ def test_flagship_config_is_the_budgeted_one_and_fits():
         run.num_minibatches,
         run.micro_batches,
     )
+    assert c.updates.logprob_micro_batches == run.logprob_micro_batches
     assert c.model.remat_policy == run.remat_policy
     assert c.model.logits_chunk_size == run.logits_chunk_size
     assert (c.model.dtype, c.model.param_dtype) == (budget.cfg.dtype, budget.cfg.param_dtype)

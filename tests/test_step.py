@@ -1,6 +1,7 @@
 """The pure train step: learning direction, exact micro-batch accumulation,
 skipping non-finite updates."""
 
+import dataclasses
 import functools
 
 import jax
@@ -159,19 +160,66 @@ def test_non_finite_loss_skips_update(setup):
     assert int(s_good.skipped) == 0
 
 
+def _flops_per_device(jitted, *args) -> float:
+    """XLA's FLOPs of the compiled program (per device under SPMD)."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def _four_row_shards():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices")
+    return NamedSharding(Mesh(np.asarray(jax.devices()[:4]), ("data",)), PartitionSpec("data"))
+
+
+@pytest.mark.parametrize("values", [False, True])
+def test_logprob_pass_in_pieces_is_the_whole_pass(setup, values):
+    """The old-policy pass in 4 strided pieces gives every row its own log-probs,
+    entropies, routing record (replayed under R3 as given) and critic values."""
+    graphdef, params, batch = setup
+    if values:
+        graphdef, params = nnx.split(Transformer(dataclasses.replace(CFG, value_head=True), rngs=nnx.Rngs(1)))
+    first = step.logprob_pass(params, batch, graphdef=graphdef)
+    # A replay record unlike the free routing: R3's experts shifted by one.
+    b = dict(batch, replay_r3=(first["topk"] + 1) % CFG.num_experts)
+    run = functools.partial(step.logprob_pass, graphdef=graphdef, replay_key="replay_r3", values=values)
+    whole = jax.jit(run)(params, b)
+    pieces = jax.jit(functools.partial(run, micro_batches=4))(params, b)
+    assert set(pieces) == set(whole) and ("values" in whole) == values
+    np.testing.assert_array_equal(whole["topk"], b["replay_r3"])
+    for key in whole:
+        assert pieces[key].shape == whole[key].shape, key
+        if whole[key].dtype == jnp.int32:
+            np.testing.assert_array_equal(pieces[key], whole[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(pieces[key], whole[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    with pytest.raises(ValueError, match="micro_batches=3 does not divide 8 rows"):
+        step.logprob_pass(params, b, graphdef=graphdef, micro_batches=3)
+
+
+def test_logprob_pass_in_pieces_keeps_the_work_on_every_batch_device():
+    """Strided pieces hold rows of every device: per-device FLOPs of the compiled
+    pass are a quarter of one device's, in pieces as whole."""
+    rows = _four_row_shards()
+    cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
+    graphdef, params, batch = _on_policy_batch(cfg, 128, seed=3, mask=jnp.ones((128, T)))
+    for micro in (1, 4):
+        fn = jax.jit(functools.partial(step.logprob_pass, graphdef=graphdef, micro_batches=micro))
+        ratio = _flops_per_device(fn, params, jax.device_put(batch, rows)) / _flops_per_device(fn, params, batch)
+        assert ratio == pytest.approx(0.25, rel=0.1), (micro, ratio)
+
+
 def test_micro_batches_keep_the_work_on_every_batch_device():
     """With the mini-batch sharded over 4 devices, each micro-batch holds rows of
     every device: per-device FLOPs of the compiled step are a quarter of one
     device's (within 10%), with micro-batches as without. (Contiguous micro-batches
     made XLA gather the whole mini-batch to every device, which then computed all of
     it: 1.0x.)"""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    if jax.device_count() < 4:
-        pytest.skip("needs 4 (fake) devices")
+    rows = _four_row_shards()
     cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
     graphdef, params, batch = _on_policy_batch(cfg, 128, seed=2, mask=jnp.ones((128, T)))
-    rows = NamedSharding(Mesh(np.asarray(jax.devices()[:4]), ("data",)), PartitionSpec("data"))
     opt = optax.sgd(1e-3)
     state = step.TrainState.create(params, opt.init(params))
 
@@ -179,8 +227,7 @@ def test_micro_batches_keep_the_work_on_every_batch_device():
         cfg = step.StepConfig(objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=micro)
         fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
                                        schedule=optax.constant_schedule(1e-3), cfg=cfg))
-        cost = fn.lower(state, b, jax.random.key(0)).compile().cost_analysis()
-        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+        return _flops_per_device(fn, state, b, jax.random.key(0))
 
     for micro in (1, 4):
         ratio = flops(micro, jax.device_put(batch, rows)) / flops(micro, batch)

@@ -52,6 +52,9 @@ def smoke(**overrides):
         ({"mesh.data": -1, "mesh.fsdp": -1}, "config.mesh.fsdp"),  # two free axes
         ({"updates.num_minibatches": 3}, "config.updates.num_minibatches"),  # 16 % 3
         ({"updates.micro_batches": 3}, "config.updates.micro_batches"),
+        ({"updates.logprob_micro_batches": 3}, "config.updates.logprob_micro_batches"),  # 16 % 3
+        ({"updates.logprob_micro_batches": 4}, "config.updates.logprob_micro_batches"),  # 4 rows, 8 shards
+        ({"updates.logprob_micro_batches": 0}, "config.updates.logprob_micro_batches"),
         ({"updates.routing_replay": "R4"}, "config.updates.routing_replay"),
         ({"updates.gamma_min": 0.0}, "config.updates.gamma_min"),
         ({"task.name": "sudoku"}, "config.task.name"),
@@ -220,6 +223,9 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
     if objective == "grpo":
         c.updates.micro_batches = 2  # gradient accumulation through the full loop
         c.mesh.data, c.mesh.expert = 2, -1  # micro-batches of 4 over 2 batch shards; experts over 4
+        c.updates.logprob_micro_batches = 4  # the old-policy and reference passes in 4 pieces
+    if replay == "R3":
+        c.updates.logprob_micro_batches = 2  # the R3 record split with the rows
     records = train.run(c, str(tmp_path))
     rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0]
     assert [r["step"] for r in rl] == [1, 2]
