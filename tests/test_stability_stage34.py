@@ -196,6 +196,15 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
     assert (c.arm, c.dense_arm, c.lr, c.updates, c.steps) == ("moe4", "dense4", 3e-3, 32, 80)
     assert c.seeds == (0, 1, 2, 3, 4) and c.task == "small"
     assert stage3_config.get_config("lr=0.003,task=hard").task == "hard"
+    gpu = stage3_config.get_config("lr=0.003,scale=gpu")
+    assert (gpu.arm, gpu.dense_arm, gpu.task, gpu.dtype) == ("moe12e64", "dense12", "hard", "bfloat16")
+    assert gpu.arms == ("grpo", "grpo_r3", "gspo", "rspo_g0.5", "grpo_dense") and gpu.seeds == (0, 1, 2)
+    assert S3.stage_name(gpu) == "stage3_gpu" and S3.stage_name(c) == "stage3"
+    assert S3.overrides(gpu, "grpo")["model.dtype"] == "bfloat16"
+    assert S3.overrides(c, "grpo")["model.dtype"] == "float32"
+    assert common.arm_fields(gpu.arm)["num_experts"] == 64
+    with pytest.raises(ValueError, match="scale='tpu'"):
+        stage3_config.get_config("lr=0.003,scale=tpu")
     with pytest.raises(ValueError, match="task 'medium'"):
         stage3_config.get_config("lr=0.003,task=medium")
     assert c.arms == (
@@ -380,6 +389,23 @@ def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     for name in ("reward_vs_updates.png", "precursors.png", "table.md"):
         assert (out / name).exists(), name
     assert "| grpo_r3 | 0 / 1 | 1 | no |" in (out / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_gpu_replication_runs_end_to_end_on_smoke(tmp_path):
+    """scale=gpu: the MoE and its dense twin in bf16 on the hard task, runs under
+    <root>/stage3_gpu, warm starts under <root>/warm/hard (smoke: a 2-layer model)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    S3.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke,scale=gpu"])
+    assert sorted(os.listdir(out / "runs")) == ["grpo_dense_s0.jsonl", "grpo_s0.jsonl"]
+    moe = common.read_jsonl(str(out / "runs" / "grpo_s0.jsonl"))[0]
+    dense = common.read_jsonl(str(out / "runs" / "grpo_dense_s0.jsonl"))[0]
+    assert (moe["model"], dense["model"]) == ("moe2e8", "dense2")
+    assert moe["dtype"] == dense["dtype"] == "bfloat16" and moe["task"] == "hard"
+    assert sorted(os.listdir(root / "warm" / "hard")) == ["dense2_s0", "moe2e8_s0"]
+    assert (root / "stage3_gpu" / "grpo_s0" / "metrics.jsonl").exists()
+    S3.main(["--report", "--out", str(out)])
+    assert "task hard, bfloat16 compute" in (out / "table.md").read_text()
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@
   twin: the same attention, embeddings and depth, and one SwiGLU MLP as wide as the K
   active experts together (``d_ff = K * moe_d_ff``), so that both spend the same
   FFN compute per token. ``moe<L>k1`` routes top-1 to experts twice as wide (the same
-  active parameters as top-2).
+  active parameters as top-2). ``moe<L>e<E>`` has E experts in place of 8 (the GPU
+  replication's ``moe12e64``; its dense twin is ``dense<L>``, the active width being
+  the same).
 * **Warm starts**: one supervised warm start per (arm, seed), shared by every probe and
   RL run of that arm and seed, in ``<root>/warm/<arm>_s<seed>``.
 * **RL runs** start from a copy of their warm start (`copy_warm_start`) and resume from
@@ -38,7 +40,7 @@ NUM_EXPERTS = 8
 TOP_K = 2
 MOE_D_FF = 128
 
-_ARM = re.compile(r"^(moe|dense)(\d+)(k1)?$")
+_ARM = re.compile(r"^(moe|dense)(\d+)(?:e(\d+))?(k1)?$")
 
 
 def arm_fields(arm: str, *, smoke: bool = False) -> dict:
@@ -48,15 +50,19 @@ def arm_fields(arm: str, *, smoke: bool = False) -> dict:
     (256, 0)
     """
     m = _ARM.match(arm)
-    if not m or (m.group(1) == "dense" and m.group(3)):
+    if not m or (m.group(1) == "dense" and (m.group(3) or m.group(4))):
         raise ValueError(
-            f"arm {arm!r}: expected moe<layers>, moe<layers>k1 or dense<layers> "
-            "(e.g. moe2, moe8, moe2k1, dense4)"
+            f"arm {arm!r}: expected moe<layers>, moe<layers>k1, moe<layers>e<experts> or "
+            "dense<layers> (e.g. moe2, moe8, moe2k1, moe12e64, dense4)"
         )
-    kind, layers, top1 = m.group(1), int(m.group(2)), bool(m.group(3))
+    kind, layers, top1 = m.group(1), int(m.group(2)), bool(m.group(4))
     if layers < 1:
         raise ValueError(f"arm {arm!r}: needs at least one layer")
     e, k, f = (4, 2, 32) if smoke else (NUM_EXPERTS, TOP_K, MOE_D_FF)
+    if m.group(3):
+        e = int(m.group(3))
+        if e < (1 if top1 else k):
+            raise ValueError(f"arm {arm!r}: {e} experts, fewer than the top-K it routes to")
     if kind == "dense":
         return dict(num_layers=layers, num_experts=0, d_ff=k * f)
     if top1:  # top-1 over experts twice as wide: the same active FFN width as top-2

@@ -19,7 +19,9 @@ Arguments (comma-separated): ``lr`` (required outside smoke), ``arm`` / ``dense_
 (the setting's MoE and its dense twin, default moe2 / dense2; the README's fallbacks
 moe4 / dense4 and moe2k1 / dense2), ``updates`` (optimizer updates per rollout, default
 16; the fallback 32), ``task`` (``small``, the default, or the last fallback's ``hard``:
-Countdown ``hard`` with responses up to 48 characters, common.TASKS), ``smoke``.
+Countdown ``hard`` with responses up to 48 characters, common.TASKS), ``scale``
+(``cpu``, the default, or ``gpu``: the replication, `GPU_ARMS` on ``moe12e64`` and
+``dense12`` in bf16 on ``hard``; results in ``results/stage3_gpu``), ``smoke``.
 """
 
 import json
@@ -49,6 +51,12 @@ ARMS = (
 # Not one of the README's arms: GRPO on the setting's dense twin, a reference that can
 # be run on request (``--only-arms grpo_dense``); the report shows it when present.
 DENSE_REFERENCE = "grpo_dense"
+
+# ``scale=gpu``: the replication on an accelerator (README, "GPU replication"): 12
+# layers with 64 experts (``moe12e64``) and its dense twin, bf16 compute, Countdown
+# ``hard`` (longer responses), 3 seeds, the key comparison of stage 3's arms.
+SCALES = ("cpu", "gpu")
+GPU_ARMS = ("grpo", "grpo_r3", "gspo", "rspo_g0.5", DENSE_REFERENCE)
 
 
 def load_calibration(path: str | None = None) -> tuple[float, float]:
@@ -88,21 +96,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     from experiments.stability import common
     from gspo_jax import config as config_lib
 
-    args = config_lib.parse_arg(arg, known=("smoke", "lr", "arm", "dense_arm", "updates", "task"))
+    args = config_lib.parse_arg(
+        arg, known=("smoke", "lr", "arm", "dense_arm", "updates", "task", "scale")
+    )
     c = ml_collections.ConfigDict()
     c.smoke = bool(args.get("smoke", False))
+    c.scale = str(args.get("scale", "cpu"))
+    if c.scale not in SCALES:
+        raise ValueError(f"stage3_config: scale={c.scale!r}; expected one of {', '.join(SCALES)}")
+    gpu = c.scale == "gpu"
     # The setting (README, "Setting"): the MoE arm and its dense twin, the learning rate
     # chosen from stage 2, updates per rollout; the first setting that qualifies.
-    c.arm = str(args.get("arm", "moe2"))
-    c.dense_arm = str(args.get("dense_arm", "dense2"))
+    c.arm = str(args.get("arm", "moe12e64" if gpu else "moe2"))
+    c.dense_arm = str(args.get("dense_arm", "dense12" if gpu else "dense2"))
     c.lr = float(args["lr"]) if "lr" in args else None
     c.updates = int(args.get("updates", 16))
-    c.task = common.check_task(str(args.get("task", "small")))
+    c.task = common.check_task(str(args.get("task", "hard" if gpu else "small")))
+    c.dtype = "bfloat16" if gpu else "float32"  # the compute dtype (model.dtype)
     c.steps = 80
-    c.seeds = (0, 1, 2, 3, 4)
-    c.arms = tuple(row[0] for row in ARMS)
+    c.seeds = (0, 1, 2) if gpu else (0, 1, 2, 3, 4)
+    c.arms = GPU_ARMS if gpu else tuple(row[0] for row in ARMS)
     if c.smoke:
-        c.arms = ("grpo", "grpo_r3", "rspo_g0.5")
+        c.arms = ("grpo", DENSE_REFERENCE) if gpu else ("grpo", "grpo_r3", "rspo_g0.5")
+        if gpu:  # the replication's plumbing (bf16, task, arms) on a model CPU runs in seconds
+            c.arm, c.dense_arm = (
+                str(args.get("arm", "moe2e8")),
+                str(args.get("dense_arm", "dense2")),
+            )
         c.seeds = (0,)
         c.steps = 2
         c.updates = int(args.get("updates", 2))

@@ -243,6 +243,7 @@ def overrides(sc, name: str) -> dict:
     _, objective, hparams, replay, gamma_min = rows[name]
     o = {
         "objective": (objective, dict(hparams)),
+        "model.dtype": sc.dtype,
         "optimizer.lr": float(sc.lr),
         "updates.num_minibatches": int(sc.updates),
         "updates.routing_replay": replay,
@@ -262,7 +263,14 @@ def setting_meta(sc) -> dict:
         updates=int(sc.updates),
         setting=f"{sc.arm}/{sc.dense_arm}",
         task=sc.task,
+        dtype=sc.dtype,
     )
+
+
+def stage_name(sc) -> str:
+    """Where the runs live under ``--root`` and the results under ``results/``:
+    ``stage3``, or ``stage3_gpu`` for the GPU replication."""
+    return STAGE if sc.scale == "cpu" else f"{STAGE}_{sc.scale}"
 
 
 def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
@@ -289,7 +297,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
             arm = model_arm(sc, name)
             wd = common.run_rl(
                 root,
-                STAGE,
+                stage_name(sc),
                 run_name(name, seed),
                 arm,
                 int(seed),
@@ -487,8 +495,16 @@ def report(out: str) -> None:
     groups = by_arm(runs)
     fig_reward_vs_updates(groups, os.path.join(out, "reward_vs_updates.png"))
     fig_precursors(groups, os.path.join(out, "precursors.png"))
-    settings = sorted({(r["setting"], r["lr"], r["updates"]) for r in runs})
-    setting = "; ".join(f"{s}, lr {lr:g}, {u} updates per rollout" for s, lr, u in settings)
+    settings = sorted(
+        {
+            (r["setting"], r["lr"], r["updates"], r.get("task", "small"), r.get("dtype", "float32"))
+            for r in runs
+        }
+    )
+    setting = "; ".join(
+        f"{s}, lr {lr:g}, {u} updates per rollout, task {task}, {dtype} compute"
+        for s, lr, u, task, dtype in settings
+    )
     text = [
         "# Stage 3: replay and the router-aware objectives\n",
         f"Setting: {setting}. {len(runs)} finished runs.\n",
@@ -519,6 +535,8 @@ def main(argv=None) -> None:
         report(args.out)
         return
     sc = common.stage_config(args, only, known={"arms": table_rows})
+    if sc.scale != "cpu" and args.out == OUT:
+        args.out = os.path.join(common.RESULTS, stage_name(sc))
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
     print(f"stage 3: {n} runs finished into {args.out}")
 
