@@ -250,3 +250,50 @@ def test_a_process_stopped_for_another_says_so(capsys):
         shutdown.exit("rl step 3")
     assert e.value.code == 128 + signal.SIGTERM
     assert "another process of the run was asked to stop after rl step 3" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_hf_export_and_load_across_two_processes_match_one(tmp_path):
+    """Parameters spread over two processes export to the files one process writes
+    (every gather collective, process 0 writing), and load back onto the mesh of both
+    processes: exporting the loaded model gives the same files again."""
+    from gspo_jax.models.safetensors_io import read_safetensors
+
+    worker = os.path.join(REPO, "tests", "hf_export_worker.py")
+
+    def start(out, devices, *extra):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {CPU_FLAGS}"
+        log = open(f"{out}.{extra[-1] if extra else 0}.log", "w")
+        cmd = [sys.executable, worker, str(out), *map(str, extra)]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def reports(out, ids):
+        logs = [open(f"{out}.{i}.log").read() for i in ids]
+        return [json.loads(log.strip().splitlines()[-1]) for log in logs]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    port = _free_port()
+    procs = [start(one, 8)] + [start(two, 4, port, i) for i in (0, 1)]
+    for p, name in zip(procs, ("one.0", "two.0", "two.1")):
+        rc = p.wait(timeout=600)
+        assert rc == 0, open(tmp_path / f"{name}.log").read()[-4000:]
+    (r1,), (p0, p1) = reports(one, [0]), reports(two, [0, 1])
+    assert not r1["spread"] and p0["spread"] and p1["spread"]
+    assert p0["files_a"] == r1["files_a"] and len(p0["files_a"]) > 2  # shards and the index
+    assert p1["files_a"] == p1["files_b"] == []  # process 1 wrote nothing
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".safetensors"):
+                out.update(read_safetensors(os.path.join(folder, f)))
+        return out
+
+    want = tensors(one / "a")
+    for folder in (two / "a", two / "b", one / "b"):
+        got = tensors(folder)
+        assert sorted(got) == sorted(want), folder
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{folder}: {name}")
+        assert (folder / "config.json").read_text() == (one / "a" / "config.json").read_text()

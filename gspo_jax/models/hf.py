@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from gspo_jax import multihost
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.safetensors_io import (
     TensorInfo,
@@ -633,15 +634,15 @@ class _Fetch:
     def __call__(self, param, r=None) -> np.ndarray:
         if self.key != (id(param), r):
             self.key, self.value = None, None  # free the previous copy first
-            a = param[...]
-            if isinstance(a, jax.Array) and not a.is_fully_addressable:
-                raise ValueError(
-                    "export_pretrained: the parameters span several processes; "
-                    "export from a single process that holds every shard"
-                )
-            a = jnp.asarray(a)
+            a = jnp.asarray(param[...])
             a = a.astype(self.dtype) if r is None else _layer_as(a, np.int32(r), self.dtype)
-            self.key, self.value = (id(param), r), np.asarray(jax.device_get(a))
+            if a.is_fully_addressable:
+                value = jax.device_get(a)
+            else:  # shards on several processes: every process takes part in the gather
+                from jax.experimental import multihost_utils
+
+                value = multihost_utils.process_allgather(a, tiled=True)
+            self.key, self.value = (id(param), r), np.asarray(value)
         return self.value
 
 
@@ -690,9 +691,11 @@ def export_pretrained(
 
     Streams: one parameter (or one layer of a stacked one) at a time is gathered
     from its devices to the host, converted and written, so the host holds about
-    one tensor; parameters may be sharded over any mesh of this process. Weight
-    files of an earlier export in ``path`` that this one does not overwrite are
-    removed. The value head, which HF models lack, is not written.
+    one tensor; parameters may be sharded over any mesh. With several processes,
+    every process calls this (each gather is collective) and process 0 writes the
+    files to ``path``, which it must be able to reach; the others return once the
+    files are there. Weight files of an earlier export in ``path`` that this one does
+    not overwrite are removed. The value head, which HF models lack, is not written.
 
     Args:
       dtype: tensor dtype in the files (default: the parameters' dtype, so bf16
@@ -700,13 +703,19 @@ def export_pretrained(
       max_shard_size: bytes per file (an int, or "5GB", "500MB", "2GiB"); a tensor
         larger than that gets a file of its own.
 
-    Returns the names of the weight files written (index included).
+    Returns the names of the weight files written (index included); [] on every
+    process but 0.
     """
     cfg = model.cfg
     dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     hf = config_to_hf(cfg, dtype.name)
     hf["torch_dtype"] = dtype.name  # the key transformers < 4.56 (and vLLM with it) read
     entries = _export_entries(model, dtype)
+    if not multihost.is_primary():
+        for _, _, produce in entries:  # the gathers process 0 waits on
+            produce()
+        multihost.barrier("export_pretrained")
+        return []
     files = write_sharded(
         path,
         [(name, dtype, shape) for name, shape, _ in entries],
@@ -718,4 +727,5 @@ def export_pretrained(
     with open(tmp, "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(path, "config.json"))
+    multihost.barrier("export_pretrained")
     return files
