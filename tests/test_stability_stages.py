@@ -135,6 +135,15 @@ def test_stage2_decision_needs_the_whole_grid_and_separated_intervals():
     (line,) = stage2_frontier.decide(fr, sc)
     assert line.startswith("- grpo: preliminary, 11 of 12 runs") and "MoE-specific" not in line
 
+    # The table's descriptive column: held-out reward below 0.3x the warm start's, the
+    # detector's verdict aside; a run without both evaluations is not counted.
+    rs = runs("moe2", [False] * 3)
+    for r, start in zip(rs[3:], (0.5, 2.0, None)):  # finals 0.5: 0.5 < 0.6 only for 2.0
+        r["eval_start"] = start
+    text = stage2_frontier.table(stage2_frontier.frontier(rs))
+    assert "| moe2 | grpo | 0.001 | 0 / 3 | 0.500 [0.500, 0.500] | 1 / 2 |" in text
+    assert "| moe2 | grpo | 0.0001 | 0 / 3 | 0.500 [0.500, 0.500] | 0 / 0 |" in text
+
 
 # --------------------------------------------------------------------------
 # Arms.

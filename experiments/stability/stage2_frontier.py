@@ -118,12 +118,28 @@ def frontier(runs: list[dict]) -> dict:
             lr: [r["eval_final"] for r in rs if r["eval_final"] is not None]
             for lr, rs in sorted(per_lr.items())
         }
+        fell = {lr: [held_out_fell(r) for r in rs] for lr, rs in sorted(per_lr.items())}
         out[key] = dict(
             flags=flags,
             finals=finals,
+            fell={lr: [f for f in fs if f is not None] for lr, fs in fell.items()},
             critical=common.critical_lr_ci(flags),
         )
     return out
+
+
+# Descriptive, not part of the decision rule (added after stage 2's runs): a run whose
+# training reward settles on a low plateau above 0.3x its peak is no collapse to the
+# detector, though its held-out reward may fall as far (moe2 GRPO, lr 1e-3, seed 1).
+HELD_OUT_FELL = 0.3
+
+
+def held_out_fell(run: dict) -> bool | None:
+    """Final held-out reward below `HELD_OUT_FELL` x the warm start's (None: unknown)."""
+    start, final = run.get("eval_start"), run.get("eval_final")
+    if start is None or final is None:
+        return None
+    return final < HELD_OUT_FELL * start
 
 
 def decide(fr: dict, sc) -> list[str]:
@@ -156,14 +172,18 @@ def decide(fr: dict, sc) -> list[str]:
 
 def table(fr: dict) -> str:
     lines = [
-        "| arm | variant | lr | collapsed / runs | final held-out reward [95% CI] |",
-        "|---|---|---:|---:|---|",
+        "| arm | variant | lr | collapsed / runs | final held-out reward [95% CI] "
+        f"| held-out fell below {HELD_OUT_FELL:g}× its start (descriptive) |",
+        "|---|---|---:|---:|---|---:|",
     ]
     for (arm, variant), d in fr.items():
         for lr, flags in d["flags"].items():
-            f = d["finals"][lr]
+            f, fell = d["finals"][lr], d["fell"][lr]
             ci = common.fmt_ci(*common.bootstrap_ci(f)) if f else "-"
-            lines.append(f"| {arm} | {variant} | {lr:g} | {sum(flags)} / {len(flags)} | {ci} |")
+            lines.append(
+                f"| {arm} | {variant} | {lr:g} | {sum(flags)} / {len(flags)} | {ci} "
+                f"| {sum(fell)} / {len(fell)} |"
+            )
     return "\n".join(lines) + "\n"
 
 
