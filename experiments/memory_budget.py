@@ -271,7 +271,10 @@ class Budget:
         if n_rows * run.num_minibatches * run.micro_batches != run.rows:
             raise ValueError("num_minibatches * micro_batches must divide the rollout rows")
         if n_rows % self.data_shards or run.rows % (self.data_shards * run.logprob_micro_batches):
-            raise ValueError(f"the batch does not split over {self.data_shards} data shards")
+            raise ValueError(
+                f"the batch does not split over {self.data_shards} data shards (train "
+                f"micro-batches of {n_rows} rows, {run.logprob_micro_batches} log-prob pieces)"
+            )
 
     # ------------------------------------------------------------ categories
     @property

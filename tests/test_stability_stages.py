@@ -442,7 +442,8 @@ def test_the_hard_task_is_its_own_setting_with_its_own_warm_starts():
     assert (hard.task.difficulty, hard.rollout.max_new_tokens) == ("hard", 48)
     # "Make 999 from 99 99 99 99 with + - * /, each once." does not fit the small task's 48.
     assert (
-        small.rollout.max_prompt_len == common.RL_PROMPT_LEN and hard.rollout.max_prompt_len == 64
+        small.rollout.max_prompt_len == common.RL_PROMPT_LEN["small"] == 48
+        and hard.rollout.max_prompt_len == 64
     )
     assert hard.model.fields.num_experts == small.model.fields.num_experts
     assert common.warm_start_dir("/r", "moe2", 1) == "/r/warm/moe2_s1"

@@ -433,16 +433,15 @@ def apply_overrides(c, overrides: dict) -> None:
 # stage-2 run, moe2 GRPO lr 1e-3: rewards equal and losses within 1e-6 over 3 steps),
 # and the step is compute-bound: 6.1 s at 64 against 4.5 s at 46 on this 2-core CPU.
 # The `hard` task's prompts ("Make 999 from 99 99 99 99 with + - * /, each once.") reach
-# 53 tokens: they keep configs/stability.py's 64.
-RL_PROMPT_LEN = 48
+# 53 tokens: they keep configs/stability.py's 64. Per task of `TASKS`.
+RL_PROMPT_LEN = {"small": 48, "hard": 64}
 
 
 def rl_config(arm: str, seed: int, root: str, *, smoke: bool = False, task: str = "small"):
     """`base_config` as every RL run of stages 2-4 uses it: data under ``root``,
-    prompts of the small task padded to `RL_PROMPT_LEN`."""
+    prompts padded to the task's `RL_PROMPT_LEN`."""
     c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"), task=task)
-    if task == "small":
-        c.rollout.max_prompt_len = RL_PROMPT_LEN
+    c.rollout.max_prompt_len = RL_PROMPT_LEN[task]
     return c
 
 

@@ -118,11 +118,14 @@ def frontier(runs: list[dict]) -> dict:
             lr: [r["eval_final"] for r in rs if r["eval_final"] is not None]
             for lr, rs in sorted(per_lr.items())
         }
-        fell = {lr: [held_out_fell(r) for r in rs] for lr, rs in sorted(per_lr.items())}
+        fell = {  # runs without both evaluations (None) are not counted
+            lr: [f for f in map(held_out_fell, rs) if f is not None]
+            for lr, rs in sorted(per_lr.items())
+        }
         out[key] = dict(
             flags=flags,
             finals=finals,
-            fell={lr: [f for f in fs if f is not None] for lr, fs in fell.items()},
+            fell=fell,
             critical=common.critical_lr_ci(flags),
         )
     return out

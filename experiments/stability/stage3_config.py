@@ -107,8 +107,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     gpu = c.scale == "gpu"
     # The setting (README, "Setting"): the MoE arm and its dense twin, the learning rate
     # chosen from stage 2, updates per rollout; the first setting that qualifies.
-    c.arm = str(args.get("arm", "moe12e64" if gpu else "moe2"))
-    c.dense_arm = str(args.get("dense_arm", "dense12" if gpu else "dense2"))
+    if not gpu:
+        arm, dense = "moe2", "dense2"
+    elif c.smoke:  # the replication's plumbing (bf16, task, arms) on a model CPU runs fast
+        arm, dense = "moe2e8", "dense2"
+    else:
+        arm, dense = "moe12e64", "dense12"
+    c.arm = str(args.get("arm", arm))
+    c.dense_arm = str(args.get("dense_arm", dense))
     c.lr = float(args["lr"]) if "lr" in args else None
     c.updates = int(args.get("updates", 16))
     c.task = common.check_task(str(args.get("task", "hard" if gpu else "small")))
@@ -118,11 +124,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.arms = GPU_ARMS if gpu else tuple(row[0] for row in ARMS)
     if c.smoke:
         c.arms = ("grpo", DENSE_REFERENCE) if gpu else ("grpo", "grpo_r3", "rspo_g0.5")
-        if gpu:  # the replication's plumbing (bf16, task, arms) on a model CPU runs in seconds
-            c.arm, c.dense_arm = (
-                str(args.get("arm", "moe2e8")),
-                str(args.get("dense_arm", "dense2")),
-            )
         c.seeds = (0,)
         c.steps = 2
         c.updates = int(args.get("updates", 2))
