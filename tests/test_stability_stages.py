@@ -434,6 +434,31 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_pa
     )
     assert {c[0] for c in calls} == {"stage2_search/hard"} and {c[3] for c in calls} == {"hard"}
 
+    # search=moe2k1's dense twin is stage 2's dense2: a run stage 2 made with the same
+    # lr, seed, updates and task is reused (its summary predates `updates` and `task`),
+    # one made otherwise is trained; --only-lrs picks learning rates.
+    lr = common.load_stage_config(cfg, "search=moe2k1").lrs[1]
+    stage2_runs = tmp_path / "results" / "stage2" / "runs"
+    legacy = dict(arm="dense2", variant="grpo", lr=lr, seed=0, collapsed=True, collapse_step=9)
+    common.write_jsonl(str(stage2_runs / f"dense2_grpo_lr{lr:g}_s0.jsonl"), [legacy])
+    other = dict(legacy, seed=1, updates=8)
+    common.write_jsonl(str(stage2_runs / f"dense2_grpo_lr{lr:g}_s1.jsonl"), [other])
+    calls.clear()
+    stage2_frontier.main(
+        ["--root", str(tmp_path), "--config", cfg + ":search=moe2k1", "--only-lrs", f"{lr:g}"]
+        + ["--only-seeds", "0,1"]
+    )
+    assert sorted(c[1] for c in calls) == [
+        f"dense2_grpo_lr{lr:g}_s1",
+        f"moe2k1_grpo_lr{lr:g}_s0",
+        f"moe2k1_grpo_lr{lr:g}_s1",
+    ]
+    out = tmp_path / "results" / "stage2_search" / "moe2k1" / "runs"
+    assert common.read_jsonl(str(out / f"dense2_grpo_lr{lr:g}_s0.jsonl")) == [legacy]
+    assert common.read_jsonl(str(out / f"dense2_grpo_lr{lr:g}_s1.jsonl"))[0]["collapsed"] is False
+    with pytest.raises(SystemExit, match=r"--only-lrs '0.5'.*\[0.5\]"):
+        stage2_frontier.main(["--config", cfg + ":search=moe2k1", "--only-lrs", "0.5"])
+
 
 def test_the_hard_task_is_its_own_setting_with_its_own_warm_starts():
     small = common.rl_config("moe2", 0, "/r")

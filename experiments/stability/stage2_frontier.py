@@ -58,6 +58,23 @@ def run_name(arm: str, variant: str, lr: float, seed: int) -> str:
     return f"{arm}_{variant}_lr{lr:g}_s{seed}"
 
 
+def stage2_twin(sc, out: str, name: str, meta: dict) -> str | None:
+    """The summary of stage 2's own run of ``name`` when a search's run is that very run
+    (the same arm, variant, lr, seed, updates and task: dense2 in ``search=moe2k1``),
+    so the search reuses it instead of training it again; None otherwise."""
+    if not sc.search:
+        return None
+    path = os.path.join(os.path.dirname(os.path.dirname(out)), "stage2", "runs", name + ".jsonl")
+    if not os.path.exists(path):
+        return None
+    from experiments.stability import stage2_config
+
+    (summary,) = common.read_jsonl(path)
+    base = stage2_config.get_config()  # stage 2's summaries predate `updates` and `task`
+    summary = dict(dict(updates=int(base.updates), task=base.task), **summary)
+    return path if all(summary[k] == v for k, v in meta.items()) else None
+
+
 def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
     """Every run of the grid without a summary, seed by seed (a chunk that ends early
     leaves whole seeds), until the budget expires. Returns the number of runs done."""
@@ -70,6 +87,19 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                     path = os.path.join(out, "runs", name + ".jsonl")
                     if os.path.exists(path):
                         continue
+                    meta = dict(
+                        arm=arm,
+                        variant=variant,
+                        lr=float(lr),
+                        seed=int(seed),
+                        updates=int(sc.updates),
+                        task=sc.task,
+                    )
+                    twin = stage2_twin(sc, out, name, meta)
+                    if twin is not None:
+                        common.write_jsonl(path, common.read_jsonl(twin))
+                        log(f"{name}: stage 2's run, reused ({twin})")
+                        continue
                     if budget.expired():
                         return done
                     wd = common.run_rl(
@@ -81,14 +111,6 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                         overrides(sc, variant, lr),
                         int(sc.steps),
                         smoke=sc.smoke,
-                        task=sc.task,
-                    )
-                    meta = dict(
-                        arm=arm,
-                        variant=variant,
-                        lr=float(lr),
-                        seed=int(seed),
-                        updates=int(sc.updates),
                         task=sc.task,
                     )
                     summary = common.summarize_run(wd, meta)
@@ -293,7 +315,7 @@ def report(out: str, sc) -> None:
 
 
 def main(argv=None) -> None:
-    only = ("arms", "variants", "seeds")
+    only = ("arms", "variants", "lrs", "seeds")
     args = common.stage_parser(__doc__, OUT, "stage2_config.py", only).parse_args(argv)
     sc = common.stage_config(args, only)
     if sc.search and args.out == OUT:
