@@ -174,6 +174,31 @@ def test_setting_lr_follows_the_readme_rule():
     )
     assert S3.setting_lr(runs) == 3e-3
     assert S3.setting_lr([x for x in runs if x["lr"] != 3e-3]) is None
+    # The whole grid read as it fills: the verdict agrees with setting_lr when finished.
+    lrs = (1e-3, 3e-3, 1e-2)
+    assert S3.setting_verdict(runs, lrs, 3, "moe2", "dense2") == (
+        "found",
+        3e-3,
+        {1e-3: "cannot", 3e-3: "qualifies", 1e-2: "cannot"},
+    )
+    no_3e3 = [x for x in runs if x["lr"] != 3e-3]
+    assert S3.setting_verdict(no_3e3, lrs, 3, "moe2", "dense2")[:2] == ("open", 3e-3)
+    no_3e3 += [r("moe2", 3e-3, 0), r("moe2", 3e-3, 0)]  # 2 of 3 MoE seeds held: ruled out
+    assert S3.setting_verdict(no_3e3, lrs, 3, "moe2", "dense2")[:2] == ("none", None)
+
+
+def test_setting_status_rules_an_lr_in_or_out_only_when_the_missing_seeds_cannot_matter():
+    st = S3.setting_status
+    assert st([1, 1], [0, 0], 3) == "qualifies"  # 2/3 MoE at least, 1/3 dense at most
+    assert st([1, 1], [0], 3) == "open"  # dense could still reach 2/3
+    assert st([1], [0, 0], 3) == "open"  # MoE could still reach 2/3
+    assert st([0, 0], [], 3) == "cannot"  # MoE at most 1/3
+    assert st([1, 1, 1], [1, 1], 3) == "cannot"  # dense at least 2/3
+    assert st([], [], 3) == "open"
+    assert st([1, 1, 1, 1], [0, 0, 0, 1], 5) == "open"  # 4/5 needs dense <= 1 of 5
+    assert st([1, 1, 1, 1], [0, 0, 0, 0, 1], 5) == "qualifies"
+    with pytest.raises(ValueError, match="more than 3 seeds"):
+        st([1, 1, 1, 1], [], 3)
 
 
 # --------------------------------------------------------------------------

@@ -195,6 +195,29 @@ def decide(fr: dict, sc) -> list[str]:
     return lines
 
 
+def setting(runs: list[dict], sc) -> list[str]:
+    """Stage 3's setting rule on this grid's GRPO runs, read before the grid is
+    finished: each lr qualifies, cannot qualify whatever its missing runs show, or is
+    open."""
+    from experiments.stability import stage3_replay
+
+    moe_arm, dense_arm = sc.arms
+    verdict, lr, status = stage3_replay.setting_verdict(
+        runs, sc.lrs, len(sc.seeds), moe_arm, dense_arm
+    )
+    lines = [f"- lr {x:g}: {st}" for x, st in status.items()]
+    if verdict == "found":
+        lines.append(f"\n**Setting: lr {lr:g}** ({moe_arm} GRPO collapses, {dense_arm} does not).")
+    elif verdict == "none":
+        lines.append(
+            f"\n**No lr qualifies** for {moe_arm} against {dense_arm}, whatever the "
+            "missing runs show."
+        )
+    else:
+        lines.append(f"\n**Open:** lr {lr:g} can still qualify or fail; it needs more runs.")
+    return lines
+
+
 def table(fr: dict) -> str:
     lines = [
         "| arm | variant | lr | collapsed / runs | final held-out reward [95% CI] "
@@ -309,6 +332,7 @@ def report(out: str, sc) -> None:
         table(fr),
     ]
     text += ["\n## Decision (README, Stage 2)\n"] + decide(fr, sc)
+    text += ["\n## Stage 3's setting (README, Stage 3)\n"] + setting(runs, sc)
     with open(os.path.join(out, "frontier.md"), "w") as f:
         f.write("\n".join(text) + "\n")
     print(f"stage 2 report: {len(runs)} runs -> {out}")

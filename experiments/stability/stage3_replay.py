@@ -181,18 +181,67 @@ def fmt_precursor(st: dict) -> str:
 # The setting (README, "Setting") from stage 2's results.
 
 
+# The setting rule's thresholds (README, Stage 3, "Setting").
+SETTING_MOE_RATE, SETTING_DENSE_RATE = 2 / 3, 1 / 3
+
+
 def setting_lr(runs: list[dict], arm: str = "moe2", dense: str = "dense2") -> float | None:
     """The smallest stage-2 lr at which ``arm``'s GRPO collapse rate is >= 2/3 and
     ``dense``'s <= 1/3 (both with runs at that lr); None if no lr qualifies."""
+    flags = _grpo_flags(runs)
+    for lr in sorted({lr for _, lr in flags}):
+        m, d = flags.get((arm, lr)), flags.get((dense, lr))
+        if (
+            m
+            and d
+            and np.mean(m) >= SETTING_MOE_RATE - 1e-9
+            and np.mean(d) <= SETTING_DENSE_RATE + 1e-9
+        ):
+            return lr
+    return None
+
+
+def _grpo_flags(runs: list[dict]) -> dict:
     flags = collections.defaultdict(list)
     for r in runs:
         if r.get("variant") == "grpo":
             flags[(r["arm"], float(r["lr"]))].append(bool(r["collapsed"]))
-    for lr in sorted({lr for _, lr in flags}):
-        m, d = flags.get((arm, lr)), flags.get((dense, lr))
-        if m and d and np.mean(m) >= 2 / 3 - 1e-9 and np.mean(d) <= 1 / 3 + 1e-9:
-            return lr
-    return None
+    return flags
+
+
+def setting_status(moe: list[bool], dense: list[bool], seeds: int) -> str:
+    """One lr of a grid planned with ``seeds`` runs per architecture, read on the runs
+    so far: "qualifies" when the setting rule holds whatever the missing runs show,
+    "cannot" when it fails whatever they show, "open" otherwise."""
+    if len(moe) > seeds or len(dense) > seeds:
+        raise ValueError(f"{len(moe)} MoE and {len(dense)} dense runs: more than {seeds} seeds")
+    need = math.ceil(SETTING_MOE_RATE * seeds - 1e-9)  # MoE collapses the rule needs
+    allow = math.floor(SETTING_DENSE_RATE * seeds + 1e-9)  # dense collapses it allows
+    if sum(moe) + seeds - len(moe) < need or sum(dense) > allow:
+        return "cannot"
+    if sum(moe) >= need and sum(dense) + seeds - len(dense) <= allow:
+        return "qualifies"
+    return "open"
+
+
+def setting_verdict(
+    runs: list[dict], lrs, seeds: int, arm: str, dense: str
+) -> tuple[str, float | None, dict[float, str]]:
+    """The setting rule on a grid that may be unfinished: ``("found", lr, status)`` when
+    every smaller lr cannot qualify and ``lr`` does, ``("none", None, status)`` when no
+    lr can, ``("open", lr, status)`` with the smallest lr still open otherwise; ``status``
+    maps each lr to `setting_status`."""
+    flags = _grpo_flags(runs)
+    status = {
+        float(lr): setting_status(
+            flags.get((arm, float(lr)), []), flags.get((dense, float(lr)), []), seeds
+        )
+        for lr in sorted(lrs)
+    }
+    for lr, st in status.items():
+        if st != "cannot":
+            return ("found" if st == "qualifies" else "open"), lr, status
+    return "none", None, status
 
 
 def check_setting(sc, stage2_runs: str = STAGE2_RUNS) -> None:
