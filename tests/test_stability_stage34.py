@@ -6,6 +6,7 @@ collapsed runs, and both stages end to end on their smoke settings."""
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -222,8 +223,17 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
     assert c.seeds == (0, 1, 2, 3, 4) and c.task == "small"
     assert stage3_config.get_config("lr=0.003,task=hard").task == "hard"
     gpu = stage3_config.get_config("lr=0.003,scale=gpu")
-    assert (gpu.arm, gpu.dense_arm, gpu.task, gpu.dtype) == ("moe12e64", "dense12", "hard", "bfloat16")
-    assert gpu.arms == ("grpo", "grpo_r3", "gspo", "rspo_g0.5", "grpo_dense") and gpu.seeds == (0, 1, 2)
+    assert (gpu.arm, gpu.dense_arm, gpu.task, gpu.dtype) == (
+        "moe12e64",
+        "dense12",
+        "hard",
+        "bfloat16",
+    )
+    assert gpu.arms == ("grpo", "grpo_r3", "gspo", "rspo_g0.5", "grpo_dense") and gpu.seeds == (
+        0,
+        1,
+        2,
+    )
     assert S3.stage_name(gpu) == "stage3_gpu" and S3.stage_name(c) == "stage3"
     assert S3.overrides(gpu, "grpo")["model.dtype"] == "bfloat16"
     assert S3.overrides(c, "grpo")["model.dtype"] == "float32"
@@ -332,6 +342,32 @@ def test_bootstrap_diff_and_rule_one():
     assert stage4_mismatch.r3_removes((1e-3, 8e-4, 1.2e-3), (5e-5, 4e-5, 6e-5))
     assert not stage4_mismatch.r3_removes((1e-3, 8e-4, 1.2e-3), (2e-4, 1e-4, 3e-4))  # only 5x
     assert not stage4_mismatch.r3_removes((1e-3, 5e-5, 1.2e-3), (9e-5, 4e-5, 1e-4))  # overlap
+
+
+def test_stage4_rules_give_a_verdict_only_on_every_seed():
+    def run(arm, seed, kl, final):
+        return dict(
+            arm=arm,
+            seed=seed,
+            updates=1,
+            target=0.05,
+            sigma=0.08,
+            series={"mismatch_kl": [kl, kl]},
+            eval_final=final,
+        )
+
+    full = [run("grpo", s, 1e-3 * (1 + 0.01 * s), 0.30 + 0.01 * s) for s in range(3)]
+    full += [run("grpo_r3", s, 5e-5 * (1 + 0.01 * s), 0.31 + 0.01 * s) for s in range(3)]
+    full += [run("grpo_tis", s, 1e-3, 0.40 + 0.01 * s) for s in range(3)]
+    text = "\n".join(stage4_mismatch.decisions(stage4_mismatch.cells(full), 3))
+    assert "GRPO / R3 = 20" in text and "≥ 10× below, intervals apart." in text
+    assert re.search(r"grpo_tis − grpo = \+0\.100 \[\+0\.0\d\d, \+0\.1\d\d\] → \*\*TIS helps", text)
+    assert "preliminary" not in text
+    # One seed of three: the numbers, marked preliminary, and no verdict.
+    one = [r for r in full if r["seed"] == 0]
+    text = "\n".join(stage4_mismatch.decisions(stage4_mismatch.cells(one), 3))
+    assert text.count("preliminary, 1 of 3 seeds") == 2 and "→" not in text
+    assert "**TIS helps**" not in text and "undecided" in text
 
 
 def test_stage4_runs_refuse_without_calibration(tmp_path):

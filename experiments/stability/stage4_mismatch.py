@@ -316,7 +316,16 @@ def table(cs: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def decisions(cs: dict) -> list[str]:
+def _short(n_seeds: int, *groups) -> str:
+    """ "" when every group has all ``n_seeds`` runs, else the words that mark a
+    comparison preliminary: a verdict needs the whole grid."""
+    have = min(len(g) for g in groups)
+    return "" if have >= n_seeds else f"preliminary, {have} of {n_seeds} seeds: "
+
+
+def decisions(cs: dict, n_seeds: int) -> list[str]:
+    """The README's two rules per cell; a comparison whose arms lack some of the
+    ``n_seeds`` planned seeds shows its numbers marked preliminary, and no verdict."""
     lines = ["### Rule 1: R3 removes the train–inference mismatch\n"]
     for u in sorted({u for u, _ in cs}):
         verdicts = []
@@ -329,12 +338,19 @@ def decisions(cs: dict) -> list[str]:
                 continue
             g = common.bootstrap_ci([run_mean(r, "mismatch_kl") for r in arms["grpo"]])
             r3 = common.bootstrap_ci([run_mean(r, "mismatch_kl") for r in arms["grpo_r3"]])
-            ok = r3_removes(g, r3)
+            short = _short(n_seeds, arms["grpo"], arms["grpo_r3"])
+            ok = None if short else r3_removes(g, r3)
             verdicts.append(ok)
             ratio = g[0] / r3[0] if r3[0] > 0 else math.inf
+            numbers = (
+                f"GRPO {common.fmt_ci(*g, '.3g')}, R3 {common.fmt_ci(*r3, '.3g')} "
+                f"(GRPO / R3 = {ratio:.3g})"
+            )
+            if short:
+                lines.append(f"- {u} updates, target {t:g}: {short}{numbers}.")
+                continue
             lines.append(
-                f"- {u} updates, target {t:g}: GRPO {common.fmt_ci(*g, '.3g')}, R3 "
-                f"{common.fmt_ci(*r3, '.3g')} (GRPO / R3 = {ratio:.3g}) → "
+                f"- {u} updates, target {t:g}: {numbers} → "
                 + (
                     "≥ 10× below, intervals apart."
                     if ok
@@ -345,7 +361,9 @@ def decisions(cs: dict) -> list[str]:
         if n_levels >= 2 and all(v is True for v in verdicts):
             lines.append(f"- **{u} updates per rollout: R3 removes the mismatch** (both levels).")
         elif any(v is None for v in verdicts) or n_levels < 2:
-            lines.append(f"- {u} updates per rollout: undecided (both noise levels needed).")
+            lines.append(
+                f"- {u} updates per rollout: undecided (both noise levels, every seed, needed)."
+            )
         else:
             lines.append(f"- {u} updates per rollout: R3 does **not** remove the mismatch.")
     lines.append("\n### Rule 2: TIS helps (final held-out reward, +TIS minus without)\n")
@@ -358,10 +376,14 @@ def decisions(cs: dict) -> list[str]:
             if not a or not b:
                 continue
             d = bootstrap_diff_ci(a, b)
+            head = f"- {u} updates, target {t:g}: {with_tis} − {without} = "
+            short = _short(n_seeds, a, b)
+            if short:
+                lines.append(f"{head}{short}{common.fmt_ci(*d, '+.3f')}.")
+                continue
             helps = d[1] > 0
             lines.append(
-                f"- {u} updates, target {t:g}: {with_tis} − {without} = "
-                f"{common.fmt_ci(*d, '+.3f')} → "
+                f"{head}{common.fmt_ci(*d, '+.3f')} → "
                 + ("**TIS helps**." if helps else "TIS does not help (interval not above 0).")
             )
     return lines
@@ -406,7 +428,7 @@ def figure(cs: dict, path: str) -> None:
     plt.close(fig)
 
 
-def report(out: str) -> None:
+def report(out: str, n_seeds: int) -> None:
     runs = common.read_records(os.path.join(out, "runs"))
     if not runs:
         raise SystemExit(f"{out}/runs: no finished runs yet")
@@ -437,7 +459,7 @@ def report(out: str) -> None:
         "mean of its last two evaluations. Seed means with 95% bootstrap intervals.\n",
         table(cs),
         "## Decision rules (README, Stage 4)\n",
-        *decisions(cs),
+        *decisions(cs, n_seeds),
     ]
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(text) + "\n")
@@ -449,10 +471,10 @@ def main(argv=None) -> None:
     ap = common.stage_parser(__doc__, OUT, "stage4_config.py", only)
     ap.add_argument("--calibrate", action="store_true", help="find σ, write calibration.json")
     args = ap.parse_args(argv)
-    if args.report:
-        report(args.out)
-        return
     sc = common.stage_config(args, only)
+    if args.report:
+        report(args.out, len(sc.seeds))
+        return
     if args.calibrate:
         calibrate(sc, args.root, args.out)
         return
