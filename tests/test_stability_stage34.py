@@ -131,6 +131,7 @@ def _run(collapse, series, arm="grpo", seed=0, updates=16, n=30, final=0.3):
         updates=updates,
         lr=1e-3,
         setting="moe2/dense2",
+        seeds=5,
         steps=steps,
         series={k: list(v) for k, v in series.items()},
         collapsed=collapse is not None,
@@ -426,6 +427,12 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
     assert "+3 [+3, +3] (7/7); FA 0/8" in text
     for name in ("reward_vs_updates.png", "precursors.png"):
         assert (out / name).stat().st_size > 0
+    # An arm short of the planned seeds gets its numbers and no verdict.
+    os.remove(out / "runs" / "grpo_r3_s4.jsonl")
+    S3.main(["--report", "--out", str(out)])
+    text = (out / "table.md").read_text()
+    assert "| grpo_r3 | 0 / 4 | 0.00794 | preliminary (4 of 5 seeds) |" in text  # 1/126
+    assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text
 
 
 # --------------------------------------------------------------------------

@@ -313,6 +313,7 @@ def setting_meta(sc) -> dict:
         setting=f"{sc.arm}/{sc.dense_arm}",
         task=sc.task,
         dtype=sc.dtype,
+        seeds=len(sc.seeds),  # planned: a verdict needs every one
     )
 
 
@@ -419,6 +420,9 @@ def table(groups: dict[str, list[dict]]) -> str:
             g_hits = sum(r["collapsed"] for r in grpo)
             p, yes = prevents_collapse(hits, n, g_hits, len(grpo))
             p_txt, dec = f"{p:.3g}", "**yes**" if yes else "no"
+            planned = max(r.get("seeds", 0) for r in rs + grpo)
+            if min(n, len(grpo)) < planned:
+                dec = f"preliminary ({min(n, len(grpo))} of {planned} seeds)"
             if arm == stage3_config.DENSE_REFERENCE:  # the dense twin: not an arm of the rule
                 dec = "(dense reference)"
         upd = [r["collapse_step"] * r["updates"] for r in rs if r["collapsed"]]
