@@ -9,6 +9,10 @@ when it finishes, and a run with a summary is skipped.
     PYTHONPATH=. python experiments/stability/stage2_frontier.py --root runs/stability \
         --only-seeds 0 --max-minutes 55                                 # one chunk
     PYTHONPATH=. python experiments/stability/stage2_frontier.py --report
+
+Stage 3's setting search (``--config ...stage2_config.py:search=<name>``) writes to
+``results/stage2_search/<name>``; its report reads the setting rule per lr on the runs
+so far, and ``--only-lrs`` runs just the lrs that are still open.
 """
 
 from __future__ import annotations
