@@ -413,6 +413,12 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
         runs = {"grpo": 15 + seed, "grpo_r3": None, "gspo": 20 if seed < 2 else None}
         for arm, cs in runs.items():
             r = _run(cs, series(cs), arm=arm, seed=seed)
+            # The first rollout's KL: GRPO's 0.1 × (seed + 1), R3 half of it, GSPO's
+            # 0.4 whatever the seed; F(τ=2) only for GRPO.
+            kl = {"grpo": 0.1 * (seed + 1), "grpo_r3": 0.05 * (seed + 1), "gspo": 0.4}[arm]
+            r["series"]["ppo_kl_klast"] = [kl] + [0.0] * 29
+            if arm == "grpo":
+                r["series"]["frac_ratio_gt_2_klast"] = [0.2] + [0.0] * 29
             assert common.collapse_step(r["series"]["reward_mean"]) is None or cs is not None
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
     S3.main(["--report", "--out", str(out)])
@@ -425,6 +431,11 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
     # precursors without a series are n/a.
     assert "+3 [+3, +3] (5/5); FA -" in text
     assert "+3 [+3, +3] (7/7); FA 0/8" in text
+    # The step each arm takes: medians over seeds, and the ratio to GRPO's on the same
+    # seed (GSPO: 0.4 / 0.1 = 4 at seed 0 down to 0.4 / 0.5 = 0.8 at seed 4).
+    assert "| grpo | 5 | 0.3 [0.1, 0.5] | 0.2 [0.2, 0.2] | 1 [1, 1] |" in text
+    assert "| grpo_r3 | 5 | 0.15 [0.05, 0.25] | - | 0.5 [0.5, 0.5] |" in text
+    assert "| gspo | 5 | 0.4 [0.4, 0.4] | - | 1.33 [0.8, 4] |" in text
     for name in ("reward_vs_updates.png", "precursors.png"):
         assert (out / name).stat().st_size > 0
     # An arm short of the planned seeds gets its numbers and no verdict.
