@@ -444,6 +444,17 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
     text = (out / "table.md").read_text()
     assert "| grpo_r3 | 0 / 4 | 0.00794 | preliminary (4 of 5 seeds) |" in text  # 1/126
     assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text
+    # The dense twin: GRPO there is a reference (no verdict); GMPO there is read against
+    # it, not against GRPO on the MoE.
+    for seed in range(5):
+        for arm, cs in (("grpo_dense", 10), ("gmpo_dense", 12 if seed == 0 else None)):
+            r = _run(cs, series(cs), arm=arm, seed=seed)
+            common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
+    S3.main(["--report", "--out", str(out)])
+    text = (out / "table.md").read_text()
+    assert "| grpo_dense | 5 / 5 | 1 | (dense reference) | 160 |" in text
+    # 1 of 5 against 5 of 5: p = C(6,1) C(4,4) / C(10,5) = 6/252
+    assert "| gmpo_dense | 1 / 5 | 0.0238 (vs grpo_dense) | **yes** (on the dense twin) |" in text
 
 
 # --------------------------------------------------------------------------

@@ -48,9 +48,12 @@ ARMS = (
     ("rspo_g0.1", "rspo", "none", 0.1),
     ("sapo", "sapo", "none", None),
 )
-# Not one of the README's arms: GRPO on the setting's dense twin, a reference that can
-# be run on request (``--only-arms grpo_dense``); the report shows it when present.
+# Not arms of the README's rule, run on request (``--only-arms grpo_dense``): objectives
+# on the setting's dense twin. GRPO there is the reference; GMPO there is the control
+# added for the shared-collapse setting (README, Stage 3, "Dense GMPO"), read against
+# that reference. The report shows each one present.
 DENSE_REFERENCE = "grpo_dense"
+DENSE_ARMS = {DENSE_REFERENCE: "grpo", "gmpo_dense": "gmpo"}  # name -> objective
 
 # ``scale=gpu``: the replication on an accelerator (README, "GPU replication"): 12
 # layers with 64 experts (``moe12e64``) and its dense twin, bf16 compute, Countdown
@@ -89,7 +92,8 @@ def arm_table(gspo_eps) -> tuple:
         "sapo": (),
     }
     rows = tuple((name, obj, hparams[obj], replay, gamma) for name, obj, replay, gamma in ARMS)
-    return rows + ((DENSE_REFERENCE, "grpo", grpo, "none", None),)
+    dense = tuple((name, obj, hparams[obj], "none", None) for name, obj in DENSE_ARMS.items())
+    return rows + dense
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -281,7 +281,7 @@ def table_rows(sc) -> dict:
 
 
 def model_arm(sc, name: str) -> str:
-    return sc.dense_arm if name == stage3_config.DENSE_REFERENCE else sc.arm
+    return sc.dense_arm if name in stage3_config.DENSE_ARMS else sc.arm
 
 
 def overrides(sc, name: str) -> dict:
@@ -382,7 +382,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
 
 
 def arm_order(runs: list[dict]) -> list[str]:
-    known = [row[0] for row in stage3_config.ARMS] + [stage3_config.DENSE_REFERENCE]
+    known = [row[0] for row in stage3_config.ARMS] + list(stage3_config.DENSE_ARMS)
     present = {r["arm"] for r in runs}
     return [a for a in known if a in present] + sorted(present - set(known))
 
@@ -406,7 +406,8 @@ def eval_curve(run: dict) -> dict[int, float]:
 
 
 def table(groups: dict[str, list[dict]]) -> str:
-    grpo = groups.get("grpo")
+    """The decision rule's table: each arm against GRPO on the MoE; a dense-twin control
+    (``gmpo_dense``) against GRPO on the dense twin; the dense reference is only shown."""
     lines = [
         "| arm | collapsed / seeds | one-sided Fisher p vs GRPO | prevents the collapse "
         "| median collapse update | final held-out reward [95% CI] |",
@@ -414,15 +415,19 @@ def table(groups: dict[str, list[dict]]) -> str:
     ]
     for arm, rs in groups.items():
         hits, n = sum(r["collapsed"] for r in rs), len(rs)
-        if grpo is None or arm == "grpo":
+        control = arm in stage3_config.DENSE_ARMS and arm != stage3_config.DENSE_REFERENCE
+        against = stage3_config.DENSE_REFERENCE if control else "grpo"
+        ref = groups.get(against)
+        if ref is None or arm == against:
             p_txt, dec = "-", "-"
         else:
-            g_hits = sum(r["collapsed"] for r in grpo)
-            p, yes = prevents_collapse(hits, n, g_hits, len(grpo))
+            p, yes = prevents_collapse(hits, n, sum(r["collapsed"] for r in ref), len(ref))
             p_txt, dec = f"{p:.3g}", "**yes**" if yes else "no"
-            planned = max(r.get("seeds", 0) for r in rs + grpo)
-            if min(n, len(grpo)) < planned:
-                dec = f"preliminary ({min(n, len(grpo))} of {planned} seeds)"
+            planned = max(r.get("seeds", 0) for r in rs + ref)
+            if min(n, len(ref)) < planned:
+                dec = f"preliminary ({min(n, len(ref))} of {planned} seeds)"
+            if control:
+                p_txt, dec = f"{p_txt} (vs {against})", f"{dec} (on the dense twin)"
             if arm == stage3_config.DENSE_REFERENCE:  # the dense twin: not an arm of the rule
                 dec = "(dense reference)"
         upd = [r["collapse_step"] * r["updates"] for r in rs if r["collapsed"]]
@@ -462,7 +467,7 @@ def fig_reward_vs_updates(groups: dict[str, list[dict]], path: str) -> None:
             continue
         stats = np.asarray([common.bootstrap_ci([c[s] for c in curves if s in c]) for s in steps])
         x = np.asarray(steps) * rs[0]["updates"]
-        ls = "--" if arm == stage3_config.DENSE_REFERENCE else "-"
+        ls = "--" if arm in stage3_config.DENSE_ARMS else "-"
         ax.plot(x, stats[:, 0], ls, marker="o", ms=3, color=f"C{i}", label=f"{arm} ({len(rs)})")
         ax.fill_between(x, stats[:, 1], stats[:, 2], color=f"C{i}", alpha=0.15)
     ax.set_xlabel("optimizer updates (RL step × updates per rollout)")
