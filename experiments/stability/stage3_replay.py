@@ -563,7 +563,7 @@ def step_taken_table(groups: dict[str, list[dict]]) -> str:
     grpo = {r["seed"]: first_step(r, "ppo_kl_klast") for r in groups.get("grpo", [])}
     lines = [
         "| arm | seeds | KL after the first rollout [range] | F(τ=2) [range] "
-        "| KL / GRPO's, same seed [range] |",
+        "| KL / MoE GRPO's, same seed [range] |",
         "|---|---:|---|---|---|",
     ]
 
@@ -624,7 +624,8 @@ def report(out: str) -> None:
         "updates on the same batch, so the first rollout shows how far each objective "
         "moves the policy at this lr: KL(π_old‖π_θ) and F(τ=2) measured at the rollout's "
         "last update (`ppo_kl_klast`, `frac_ratio_gt_2_klast` at RL step 1), median over "
-        "seeds, and KL's ratio to GRPO's on the same seed. An arm that avoids the collapse "
+        "seeds, and KL's ratio to GRPO's on the MoE on the same seed (for the dense arms "
+        "too). An arm that avoids the collapse "
         "while moving much less than GRPO may owe it to the smaller step, not to its "
         "objective's form. Descriptive: no decision rule reads this table.\n",
         step_taken_table(groups),
