@@ -431,6 +431,11 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
     # precursors without a series are n/a.
     assert "+3 [+3, +3] (5/5); FA -" in text
     assert "+3 [+3, +3] (7/7); FA 0/8" in text
+    # Every hand-made collapse is after step 10, so the clean-baseline row is the same.
+    (row,) = [
+        ln for ln in text.splitlines() if ln.startswith("| all arms, collapses after step 10")
+    ]
+    assert row.split(" | ")[2] == "+3 [+3, +3] (7/7); FA 0/8"  # the free flips' cell
     # The step each arm takes: medians over seeds, and the ratio to GRPO's on the same
     # seed (GSPO: 0.4 / 0.1 = 4 at seed 0 down to 0.4 / 0.5 = 0.8 at seed 4).
     assert "| grpo | 5 | 0.3 [0.1, 0.5] | 0.2 [0.2, 0.2] | 1 [1, 1] |" in text
@@ -524,3 +529,16 @@ def test_stage4_calibrates_runs_and_reports_on_smoke(tmp_path):
     text = (out / "table.md").read_text()
     assert "Rule 1" in text and "| 2 | 0.05" in text
     assert (out / "mismatch.png").exists()
+
+
+def test_precursor_tables_last_row_drops_collapses_inside_the_baseline_window():
+    base = [0.01] * 10
+    # Collapses at 5: its baseline (median of steps 1..10) is already 0.05, so it never
+    # crosses; it counts among the collapsed runs only in the row with every run.
+    early = _run(5, {"flip_frac_klast": [0.01] * 4 + [0.05] * 26})
+    late = _run(25, {"flip_frac_klast": base + [0.01] * 8 + [0.05] * 12})  # 19: +6
+    quiet = _run(None, {"flip_frac_klast": base + [0.01] * 20})
+    text = S3.precursor_table({"grpo": [early, late, quiet]})
+    rows = {ln.split(" | ")[0]: ln.split(" | ")[2] for ln in text.splitlines()[2:]}
+    assert rows["| all arms"] == "+6 [+6, +6] (1/2); FA 0/1"
+    assert rows["| all arms, collapses after step 10"] == "+6 [+6, +6] (1/1); FA 0/1"

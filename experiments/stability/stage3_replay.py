@@ -442,7 +442,12 @@ def precursor_table(groups: dict[str, list[dict]]) -> str:
     head = "| arm | " + " | ".join(p.label for p in PRECURSORS) + " |"
     lines = [head, "|---|" + "---|" * len(PRECURSORS)]
     everything = [r for rs in groups.values() for r in rs]
-    for arm, rs in list(groups.items()) + [("all arms", everything)]:
+    # A collapse inside the baseline window drags the baseline itself down (a collapsed
+    # run's series fall to 0), so its lead times are artefacts; the last row keeps the
+    # collapses after the window and every run that did not collapse.
+    clean = [r for r in everything if not r["collapsed"] or r["collapse_step"] > BASELINE_STEPS]
+    late = f"all arms, collapses after step {BASELINE_STEPS}"
+    for arm, rs in list(groups.items()) + [("all arms", everything), (late, clean)]:
         cells = [fmt_precursor(precursor_stats(rs, p)) for p in PRECURSORS]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -617,7 +622,10 @@ def report(out: str) -> None:
         "in which it crossed (crossed / collapsed); FA: the runs that did not collapse in "
         f"which it crossed anyway. Baseline: the median over RL steps 1..{BASELINE_STEPS}; "
         "thresholds: F(τ=2), free flips, clip fraction, grad norm and KL above 3× it, raw "
-        "γ below it minus 0.1, entropy below 0.5× or above 2× it.\n",
+        "γ below it minus 0.1, entropy below 0.5× or above 2× it. A collapse within the "
+        "first steps falls inside the baseline's window and drags the baseline down, so "
+        "its lead times are not meaningful; the last row keeps only the collapses after "
+        f"step {BASELINE_STEPS} (and every run that did not collapse).\n",
         precursor_table(groups),
         "## The step each arm takes\n",
         "Every arm of a seed starts from the same warm start and takes its first rollout's "
