@@ -542,3 +542,118 @@ def test_precursor_tables_last_row_drops_collapses_inside_the_baseline_window():
     rows = {ln.split(" | ")[0]: ln.split(" | ")[2] for ln in text.splitlines()[2:]}
     assert rows["| all arms"] == "+6 [+6, +6] (1/2); FA 0/1"
     assert rows["| all arms, collapses after step 10"] == "+6 [+6, +6] (1/1); FA 0/1"
+
+
+# --------------------------------------------------------------------------
+# The KL-matched GRPO control (README, Stage 3).
+
+
+def _kl_run(arm, lr, seed, kl, collapse=None, variant=None):
+    r = _run(collapse, {"ppo_kl_klast": [kl] + [0.0] * 29}, arm=arm, seed=seed)
+    r["lr"] = lr
+    if variant:
+        r["variant"] = variant
+    return r
+
+
+def test_kl_matched_lr_interpolates_log_kl_against_log_lr():
+    # GRPO's KL: medians 0.01 at 1e-4, 0.1 at 1e-3 (seeds 0.05, 0.1, 0.4), 1 at 1e-2;
+    # a dense arm and another variant at the same lrs are ignored.
+    grid = [_kl_run("moe2", 1e-4, 0, 0.01, variant="grpo")]
+    grid += [_kl_run("moe2", 1e-3, s, k, variant="grpo") for s, k in enumerate((0.05, 0.1, 0.4))]
+    grid += [_kl_run("moe2", 1e-2, 0, 1.0, variant="grpo")]
+    grid += [_kl_run("dense2", 1e-3, 0, 5.0, variant="grpo")]
+    grid += [_kl_run("moe2", 1e-3, 0, 5.0, variant="gspo")]
+    target = [_kl_run("gmpo", 1e-3, s, k) for s, k in enumerate((0.02, 0.03, 0.5))]
+    m = S3.kl_matched_lr(grid, target)
+    # log-linear: KL 0.03 lies log10(3) = 0.477 of the way from 0.01 to 0.1.
+    assert m["lr"] == pytest.approx(1e-4 * 10 ** math.log10(3), rel=1e-3)
+    assert m["target_kl"] == pytest.approx(0.03)
+    assert m["grid"] == {1e-4: 0.01, 1e-3: 0.1, 1e-2: 1.0}
+    # Exactly on a grid point gives that point; the upper segment interpolates too.
+    assert S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.1)])["lr"] == pytest.approx(1e-3)
+    assert S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.3)])["lr"] == pytest.approx(
+        1e-3 * 10 ** math.log10(3), rel=1e-3
+    )
+    with pytest.raises(ValueError, match="outside GRPO's"):
+        S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 3.0)])
+    with pytest.raises(ValueError, match="two or more"):
+        S3.kl_matched_lr(grid[:1], target)
+    falling = [_kl_run("moe2", 1e-4, 0, 0.2, variant="grpo"), grid[-1]]
+    falling[1] = _kl_run("moe2", 1e-2, 0, 0.01, variant="grpo")
+    with pytest.raises(ValueError, match="falls"):
+        S3.kl_matched_lr(falling, target)
+
+
+def test_matched_verdict_follows_the_readme_rule():
+    # 4 of 5 against 0 of 5: p = 5/252 + 1/252... the stage's test, 0.0238 < 0.05.
+    p, v = S3.matched_verdict(4, 5, 0, 5, 5)
+    assert p == pytest.approx(6 / 252) and v == "**not explained by the smaller step**"
+    assert S3.matched_verdict(5, 5, 0, 5, 5)[1] == "**not explained by the smaller step**"
+    assert S3.matched_verdict(1, 5, 0, 5, 5)[1] == "the smaller step can explain it"
+    assert S3.matched_verdict(0, 5, 0, 5, 5)[1] == "the smaller step can explain it"
+    for hits in (2, 3):
+        assert S3.matched_verdict(hits, 5, 0, 5, 5)[1] == "inconclusive"
+    assert S3.matched_verdict(4, 4, 0, 5, 5)[1] == "preliminary (4 of 5 seeds)"
+
+
+def test_the_kl_matched_control_has_its_own_report_section(tmp_path):
+    out = tmp_path / "out"
+    for seed in range(5):
+        for arm, cs, kl in (
+            ("grpo", 15, 0.3),
+            ("gmpo", None, 0.2),
+            ("grpo_r3", 12, 0.3),
+            ("grpo_kl_matched", 14 if seed else None, 0.1),  # 4 of 5, half GMPO's step
+        ):
+            r = _kl_run(arm, 8e-4 if arm == "grpo_kl_matched" else 1e-3, seed, kl, cs)
+            r["series"]["reward_mean"] = [0.3] * 30
+            common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
+    S3.main(["--report", "--out", str(out)])
+    text = (out / "table.md").read_text()
+    # The rule's table and the step table do not hold the control.
+    head, control = text.split("## The KL-matched GRPO control")
+    assert "grpo_kl_matched" not in head and "15 finished runs, and 5 of the" in head
+    # Only GMPO prevented the collapse (R3 did not), so the control is read against it.
+    assert "| grpo_kl_matched | 0.0008 | 4 / 5 | gmpo | 0 / 5 | 0.0238 |" in control
+    assert "**not explained by the smaller step** | 0.5 [0.5, 0.5] |" in control
+    assert "| grpo_r3 |" not in control
+
+
+def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
+    good = tmp_path / "calibration.json"
+    good.write_text(json.dumps({"eps_low": 0.004, "eps_high": 0.0053}))
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
+    sc = stage3_config.get_config("lr=0.001")
+    sc.arms, sc.seeds = ("grpo_kl_matched",), (0, 1)
+    s2, out = tmp_path / "s2", tmp_path / "out"
+    grid = [_kl_run("moe2", lr, 0, k, variant="grpo") for lr, k in ((1e-4, 0.01), (1e-3, 0.1))]
+    common.write_jsonl(str(s2 / "runs.jsonl"), grid)
+    common.write_jsonl(str(out / "runs" / "gmpo_s0.jsonl"), [_kl_run("gmpo", 1e-3, 0, 0.03)])
+    with pytest.raises(SystemExit, match=r"lacks gmpo's seeds \[1\]"):
+        S3.run_all(sc, str(tmp_path / "r"), str(out), common.Budget(None), stage2_runs=str(s2))
+    common.write_jsonl(str(out / "runs" / "gmpo_s1.jsonl"), [_kl_run("gmpo", 1e-3, 1, 0.03)])
+    seen = []
+
+    def fake_run_rl(root, stage, name, arm, seed, overrides, steps, **kw):
+        seen.append((name, arm, overrides["optimizer.lr"], overrides["objective"][0]))
+        return name
+
+    monkeypatch.setattr(common, "run_rl", fake_run_rl)
+    monkeypatch.setattr(
+        common,
+        "summarize_run",
+        lambda wd, meta: dict(
+            meta, collapsed=False, collapse_step=None, eval_start=0.2, eval_final=0.2
+        ),
+    )
+    log = []
+    assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
+    lr = 1e-4 * 10 ** math.log10(3)
+    assert [s[:2] for s in seen] == [("grpo_kl_matched_s0", "moe2"), ("grpo_kl_matched_s1", "moe2")]
+    assert all(s[2] == pytest.approx(lr, rel=1e-3) and s[3] == "grpo" for s in seen)
+    summary = common.read_jsonl(str(out / "runs" / "grpo_kl_matched_s1.jsonl"))[0]
+    assert summary["lr"] == pytest.approx(lr, rel=1e-3)
+    assert summary["kl_matched"]["target_kl"] == pytest.approx(0.03)
+    # Resuming skips both; the summaries' lr is the matched one, not the setting's.
+    assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 0

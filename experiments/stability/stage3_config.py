@@ -54,6 +54,10 @@ ARMS = (
 # that reference. The report shows each one present.
 DENSE_REFERENCE = "grpo_dense"
 DENSE_ARMS = {DENSE_REFERENCE: "grpo", "gmpo_dense": "gmpo"}  # name -> objective
+# The KL-matched control (README, Stage 3, "The KL-matched GRPO control"), also run on
+# request: GRPO on the MoE at the lr whose first-rollout KL matches the named arm's
+# (`stage3_replay.kl_matched_lr`), read against the arms that prevented the collapse.
+KL_MATCHED = {"grpo_kl_matched": "gmpo"}  # name -> the arm whose first step it matches
 
 # ``scale=gpu``: the replication on an accelerator (README, "GPU replication"): 12
 # layers with 64 experts (``moe12e64``) and its dense twin, bf16 compute, Countdown
@@ -93,7 +97,8 @@ def arm_table(gspo_eps) -> tuple:
     }
     rows = tuple((name, obj, hparams[obj], replay, gamma) for name, obj, replay, gamma in ARMS)
     dense = tuple((name, obj, hparams[obj], "none", None) for name, obj in DENSE_ARMS.items())
-    return rows + dense
+    matched = tuple((name, "grpo", grpo, "none", None) for name in KL_MATCHED)
+    return rows + dense + matched
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

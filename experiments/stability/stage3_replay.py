@@ -284,8 +284,9 @@ def model_arm(sc, name: str) -> str:
     return sc.dense_arm if name in stage3_config.DENSE_ARMS else sc.arm
 
 
-def overrides(sc, name: str) -> dict:
-    """The config overrides of arm ``name`` in the setting."""
+def overrides(sc, name: str, lr: float | None = None) -> dict:
+    """The config overrides of arm ``name`` in the setting (at ``lr``, the setting's by
+    default)."""
     rows = table_rows(sc)
     if name not in rows:
         raise ValueError(f"arm {name!r}: expected one of {sorted(rows)}")
@@ -293,13 +294,135 @@ def overrides(sc, name: str) -> dict:
     o = {
         "objective": (objective, dict(hparams)),
         "model.dtype": sc.dtype,
-        "optimizer.lr": float(sc.lr),
+        "optimizer.lr": float(sc.lr if lr is None else lr),
         "updates.num_minibatches": int(sc.updates),
         "updates.routing_replay": replay,
     }
     if gamma_min is not None:
         o["updates.gamma_min"] = float(gamma_min)
     return o
+
+
+# --------------------------------------------------------------------------
+# The KL-matched GRPO control (README, Stage 3, "The KL-matched GRPO control").
+
+KL_KEY = "ppo_kl_klast"  # KL(pi_old || pi_theta) after a rollout's last update
+
+
+def kl_matched_lr(grid_runs: list[dict], target_runs: list[dict], arm: str = "moe2") -> dict:
+    """The lr at which GRPO's first-rollout KL matches the target arm's: the seed median
+    of ``arm``'s GRPO first-rollout KL at each lr of the stage-2 grid (``grid_runs``),
+    interpolated linearly in log KL against log lr to the seed median of the target's
+    (``target_runs``, stage-3 summaries). Returns ``lr``, ``target_kl`` and the ``grid``
+    (lr -> median KL); refuses a target outside the grid or a grid whose KL does not
+    rise with lr between the two points it interpolates."""
+    by_lr = collections.defaultdict(list)
+    for r in grid_runs:
+        if r.get("variant") == "grpo" and r.get("arm") == arm:
+            v = first_step(r, KL_KEY)
+            if v is not None and v > 0:
+                by_lr[float(r["lr"])].append(v)
+    grid = {lr: float(np.median(v)) for lr, v in sorted(by_lr.items())}
+    target = [first_step(r, KL_KEY) for r in target_runs]
+    target = [v for v in target if v is not None and v > 0]
+    if len(grid) < 2 or not target:
+        raise ValueError(
+            f"KL matching needs {arm} GRPO's first-rollout KL at two or more stage-2 lrs "
+            f"(got {sorted(grid)}) and the target arm's (got {len(target)} runs)"
+        )
+    t = float(np.median(target))
+    lrs = list(grid)
+    for lo, hi in zip(lrs, lrs[1:]):
+        a, b = grid[lo], grid[hi]
+        if min(a, b) <= t <= max(a, b):
+            if not a < b:
+                raise ValueError(f"GRPO's KL falls from lr {lo:g} ({a:.3g}) to {hi:g} ({b:.3g})")
+            w = (math.log(t) - math.log(a)) / (math.log(b) - math.log(a))
+            lr = math.exp(math.log(lo) + w * (math.log(hi) - math.log(lo)))
+            return dict(lr=float(f"{lr:.4g}"), target_kl=t, grid=grid)
+    raise ValueError(
+        f"the target's first-rollout KL {t:.3g} is outside GRPO's on the stage-2 grid "
+        f"({', '.join(f'{lr:g}: {k:.3g}' for lr, k in grid.items())})"
+    )
+
+
+def matched_arm_lr(sc, name: str, out: str, stage2_runs: str = STAGE2_RUNS) -> dict:
+    """`kl_matched_lr` for the KL-matched arm ``name`` from the committed stage-2 runs and
+    the summaries of the arm it matches, which must hold every planned seed."""
+    target = stage3_config.KL_MATCHED[name]
+    runs = [r for r in common.read_records(os.path.join(out, "runs")) if r["arm"] == target]
+    missing = sorted(set(sc.seeds) - {r["seed"] for r in runs})
+    if missing:
+        raise SystemExit(
+            f"{name} matches {target}'s first-rollout KL, and {out}/runs lacks {target}'s "
+            f"seeds {missing}: run `--only-arms {target}` first"
+        )
+    return kl_matched_lr(common.read_records(stage2_runs), runs, sc.arm)
+
+
+def matched_verdict(hits: int, n: int, arm_hits: int, arm_n: int, planned: int) -> tuple:
+    """The KL-matched control's rule for one arm that prevented the collapse: "not the
+    step" if the control collapses more often with one-sided Fisher p < 0.05, "the step
+    can explain it" if it collapses in at most a fifth of its seeds (1 of 5),
+    "inconclusive" otherwise; "preliminary" before every planned seed is in. Returns
+    (p, verdict)."""
+    p, fewer = prevents_collapse(arm_hits, arm_n, hits, n)
+    if min(n, arm_n) < planned:
+        return p, f"preliminary ({min(n, arm_n)} of {planned} seeds)"
+    if fewer:
+        return p, "**not explained by the smaller step**"
+    if hits <= n / 5:
+        return p, "the smaller step can explain it"
+    return p, "inconclusive"
+
+
+def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]) -> str:
+    """Each KL-matched control against each arm that prevented the collapse, with its
+    lr, its first-rollout KL as a ratio to its target's on the same seed, and its
+    final held-out reward."""
+    lines = [
+        "| control | lr | collapsed / seeds | against | its collapses | one-sided Fisher p "
+        "| verdict | first-rollout KL / target's, same seed [range] | final held-out [95% CI] |",
+        "|---|---:|---:|---|---:|---:|---|---|---|",
+    ]
+    grpo = groups.get("grpo", [])
+    grpo_hits = sum(r["collapsed"] for r in grpo)
+    prevented = [
+        a
+        for a, rs in groups.items()
+        if a != "grpo"
+        and a not in stage3_config.DENSE_ARMS
+        and prevents_collapse(sum(r["collapsed"] for r in rs), len(rs), grpo_hits, len(grpo))[1]
+    ]
+    for name, rs in controls.items():
+        target = {
+            r["seed"]: first_step(r, KL_KEY)
+            for r in groups.get(stage3_config.KL_MATCHED.get(name, ""), [])
+        }
+        ratio = [
+            first_step(r, KL_KEY) / target[r["seed"]]
+            for r in rs
+            if first_step(r, KL_KEY) is not None and target.get(r["seed"])
+        ]
+        ratio_txt = f"{np.median(ratio):.3g} [{min(ratio):.3g}, {max(ratio):.3g}]" if ratio else "-"
+        hits, n = sum(r["collapsed"] for r in rs), len(rs)
+        finals = [r["eval_final"] for r in rs if r["eval_final"] is not None]
+        ci = common.fmt_ci(*common.bootstrap_ci(finals)) if finals else "-"
+        lrs = ", ".join(sorted({f"{r['lr']:.3g}" for r in rs}))
+        planned = max(r.get("seeds", 0) for r in rs)
+        for arm in prevented or ["-"]:
+            ars = groups.get(arm, [])
+            a_hits = sum(r["collapsed"] for r in ars)
+            if ars:
+                p, verdict = matched_verdict(hits, n, a_hits, len(ars), planned)
+                p_txt = f"{p:.3g}"
+            else:
+                p_txt, verdict = "-", "- (no arm prevented the collapse)"
+            lines.append(
+                f"| {name} | {lrs} | {hits} / {n} | {arm} | {a_hits} / {len(ars)} | {p_txt} "
+                f"| {verdict} | {ratio_txt} | {ci} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def run_name(name: str, seed: int) -> str:
@@ -323,15 +446,24 @@ def stage_name(sc) -> str:
     return STAGE if sc.scale == "cpu" else f"{STAGE}_{sc.scale}"
 
 
-def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
+def run_all(
+    sc, root: str, out: str, budget: common.Budget, log=print, stage2_runs: str = STAGE2_RUNS
+) -> int:
     """Every (arm, seed) without a summary, seed by seed (a chunk that ends early leaves
-    whole seeds), until the budget expires. Returns the number of runs done."""
+    whole seeds), until the budget expires. Returns the number of runs done. A
+    KL-matched arm runs at the lr `kl_matched_lr` gives from ``stage2_runs`` and the
+    summaries of the arm it matches in ``<out>/runs``."""
     check_setting(sc)
     rows = table_rows(sc)
-    setting = setting_meta(sc)
+    matched = {}  # KL-matched arm -> its lr, fixed from the committed runs on first use
     done = 0
     for seed in sc.seeds:
         for name in sc.arms:
+            setting = setting_meta(sc)
+            if name in stage3_config.KL_MATCHED:
+                if name not in matched:
+                    matched[name] = matched_arm_lr(sc, name, out, stage2_runs)
+                setting = dict(setting, lr=matched[name]["lr"])
             path = os.path.join(out, "runs", run_name(name, seed) + ".jsonl")
             if os.path.exists(path):
                 old = common.read_jsonl(path)[0]
@@ -351,12 +483,14 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 run_name(name, seed),
                 arm,
                 int(seed),
-                overrides(sc, name),
+                overrides(sc, name, setting["lr"]),
                 int(sc.steps),
                 smoke=sc.smoke,
                 task=sc.task,
             )
             _, objective, _, replay, gamma_min = rows[name]
+            if name in matched:
+                setting = dict(setting, kl_matched=matched[name])
             meta = dict(
                 setting,
                 arm=name,
@@ -595,6 +729,10 @@ def report(out: str) -> None:
     if not runs:
         raise SystemExit(f"{out}/runs: no finished runs yet")
     groups = by_arm(runs)
+    # The KL-matched controls stay out of the rule's table, the precursors and the
+    # figures: they have their own section and rule.
+    controls = {a: groups.pop(a) for a in list(groups) if a in stage3_config.KL_MATCHED}
+    runs = [r for rs in groups.values() for r in rs]
     fig_reward_vs_updates(groups, os.path.join(out, "reward_vs_updates.png"))
     fig_precursors(groups, os.path.join(out, "precursors.png"))
     settings = sorted(
@@ -609,7 +747,13 @@ def report(out: str) -> None:
     )
     text = [
         "# Stage 3: replay and the router-aware objectives\n",
-        f"Setting: {setting}. {len(runs)} finished runs.\n",
+        f"Setting: {setting}. {len(runs)} finished runs"
+        + (
+            f", and {sum(map(len, controls.values()))} of the KL-matched control"
+            if controls
+            else ""
+        )
+        + ".\n",
         "## Collapses (README, Stage 3, decision rule)\n",
         "An arm prevents the collapse if its collapse count is below GRPO's with one-sided "
         "Fisher exact p < 0.05. Collapse update: the collapse's RL step × updates per "
@@ -638,6 +782,17 @@ def report(out: str) -> None:
         "objective's form. Descriptive: no decision rule reads this table.\n",
         step_taken_table(groups),
     ]
+    if controls:
+        text += [
+            "## The KL-matched GRPO control (README, Stage 3)\n",
+            "GRPO on the MoE at the lr at which its first-rollout KL matches GMPO's "
+            "(`kl_matched_lr`: stage 2's GRPO grid, seed medians, interpolated in log KL "
+            "against log lr), read against each arm that prevented the collapse: the "
+            "smaller step does not explain an arm's protection if the control collapses "
+            "more often with one-sided Fisher p < 0.05; it can explain it if the control "
+            "collapses in at most 1 of 5 seeds; otherwise inconclusive.\n",
+            matched_table(groups, controls),
+        ]
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(text))
     print(f"stage 3 report: {len(runs)} runs -> {out}")
