@@ -545,7 +545,7 @@ def test_precursor_tables_last_row_drops_collapses_inside_the_baseline_window():
 
 
 # --------------------------------------------------------------------------
-# The KL-matched GRPO control (README, Stage 3).
+# The KL-matched controls (README, Stage 3).
 
 
 def _kl_run(arm, lr, seed, kl, collapse=None, variant=None):
@@ -575,10 +575,12 @@ def test_kl_matched_lr_interpolates_log_kl_against_log_lr():
     assert S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.3)])["lr"] == pytest.approx(
         1e-3 * 10 ** math.log10(3), rel=1e-3
     )
-    with pytest.raises(ValueError, match="outside GRPO's"):
+    with pytest.raises(ValueError, match="outside grpo's"):
         S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 3.0)])
     with pytest.raises(ValueError, match="two or more"):
         S3.kl_matched_lr(grid[:1], target)
+    with pytest.raises(ValueError, match="moe2 gspo's first-rollout KL at two or more"):
+        S3.kl_matched_lr(grid, target, variant="gspo")  # one GSPO point only
     falling = [_kl_run("moe2", 1e-4, 0, 0.2, variant="grpo"), grid[-1]]
     falling[1] = _kl_run("moe2", 1e-2, 0, 0.01, variant="grpo")
     with pytest.raises(ValueError, match="falls"):
@@ -605,19 +607,24 @@ def test_the_kl_matched_control_has_its_own_report_section(tmp_path):
             ("gmpo", None, 0.2),
             ("grpo_r3", 12, 0.3),
             ("grpo_kl_matched", 14 if seed else None, 0.1),  # 4 of 5, half GMPO's step
+            ("gspo_kl_matched", None if seed < 4 else 9, 0.6),  # 1 of 5, twice GRPO's step
         ):
-            r = _kl_run(arm, 8e-4 if arm == "grpo_kl_matched" else 1e-3, seed, kl, cs)
+            lr = {"grpo_kl_matched": 8e-4, "gspo_kl_matched": 4e-4}.get(arm, 1e-3)
+            r = _kl_run(arm, lr, seed, kl, cs)
             r["series"]["reward_mean"] = [0.3] * 30
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
     S3.main(["--report", "--out", str(out)])
     text = (out / "table.md").read_text()
     # The rule's table and the step table do not hold the control.
-    head, control = text.split("## The KL-matched GRPO control")
-    assert "grpo_kl_matched" not in head and "15 finished runs, and 5 of the" in head
+    head, control = text.split("## The KL-matched controls")
+    assert "kl_matched" not in head and "15 finished runs, and 10 of the" in head
     # Only GMPO prevented the collapse (R3 did not), so the control is read against it.
     assert "| grpo_kl_matched | 0.0008 | 4 / 5 | gmpo | 0 / 5 | 0.0238 |" in control
     assert "**not explained by the smaller step** | 0.5 [0.5, 0.5] |" in control
     assert "| grpo_r3 |" not in control
+    # GSPO matched to GRPO is read against GRPO: 1 of 5 against 5 of 5, p = 6/252.
+    assert "| gspo_kl_matched | 0.0004 | 1 / 5 | grpo | 5 / 5 | 0.0238 |" in control
+    assert "**prevents the collapse at a matched step** | 2 [2, 2] |" in control
 
 
 def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
@@ -628,6 +635,7 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
     sc.arms, sc.seeds = ("grpo_kl_matched",), (0, 1)
     s2, out = tmp_path / "s2", tmp_path / "out"
     grid = [_kl_run("moe2", lr, 0, k, variant="grpo") for lr, k in ((1e-4, 0.01), (1e-3, 0.1))]
+    grid += [_kl_run("moe2", lr, 0, k, variant="gspo") for lr, k in ((1e-4, 0.02), (1e-3, 0.2))]
     common.write_jsonl(str(s2 / "runs.jsonl"), grid)
     common.write_jsonl(str(out / "runs" / "gmpo_s0.jsonl"), [_kl_run("gmpo", 1e-3, 0, 0.03)])
     with pytest.raises(SystemExit, match=r"lacks gmpo's seeds \[1\]"):
@@ -657,3 +665,16 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
     assert summary["kl_matched"]["target_kl"] == pytest.approx(0.03)
     # Resuming skips both; the summaries' lr is the matched one, not the setting's.
     assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 0
+    # GSPO matched to GRPO: GSPO at its calibrated range, on GSPO's grid (KL 0.06 lies
+    # log10(3) of the way from 0.02 to 0.2).
+    for seed in (0, 1):
+        common.write_jsonl(
+            str(out / "runs" / f"grpo_s{seed}.jsonl"), [_kl_run("grpo", 1e-3, seed, 0.06)]
+        )
+    sc.arms, seen[:] = ("gspo_kl_matched",), []
+    assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
+    assert all(s[2] == pytest.approx(lr, rel=1e-3) and s[3] == "gspo" for s in seen)
+    assert S3.overrides(sc, "gspo_kl_matched")["objective"] == (
+        "gspo",
+        {"eps_low": 0.004, "eps_high": 0.0053},
+    )

@@ -54,10 +54,15 @@ ARMS = (
 # that reference. The report shows each one present.
 DENSE_REFERENCE = "grpo_dense"
 DENSE_ARMS = {DENSE_REFERENCE: "grpo", "gmpo_dense": "gmpo"}  # name -> objective
-# The KL-matched control (README, Stage 3, "The KL-matched GRPO control"), also run on
-# request: GRPO on the MoE at the lr whose first-rollout KL matches the named arm's
-# (`stage3_replay.kl_matched_lr`), read against the arms that prevented the collapse.
-KL_MATCHED = {"grpo_kl_matched": "gmpo"}  # name -> the arm whose first step it matches
+# The KL-matched controls (README, Stage 3, "The KL-matched GRPO control" and "... GSPO
+# control"), also run on request: an objective on the MoE at the lr whose first-rollout
+# KL matches another arm's (`stage3_replay.kl_matched_lr`, on stage 2's grid of that
+# objective). GRPO matched to GMPO is read against the arms that prevented the collapse;
+# GSPO matched to GRPO against GRPO, by the stage's rule.
+KL_MATCHED = {  # name -> (objective, the arm whose first step it matches)
+    "grpo_kl_matched": ("grpo", "gmpo"),
+    "gspo_kl_matched": ("gspo", "grpo"),
+}
 
 # ``scale=gpu``: the replication on an accelerator (README, "GPU replication"): 12
 # layers with 64 experts (``moe12e64``) and its dense twin, bf16 compute, Countdown
@@ -97,7 +102,9 @@ def arm_table(gspo_eps) -> tuple:
     }
     rows = tuple((name, obj, hparams[obj], replay, gamma) for name, obj, replay, gamma in ARMS)
     dense = tuple((name, obj, hparams[obj], "none", None) for name, obj in DENSE_ARMS.items())
-    matched = tuple((name, "grpo", grpo, "none", None) for name in KL_MATCHED)
+    matched = tuple(
+        (name, obj, hparams[obj], "none", None) for name, (obj, _) in KL_MATCHED.items()
+    )
     return rows + dense + matched
 
 

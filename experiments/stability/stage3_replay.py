@@ -304,21 +304,25 @@ def overrides(sc, name: str, lr: float | None = None) -> dict:
 
 
 # --------------------------------------------------------------------------
-# The KL-matched GRPO control (README, Stage 3, "The KL-matched GRPO control").
+# The KL-matched controls (README, Stage 3, "The KL-matched GRPO control" and "... GSPO
+# control").
 
 KL_KEY = "ppo_kl_klast"  # KL(pi_old || pi_theta) after a rollout's last update
 
 
-def kl_matched_lr(grid_runs: list[dict], target_runs: list[dict], arm: str = "moe2") -> dict:
-    """The lr at which GRPO's first-rollout KL matches the target arm's: the seed median
-    of ``arm``'s GRPO first-rollout KL at each lr of the stage-2 grid (``grid_runs``),
+def kl_matched_lr(
+    grid_runs: list[dict], target_runs: list[dict], arm: str = "moe2", variant: str = "grpo"
+) -> dict:
+    """The lr at which an objective's first-rollout KL matches the target arm's: the seed
+    median of the first-rollout KL of ``arm`` under stage 2's objective ``variant`` at each
+    lr of its grid (``grid_runs``),
     interpolated linearly in log KL against log lr to the seed median of the target's
     (``target_runs``, stage-3 summaries). Returns ``lr``, ``target_kl`` and the ``grid``
     (lr -> median KL); refuses a target outside the grid or a grid whose KL does not
     rise with lr between the two points it interpolates."""
     by_lr = collections.defaultdict(list)
     for r in grid_runs:
-        if r.get("variant") == "grpo" and r.get("arm") == arm:
+        if r.get("variant") == variant and r.get("arm") == arm:
             v = first_step(r, KL_KEY)
             if v is not None and v > 0:
                 by_lr[float(r["lr"])].append(v)
@@ -327,7 +331,7 @@ def kl_matched_lr(grid_runs: list[dict], target_runs: list[dict], arm: str = "mo
     target = [v for v in target if v is not None and v > 0]
     if len(grid) < 2 or not target:
         raise ValueError(
-            f"KL matching needs {arm} GRPO's first-rollout KL at two or more stage-2 lrs "
+            f"KL matching needs {arm} {variant}'s first-rollout KL at two or more stage-2 lrs "
             f"(got {sorted(grid)}) and the target arm's (got {len(target)} runs)"
         )
     t = float(np.median(target))
@@ -336,12 +340,14 @@ def kl_matched_lr(grid_runs: list[dict], target_runs: list[dict], arm: str = "mo
         a, b = grid[lo], grid[hi]
         if min(a, b) <= t <= max(a, b):
             if not a < b:
-                raise ValueError(f"GRPO's KL falls from lr {lo:g} ({a:.3g}) to {hi:g} ({b:.3g})")
+                raise ValueError(
+                    f"{variant}'s KL falls from lr {lo:g} ({a:.3g}) to {hi:g} ({b:.3g})"
+                )
             w = (math.log(t) - math.log(a)) / (math.log(b) - math.log(a))
             lr = math.exp(math.log(lo) + w * (math.log(hi) - math.log(lo)))
             return dict(lr=float(f"{lr:.4g}"), target_kl=t, grid=grid)
     raise ValueError(
-        f"the target's first-rollout KL {t:.3g} is outside GRPO's on the stage-2 grid "
+        f"the target's first-rollout KL {t:.3g} is outside {variant}'s on the stage-2 grid "
         f"({', '.join(f'{lr:g}: {k:.3g}' for lr, k in grid.items())})"
     )
 
@@ -349,7 +355,7 @@ def kl_matched_lr(grid_runs: list[dict], target_runs: list[dict], arm: str = "mo
 def matched_arm_lr(sc, name: str, out: str, stage2_runs: str = STAGE2_RUNS) -> dict:
     """`kl_matched_lr` for the KL-matched arm ``name`` from the committed stage-2 runs and
     the summaries of the arm it matches, which must hold every planned seed."""
-    target = stage3_config.KL_MATCHED[name]
+    objective, target = stage3_config.KL_MATCHED[name]
     runs = [r for r in common.read_records(os.path.join(out, "runs")) if r["arm"] == target]
     missing = sorted(set(sc.seeds) - {r["seed"] for r in runs})
     if missing:
@@ -357,7 +363,7 @@ def matched_arm_lr(sc, name: str, out: str, stage2_runs: str = STAGE2_RUNS) -> d
             f"{name} matches {target}'s first-rollout KL, and {out}/runs lacks {target}'s "
             f"seeds {missing}: run `--only-arms {target}` first"
         )
-    return kl_matched_lr(common.read_records(stage2_runs), runs, sc.arm)
+    return kl_matched_lr(common.read_records(stage2_runs), runs, sc.arm, objective)
 
 
 def matched_verdict(hits: int, n: int, arm_hits: int, arm_n: int, planned: int) -> tuple:
@@ -377,9 +383,10 @@ def matched_verdict(hits: int, n: int, arm_hits: int, arm_n: int, planned: int) 
 
 
 def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]) -> str:
-    """Each KL-matched control against each arm that prevented the collapse, with its
-    lr, its first-rollout KL as a ratio to its target's on the same seed, and its
-    final held-out reward."""
+    """Each KL-matched control with its lr, its first-rollout KL as a ratio to its
+    target's on the same seed, and its final held-out reward, read by its rule (README,
+    Stage 3): GRPO matched to another arm against each arm that prevented the collapse
+    (`matched_verdict`); any other objective against GRPO by the stage's rule."""
     lines = [
         "| control | lr | collapsed / seeds | against | its collapses | one-sided Fisher p "
         "| verdict | first-rollout KL / target's, same seed [range] | final held-out [95% CI] |",
@@ -395,10 +402,8 @@ def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]
         and prevents_collapse(sum(r["collapsed"] for r in rs), len(rs), grpo_hits, len(grpo))[1]
     ]
     for name, rs in controls.items():
-        target = {
-            r["seed"]: first_step(r, KL_KEY)
-            for r in groups.get(stage3_config.KL_MATCHED.get(name, ""), [])
-        }
+        objective, target_arm = stage3_config.KL_MATCHED[name]
+        target = {r["seed"]: first_step(r, KL_KEY) for r in groups.get(target_arm, [])}
         ratio = [
             first_step(r, KL_KEY) / target[r["seed"]]
             for r in rs
@@ -410,14 +415,21 @@ def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]
         ci = common.fmt_ci(*common.bootstrap_ci(finals)) if finals else "-"
         lrs = ", ".join(sorted({f"{r['lr']:.3g}" for r in rs}))
         planned = max(r.get("seeds", 0) for r in rs)
-        for arm in prevented or ["-"]:
+        against = prevented if objective == "grpo" else ["grpo"]
+        for arm in against or ["-"]:
             ars = groups.get(arm, [])
             a_hits = sum(r["collapsed"] for r in ars)
-            if ars:
+            if not ars:
+                p_txt, verdict = "-", "- (no arm prevented the collapse)"
+            elif objective == "grpo":
                 p, verdict = matched_verdict(hits, n, a_hits, len(ars), planned)
                 p_txt = f"{p:.3g}"
             else:
-                p_txt, verdict = "-", "- (no arm prevented the collapse)"
+                p, yes = prevents_collapse(hits, n, a_hits, len(ars))
+                p_txt = f"{p:.3g}"
+                verdict = "**prevents the collapse at a matched step**" if yes else "no"
+                if min(n, len(ars)) < planned:
+                    verdict = f"preliminary ({min(n, len(ars))} of {planned} seeds)"
             lines.append(
                 f"| {name} | {lrs} | {hits} / {n} | {arm} | {a_hits} / {len(ars)} | {p_txt} "
                 f"| {verdict} | {ratio_txt} | {ci} |"
@@ -784,13 +796,15 @@ def report(out: str) -> None:
     ]
     if controls:
         text += [
-            "## The KL-matched GRPO control (README, Stage 3)\n",
-            "GRPO on the MoE at the lr at which its first-rollout KL matches GMPO's "
-            "(`kl_matched_lr`: stage 2's GRPO grid, seed medians, interpolated in log KL "
-            "against log lr), read against each arm that prevented the collapse: the "
-            "smaller step does not explain an arm's protection if the control collapses "
-            "more often with one-sided Fisher p < 0.05; it can explain it if the control "
-            "collapses in at most 1 of 5 seeds; otherwise inconclusive.\n",
+            "## The KL-matched controls (README, Stage 3)\n",
+            "An objective on the MoE at the lr at which its first-rollout KL matches another "
+            "arm's (`kl_matched_lr`: stage 2's grid of the objective, seed medians, "
+            "interpolated in log KL against log lr). GRPO matched to GMPO is read against "
+            "each arm that prevented the collapse: the smaller step does not explain an "
+            "arm's protection if the control collapses more often with one-sided Fisher "
+            "p < 0.05; it can explain it if the control collapses in at most 1 of 5 seeds; "
+            "otherwise inconclusive. GSPO matched to GRPO is read against GRPO by the "
+            "stage's rule (fewer collapses, p < 0.05).\n",
             matched_table(groups, controls),
         ]
     with open(os.path.join(out, "table.md"), "w") as f:
