@@ -39,6 +39,9 @@ from experiments.stability.common import bootstrap_diff_ci  # noqa: E402
 OUT = os.path.join(common.RESULTS, "stage4")
 STAGE = "stage4"
 MISMATCH = ("mismatch_kl", "mismatch_f2", "mismatch_route")
+# The R3 paper's train–inference KL (k3 estimate, as `mismatch_kl`), measured between
+# its training and inference engines without replay: the levels drawn on the figure.
+PAPER_KL = (("R3 paper, MoE (Qwen3-30B-A3B)", 1.535e-3), ("R3 paper, dense (Qwen3-8B)", 6.4e-4))
 
 # --------------------------------------------------------------------------
 # Calibration.
@@ -414,6 +417,9 @@ def figure(cs: dict, path: str) -> None:
                 axes[i][j].plot(steps, y, color=color, lw=1.0, label=f"{arm} ({len(rs)})")
         sigma = next(iter(cs[(u, t)].values()))[0]["sigma"]
         axes[0][j].set_title(f"{u} updates/rollout, target {t:g} (σ {sigma:.3g})", fontsize=8)
+        for name, level in PAPER_KL:
+            style = "--" if "MoE" in name else ":"
+            axes[0][j].axhline(level, color="0.4", ls=style, lw=0.9, label=name)
         for i, key in enumerate(("mismatch_kl", "mismatch_f2")):
             ax = axes[i][j]
             if any(np.any(np.asarray(line.get_ydata()) > 0) for line in ax.get_lines()):
@@ -421,8 +427,12 @@ def figure(cs: dict, path: str) -> None:
             ax.set_ylabel(key, fontsize=8)
             ax.grid(alpha=0.3)
         axes[1][j].set_xlabel("RL step")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Train–inference mismatch per RL step (seed mean; log scale)", fontsize=9)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(
+        "Train–inference mismatch per RL step (seed mean; log scale); grey: the R3 paper's "
+        "KL without replay",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
