@@ -678,3 +678,16 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
         "gspo",
         {"eps_low": 0.004, "eps_high": 0.0053},
     )
+
+
+def test_a_chunk_of_seeds_records_the_planned_seed_count(tmp_path, monkeypatch):
+    """A summary's ``seeds`` is what a verdict needs (the config's seeds), not how many
+    seeds the chunk that wrote it ran: a chunk of ``--only-seeds 0,1`` records 5."""
+    good = tmp_path / "calibration.json"
+    good.write_text(json.dumps({"eps_low": 0.004, "eps_high": 0.0053}))
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
+    ap = common.stage_parser("doc", str(tmp_path), "stage3_config.py", ("arms", "seeds"))
+    args = ap.parse_args(["--config", CFG3 + ":lr=0.001", "--only-seeds", "0,1"])
+    sc = common.stage_config(args, ("arms", "seeds"), known={"arms": S3.table_rows})
+    assert sc.seeds == (0, 1) and sc.planned_seeds == (0, 1, 2, 3, 4)
+    assert S3.setting_meta(sc)["seeds"] == 5

@@ -227,11 +227,14 @@ def stage_parser(doc: str, out: str, config_file: str, only: Sequence[str]):
 
 
 def stage_config(args, only: Sequence[str], known: dict[str, Callable] | None = None):
-    """The stage config of ``--config`` with each ``--only-<field>`` applied. A value
-    the config does not list (``known[field](config)``; by default ``config.<field>``)
-    is an error that names the flag and the values it accepts."""
+    """The stage config of ``--config`` with each ``--only-<field>`` applied, and the
+    config's own seeds kept as ``planned_seeds``. A value the config does not list
+    (``known[field](config)``; by default ``config.<field>``) is an error that names the
+    flag and the values it accepts."""
     path, _, arg = args.config.partition(":")
     sc = load_stage_config(path, arg or None)
+    if "seeds" in sc:  # what a verdict needs, whatever seeds this chunk runs
+        sc.planned_seeds = tuple(sc.seeds)
     for field in only:
         given = getattr(args, "only_" + field)
         if not given:

@@ -448,7 +448,7 @@ def setting_meta(sc) -> dict:
         setting=f"{sc.arm}/{sc.dense_arm}",
         task=sc.task,
         dtype=sc.dtype,
-        seeds=len(sc.seeds),  # planned: a verdict needs every one
+        seeds=len(sc.get("planned_seeds", sc.seeds)),  # planned: a verdict needs every one
     )
 
 
@@ -761,7 +761,7 @@ def report(out: str) -> None:
         "# Stage 3: replay and the router-aware objectives\n",
         f"Setting: {setting}. {len(runs)} finished runs"
         + (
-            f", and {sum(map(len, controls.values()))} of the KL-matched control"
+            f", and {sum(map(len, controls.values()))} of the KL-matched controls"
             if controls
             else ""
         )
