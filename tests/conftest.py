@@ -18,7 +18,10 @@
   compiler produced for the same program.
 * ``compile_counts``: the compilations during a test, from JAX's own monitoring
   events.
+* ``fake_stage_runs``: the stability study's RL runs replaced by a record of their
+  arguments, for tests of what a stage script runs.
 """
+
 import collections
 import os
 import tempfile
@@ -28,7 +31,9 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false",
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gspo_jax_tests_xla_cache"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gspo_jax_tests_xla_cache")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
@@ -64,3 +69,27 @@ def compile_counts():
         yield counts
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture
+def fake_stage_runs(monkeypatch):
+    """The stability study's RL runs replaced (``experiments/stability/common.run_rl``
+    and ``summarize_run``): each run's arguments are recorded in the returned list, as
+    a dict, and its summary is that of a run that did not collapse (held-out 0.2 →
+    0.3). For tests of what a stage script runs, not of the runs."""
+    from experiments.stability import common
+
+    calls = []
+
+    def run_rl(root, stage, name, arm, seed, overrides, steps, *, smoke=False, task="small"):
+        calls.append(
+            dict(stage=stage, name=name, arm=arm, seed=seed, overrides=overrides, task=task)
+        )
+        return name
+
+    def summarize_run(workdir, meta):
+        return dict(meta, collapsed=False, collapse_step=None, eval_start=0.2, eval_final=0.3)
+
+    monkeypatch.setattr(common, "run_rl", run_rl)
+    monkeypatch.setattr(common, "summarize_run", summarize_run)
+    return calls

@@ -627,7 +627,7 @@ def test_the_kl_matched_control_has_its_own_report_section(tmp_path):
     assert "**prevents the collapse at a matched step** | 2 [2, 2] |" in control
 
 
-def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
+def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch, fake_stage_runs):
     good = tmp_path / "calibration.json"
     good.write_text(json.dumps({"eps_low": 0.004, "eps_high": 0.0053}))
     monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
@@ -641,25 +641,16 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"lacks gmpo's seeds \[1\]"):
         S3.run_all(sc, str(tmp_path / "r"), str(out), common.Budget(None), stage2_runs=str(s2))
     common.write_jsonl(str(out / "runs" / "gmpo_s1.jsonl"), [_kl_run("gmpo", 1e-3, 1, 0.03)])
-    seen = []
-
-    def fake_run_rl(root, stage, name, arm, seed, overrides, steps, **kw):
-        seen.append((name, arm, overrides["optimizer.lr"], overrides["objective"][0]))
-        return name
-
-    monkeypatch.setattr(common, "run_rl", fake_run_rl)
-    monkeypatch.setattr(
-        common,
-        "summarize_run",
-        lambda wd, meta: dict(
-            meta, collapsed=False, collapse_step=None, eval_start=0.2, eval_final=0.2
-        ),
-    )
     log = []
     assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
     lr = 1e-4 * 10 ** math.log10(3)
-    assert [s[:2] for s in seen] == [("grpo_kl_matched_s0", "moe2"), ("grpo_kl_matched_s1", "moe2")]
-    assert all(s[2] == pytest.approx(lr, rel=1e-3) and s[3] == "grpo" for s in seen)
+    seen = fake_stage_runs
+    assert [(c["name"], c["arm"]) for c in seen] == [
+        ("grpo_kl_matched_s0", "moe2"),
+        ("grpo_kl_matched_s1", "moe2"),
+    ]
+    assert all(c["overrides"]["optimizer.lr"] == pytest.approx(lr, rel=1e-3) for c in seen)
+    assert {c["overrides"]["objective"][0] for c in seen} == {"grpo"}
     summary = common.read_jsonl(str(out / "runs" / "grpo_kl_matched_s1.jsonl"))[0]
     assert summary["lr"] == pytest.approx(lr, rel=1e-3)
     assert summary["kl_matched"]["target_kl"] == pytest.approx(0.03)
@@ -673,7 +664,8 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch):
         )
     sc.arms, seen[:] = ("gspo_kl_matched",), []
     assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
-    assert all(s[2] == pytest.approx(lr, rel=1e-3) and s[3] == "gspo" for s in seen)
+    assert all(c["overrides"]["optimizer.lr"] == pytest.approx(lr, rel=1e-3) for c in seen)
+    assert {c["overrides"]["objective"][0] for c in seen} == {"gspo"}
     assert S3.overrides(sc, "gspo_kl_matched")["objective"] == (
         "gspo",
         {"eps_low": 0.004, "eps_high": 0.0053},

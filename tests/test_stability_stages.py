@@ -381,7 +381,9 @@ def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
     assert c.lrs == (3e-4, 1e-3) and c.gspo_eps == (0.01, 0.0133)
 
 
-def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_path, monkeypatch):
+def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(
+    tmp_path, monkeypatch, fake_stage_runs
+):
     from experiments.stability import stage2_config, stage2_frontier
 
     plan = tmp_path / "plan.json"
@@ -405,34 +407,23 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_pa
 
     # The search's runs go to their own folders under --root and results/, with their
     # updates per rollout in each summary.
-    calls = []
-
-    def fake_run_rl(root, stage, name, arm, seed, overrides, steps, smoke=False, task="small"):
-        calls.append((stage, name, overrides["updates.num_minibatches"], task))
-        return str(tmp_path / "never")
-
-    monkeypatch.setattr(common, "run_rl", fake_run_rl)
-    monkeypatch.setattr(
-        common,
-        "summarize_run",
-        lambda wd, meta: dict(
-            meta, collapsed=False, collapse_step=None, eval_start=0.2, eval_final=0.3
-        ),
-    )
+    calls = fake_stage_runs
     monkeypatch.setattr(common, "RESULTS", str(tmp_path / "results"))
     cfg = os.path.join(REPO, "experiments", "stability", "stage2_config.py")
     stage2_frontier.main(["--root", str(tmp_path), "--config", cfg + ":search=updates32"])
     n = 2 * len(common.load_stage_config(cfg, "search=updates32").lrs) * 3
     assert len(calls) == n  # arms × lrs × seeds, GRPO only (the file loads the real plan)
-    assert {c[0] for c in calls} == {"stage2_search/updates32"} and {c[2] for c in calls} == {32}
+    assert {c["stage"] for c in calls} == {"stage2_search/updates32"}
+    assert {c["overrides"]["updates.num_minibatches"] for c in calls} == {32}
     runs = common.read_records(str(tmp_path / "results" / "stage2_search" / "updates32" / "runs"))
     assert len(runs) == n and {r["updates"] for r in runs} == {32}
-    assert {c[3] for c in calls} == {"small"} and {r["task"] for r in runs} == {"small"}
+    assert {c["task"] for c in calls} == {"small"} and {r["task"] for r in runs} == {"small"}
     calls.clear()
     stage2_frontier.main(
         ["--root", str(tmp_path), "--config", cfg + ":search=hard", "--only-seeds", "0"]
     )
-    assert {c[0] for c in calls} == {"stage2_search/hard"} and {c[3] for c in calls} == {"hard"}
+    assert {c["stage"] for c in calls} == {"stage2_search/hard"}
+    assert {c["task"] for c in calls} == {"hard"}
 
     # search=moe2k1's dense twin is stage 2's dense2: a run stage 2 made with the same
     # lr, seed, updates and task is reused (its summary predates `updates` and `task`),
@@ -448,7 +439,7 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(tmp_pa
         ["--root", str(tmp_path), "--config", cfg + ":search=moe2k1", "--only-lrs", f"{lr:g}"]
         + ["--only-seeds", "0,1"]
     )
-    assert sorted(c[1] for c in calls) == [
+    assert sorted(c["name"] for c in calls) == [
         f"dense2_grpo_lr{lr:g}_s1",
         f"moe2k1_grpo_lr{lr:g}_s0",
         f"moe2k1_grpo_lr{lr:g}_s1",
