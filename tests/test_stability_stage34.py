@@ -625,6 +625,7 @@ def test_the_kl_matched_control_has_its_own_report_section(tmp_path):
     # GSPO matched to GRPO is read against GRPO: 1 of 5 against 5 of 5, p = 6/252.
     assert "| gspo_kl_matched | 0.0004 | 1 / 5 | grpo | 5 / 5 | 0.0238 |" in control
     assert "**prevents the collapse at a matched step** | 2 [2, 2] |" in control
+    assert (out / "kl_matched.png").stat().st_size > 0
 
 
 def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch, fake_stage_runs):

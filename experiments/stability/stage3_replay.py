@@ -608,7 +608,7 @@ def _plt():
     return plt
 
 
-def fig_reward_vs_updates(groups: dict[str, list[dict]], path: str) -> None:
+def fig_reward_vs_updates(groups: dict[str, list[dict]], path: str, title: str = "") -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (arm, rs) in enumerate(groups.items()):
@@ -618,14 +618,17 @@ def fig_reward_vs_updates(groups: dict[str, list[dict]], path: str) -> None:
             continue
         stats = np.asarray([common.bootstrap_ci([c[s] for c in curves if s in c]) for s in steps])
         x = np.asarray(steps) * rs[0]["updates"]
-        ls = "--" if arm in stage3_config.DENSE_ARMS else "-"
+        other = arm in stage3_config.DENSE_ARMS or arm in stage3_config.KL_MATCHED
+        ls = "--" if other else "-"
         ax.plot(x, stats[:, 0], ls, marker="o", ms=3, color=f"C{i}", label=f"{arm} ({len(rs)})")
         ax.fill_between(x, stats[:, 1], stats[:, 2], color=f"C{i}", alpha=0.15)
     ax.set_xlabel("optimizer updates (RL step × updates per rollout)")
     ax.set_ylabel("held-out reward")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title("Held-out reward: seed mean, band: 95% bootstrap interval (seeds)", fontsize=9)
+    ax.set_title(
+        title + "Held-out reward: seed mean, band: 95% bootstrap interval (seeds)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -795,6 +798,15 @@ def report(out: str) -> None:
         step_taken_table(groups),
     ]
     if controls:
+        # Each control beside the arms it is read against or matched to.
+        near = {"grpo"} | {t for _, t in stage3_config.KL_MATCHED.values()}
+        near |= {o for o, _ in stage3_config.KL_MATCHED.values() if o in groups}
+        beside = {a: rs for a, rs in groups.items() if a in near}
+        fig_reward_vs_updates(
+            {**beside, **controls},
+            os.path.join(out, "kl_matched.png"),
+            title="KL-matched controls (dashed). ",
+        )
         text += [
             "## The KL-matched controls (README, Stage 3)\n",
             "An objective on the MoE at the lr at which its first-rollout KL matches another "
@@ -804,7 +816,7 @@ def report(out: str) -> None:
             "arm's protection if the control collapses more often with one-sided Fisher "
             "p < 0.05; it can explain it if the control collapses in at most 1 of 5 seeds; "
             "otherwise inconclusive. GSPO matched to GRPO is read against GRPO by the "
-            "stage's rule (fewer collapses, p < 0.05).\n",
+            "stage's rule (fewer collapses, p < 0.05). Figure: `kl_matched.png`.\n",
             matched_table(groups, controls),
         ]
     with open(os.path.join(out, "table.md"), "w") as f:
