@@ -83,7 +83,15 @@ def fake_stage_runs(monkeypatch):
 
     def run_rl(root, stage, name, arm, seed, overrides, steps, *, smoke=False, task="small"):
         calls.append(
-            dict(stage=stage, name=name, arm=arm, seed=seed, overrides=overrides, task=task)
+            dict(
+                stage=stage,
+                name=name,
+                arm=arm,
+                seed=seed,
+                overrides=overrides,
+                steps=steps,
+                task=task,
+            )
         )
         return name
 

@@ -484,6 +484,14 @@ def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     for name in ("reward_vs_updates.png", "precursors.png", "table.md"):
         assert (out / name).exists(), name
     assert "| grpo_r3 | 0 / 1 | 1 | no |" in (out / "table.md").read_text()
+    # The one-step lr grid of a KL-matched control: one RL step per lr.
+    S3.main(
+        ["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"]
+        + ["--kl-grid", "sapo"]
+    )
+    grid = common.read_records(str(out / S3.KL_GRID))
+    assert len(grid) == len(stage3_config.KL_GRID_LRS)
+    assert all(r["steps"] == [1] and S3.first_step(r, S3.KL_KEY) is not None for r in grid)
 
 
 @pytest.mark.slow
@@ -684,3 +692,49 @@ def test_a_chunk_of_seeds_records_the_planned_seed_count(tmp_path, monkeypatch):
     sc = common.stage_config(args, ("arms", "seeds"), known={"arms": S3.table_rows})
     assert sc.seeds == (0, 1) and sc.planned_seeds == (0, 1, 2, 3, 4)
     assert S3.setting_meta(sc)["seeds"] == 5
+
+
+def test_the_one_step_kl_grid_feeds_the_sapo_control(tmp_path, monkeypatch, fake_stage_runs):
+    """``--kl-grid sapo``: one RL step of SAPO at each grid lr and seed, summaries as
+    stage 2's (model as ``arm``, objective as ``variant``); the SAPO control then
+    interpolates on them."""
+    good = tmp_path / "calibration.json"
+    good.write_text(json.dumps({"eps_low": 0.004, "eps_high": 0.0053}))
+    monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
+    out = tmp_path / "out"
+    cfg = CFG3 + ":lr=0.001"
+    S3.main(
+        ["--root", str(tmp_path / "r"), "--out", str(out), "--config", cfg]
+        + ["--kl-grid", "sapo", "--only-seeds", "0,1"]
+    )
+    calls = fake_stage_runs
+    grid = [(lr, seed) for seed in (0, 1) for lr in stage3_config.KL_GRID_LRS]
+    assert [(c["overrides"]["optimizer.lr"], c["seed"]) for c in calls] == grid
+    assert {c["steps"] for c in calls} == {1} and {c["arm"] for c in calls} == {"moe2"}
+    assert {c["overrides"]["objective"][0] for c in calls} == {"sapo"}
+    assert {c["stage"] for c in calls} == {"stage3_kl_grid"}
+    runs = common.read_records(str(out / S3.KL_GRID))
+    assert sorted((r["variant"], r["arm"], r["lr"], r["seed"]) for r in runs) == sorted(
+        ("sapo", "moe2", lr, seed) for lr, seed in grid
+    )
+    # Resuming skips them; an objective no stage-3 arm has is refused by name.
+    S3.main(
+        ["--root", str(tmp_path / "r"), "--out", str(out), "--config", cfg]
+        + ["--kl-grid", "sapo", "--only-seeds", "0,1"]
+    )
+    assert len(calls) == len(grid)
+    with pytest.raises(SystemExit, match="'ppo'"):
+        S3.main(["--out", str(out), "--config", cfg, "--kl-grid", "ppo"])
+    # The control reads the grid (KL 0.01, 0.1, 1 at the three lrs) beside stage 2's.
+    for r in runs:
+        k = {1e-4: 0.01, 3e-4: 0.1, 1e-3: 1.0}[r["lr"]]
+        r["series"] = {"ppo_kl_klast": [k]}
+        r["steps"] = [1]
+        common.write_jsonl(str(out / S3.KL_GRID / f"sapo_lr{r['lr']:g}_s{r['seed']}.jsonl"), [r])
+    for seed in range(5):
+        common.write_jsonl(
+            str(out / "runs" / f"grpo_s{seed}.jsonl"), [_kl_run("grpo", 1e-3, seed, 0.1)]
+        )
+    sc = stage3_config.get_config("lr=0.001")
+    m = S3.matched_arm_lr(sc, "sapo_kl_matched", str(out), str(tmp_path / "no_stage2"))
+    assert m["lr"] == pytest.approx(3e-4) and m["grid"] == {1e-4: 0.01, 3e-4: 0.1, 1e-3: 1.0}

@@ -62,7 +62,12 @@ DENSE_ARMS = {DENSE_REFERENCE: "grpo", "gmpo_dense": "gmpo"}  # name -> objectiv
 KL_MATCHED = {  # name -> (objective, the arm whose first step it matches)
     "grpo_kl_matched": ("grpo", "gmpo"),
     "gspo_kl_matched": ("gspo", "grpo"),
+    "sapo_kl_matched": ("sapo", "grpo"),
 }
+# The one-step lr grid of an objective stage 2 did not run (README, "The KL-matched SAPO
+# control"): its first rollout's updates at these lrs and seeds (`--kl-grid`).
+KL_GRID_LRS = (1e-4, 3e-4, 1e-3)
+KL_GRID_SEEDS = (0, 1, 2)
 
 # ``scale=gpu``: the replication on an accelerator (README, "GPU replication"): 12
 # layers with 64 experts (``moe12e64``) and its dense twin, bf16 compute, Countdown

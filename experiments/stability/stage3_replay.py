@@ -352,9 +352,58 @@ def kl_matched_lr(
     )
 
 
+KL_GRID = "kl_grid"  # <out>/kl_grid: the one-step lr grids `run_kl_grid` makes
+
+
+def grid_name(objective: str, lr: float, seed: int) -> str:
+    return f"{objective}_lr{lr:g}_s{seed}"
+
+
+def run_kl_grid(sc, objective: str, root: str, out: str, budget: common.Budget, log=print) -> int:
+    """The one-step lr grid of ``objective`` (README, "The KL-matched SAPO control"): one
+    RL step, the first rollout's updates, at each of `stage3_config.KL_GRID_LRS` and
+    seeds (those of ``sc.seeds`` among `stage3_config.KL_GRID_SEEDS`), from the setting's
+    MoE warm starts, with the objective's stage-3 hyperparameters. Each summary (as
+    stage 2's: ``arm`` the model, ``variant`` the objective) goes to
+    ``<out>/kl_grid/<objective>_lr<lr>_s<seed>.jsonl``; one with a summary is skipped.
+    Returns the number of runs done."""
+    check_setting(sc)
+    arms = [row[0] for row in sc.table if row[1] == objective and row[3] == "none"]
+    if not arms:
+        raise SystemExit(f"--kl-grid {objective!r}: no stage-3 arm has that objective")
+    done = 0
+    for seed in [s for s in stage3_config.KL_GRID_SEEDS if s in sc.seeds]:
+        for lr in stage3_config.KL_GRID_LRS:
+            name = grid_name(objective, lr, seed)
+            path = os.path.join(out, KL_GRID, name + ".jsonl")
+            if os.path.exists(path):
+                continue
+            if budget.expired():
+                return done
+            wd = common.run_rl(
+                root,
+                stage_name(sc) + "_" + KL_GRID,
+                name,
+                sc.arm,
+                int(seed),
+                overrides(sc, arms[0], lr),
+                1,
+                smoke=sc.smoke,
+                task=sc.task,
+            )
+            meta = dict(arm=sc.arm, variant=objective, lr=float(lr), seed=int(seed))
+            meta.update(updates=int(sc.updates), task=sc.task, dtype=sc.dtype)
+            summary = common.summarize_run(wd, meta)
+            common.write_jsonl(path, [summary])
+            log(f"{name}: first-rollout KL {first_step(summary, KL_KEY)}")
+            done += 1
+    return done
+
+
 def matched_arm_lr(sc, name: str, out: str, stage2_runs: str = STAGE2_RUNS) -> dict:
-    """`kl_matched_lr` for the KL-matched arm ``name`` from the committed stage-2 runs and
-    the summaries of the arm it matches, which must hold every planned seed."""
+    """`kl_matched_lr` for the KL-matched arm ``name`` from the committed stage-2 runs
+    and one-step grids (``<out>/kl_grid``) and the summaries of the arm it matches,
+    which must hold every planned seed."""
     objective, target = stage3_config.KL_MATCHED[name]
     runs = [r for r in common.read_records(os.path.join(out, "runs")) if r["arm"] == target]
     missing = sorted(set(sc.seeds) - {r["seed"] for r in runs})
@@ -363,7 +412,8 @@ def matched_arm_lr(sc, name: str, out: str, stage2_runs: str = STAGE2_RUNS) -> d
             f"{name} matches {target}'s first-rollout KL, and {out}/runs lacks {target}'s "
             f"seeds {missing}: run `--only-arms {target}` first"
         )
-    return kl_matched_lr(common.read_records(stage2_runs), runs, sc.arm, objective)
+    grid = common.read_records(stage2_runs) + common.read_records(os.path.join(out, KL_GRID))
+    return kl_matched_lr(grid, runs, sc.arm, objective)
 
 
 def matched_verdict(hits: int, n: int, arm_hits: int, arm_n: int, planned: int) -> tuple:
@@ -703,8 +753,8 @@ def fig_precursors(groups: dict[str, list[dict]], path: str) -> None:
 def first_step(run: dict, key: str) -> float | None:
     """A series' value at RL step 1: after the first rollout's updates, which every arm
     of a seed takes from the same warm start on the same rollout batch."""
-    values = run["series"].get(key)
-    if not values or 1 not in run["steps"]:
+    values = run.get("series", {}).get(key)
+    if not values or 1 not in run.get("steps", ()):
         return None
     v = values[run["steps"].index(1)]
     return float(v) if _finite(v) else None
@@ -826,13 +876,23 @@ def report(out: str) -> None:
 
 def main(argv=None) -> None:
     only = ("arms", "seeds")
-    args = common.stage_parser(__doc__, OUT, "stage3_config.py", only).parse_args(argv)
+    ap = common.stage_parser(__doc__, OUT, "stage3_config.py", only)
+    ap.add_argument(
+        "--kl-grid",
+        metavar="OBJECTIVE",
+        help="run OBJECTIVE's one-step lr grid for a KL-matched control, not the arms",
+    )
+    args = ap.parse_args(argv)
     if args.report:  # the report reads --out alone: the config needs stage 2's choice
         report(args.out)
         return
     sc = common.stage_config(args, only, known={"arms": table_rows})
     if sc.scale != "cpu" and args.out == OUT:
         args.out = os.path.join(common.RESULTS, stage_name(sc))
+    if args.kl_grid:
+        n = run_kl_grid(sc, args.kl_grid, args.root, args.out, common.Budget(args.max_minutes))
+        print(f"stage 3: {n} one-step {args.kl_grid} runs finished into {args.out}/{KL_GRID}")
+        return
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
     print(f"stage 3: {n} runs finished into {args.out}")
 
