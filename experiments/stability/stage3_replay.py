@@ -865,7 +865,7 @@ def report(out: str) -> None:
             "each arm that prevented the collapse: the smaller step does not explain an "
             "arm's protection if the control collapses more often with one-sided Fisher "
             "p < 0.05; it can explain it if the control collapses in at most 1 of 5 seeds; "
-            "otherwise inconclusive. GSPO matched to GRPO is read against GRPO by the "
+            "otherwise inconclusive. GSPO and SAPO matched to GRPO are read against GRPO by the "
             "stage's rule (fewer collapses, p < 0.05). Figure: `kl_matched.png`.\n",
             matched_table(groups, controls),
         ]
