@@ -76,7 +76,7 @@ def fake_stage_runs(monkeypatch):
     """The stability study's RL runs replaced (``experiments/stability/common.run_rl``
     and ``summarize_run``): each run's arguments are recorded in the returned list, as
     a dict, and its summary is that of a run that did not collapse (held-out 0.2 →
-    0.3). For tests of what a stage script runs, not of the runs."""
+    0.3) and logged no step. For tests of what a stage script runs, not of the runs."""
     from experiments.stability import common
 
     calls = []
@@ -96,7 +96,15 @@ def fake_stage_runs(monkeypatch):
         return name
 
     def summarize_run(workdir, meta):
-        return dict(meta, collapsed=False, collapse_step=None, eval_start=0.2, eval_final=0.3)
+        return dict(
+            meta,
+            steps=[],
+            series={},
+            collapsed=False,
+            collapse_step=None,
+            eval_start=0.2,
+            eval_final=0.3,
+        )
 
     monkeypatch.setattr(common, "run_rl", run_rl)
     monkeypatch.setattr(common, "summarize_run", summarize_run)

@@ -596,7 +596,7 @@ def test_kl_matched_lr_interpolates_log_kl_against_log_lr():
 
 
 def test_matched_verdict_follows_the_readme_rule():
-    # 4 of 5 against 0 of 5: p = 5/252 + 1/252... the stage's test, 0.0238 < 0.05.
+    # 0 of 5 (the arm) against 4 of 5 (the control): p = 6/252 = 0.0238 < 0.05.
     p, v = S3.matched_verdict(4, 5, 0, 5, 5)
     assert p == pytest.approx(6 / 252) and v == "**not explained by the smaller step**"
     assert S3.matched_verdict(5, 5, 0, 5, 5)[1] == "**not explained by the smaller step**"
@@ -692,6 +692,14 @@ def test_a_chunk_of_seeds_records_the_planned_seed_count(tmp_path, monkeypatch):
     sc = common.stage_config(args, ("arms", "seeds"), known={"arms": S3.table_rows})
     assert sc.seeds == (0, 1) and sc.planned_seeds == (0, 1, 2, 3, 4)
     assert S3.setting_meta(sc)["seeds"] == 5
+    # A KL-matched control needs every planned seed of the arm it matches, not the chunk's.
+    out = tmp_path / "out"
+    for seed in (0, 1):
+        common.write_jsonl(
+            str(out / "runs" / f"gmpo_s{seed}.jsonl"), [_kl_run("gmpo", 1e-3, seed, 0.1)]
+        )
+    with pytest.raises(SystemExit, match=r"lacks gmpo's seeds \[2, 3, 4\]"):
+        S3.matched_arm_lr(sc, "grpo_kl_matched", str(out))
 
 
 def test_the_one_step_kl_grid_feeds_the_sapo_control(tmp_path, monkeypatch, fake_stage_runs):

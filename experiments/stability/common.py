@@ -226,6 +226,12 @@ def stage_parser(doc: str, out: str, config_file: str, only: Sequence[str]):
     return ap
 
 
+def planned_seeds(sc) -> tuple:
+    """The seeds a verdict needs: the config's own, whatever ``--only-seeds`` a chunk
+    or a report was given (`stage_config` keeps them as ``planned_seeds``)."""
+    return tuple(sc.get("planned_seeds", sc.seeds))
+
+
 def stage_config(args, only: Sequence[str], known: dict[str, Callable] | None = None):
     """The stage config of ``--config`` with each ``--only-<field>`` applied, and the
     config's own seeds kept as ``planned_seeds``. A value the config does not list
@@ -233,8 +239,7 @@ def stage_config(args, only: Sequence[str], known: dict[str, Callable] | None = 
     flag and the values it accepts."""
     path, _, arg = args.config.partition(":")
     sc = load_stage_config(path, arg or None)
-    if "seeds" in sc:  # what a verdict needs, whatever seeds this chunk runs
-        sc.planned_seeds = tuple(sc.seeds)
+    sc.planned_seeds = planned_seeds(sc)
     for field in only:
         given = getattr(args, "only_" + field)
         if not given:

@@ -435,11 +435,15 @@ def decisions(idx: Index, calib, sc) -> str:
             continue
         d, lo, hi, cells = got
         n = min(idx.num_seeds(moe), idx.num_seeds(dense))
-        full = n >= len(sc.seeds)
+        full = n >= len(common.planned_seeds(sc))
         out.append(
             f"- L = {depth}: D = F2({moe}) − F2({dense}) = {d:+.4f} [{lo:+.4f}, {hi:+.4f}] "
             f"over {cells} shared (objective, KL bin) cells"
-            + ("." if full else f"; preliminary: {n} of {len(sc.seeds)} seeds, no verdict.")
+            + (
+                "."
+                if full
+                else f"; preliminary: {n} of {len(common.planned_seeds(sc))} seeds, no verdict."
+            )
         )
         verdicts.append((1 if lo > 0 else -1 if hi < 0 else 0) if full else None)
     if None in verdicts:
@@ -467,10 +471,10 @@ def decisions(idx: Index, calib, sc) -> str:
     out.append("| lr | " + " | ".join(f"{a} flips after {kmax} (GRPO)" for a in arms) + " |")
     out.append("|---|" + "---|" * len(arms))
     out.extend(rows)
-    complete = all(idx.num_seeds(a) >= len(sc.seeds) for a in MOE_ARMS)
+    complete = all(idx.num_seeds(a) >= len(common.planned_seeds(sc)) for a in MOE_ARMS)
     if not complete:
         seen = ", ".join(f"{a}: {idx.num_seeds(a)}" for a in MOE_ARMS)
-        answer = f"undecided: the rule needs {len(sc.seeds)} seeds of every depth (have {seen})"
+        answer = f"undecided: the rule needs {len(common.planned_seeds(sc))} seeds of every depth (have {seen})"
     elif {"moe2", "moe8"} <= set(arms) and 1e-3 in idx.lrs:
         a = _ci(idx.per_seed("moe2", "grpo", 1e-3, kmax, "flip_frac"))
         b = _ci(idx.per_seed("moe8", "grpo", 1e-3, kmax, "flip_frac"))

@@ -187,7 +187,7 @@ def decide(fr: dict, sc) -> list[str]:
             f"{common.fmt_ci(*dense['critical'], '.3g')}"
         )
         runs = sum(len(f) for d in (moe, dense) for f in d["flags"].values())
-        full = 2 * len(sc.lrs) * len(sc.seeds)
+        full = 2 * len(sc.lrs) * len(common.planned_seeds(sc))
         if runs < full:
             lines.append(f"- {v}: preliminary, {runs} of {full} runs: {numbers}.")
             continue
@@ -207,7 +207,7 @@ def setting(runs: list[dict], sc) -> list[str]:
 
     moe_arm, dense_arm = sc.arms
     verdict, lr, status = stage3_replay.setting_verdict(
-        runs, sc.lrs, len(sc.seeds), moe_arm, dense_arm
+        runs, sc.lrs, len(common.planned_seeds(sc)), moe_arm, dense_arm
     )
     lines = [f"- lr {x:g}: {st}" for x, st in status.items()]
     if verdict == "found":

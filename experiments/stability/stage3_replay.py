@@ -67,6 +67,17 @@ def prevents_collapse(arm_hits, arm_n, grpo_hits, grpo_n, alpha: float = 0.05):
     return p, bool(arm_hits < grpo_hits and p < alpha)
 
 
+def collapses(runs: list[dict]) -> int:
+    return sum(bool(r["collapsed"]) for r in runs)
+
+
+def preliminary(n_a: int, n_b: int, planned: int) -> str | None:
+    """The mark of a comparison of ``n_a`` against ``n_b`` seeds while fewer than the
+    ``planned`` are in (no verdict then); None once both have every seed."""
+    n = min(n_a, n_b)
+    return f"preliminary ({n} of {planned} seeds)" if n < planned else None
+
+
 # --------------------------------------------------------------------------
 # Precursors (README, "Decision rule"; thresholds fixed before the runs).
 
@@ -331,7 +342,7 @@ def kl_matched_lr(
     target = [v for v in target if v is not None and v > 0]
     if len(grid) < 2 or not target:
         raise ValueError(
-            f"KL matching needs {arm} {variant}'s first-rollout KL at two or more stage-2 lrs "
+            f"KL matching needs {arm} {variant}'s first-rollout KL at two or more grid lrs "
             f"(got {sorted(grid)}) and the target arm's (got {len(target)} runs)"
         )
     t = float(np.median(target))
@@ -347,7 +358,7 @@ def kl_matched_lr(
             lr = math.exp(math.log(lo) + w * (math.log(hi) - math.log(lo)))
             return dict(lr=float(f"{lr:.4g}"), target_kl=t, grid=grid)
     raise ValueError(
-        f"the target's first-rollout KL {t:.3g} is outside {variant}'s on the stage-2 grid "
+        f"the target's first-rollout KL {t:.3g} is outside {variant}'s on its lr grid "
         f"({', '.join(f'{lr:g}: {k:.3g}' for lr, k in grid.items())})"
     )
 
@@ -391,8 +402,15 @@ def run_kl_grid(sc, objective: str, root: str, out: str, budget: common.Budget, 
                 smoke=sc.smoke,
                 task=sc.task,
             )
-            meta = dict(arm=sc.arm, variant=objective, lr=float(lr), seed=int(seed))
-            meta.update(updates=int(sc.updates), task=sc.task, dtype=sc.dtype)
+            meta = dict(
+                arm=sc.arm,
+                variant=objective,
+                lr=float(lr),
+                seed=int(seed),
+                updates=int(sc.updates),
+                task=sc.task,
+                dtype=sc.dtype,
+            )
             summary = common.summarize_run(wd, meta)
             common.write_jsonl(path, [summary])
             log(f"{name}: first-rollout KL {first_step(summary, KL_KEY)}")
@@ -406,7 +424,7 @@ def matched_arm_lr(sc, name: str, out: str, stage2_runs: str = STAGE2_RUNS) -> d
     which must hold every planned seed."""
     objective, target = stage3_config.KL_MATCHED[name]
     runs = [r for r in common.read_records(os.path.join(out, "runs")) if r["arm"] == target]
-    missing = sorted(set(sc.seeds) - {r["seed"] for r in runs})
+    missing = sorted(set(common.planned_seeds(sc)) - {r["seed"] for r in runs})
     if missing:
         raise SystemExit(
             f"{name} matches {target}'s first-rollout KL, and {out}/runs lacks {target}'s "
@@ -423,8 +441,8 @@ def matched_verdict(hits: int, n: int, arm_hits: int, arm_n: int, planned: int) 
     "inconclusive" otherwise; "preliminary" before every planned seed is in. Returns
     (p, verdict)."""
     p, fewer = prevents_collapse(arm_hits, arm_n, hits, n)
-    if min(n, arm_n) < planned:
-        return p, f"preliminary ({min(n, arm_n)} of {planned} seeds)"
+    if short := preliminary(n, arm_n, planned):
+        return p, short
     if fewer:
         return p, "**not explained by the smaller step**"
     if hits <= n / 5:
@@ -443,13 +461,12 @@ def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]
         "|---|---:|---:|---|---:|---:|---|---|---|",
     ]
     grpo = groups.get("grpo", [])
-    grpo_hits = sum(r["collapsed"] for r in grpo)
     prevented = [
         a
         for a, rs in groups.items()
         if a != "grpo"
         and a not in stage3_config.DENSE_ARMS
-        and prevents_collapse(sum(r["collapsed"] for r in rs), len(rs), grpo_hits, len(grpo))[1]
+        and prevents_collapse(collapses(rs), len(rs), collapses(grpo), len(grpo))[1]
     ]
     for name, rs in controls.items():
         objective, target_arm = stage3_config.KL_MATCHED[name]
@@ -460,7 +477,7 @@ def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]
             if first_step(r, KL_KEY) is not None and target.get(r["seed"])
         ]
         ratio_txt = f"{np.median(ratio):.3g} [{min(ratio):.3g}, {max(ratio):.3g}]" if ratio else "-"
-        hits, n = sum(r["collapsed"] for r in rs), len(rs)
+        hits, n = collapses(rs), len(rs)
         finals = [r["eval_final"] for r in rs if r["eval_final"] is not None]
         ci = common.fmt_ci(*common.bootstrap_ci(finals)) if finals else "-"
         lrs = ", ".join(sorted({f"{r['lr']:.3g}" for r in rs}))
@@ -468,7 +485,7 @@ def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]
         against = prevented if objective == "grpo" else ["grpo"]
         for arm in against or ["-"]:
             ars = groups.get(arm, [])
-            a_hits = sum(r["collapsed"] for r in ars)
+            a_hits = collapses(ars)
             if not ars:
                 p_txt, verdict = "-", "- (no arm prevented the collapse)"
             elif objective == "grpo":
@@ -477,9 +494,9 @@ def matched_table(groups: dict[str, list[dict]], controls: dict[str, list[dict]]
             else:
                 p, yes = prevents_collapse(hits, n, a_hits, len(ars))
                 p_txt = f"{p:.3g}"
-                verdict = "**prevents the collapse at a matched step**" if yes else "no"
-                if min(n, len(ars)) < planned:
-                    verdict = f"preliminary ({min(n, len(ars))} of {planned} seeds)"
+                verdict = preliminary(n, len(ars), planned) or (
+                    "**prevents the collapse at a matched step**" if yes else "no"
+                )
             lines.append(
                 f"| {name} | {lrs} | {hits} / {n} | {arm} | {a_hits} / {len(ars)} | {p_txt} "
                 f"| {verdict} | {ratio_txt} | {ci} |"
@@ -498,7 +515,7 @@ def setting_meta(sc) -> dict:
         setting=f"{sc.arm}/{sc.dense_arm}",
         task=sc.task,
         dtype=sc.dtype,
-        seeds=len(sc.get("planned_seeds", sc.seeds)),  # planned: a verdict needs every one
+        seeds=len(common.planned_seeds(sc)),  # a verdict needs every one
     )
 
 
@@ -517,11 +534,12 @@ def run_all(
     summaries of the arm it matches in ``<out>/runs``."""
     check_setting(sc)
     rows = table_rows(sc)
+    base = setting_meta(sc)
     matched = {}  # KL-matched arm -> its lr, fixed from the committed runs on first use
     done = 0
     for seed in sc.seeds:
         for name in sc.arms:
-            setting = setting_meta(sc)
+            setting = base
             if name in stage3_config.KL_MATCHED:
                 if name not in matched:
                     matched[name] = matched_arm_lr(sc, name, out, stage2_runs)
@@ -610,18 +628,17 @@ def table(groups: dict[str, list[dict]]) -> str:
         "|---|---:|---:|---|---:|---|",
     ]
     for arm, rs in groups.items():
-        hits, n = sum(r["collapsed"] for r in rs), len(rs)
+        hits, n = collapses(rs), len(rs)
         control = arm in stage3_config.DENSE_ARMS and arm != stage3_config.DENSE_REFERENCE
         against = stage3_config.DENSE_REFERENCE if control else "grpo"
         ref = groups.get(against)
         if ref is None or arm == against:
             p_txt, dec = "-", "-"
         else:
-            p, yes = prevents_collapse(hits, n, sum(r["collapsed"] for r in ref), len(ref))
+            p, yes = prevents_collapse(hits, n, collapses(ref), len(ref))
             p_txt, dec = f"{p:.3g}", "**yes**" if yes else "no"
             planned = max(r.get("seeds", 0) for r in rs + ref)
-            if min(n, len(ref)) < planned:
-                dec = f"preliminary ({min(n, len(ref))} of {planned} seeds)"
+            dec = preliminary(n, len(ref), planned) or dec
             if control:
                 p_txt, dec = f"{p_txt} (vs {against})", f"{dec} (on the dense twin)"
             if arm == stage3_config.DENSE_REFERENCE:  # the dense twin: not an arm of the rule
@@ -753,8 +770,8 @@ def fig_precursors(groups: dict[str, list[dict]], path: str) -> None:
 def first_step(run: dict, key: str) -> float | None:
     """A series' value at RL step 1: after the first rollout's updates, which every arm
     of a seed takes from the same warm start on the same rollout batch."""
-    values = run.get("series", {}).get(key)
-    if not values or 1 not in run.get("steps", ()):
+    values = run["series"].get(key)
+    if not values or 1 not in run["steps"]:
         return None
     v = values[run["steps"].index(1)]
     return float(v) if _finite(v) else None
@@ -764,7 +781,7 @@ def step_taken_table(groups: dict[str, list[dict]]) -> str:
     """How far each arm moves the policy on its first rollout: KL(pi_old || pi_theta)
     (``ppo_kl``) and F(tau=2) at the rollout's last update, and KL's ratio to GRPO's on
     the same seed (same start, same batch). Descriptive: no rule reads it."""
-    grpo = {r["seed"]: first_step(r, "ppo_kl_klast") for r in groups.get("grpo", [])}
+    grpo = {r["seed"]: first_step(r, KL_KEY) for r in groups.get("grpo", [])}
     lines = [
         "| arm | seeds | KL after the first rollout [range] | F(τ=2) [range] "
         "| KL / MoE GRPO's, same seed [range] |",
@@ -778,7 +795,7 @@ def step_taken_table(groups: dict[str, list[dict]]) -> str:
         return f"{np.median(xs):.3g} [{min(xs):.3g}, {max(xs):.3g}]"
 
     for arm, rs in groups.items():
-        kl = [first_step(r, "ppo_kl_klast") for r in rs]
+        kl = [first_step(r, KL_KEY) for r in rs]
         f2 = [first_step(r, "frac_ratio_gt_2_klast") for r in rs]
         ratio = [
             k / grpo[r["seed"]]
@@ -849,8 +866,7 @@ def report(out: str) -> None:
     ]
     if controls:
         # Each control beside the arms it is read against or matched to.
-        near = {"grpo"} | {t for _, t in stage3_config.KL_MATCHED.values()}
-        near |= {o for o, _ in stage3_config.KL_MATCHED.values() if o in groups}
+        near = {a for pair in stage3_config.KL_MATCHED.values() for a in pair}
         beside = {a: rs for a, rs in groups.items() if a in near}
         fig_reward_vs_updates(
             {**beside, **controls},

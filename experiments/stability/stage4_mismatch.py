@@ -40,8 +40,12 @@ OUT = os.path.join(common.RESULTS, "stage4")
 STAGE = "stage4"
 MISMATCH = ("mismatch_kl", "mismatch_f2", "mismatch_route")
 # The R3 paper's train–inference KL (k3 estimate, as `mismatch_kl`), measured between
-# its training and inference engines without replay: the levels drawn on the figure.
-PAPER_KL = (("R3 paper, MoE (Qwen3-30B-A3B)", 1.535e-3), ("R3 paper, dense (Qwen3-8B)", 6.4e-4))
+# its training and inference engines without replay: the levels drawn on the figure,
+# (label, level, line style).
+PAPER_KL = (
+    ("R3 paper, MoE (Qwen3-30B-A3B)", 1.535e-3, "--"),
+    ("R3 paper, dense (Qwen3-8B)", 6.4e-4, ":"),
+)
 
 # --------------------------------------------------------------------------
 # Calibration.
@@ -417,8 +421,7 @@ def figure(cs: dict, path: str) -> None:
                 axes[i][j].plot(steps, y, color=color, lw=1.0, label=f"{arm} ({len(rs)})")
         sigma = next(iter(cs[(u, t)].values()))[0]["sigma"]
         axes[0][j].set_title(f"{u} updates/rollout, target {t:g} (σ {sigma:.3g})", fontsize=8)
-        for name, level in PAPER_KL:
-            style = "--" if "MoE" in name else ":"
+        for name, level, style in PAPER_KL:
             axes[0][j].axhline(level, color="0.4", ls=style, lw=0.9, label=name)
         for i, key in enumerate(("mismatch_kl", "mismatch_f2")):
             ax = axes[i][j]
@@ -483,7 +486,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     sc = common.stage_config(args, only)
     if args.report:
-        report(args.out, len(sc.seeds))
+        report(args.out, len(sc.planned_seeds))
         return
     if args.calibrate:
         calibrate(sc, args.root, args.out)
