@@ -1,0 +1,339 @@
+"""What a GPU or TPU program of gspo_jax holds, from a machine without that device.
+
+    python -m experiments.compile_report --target h200 --layers 16 \\
+        --parts train,logprob,prefill,decode,sampler --batches 64,256,1024
+    python -m experiments.compile_report --target v5p:2x2x1 --size flagship --parts train
+
+It compiles the programs of `experiments/programs.py` (the ones
+`experiments/bench_accelerator.py` runs on a device) for a compile-only target
+(`experiments/targets`: h100, h200, b200 from XLA's GPU specs, optionally ``xN``
+devices; TPU slices through libtpu) and prints for each program:
+
+* peak memory by XLA's own accounting, arguments + outputs + temporaries - aliases
+  (donated buffers), against the device's usable memory (``--mem-fraction`` of it,
+  what ``XLA_PYTHON_CLIENT_MEM_FRACTION`` gives JAX);
+* the largest buffers of that peak, each labelled (parameter, optimizer state,
+  gradient, KV cache, logits, dispatch copy of expert weights, activation): the
+  arguments, and the slots of XLA's heap (``*-memory-usage-report.txt``: one slot holds
+  several values at different times; it is labelled by its largest);
+* an op inventory: gathers and scatters that move expert-weight-shaped arrays (bytes
+  per call of the program), dense expansions of ``ragged_dot``, f32 matmuls with a
+  vocabulary-sized dimension, custom calls;
+* matmul FLOPs of the optimised program (every dot and cuBLAS GEMM, through loop trip
+  counts) against the model's: 2 x active matmul parameters per token forward, 6 x for
+  a train step (attention's products run in cuDNN's custom calls and are not in
+  either figure).
+
+No timings: the compiler does not run the program. On a GPU target, the CUDA plugin
+must be installed (``pip install -e '.[compile]'``); without it the report says so
+and exits with status 2. ``--json`` writes every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+# The compile-only targets need no device: keep JAX on the CPU whatever is installed.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from experiments import hlo, programs, targets  # noqa: E402
+
+GIB = 2**30
+
+
+def mesh_for(target: targets.Target, mesh_shape: dict[str, int] | None) -> Mesh:
+    """A mesh over the target's devices: ``mesh_shape`` (axis -> size, -1 = the rest),
+    or all devices on 'fsdp' (parameters and batch sharded over every device)."""
+    devs = list(target.devices)
+    shape = dict(mesh_shape or {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})
+    known = math.prod(v for v in shape.values() if v != -1)
+    shape = {k: (len(devs) // known if v == -1 else v) for k, v in shape.items()}
+    if math.prod(shape.values()) != len(devs):
+        raise ValueError(f"mesh: {shape} does not cover the target's {len(devs)} devices")
+    return Mesh(np.asarray(devs).reshape(tuple(shape.values())), tuple(shape))
+
+
+def model_flops(sh: programs.Shape, part: str, batch: int) -> float:
+    """The model's matmul FLOPs for one call of ``part`` (module docstring)."""
+    active = programs.matmul_params(sh.cfg, active=True)
+    head = sh.cfg.vocab_size * sh.cfg.d_model
+    if part == "train":
+        return 6.0 * active * sh.rows * sh.seq_len
+    if part == "logprob":
+        return 2.0 * active * sh.rows * sh.seq_len
+    if part == "prefill":  # the head on the last position only
+        return 2.0 * (active - head) * batch * sh.prompt_len + 2.0 * head * batch
+    if part == "decode":
+        return 2.0 * active * batch
+    if part == "sampler":  # prefill + new_tokens - 1 decode steps
+        return model_flops(sh, "prefill", batch) + (sh.new_tokens - 1) * 2.0 * active * batch
+    raise ValueError(part)
+
+
+class Labeller:
+    """What a live buffer is, from its name (entry parameters are named after the
+    argument path) or its shape."""
+
+    def __init__(self, sh: programs.Shape, param_shapes, cache_shapes):
+        cfg = sh.cfg
+        d, f = cfg.d_model, cfg.moe_d_ff
+        self.expert_shapes = [(d, f), (f, d), (d, 2 * f), (2 * f, d)]
+        self.num_experts = cfg.num_experts
+        self.vocab = cfg.vocab_size
+        self.param_shapes = set(param_shapes)
+        self.cache_shapes = set(cache_shapes)
+
+    def __call__(self, name: str | None, arr, is_argument: bool) -> str:
+        if is_argument:
+            if name.startswith(("state_opt_state", "opt_state")):
+                return "optimizer state"
+            if name.startswith(("state_params", "params", "state__")):
+                return "parameter"
+            if name.startswith("cache"):
+                return "KV cache"
+            return "input"
+        if tuple(arr.dims) in self.cache_shapes:
+            return "KV cache"
+        if hlo._weight_like(arr, self.expert_shapes, self.num_experts):
+            return "dispatch copy of expert weights"
+        if tuple(arr.dims) in self.param_shapes:
+            return "gradient" if arr.dtype == "f32" else "weights in compute dtype"
+        if self.vocab in arr.dims:
+            return "logits"
+        return "activation / other"
+
+
+def _abstract_shapes(tree) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
+
+
+def report_one(
+    part: str,
+    sh: programs.Shape,
+    target: targets.Target,
+    mesh: Mesh,
+    *,
+    batch: int,
+    mem_fraction: float,
+    top: int,
+) -> dict:
+    t0 = time.perf_counter()
+    fn, args = programs.program(
+        part, sh, mesh, abstract=True, batch=batch, platform=target.platform
+    )
+    cache = jax.config.jax_enable_compilation_cache
+    # A program loaded from a persistent compilation cache writes no dump: compile it.
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with tempfile.TemporaryDirectory() as dump:
+            options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+            compiled = fn.lower(*args).compile(options)
+            compile_s = time.perf_counter() - t0
+            text = compiled.as_text()
+            usage = ""
+            for f in sorted(os.listdir(dump)):
+                if f.endswith("after_optimizations-memory-usage-report.txt"):
+                    usage = open(os.path.join(dump, f)).read()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    peak -= m.alias_size_in_bytes
+    usable = target.device_bytes * mem_fraction
+    comps = hlo.parse_module(text)
+    counts, unknown = hlo.execution_counts(comps)
+    mm = hlo.matmuls(comps, counts)
+    hlo_flops = sum(x.flops * x.count for x in mm)
+    flops_model = model_flops(sh, part, batch) / mesh.size  # per device
+    labeller = Labeller(
+        sh,
+        _abstract_shapes(args[0]) if part != "train" else _abstract_shapes(args[0].params),
+        _abstract_shapes(args[1]) if part == "decode" else [],
+    )
+    if part in ("prefill", "sampler"):
+        kv = sh.cfg.num_kv_heads, sh.prompt_len + sh.new_tokens - 1, sh.cfg.head_dim
+        b = batch // max(1, mesh.size)
+        labeller.cache_shapes |= {(b, kv[0], kv[1], kv[2]), (b, kv[0], kv[2], kv[1])}
+    buffers = hlo.peak_buffers(comps, usage, labeller)
+    by_what: dict[str, float] = {}
+    for b in buffers:
+        by_what[b["what"]] = by_what.get(b["what"], 0) + b["bytes"]
+    inv = hlo.inventory(
+        comps,
+        counts,
+        vocab_size=sh.cfg.vocab_size,
+        expert_shapes=labeller.expert_shapes,
+        num_experts=sh.cfg.num_experts,
+    )
+    return dict(
+        part=part,
+        target=target.name,
+        device=target.kind,
+        devices=mesh.size,
+        mesh=dict(mesh.shape),
+        layers=sh.cfg.num_layers,
+        moe_backend=sh.cfg.moe_backend,
+        batch=batch if part in ("prefill", "decode", "sampler") else sh.rows,
+        compile_s=round(compile_s, 1),
+        memory=dict(
+            arguments_gib=m.argument_size_in_bytes / GIB,
+            outputs_gib=m.output_size_in_bytes / GIB,
+            temporaries_gib=m.temp_size_in_bytes / GIB,
+            aliased_gib=m.alias_size_in_bytes / GIB,
+            peak_gib=peak / GIB,
+            usable_gib=usable / GIB,
+            fraction_of_usable=peak / usable,
+        ),
+        peak_by_kind_gib={k: v / GIB for k, v in sorted(by_what.items(), key=lambda kv: -kv[1])},
+        largest_buffers=buffers[:top],
+        inventory=inv,
+        matmul_tflop_hlo=hlo_flops / 1e12,
+        matmul_tflop_model=flops_model / 1e12,
+        hlo_over_model=hlo_flops / flops_model if flops_model else None,
+        unknown_trip_counts=len(unknown),
+    )
+
+
+def render(r: dict) -> str:
+    mem = r["memory"]
+    lines = [
+        f"## {r['part']} — {r['device']} x{r['devices']} ({r['target']}), "
+        f"{r['layers']} layers, {r['moe_backend']}, batch {r['batch']}  "
+        f"(compiled in {r['compile_s']} s)",
+        f"peak {mem['peak_gib']:.2f} GiB = arguments {mem['arguments_gib']:.2f} + outputs "
+        f"{mem['outputs_gib']:.2f} + temporaries {mem['temporaries_gib']:.2f} - aliased "
+        f"{mem['aliased_gib']:.2f}; usable {mem['usable_gib']:.1f} GiB: "
+        f"{100 * mem['fraction_of_usable']:.1f}%"
+        + ("  ** DOES NOT FIT **" if mem["fraction_of_usable"] > 1 else ""),
+        "the peak by kind (arguments, and heap slots by their largest array): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in r["peak_by_kind_gib"].items()),
+        "largest buffers at the peak:",
+    ]
+    for b in r["largest_buffers"]:
+        lines.append(
+            f"  {b['bytes'] / GIB:8.3f} GiB  {b['shape']:<28} {b['what']:<32} {b['name'][:60]}"
+        )
+    inv = r["inventory"]
+    lines.append(
+        f"expert-weight gathers/scatters: {len(inv['expert_weight_copies'])} ops, "
+        f"{inv['expert_weight_copy_gib']:.2f} GiB moved per call"
+    )
+    for w in sorted(inv["expert_weight_copies"], key=lambda w: -w["bytes_per_call"] * w["count"])[
+        :6
+    ]:
+        lines.append(
+            f"  {w['opcode']:<8} {w['shape']:<24} x{w['count']:g}  "
+            f"{w['bytes_per_call'] * w['count'] / GIB:.2f} GiB  {w['name']}"
+        )
+    lines.append(f"ragged_dot expanded to dense dots: {len(inv['ragged_dot_dense'])}")
+    for x in inv["ragged_dot_dense"][:4]:
+        lines.append(f"  {x['lhs']} x {x['rhs']} -> {x['out']}  x{x['count']:g}")
+    lines.append(f"f32 matmuls over the vocabulary: {len(inv['f32_vocab_matmuls'])}")
+    for x in inv["f32_vocab_matmuls"][:4]:
+        lines.append(
+            f"  {x['lhs']} x {x['rhs']} -> {x['out']}  x{x['count']:g}  {x['gflops']:.1f} GFLOP"
+        )
+    lines.append(
+        "custom calls: "
+        + (", ".join(f"{k} x{v:g}" for k, v in inv["custom_calls"].items()) or "none")
+    )
+    ratio = r["hlo_over_model"]
+    lines.append(
+        f"matmul FLOPs per device: program {r['matmul_tflop_hlo']:.2f} TFLOP, model "
+        f"{r['matmul_tflop_model']:.2f} TFLOP"
+        + (f" (program / model = {ratio:.2f})" if ratio else "")
+        + (
+            f"; {r['unknown_trip_counts']} loop(s) of unknown trip count counted once"
+            if r["unknown_trip_counts"]
+            else ""
+        )
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="h200", help="h100 | h200 | b200 [xN] | v5p:2x2x1 ...")
+    ap.add_argument("--size", default="h200", choices=sorted(programs.SIZES) + ["flagship"])
+    ap.add_argument("--layers", type=int, default=0, help="0: the size's")
+    ap.add_argument("--parts", default="train,logprob,prefill,decode")
+    ap.add_argument("--batches", default="", help="sampler-side batches (default: the size's)")
+    ap.add_argument(
+        "--backend", default="", help="MoE dispatch (default: blocked; the flagship's ragged)"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a ModelConfig field or shape setting (rows, micro_batches, "
+        "logprob_micro_batches, ...), repeatable",
+    )
+    ap.add_argument("--mesh", default="", help="e.g. data=1,fsdp=-1,expert=1,tensor=1")
+    ap.add_argument("--mem-fraction", type=float, default=0.95)
+    ap.add_argument("--top", type=int, default=8, help="largest buffers listed")
+    ap.add_argument("--json", default="", help="also write the rows here")
+    args = ap.parse_args(argv)
+
+    try:
+        target = targets.compile_devices(args.target)
+    except targets.TargetUnavailable as e:
+        print(f"compile_report: {e}", file=sys.stderr)
+        sys.exit(2)
+    overrides = {}
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        try:
+            overrides[k] = json.loads(v)
+        except json.JSONDecodeError:
+            overrides[k] = v
+    mesh_shape = None
+    if args.mesh:
+        mesh_shape = {k: int(v) for k, v in (x.split("=") for x in args.mesh.split(","))}
+    mesh = mesh_for(target, mesh_shape)
+    if args.size == "flagship":
+        sh = programs.flagship_shape(
+            platform=target.platform, backend=args.backend or "ragged", **overrides
+        )
+    else:
+        sh = programs.shape(
+            args.size, args.backend or "blocked", args.layers, platform=target.platform, **overrides
+        )
+    batches = [int(b) for b in args.batches.split(",") if b] or list(sh.sampler_batches)
+    rows = []
+    print(
+        f"# {target.kind} x{mesh.size} ({args.target}), jax {jax.__version__}, "
+        f"{sh.cfg.num_layers} layers, {sh.cfg.num_params() / 1e9:.2f}B parameters",
+        flush=True,
+    )
+    for part in [p for p in args.parts.split(",") if p]:
+        for b in batches if part in ("prefill", "decode", "sampler") else [0]:
+            r = report_one(
+                part,
+                sh,
+                target,
+                mesh,
+                batch=b,
+                mem_fraction=args.mem_fraction,
+                top=args.top,
+            )
+            rows.append(r)
+            print(render(r) + "\n", flush=True)
+            if args.json:  # written as it goes: a long report keeps what it finished
+                with open(args.json, "w") as f:
+                    json.dump(dict(jax=jax.__version__, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""The accelerator programs of gspo_jax at a named model shape: one definition that the
+device benchmark (`experiments/bench_accelerator.py`) runs and the compile report
+(`experiments/compile_report.py`) compiles for a device it does not have.
+
+Each ``*_program`` returns ``(jitted, args)``: the jitted function and its arguments.
+With ``abstract=True`` the arguments are `jax.ShapeDtypeStruct`s placed on the given
+mesh (nothing is allocated, so a 30B model's train step can be lowered on a laptop);
+otherwise they are device arrays. Either way ``jitted.lower(*args)`` lowers the same
+program.
+
+The programs:
+
+* ``train``: `gspo_jax.step.train_step` (GRPO's loss without its KL term, micro-batched,
+  AdamW, the state donated) on a mini-batch of rollout-shaped rows.
+* ``logprob``: `gspo_jax.step.logprob_pass` (the old-policy and reference passes) over
+  the same mini-batch.
+* ``prefill``: the sampler's prompt pass, `Transformer.decode` over [B, P] prompts into
+  a fresh KV cache of P + new_tokens - 1 slots, logits of the last position only.
+* ``decode``: one decode step, `Transformer.decode` of one token per row against a full
+  KV cache (the cache donated, as the sampler's loop carries it).
+* ``sampler``: the sampler's whole compiled function (`gspo_jax.rollout`): prefill, the
+  on-device decode loop and the routing record, as `Sampler.__call__` runs it.
+
+The sampler-side programs take the parameters as one copy in the compute dtype
+(`inference_params`), as a rollout holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax import step
+from gspo_jax.models import ModelConfig
+from gspo_jax.models.sharding import init_sharded, param_shardings
+from gspo_jax.models.transformer import Transformer, inference_params
+
+# The benchmark model: Qwen3-MoE-shaped (Qwen3-30B-A3B's layer at d_model 2048 with
+# Qwen3's vocabulary), randomly initialised. ``layers`` picks 8, 12 or 16 of them.
+SIZES = {
+    "h200": dict(
+        model=dict(
+            vocab_size=151936,
+            d_model=2048,
+            num_layers=12,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            d_ff=6144,
+            moe_d_ff=768,
+            num_experts=64,
+            top_k=8,
+            qk_norm=True,
+            tie_embeddings=False,
+            param_dtype="float32",
+            dtype="bfloat16",
+            remat_policy="dots_no_scores",
+            logits_chunk_size=512,
+        ),
+        rows=32,  # sequences per mini-batch
+        prompt_len=128,
+        response_len=1920,  # 2,048 tokens per sequence
+        micro_batches=4,
+        sampler_batches=(64, 256, 1024),
+        new_tokens=1024,
+    ),
+    "tiny": dict(
+        model=dict(
+            vocab_size=512,
+            d_model=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            d_ff=128,
+            moe_d_ff=32,
+            num_experts=8,
+            top_k=2,
+            qk_norm=True,
+            tie_embeddings=False,
+            param_dtype="float32",
+            dtype="float32",
+            remat_policy="dots_no_scores",
+            logits_chunk_size=16,
+        ),
+        rows=4,
+        prompt_len=8,
+        response_len=24,
+        micro_batches=2,
+        sampler_batches=(4, 8),
+        new_tokens=8,
+    ),
+}
+
+PARTS = ("train", "logprob", "prefill", "decode", "sampler")
+
+# configs/qwen3_moe_gsm8k.py at Qwen3-30B-A3B's architecture (its config.json's
+# numbers): the per-update mini-batch of 16 prompts x 8 samples in 4 mini-batches.
+FLAGSHIP = dict(
+    model=dict(
+        vocab_size=151936,
+        d_model=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        d_ff=6144,
+        moe_d_ff=768,
+        num_experts=128,
+        top_k=8,
+        qk_norm=True,
+        tie_embeddings=False,
+        param_dtype="float32",
+        dtype="bfloat16",
+        remat_policy="full",
+        logits_chunk_size=128,
+        renormalize_topk=True,
+    ),
+    rows=32,
+    prompt_len=384,
+    response_len=1024,
+    micro_batches=1,
+    sampler_batches=(128,),
+    new_tokens=1024,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmark setting: the model and the batch its programs run on."""
+
+    cfg: ModelConfig
+    rows: int
+    prompt_len: int
+    response_len: int
+    micro_batches: int
+    new_tokens: int
+    sampler_batches: tuple[int, ...]
+    logprob_micro_batches: int = 1
+
+    @property
+    def seq_len(self) -> int:  # the model reads all but the last token
+        return self.prompt_len + self.response_len - 1
+
+
+def model_config(
+    size: str, backend: str, layers: int = 0, *, platform: str | None = None, **overrides
+) -> ModelConfig:
+    """The size's ModelConfig with ``backend`` as the MoE dispatch. ``platform`` is the
+    platform the program is compiled for (default: JAX's default backend): on a GPU the
+    attention is cuDNN's flash kernel (16-bit inputs only)."""
+    m = dict((FLAGSHIP if size == "flagship" else SIZES[size])["model"])
+    m["num_layers"] = layers or m["num_layers"]
+    m.update(overrides)
+    m["param_dtype"], m["dtype"] = jnp.dtype(m["param_dtype"]), jnp.dtype(m["dtype"])
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda") and m["dtype"] == jnp.bfloat16:
+        m.setdefault("attention_impl", "cudnn")
+    return ModelConfig(moe_backend=backend, **m)
+
+
+def shape(size: str, backend: str, layers: int = 0, *, platform=None, **overrides) -> Shape:
+    """A size of `SIZES` (or "flagship") with its batch; ``overrides`` set Shape fields
+    (rows, micro_batches, logprob_micro_batches, ...) or ModelConfig fields."""
+    s = FLAGSHIP if size == "flagship" else SIZES[size]
+    fields = {f.name for f in dataclasses.fields(Shape)} - {"cfg"}
+    batch = {k: s[k] for k in fields if k in s}
+    batch["sampler_batches"] = tuple(batch["sampler_batches"])
+    batch.update({k: overrides.pop(k) for k in list(overrides) if k in fields})
+    return Shape(cfg=model_config(size, backend, layers, platform=platform, **overrides), **batch)
+
+
+def flagship_shape(*, platform=None, backend="ragged", **overrides) -> Shape:
+    return shape("flagship", backend, platform=platform, **overrides)
+
+
+def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
+    """Parameters that take part in a matmul per token (the embedding lookup does not;
+    the output head does): all experts, or only the top-K (``active``)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    n = cfg.vocab_size * d  # output head
+    for moe in cfg.layer_kinds:
+        n += d * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * d
+        if moe:
+            experts = cfg.top_k if active else cfg.num_experts
+            n += d * cfg.num_experts + experts * 3 * d * cfg.moe_d_ff
+        else:
+            n += 3 * d * cfg.d_ff
+    return n
+
+
+def single_device_mesh(device=None) -> Mesh:
+    return Mesh(np.asarray([device or jax.devices()[0]]), ("data",))
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are sharded over (the trainer's BATCH_AXES)."""
+    return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+
+
+def _rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, P(batch_axes(mesh) or None, *([None] * (ndim - 1))))
+
+
+def _abstract(x, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh):
+    """(graphdef, the parameters as ShapeDtypeStructs in their mesh sharding)."""
+    gdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    shardings = param_shardings(state, mesh, cfg)
+    return gdef, jax.tree.map(_abstract, state, shardings)
+
+
+def model_params(cfg: ModelConfig, mesh: Mesh, *, abstract: bool):
+    if abstract:
+        return abstract_params(cfg, mesh)
+    return nnx.split(init_sharded(cfg, mesh, seed=0))
+
+
+def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0) -> dict:
+    """A mini-batch in the rollout layout: prompts, responses, masks, advantages."""
+    cfg, n = sh.cfg, sh.rows
+    spec = {
+        "prompt_tokens": ((n, sh.prompt_len), jnp.int32),
+        "prompt_mask": ((n, sh.prompt_len), jnp.bool_),
+        "tokens": ((n, sh.response_len), jnp.int32),
+        "mask": ((n, sh.response_len), jnp.float32),
+        "advantages": ((n,), jnp.float32),
+    }
+    if abstract:
+        return {
+            k: jax.ShapeDtypeStruct(s, d, sharding=_rows_sharding(mesh, len(s)))
+            for k, (s, d) in spec.items()
+        }
+    rs = np.random.RandomState(seed)
+    host = {
+        "prompt_tokens": rs.randint(1, cfg.vocab_size, spec["prompt_tokens"][0]),
+        "prompt_mask": np.ones(spec["prompt_mask"][0], bool),
+        "tokens": rs.randint(1, cfg.vocab_size, spec["tokens"][0]),
+        "mask": np.ones(spec["mask"][0], np.float32),
+        "advantages": rs.randn(n),
+    }
+    return {
+        k: jax.device_put(np.asarray(host[k], spec[k][1]), _rows_sharding(mesh, len(spec[k][0])))
+        for k in spec
+    }
+
+
+def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None):
+    if graphdef is None:
+        graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
+    fn = jax.jit(
+        functools.partial(
+            step.logprob_pass,
+            graphdef=graphdef,
+            values=False,
+            temperature=1.0,
+            micro_batches=sh.logprob_micro_batches,
+        )
+    )
+    return fn, (params, rollout_batch(sh, mesh, abstract=abstract))
+
+
+def make_optimizer():
+    return step.make_optimizer(
+        lr=1e-6,
+        schedule="constant",
+        total_steps=1000,
+        warmup_steps=0,
+        end_lr_ratio=1.0,
+        weight_decay=0.0,
+        b1=0.9,
+        b2=0.999,
+        grad_clip=1.0,
+    )
+
+
+def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None, old=None):
+    """The train step and (state, batch, rng). ``old``: the log-prob pass's outputs on
+    the batch (computed here when not given; abstractly, by `jax.eval_shape`)."""
+    if graphdef is None:
+        graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
+    optimizer, sched = make_optimizer()
+    batch = rollout_batch(sh, mesh, abstract=abstract)
+    lp, _ = logprob_program(sh, mesh, abstract=abstract, graphdef=graphdef, params=params)
+    lp_args = (params, batch)
+    if abstract:
+        opt_state = jax.eval_shape(optimizer.init, params)
+        # The optimizer state takes its parameter's sharding (what `jit(init)` gives).
+        opt_shard = jax.jit(optimizer.init).trace(params).out_info
+        opt_state = jax.tree.map(lambda a, i: _abstract(a, i.sharding), opt_state, opt_shard)
+        old = old or jax.eval_shape(lp, *lp_args)
+        old = {k: _abstract(v, _rows_sharding(mesh, v.ndim)) for k, v in old.items()}
+        rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    else:
+        opt_state = jax.jit(optimizer.init)(params)
+        old = old or lp(*lp_args)
+        rng = jax.random.key(0)
+    state = step.TrainState.create(params, opt_state)
+    if abstract:
+        state = jax.tree.map(
+            lambda a: (
+                a
+                if isinstance(a, jax.ShapeDtypeStruct)
+                else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+            ),
+            state,
+        )
+    batch = dict(
+        batch,
+        old_logp=old["logp"],
+        old_topk=old["topk_resp"],
+        old_free_topk=old["free_topk_resp"],
+        old_router_logp=old["router_logp"],
+    )
+    # GRPO without its KL term (no reference pass in a throughput figure).
+    scfg = step.StepConfig(
+        objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=sh.micro_batches
+    )
+    train = jax.jit(
+        functools.partial(
+            step.train_step, graphdef=graphdef, optimizer=optimizer, schedule=sched, cfg=scfg
+        ),
+        donate_argnums=(0,),
+    )
+    return train, (state, batch, rng)
+
+
+def inference_copy(cfg: ModelConfig, mesh: Mesh, params, *, abstract: bool):
+    """The sampler's one copy of the weights in the compute dtype."""
+    if abstract:
+        out = jax.eval_shape(functools.partial(inference_params, cfg=cfg), params)
+        return jax.tree.map(lambda o, p: _abstract(o, p.sharding), out, params)
+    return jax.jit(functools.partial(inference_params, cfg=cfg))(params)
+
+
+def _sampler_params(sh: Shape, mesh: Mesh, *, abstract: bool):
+    graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
+    bf = inference_copy(sh.cfg, mesh, params, abstract=abstract)
+    del params  # one copy of the weights, as a rollout holds them
+    return graphdef, bf
+
+
+def prefill_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool):
+    graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
+    max_len = sh.prompt_len + sh.new_tokens - 1
+
+    def prefill(params, tokens, mask):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+        cache = model.init_cache(tokens.shape[0], max_len)
+        logits, aux, cache = model.decode(
+            tokens, cache, positions=positions, attn_mask=mask, last_only=True
+        )
+        return logits, aux.topk_indices, cache
+
+    shp = (batch, sh.prompt_len)
+    if abstract:
+        tokens = jax.ShapeDtypeStruct(shp, jnp.int32, sharding=_rows_sharding(mesh, 2))
+        mask = jax.ShapeDtypeStruct(shp, jnp.bool_, sharding=_rows_sharding(mesh, 2))
+    else:
+        rs = np.random.RandomState(0)
+        tokens = jax.device_put(
+            rs.randint(1, sh.cfg.vocab_size, shp).astype(np.int32), _rows_sharding(mesh, 2)
+        )
+        mask = jax.device_put(np.ones(shp, bool), _rows_sharding(mesh, 2))
+    return jax.jit(prefill), (params, tokens, mask)
+
+
+def decode_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool):
+    """One decode step against a cache of P + new_tokens - 1 slots (its index at the
+    middle of the response: what a step costs on average)."""
+    graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
+    max_len = sh.prompt_len + sh.new_tokens - 1
+
+    def step_fn(params, cache, tok, positions):
+        model = nnx.merge(graphdef, params)
+        logits, aux, cache = model.decode(tok, cache, positions=positions)
+        return logits, aux.topk_indices, cache
+
+    def empty_cache():
+        model = nnx.merge(graphdef, params)
+        return model.init_cache(batch, max_len)
+
+    cache = jax.eval_shape(empty_cache)
+    rows = _rows_sharding(mesh, 2)
+    if abstract:
+        cache = jax.tree.map(
+            lambda a: _abstract(
+                a, _rows_sharding(mesh, a.ndim) if a.ndim else NamedSharding(mesh, P())
+            ),
+            cache,
+        )
+        tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows)
+        pos = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows)
+    else:
+        cache = jax.jit(empty_cache)()
+        cache = cache.replace(index=jnp.asarray(sh.prompt_len + sh.new_tokens // 2, jnp.int32))
+        cache = cache.replace(valid=jnp.ones_like(cache.valid))
+        tok = jax.device_put(np.ones((batch, 1), np.int32), rows)
+        pos = jax.device_put(
+            np.full((batch, 1), sh.prompt_len + sh.new_tokens // 2, np.int32), rows
+        )
+    return jax.jit(step_fn, donate_argnums=(1,)), (params, cache, tok, pos)
+
+
+def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platform=None):
+    """The sampler's compiled function for ``batch`` prompts of ``prompt_len`` tokens,
+    one sample each, ``new_tokens`` new tokens, temperature 1, no stop token, no
+    routing record (what the benchmark times). ``platform``: the sampling formulations
+    of that backend (`gspo_jax.rollout._use_cpu_sampling`)."""
+    from gspo_jax import rollout
+
+    graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
+    sampler = rollout.Sampler(
+        graphdef,
+        params,
+        vocab_size=sh.cfg.vocab_size,
+        prompt_buckets=(sh.prompt_len,),
+    )
+    prompts = np.random.RandomState(0).randint(1, sh.cfg.vocab_size, (batch, sh.prompt_len))
+    args, spec, _ = sampler._prepare(
+        prompts.tolist(),
+        num_samples=1,
+        max_new_tokens=sh.new_tokens,
+        rng=jax.random.key(0),
+        temperature=1.0,
+        eos_id=None,
+        routing="none",
+    )
+    platform = platform or jax.default_backend()
+    spec = spec._replace(mode=spec.mode._replace(cpu=platform == "cpu"))
+    if mesh.size > 1:  # rows sharded over the data axes, as a Sampler with a mesh does
+        spec = spec._replace(batch_sharding=NamedSharding(mesh, P(batch_axes(mesh))))
+    if abstract:
+        head, tail = args[:2], args[2:]
+
+        def place(x):
+            x = jnp.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+            if x.ndim and x.shape[0] == batch:
+                return _abstract(x, _rows_sharding(mesh, x.ndim))
+            return _abstract(x, NamedSharding(mesh, P()))
+
+        args = head + tuple(jax.tree.map(place, t) for t in tail)
+    return _SamplerJit(spec), args
+
+
+class _SamplerJit:
+    """``jitted.lower(*args)`` for the sampler's function with its static spec bound."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def lower(self, *args):
+        from gspo_jax import rollout
+
+        return rollout._generate_jit.lower(*args, spec=self.spec)
+
+    def __call__(self, *args):
+        from gspo_jax import rollout
+
+        return rollout._generate_jit(*args, spec=self.spec)
+
+
+def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):
+    """(jitted, args) of one part of `PARTS` (``batch``: the sampler-side batch)."""
+    if part == "train":
+        return train_program(sh, mesh, abstract=abstract)
+    if part == "logprob":
+        return logprob_program(sh, mesh, abstract=abstract)
+    if part == "prefill":
+        return prefill_program(sh, mesh, batch, abstract=abstract)
+    if part == "decode":
+        return decode_program(sh, mesh, batch, abstract=abstract)
+    if part == "sampler":
+        return sampler_program(sh, mesh, batch, abstract=abstract, platform=platform)
+    raise ValueError(f"part: unknown program {part!r}; expected one of {PARTS}")
