@@ -6,9 +6,14 @@ ratio to what the hardware allows, in one run.
     python experiments/bench_accelerator.py --size tiny                   # any CPU, seconds
 
 The model (``--size h200``) is Qwen3-MoE-shaped and trains on one H200 from random
-initialisation: 16 layers, d_model 2048, 32 query / 4 KV heads of 128 with q/k norm,
-64 experts of width 768, top-8, Qwen3's 151,936-entry vocabulary (untied), f32 storage,
-bf16 compute (`SIZES`). It has 5.2B parameters, 1.2B of them active per token.
+initialisation: 12 layers by default (``--layers``), d_model 2048, 32 query / 4 KV heads
+of 128 with q/k norm, 64 experts of width 768, top-8, Qwen3's 151,936-entry vocabulary
+(untied), f32 storage, bf16 compute. The model, the batch and every program come from
+`experiments/programs.py`, which `experiments/compile_report.py` compiles for a device
+the machine does not have: a device run and a compile report describe one program.
+The benchmark sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` unless it is set
+(`gspo_jax.train.claim_device_memory`; JAX's default 0.75 would leave 35 GiB of an H200
+unused).
 
 What each figure is:
 
@@ -37,95 +42,17 @@ import argparse
 import json
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
+from gspo_jax.train import claim_device_memory
 
-from gspo_jax import step
-from gspo_jax.models import ModelConfig
-from gspo_jax.models.sharding import init_sharded
-from gspo_jax.models.transformer import inference_params
-from gspo_jax.rollout import Sampler
+claim_device_memory()  # before JAX touches a device: 95% of each GPU, not JAX's 75%
 
-SIZES = {
-    "h200": dict(
-        model=dict(
-            vocab_size=151936,
-            d_model=2048,
-            num_layers=12,  # 16 does not fit: the train step peaks at 134 GiB (see README)
-            num_heads=32,
-            num_kv_heads=4,
-            head_dim=128,
-            d_ff=6144,
-            moe_d_ff=768,
-            num_experts=64,
-            top_k=8,
-            qk_norm=True,
-            tie_embeddings=False,
-            param_dtype="float32",
-            dtype="bfloat16",
-            remat_policy="dots_no_scores",
-            logits_chunk_size=512,
-        ),
-        rows=32,  # sequences per mini-batch
-        prompt_len=128,
-        response_len=1920,  # 2,048 tokens per sequence
-        micro_batches=4,
-        sampler_batches=(64, 256, 1024),
-        new_tokens=1024,
-    ),
-    "tiny": dict(
-        model=dict(
-            vocab_size=512,
-            d_model=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            d_ff=128,
-            moe_d_ff=32,
-            num_experts=8,
-            top_k=2,
-            qk_norm=True,
-            tie_embeddings=False,
-            param_dtype="float32",
-            dtype="float32",
-            remat_policy="dots_no_scores",
-            logits_chunk_size=16,
-        ),
-        rows=4,
-        prompt_len=8,
-        response_len=24,
-        micro_batches=2,
-        sampler_batches=(4, 8),
-        new_tokens=8,
-    ),
-}
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-
-def model_config(size: str, backend: str, layers: int = 0) -> ModelConfig:
-    m = dict(SIZES[size]["model"])
-    m["num_layers"] = layers or m["num_layers"]
-    m["param_dtype"], m["dtype"] = jnp.dtype(m["param_dtype"]), jnp.dtype(m["dtype"])
-    if jax.default_backend() == "gpu" and m["dtype"] == jnp.bfloat16:
-        m["attention_impl"] = "cudnn"  # the flash kernel takes 16-bit inputs only
-    return ModelConfig(moe_backend=backend, **m)
-
-
-def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
-    """Parameters that take part in a matmul per token (the embedding lookup does not;
-    the output head does): all experts, or only the top-K (``active``)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    n = cfg.vocab_size * d  # output head
-    for moe in cfg.layer_kinds:
-        n += d * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * d
-        if moe:
-            experts = cfg.top_k if active else cfg.num_experts
-            n += d * cfg.num_experts + experts * 3 * d * cfg.moe_d_ff
-        else:
-            n += 3 * d * cfg.d_ff
-    return n
+from experiments import programs  # noqa: E402
+from experiments.programs import SIZES, matmul_params, model_config  # noqa: E402, F401
+from gspo_jax.models import ModelConfig  # noqa: E402
+from gspo_jax.rollout import Sampler  # noqa: E402
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -230,65 +157,23 @@ def top_ops(trace_dir: str, n: int = 25) -> list[dict]:
     ]
 
 
-def rollout_batch(cfg: ModelConfig, rows: int, prompt_len: int, response_len: int, seed=0):
-    rs = np.random.RandomState(seed)
-    return {
-        "prompt_tokens": jnp.asarray(rs.randint(1, cfg.vocab_size, (rows, prompt_len)), jnp.int32),
-        "prompt_mask": jnp.ones((rows, prompt_len), bool),
-        "tokens": jnp.asarray(rs.randint(1, cfg.vocab_size, (rows, response_len)), jnp.int32),
-        "mask": jnp.ones((rows, response_len), jnp.float32),
-        "advantages": jnp.asarray(rs.randn(rows), jnp.float32),
-    }
-
-
 def bench_train(size: str, backend: str, args) -> dict:
-    s = SIZES[size]
-    cfg = model_config(size, backend, args.layers)
-    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
-    model = init_sharded(cfg, mesh, seed=0)
-    from flax import nnx
+    sh = programs.shape(size, backend, args.layers)
+    cfg = sh.cfg
+    mesh = programs.single_device_mesh()
+    graphdef, params = programs.model_params(cfg, mesh, abstract=False)
+    seq = sh.seq_len
+    tokens = sh.rows * seq
 
-    graphdef, params = nnx.split(model)
-    batch = rollout_batch(cfg, s["rows"], s["prompt_len"], s["response_len"])
-    seq = s["prompt_len"] + s["response_len"] - 1  # the model reads all but the last token
-    tokens = s["rows"] * seq
-
-    logp = jax.jit(
-        lambda p, b: step.logprob_pass(p, b, graphdef=graphdef, values=False, temperature=1.0)
+    logp, lp_args = programs.logprob_program(
+        sh, mesh, abstract=False, graphdef=graphdef, params=params
     )
-    old_mem = compiled_bytes(logp, params, batch)
-    old_s, old_first, old = timed(logp, params, batch, reps=args.reps)
-    batch = dict(
-        batch,
-        old_logp=old["logp"],
-        old_topk=old["topk_resp"],
-        old_free_topk=old["free_topk_resp"],
-        old_router_logp=old["router_logp"],
+    old_mem = compiled_bytes(logp, *lp_args)
+    old_s, old_first, old = timed(logp, *lp_args, reps=args.reps)
+    train, (state, batch, rng) = programs.train_program(
+        sh, mesh, abstract=False, graphdef=graphdef, params=params, old=old
     )
-    del old
-    optimizer, sched = step.make_optimizer(
-        lr=1e-6,
-        schedule="constant",
-        total_steps=1000,
-        warmup_steps=0,
-        end_lr_ratio=1.0,
-        weight_decay=0.0,
-        b1=0.9,
-        b2=0.999,
-        grad_clip=1.0,
-    )
-    state = step.TrainState.create(params, jax.jit(optimizer.init)(params))
-    # GRPO without its KL term (no reference pass in a throughput figure).
-    scfg = step.StepConfig(
-        objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=s["micro_batches"]
-    )
-    train = jax.jit(
-        lambda st, b, r: step.train_step(
-            st, b, r, graphdef=graphdef, optimizer=optimizer, schedule=sched, cfg=scfg
-        ),
-        donate_argnums=(0,),
-    )
-    rng = jax.random.key(0)
+    del old, lp_args, params
     train_mem = compiled_bytes(train, state, batch, rng)
 
     def run(st):  # the state is donated: thread it through
@@ -320,7 +205,7 @@ def bench_train(size: str, backend: str, args) -> dict:
         active_params=cfg.num_params(active=True),
         tokens=tokens,
         seq_len=seq,
-        micro_batches=s["micro_batches"],
+        micro_batches=sh.micro_batches,
         step_s=round(sec, 4),
         first_call_s=round(first, 2),
         tokens_per_s=round(tokens / sec, 1),
@@ -338,18 +223,16 @@ def bench_train(size: str, backend: str, args) -> dict:
 
 
 def bench_sampler(size: str, backend: str, args) -> list[dict]:
-    s = SIZES[size]
-    cfg = model_config(size, backend, args.layers)
-    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
-    from flax import nnx
-
-    graphdef, params = nnx.split(init_sharded(cfg, mesh, seed=0))
-    params = inference_params(params, cfg)  # bf16 weights, as a rollout holds them
-    p = s["prompt_len"]
+    sh = programs.shape(size, backend, args.layers)
+    cfg = sh.cfg
+    mesh = programs.single_device_mesh()
+    # One bf16 copy of the weights, as a rollout holds them (the f32 ones are freed).
+    graphdef, params = programs._sampler_params(sh, mesh, abstract=False)
+    p = sh.prompt_len
     sampler = Sampler(graphdef, params, vocab_size=cfg.vocab_size, prompt_buckets=(p,))
     rs = np.random.RandomState(0)
     rows = []
-    batches = [int(x) for x in args.sampler_batches.split(",") if x] or s["sampler_batches"]
+    batches = [int(x) for x in args.sampler_batches.split(",") if x] or sh.sampler_batches
     for b in batches:
         prompts = rs.randint(1, cfg.vocab_size, (b, p)).tolist()
 
@@ -364,7 +247,7 @@ def bench_sampler(size: str, backend: str, args) -> list[dict]:
                 routing="none",
             ).tokens
 
-        n = args.new_tokens or s["new_tokens"]
+        n = args.new_tokens or sh.new_tokens
         prefill_s, _, _ = timed(lambda: sample(1), reps=args.reps)
         total_s, first, _ = timed(lambda: sample(n), reps=max(1, args.reps // 2))
         decode_s = max(total_s - prefill_s, 1e-9)

@@ -44,6 +44,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from experiments import hlo, programs, targets  # noqa: E402
@@ -104,10 +105,10 @@ class Labeller:
             return "input"
         if tuple(arr.dims) in self.cache_shapes:
             return "KV cache"
-        if hlo._weight_like(arr, self.expert_shapes, self.num_experts):
-            return "dispatch copy of expert weights"
         if tuple(arr.dims) in self.param_shapes:
             return "gradient" if arr.dtype == "f32" else "weights in compute dtype"
+        if hlo._weight_like(arr, self.expert_shapes, self.num_experts):
+            return "dispatch copy of expert weights"
         if self.vocab in arr.dims:
             return "logits"
         return "activation / other"
@@ -131,9 +132,11 @@ def report_one(
     fn, args = programs.program(
         part, sh, mesh, abstract=True, batch=batch, platform=target.platform
     )
+    # A program for a compile-only device cannot be loaded from a persistent compilation
+    # cache (and one that is writes no dump): compile it, with the cache off.
     cache = jax.config.jax_enable_compilation_cache
-    # A program loaded from a persistent compilation cache writes no dump: compile it.
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         with tempfile.TemporaryDirectory() as dump:
             options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
@@ -146,6 +149,7 @@ def report_one(
                     usage = open(os.path.join(dump, f)).read()
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
+        compilation_cache.reset_cache()
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
     peak -= m.alias_size_in_bytes

@@ -460,13 +460,21 @@ def peak_buffers(comps, usage_text: str, classify) -> list[dict]:
     for sl in slots:
         if not sl["arrays"]:
             continue
-        biggest = max((a for _, a in sl["arrays"]), key=lambda a: a.bytes)
+        values = sorted((a for _, a in sl["arrays"]), key=lambda a: -a.bytes)
+        labels, firsts = [], []  # each label once, with its largest array
+        for a in values:
+            label = classify(None, a, False)
+            if label not in labels:
+                labels.append(label)
+                firsts.append(str(a))
         shared = sum(n for n, _ in sl["arrays"])
         rows.append(
             dict(
                 bytes=sl["bytes"],
-                shape=str(biggest),
-                what=classify(None, biggest, False),
+                shape=str(values[0]),
+                what=labels[0],
+                also=labels[1:3],
+                others=firsts[1:3],
                 name=f"heap slot at {sl['offset']}" + (f" ({shared} values)" if shared > 1 else ""),
             )
         )

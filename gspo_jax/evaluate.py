@@ -147,6 +147,9 @@ def main(argv: Sequence[str]) -> None:
         raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
     if not f.checkpoint:
         raise config_lib.ConfigError("--checkpoint is required: a workdir or a HF directory")
+    from gspo_jax.train import claim_device_memory
+
+    claim_device_memory()  # 95% of each GPU for XLA, as in training
     result = evaluate_checkpoint(
         f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
     )

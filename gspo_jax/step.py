@@ -101,8 +101,13 @@ def make_optimizer(
     b1: float,
     b2: float,
     grad_clip: float,
+    mu_dtype: str | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then constant/cosine/linear decay, and global-norm clipping."""
+    """AdamW with linear warmup then constant/cosine/linear decay, and global-norm clipping.
+
+    ``mu_dtype``: the storage dtype of Adam's first moment (None: the parameters'). A
+    bfloat16 first moment halves its memory (10.7 GiB of a 5.8B-parameter model); the
+    second moment and the parameters stay as they are."""
     warmup_steps = max(0, min(warmup_steps, total_steps))
     decay_steps = max(1, total_steps - warmup_steps)
     if schedule == "constant":
@@ -120,7 +125,9 @@ def make_optimizer(
     else:
         sched = after
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+    parts.append(
+        optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay, mu_dtype=mu_dtype or None)
+    )
     return optax.chain(*parts), sched
 
 
