@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -71,7 +72,7 @@ def model_flops(sh: programs.Shape, part: str, batch: int) -> float:
     if part == "train":
         return 6.0 * active * sh.rows * sh.seq_len
     if part == "logprob":
-        return 2.0 * active * sh.rows * sh.seq_len
+        return 2.0 * active * (sh.logprob_rows or sh.rows) * sh.seq_len
     if part == "prefill":  # the head on the last position only
         return 2.0 * (active - head) * batch * sh.prompt_len + 2.0 * head * batch
     if part == "decode":
@@ -94,8 +95,14 @@ class Labeller:
         self.param_shapes = set(param_shapes)
         self.cache_shapes = set(cache_shapes)
 
+    paths: list[str] = []
+
     def __call__(self, name: str | None, arr, is_argument: bool) -> str:
         if is_argument:
+            m = re.fullmatch(r"parameter (\d+)", name or "")
+            if m and int(m.group(1)) < len(self.paths):  # an unnamed parameter: its path
+                name = self.paths[int(m.group(1))]
+            name = re.sub(r"[^a-z_]+", "_", name.lower()).strip("_")
             if name.startswith(("state_opt_state", "opt_state")):
                 return "optimizer state"
             if name.startswith(("state_params", "params", "state__")):
@@ -112,6 +119,21 @@ class Labeller:
         if self.vocab in arr.dims:
             return "logits"
         return "activation / other"
+
+
+def _argument_paths(part: str, args) -> list[str]:
+    """The argument path of each HLO parameter, in parameter order (``state.params...``,
+    as JAX names the parameters it can): JAX passes the flattened arguments in this
+    order."""
+    names = programs.ARG_NAMES[part]
+    if part == "sampler":
+        args = args[1:]  # the graphdef is static
+    out = []
+    for name, arg in zip(names, args):
+        for p, x in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            if hasattr(x, "shape"):
+                out.append(name + jax.tree_util.keystr(p))
+    return out
 
 
 def _abstract_shapes(tree) -> list[tuple[int, ...]]:
@@ -140,7 +162,8 @@ def report_one(
     try:
         with tempfile.TemporaryDirectory() as dump:
             options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-            compiled = fn.lower(*args).compile(options)
+            with jax.set_mesh(mesh):  # as the trainer traces its programs
+                compiled = fn.lower(*args).compile(options)
             compile_s = time.perf_counter() - t0
             text = compiled.as_text()
             usage = ""
@@ -168,6 +191,7 @@ def report_one(
         kv = sh.cfg.num_kv_heads, sh.prompt_len + sh.new_tokens - 1, sh.cfg.head_dim
         b = batch // max(1, mesh.size)
         labeller.cache_shapes |= {(b, kv[0], kv[1], kv[2]), (b, kv[0], kv[2], kv[1])}
+    labeller.paths = _argument_paths(part, args)
     buffers = hlo.peak_buffers(comps, usage, labeller)
     by_what: dict[str, float] = {}
     for b in buffers:
@@ -187,7 +211,13 @@ def report_one(
         mesh=dict(mesh.shape),
         layers=sh.cfg.num_layers,
         moe_backend=sh.cfg.moe_backend,
-        batch=batch if part in ("prefill", "decode", "sampler") else sh.rows,
+        batch=(
+            batch
+            if part in ("prefill", "decode", "sampler")
+            else (sh.logprob_rows or sh.rows)
+            if part == "logprob"
+            else sh.rows
+        ),
         compile_s=round(compile_s, 1),
         memory=dict(
             arguments_gib=m.argument_size_in_bytes / GIB,
@@ -313,6 +343,7 @@ def main(argv=None) -> list[dict]:
         sh = programs.shape(
             args.size, args.backend or "blocked", args.layers, platform=target.platform, **overrides
         )
+    sh = programs.on_mesh(sh, mesh)
     batches = [int(b) for b in args.batches.split(",") if b] or list(sh.sampler_batches)
     rows = []
     print(

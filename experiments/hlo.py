@@ -442,8 +442,11 @@ def entry_arguments(comps: dict[str, Computation]) -> list[tuple[str, Array]]:
     out = []
     for ins in entry(comps).instrs:
         if ins.opcode == "parameter":
+            name = ins.name
+            if re.fullmatch(r"param(\.\d+)?", name):  # unnamed: say its number
+                name = f"parameter {ins.operands[0]}"
             for a in ins.arrays:
-                out.append((ins.name, a))
+                out.append((name, a))
     return out
 
 

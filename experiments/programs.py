@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,14 @@ SIZES = {
 }
 
 PARTS = ("train", "logprob", "prefill", "decode", "sampler")
+# The arguments of each part's program, by name (the sampler's after its graphdef).
+ARG_NAMES = {
+    "train": ("state", "batch", "rng"),
+    "logprob": ("params", "batch"),
+    "prefill": ("params", "tokens", "mask"),
+    "decode": ("params", "cache", "tok", "positions"),
+    "sampler": ("state", "rng", "prompt_tokens", "prompt_mask", "prompt_ids", "live"),
+}
 
 # configs/qwen3_moe_gsm8k.py at Qwen3-30B-A3B's architecture (its config.json's
 # numbers): the per-update mini-batch of 16 prompts x 8 samples in 4 mini-batches.
@@ -132,7 +141,8 @@ FLAGSHIP = dict(
     prompt_len=384,
     response_len=1024,
     micro_batches=1,
-    sampler_batches=(128,),
+    logprob_rows=128,  # the old-policy pass runs over the whole rollout
+    sampler_batches=(128, 512),  # the rollout; the evaluation's 128 prompts x 4 samples
     new_tokens=1024,
 )
 
@@ -149,6 +159,7 @@ class Shape:
     new_tokens: int
     sampler_batches: tuple[int, ...]
     logprob_micro_batches: int = 1
+    logprob_rows: int = 0  # rows of the log-prob pass (0: a mini-batch's, ``rows``)
     mu_dtype: str = "float32"  # Adam's first moment (`step.make_optimizer`)
 
     @property
@@ -202,6 +213,13 @@ def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
     return n
 
 
+def on_mesh(sh: Shape, mesh: Mesh) -> Shape:
+    """``sh`` as the trainer runs it on ``mesh``: each batch shard dispatches its own
+    tokens to the experts (``ModelConfig.moe_groups``, `gspo_jax.train.Trainer`)."""
+    groups = math.prod(mesh.shape[a] for a in batch_axes(mesh))
+    return dataclasses.replace(sh, cfg=sh.cfg.replace(moe_groups=groups))
+
+
 def single_device_mesh(device=None) -> Mesh:
     return Mesh(np.asarray([device or jax.devices()[0]]), ("data",))
 
@@ -232,9 +250,9 @@ def model_params(cfg: ModelConfig, mesh: Mesh, *, abstract: bool):
     return nnx.split(init_sharded(cfg, mesh, seed=0))
 
 
-def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0) -> dict:
+def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0, rows: int = 0) -> dict:
     """A mini-batch in the rollout layout: prompts, responses, masks, advantages."""
-    cfg, n = sh.cfg, sh.rows
+    cfg, n = sh.cfg, rows or sh.rows
     spec = {
         "prompt_tokens": ((n, sh.prompt_len), jnp.int32),
         "prompt_mask": ((n, sh.prompt_len), jnp.bool_),
@@ -273,7 +291,8 @@ def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, par
             micro_batches=sh.logprob_micro_batches,
         )
     )
-    return fn, (params, rollout_batch(sh, mesh, abstract=abstract))
+    rows = sh.logprob_rows or sh.rows
+    return fn, (params, rollout_batch(sh, mesh, abstract=abstract, rows=rows))
 
 
 def make_optimizer(mu_dtype: str = "float32"):

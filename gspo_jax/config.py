@@ -189,6 +189,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.b1 = 0.9
     c.optimizer.b2 = 0.99
     c.optimizer.grad_clip = 1.0
+    # Storage of Adam's first moment: "bfloat16" halves it (docs/memory.md); the second
+    # moment and the master parameters stay in float32.
+    c.optimizer.mu_dtype = "float32"
 
     # Supervised warm start on generated solutions (0 steps = skip).
     c.sft = ml_collections.ConfigDict()
@@ -590,6 +593,7 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
     _finite(c, "optimizer.b1", low=0, high=1, high_open=True)
     _finite(c, "optimizer.b2", low=0, high=1, high_open=True)
     _finite(c, "optimizer.grad_clip", low=0, low_open=True, why=" (clipping is always on)")
+    _str(c, "optimizer.mu_dtype", choices=("float32", "bfloat16"))
 
     _int(c, "sft.steps", low=0)
     _int(c, "sft.batch_size", low=1)
@@ -957,6 +961,7 @@ def validate(
     optimizer.b1, optimizer.b2                             finite in [0, 1)
     optimizer.grad_clip                                    finite > 0: clipping is always on
                                                            (a large value makes it a no-op)
+    optimizer.mu_dtype                                     float32, bfloat16
     sft.batch_size                                         int >= 1; divisible by data*fsdp
     =====================================================  ==================================
     """

@@ -344,6 +344,9 @@ class Trainer:
             c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
         )
         self.mesh = make_mesh(mesh_shape)
+        # The run's mesh for every program it traces: the layers that must constrain
+        # an activation's sharding read it (cuDNN attention, `layers._rows_sharded`).
+        jax.set_mesh(self.mesh)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
         difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
@@ -940,6 +943,7 @@ class RLPhase:
             b1=c.optimizer.b1,
             b2=c.optimizer.b2,
             grad_clip=c.optimizer.grad_clip,
+            mu_dtype=c.optimizer.mu_dtype,
         )
         # The reference policy is where RL starts; copied, as the state is donated, and
         # held in the compute dtype (the same logits; docs/memory.md).

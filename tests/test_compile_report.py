@@ -171,3 +171,25 @@ def test_benchmark_train_step_fits_an_h200(h200):
     r = compile_report.report_one("train", sh, h200, mesh, batch=0, mem_fraction=0.95, top=5)
     assert r["memory"]["fraction_of_usable"] <= 0.90, compile_report.render(r)
     assert np.isclose(sh.cfg.num_params() / 1e9, 5.76, atol=0.01)
+
+
+def test_fsdp_train_step_compiles_for_four_gpus(h200):
+    """The tiny model's train step with FSDP over four compile-only H200s: the arguments
+    are named by their path and sharded four ways, and cuDNN's attention partitioner gets
+    q, k and v sharded by rows (2 KV heads, and 2 rows per micro-batch, do not divide
+    over 4 devices; without the trainer's mesh the partitioner refuses what sharding
+    propagation gives it, as it refused Qwen3-30B-A3B's on 8 GPUs)."""
+    gpus = targets.compile_devices("h200x4")
+    mesh = compile_report.mesh_for(gpus, None)  # fsdp over every device
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
+    sh = programs.on_mesh(programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16"), mesh)
+    assert sh.cfg.moe_groups == 4 and sh.cfg.attention_impl == "cudnn"
+    r = compile_report.report_one("train", sh, gpus, mesh, batch=0, mem_fraction=0.95, top=10_000)
+    args = [b for b in r["largest_buffers"] if not b["name"].startswith("heap slot")]
+    params = sum(b["bytes"] for b in args if b["what"] == "parameter")
+    assert 4 * sh.cfg.num_params() / 4 <= params < 4 * sh.cfg.num_params() / 2  # mostly 1/4 each
+    assert r["devices"] == 4
+
+    fn, fargs = programs.train_program(sh, mesh, abstract=True)
+    with pytest.raises(Exception, match="custom_partitioner"):
+        fn.lower(*fargs).compile()  # no mesh set: cuDNN's partitioner refuses the shardings

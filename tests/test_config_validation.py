@@ -88,6 +88,7 @@ def _is_number(v):
         ("optimizer.grad_clip", 0.0),  # used to turn clipping off silently
         ("optimizer.grad_clip", -1.0),
         ("optimizer.grad_clip", INF),
+        ("optimizer.mu_dtype", "float16"),
         ("total_rl_steps", -1),
         ("sft.steps", -1),
         ("optimizer.warmup_steps", -1),

@@ -147,6 +147,32 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     assert d[0] > 0.1 and np.all(d[1:] < 0), d
 
 
+def test_bfloat16_first_moment(setup):
+    """optimizer.mu_dtype: Adam's first moment stored in bf16 (the parameters and the second
+    moment stay f32); the update is the f32-moment one to bf16's rounding."""
+    graphdef, params, batch = setup
+    b = dict(batch, old_logp=step.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    cfg = step.StepConfig(objective="grpo", hparams=(("kl_coef", 0.0),))
+    out = {}
+    for mu in ("float32", "bfloat16"):
+        opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
+                                         end_lr_ratio=1.0, weight_decay=0.0, b1=0.9, b2=0.99,
+                                         grad_clip=1.0, mu_dtype=mu)
+        fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
+        state = step.TrainState.create(params, opt.init(params))
+        for _ in range(2):
+            state, _ = fn(state, b, jax.random.key(0))
+        adam = state.opt_state[1][0]
+        assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(mu)}
+        assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype("float32")}
+        out[mu] = state.params
+    for a, c in zip(jax.tree.leaves(out["float32"]), jax.tree.leaves(out["bfloat16"])):
+        assert a.dtype == c.dtype == jnp.float32
+        # Two steps of lr 1e-2 move a weight by at most 2e-2; bf16's rounding of m
+        # (2^-8 relative) changes that by at most 2e-2 * 2^-8.
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), atol=2e-2 * 2**-8, rtol=0)
+
+
 def test_non_finite_loss_skips_update(setup):
     graphdef, params, batch = setup
     bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))

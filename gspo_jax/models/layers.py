@@ -120,6 +120,27 @@ def attention_implementation(cfg: ModelConfig, dtype) -> str:
     return "cudnn" if ok else "xla"
 
 
+def _rows_sharded(cfg: ModelConfig, *xs):
+    """``xs`` constrained to the rows' sharding (the config's 'batch' rule) and
+    replicated on every other axis, under a mesh set with `jax.set_mesh`; unchanged
+    without one. cuDNN's attention partitioner refuses q, k and v sharded unlike
+    ("Query, key and value should have same sharding"), which is what sharding
+    propagation gives under FSDP when the KV heads do not divide over the devices
+    (Qwen3-30B-A3B's 4 over 8 GPUs: experiments/compile_report.py)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return xs
+    from gspo_jax.models.sharding import logical_to_mesh_spec
+
+    def one(x):
+        names = ("batch",) + (None,) * (x.ndim - 1)
+        return jax.lax.with_sharding_constraint(
+            x, logical_to_mesh_spec(names, x.shape, cfg.axis_rules, mesh)
+        )
+
+    return tuple(one(x) for x in xs)
+
+
 def _pad_to_even(q, k, v, mask):
     """One more position on q, k, v [B, T, N, hd] and the mask [B, 1, T, T] when T is
     odd (cuDNN's backward with a mask needs even lengths): the new key is visible to
@@ -233,7 +254,7 @@ class Attention(nnx.Module):
             impl = attention_implementation(cfg, dt)
             qkvm = (q, k, v, mask[:, None])
             if impl == "cudnn":
-                qkvm = _pad_to_even(*qkvm)
+                qkvm = _pad_to_even(*_rows_sharded(cfg, *qkvm))
             out = jax.nn.dot_product_attention(
                 *qkvm[:3],
                 mask=qkvm[3],
