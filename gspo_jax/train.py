@@ -115,6 +115,25 @@ def claim_device_memory() -> str | None:
     )
 
 
+def on_mesh(fn, mesh: Mesh):
+    """``fn`` (jit-compiled) called, and so traced, with ``mesh`` set (`jax.set_mesh`):
+    the model's full forward reads it to shard cuDNN attention's inputs by rows
+    (`gspo_jax.models.layers._rows_sharded`). Only the programs are traced under it:
+    creating parameters under a mesh would read their logical axis names as mesh axes."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    def lower(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args, **kwargs)
+
+    call.lower = lower
+    return call
+
+
 def maybe_initialize_distributed(d: ml_collections.ConfigDict) -> bool:
     """Start multi-process JAX (`jax.distributed.initialize`) where the run has several
     processes; call before anything touches a device. ``d``: the config's
@@ -344,9 +363,6 @@ class Trainer:
             c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
         )
         self.mesh = make_mesh(mesh_shape)
-        # The run's mesh for every program it traces: the layers that must constrain
-        # an activation's sharding read it (cuDNN attention, `layers._rows_sharded`).
-        jax.set_mesh(self.mesh)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
         difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
@@ -467,12 +483,13 @@ class Trainer:
         state's shardings kept and the state donated (:func:`gspo_jax.step.train_step`,
         :func:`gspo_jax.step.sft_step`)."""
         shardings = self._state_shardings(state)
-        return jax.jit(
+        jitted = jax.jit(
             functools.partial(fn, graphdef=self.graphdef, **static),
             in_shardings=(shardings, None, None),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
+        return on_mesh(jitted, self.mesh)
 
     # ---- supervised warm start --------------------------------------------
 
@@ -968,10 +985,15 @@ class RLPhase:
         )
         # The old policy's pass replays the sampler's routing under R3; the reference
         # policy's always routes freely (it is pi_ref, not pi_ref under pi's routing).
-        self.logp_fn = jax.jit(
-            functools.partial(logp_pass, replay_key="replay_r3" if replay == "R3" else None)
+        self.logp_fn = on_mesh(
+            jax.jit(
+                functools.partial(logp_pass, replay_key="replay_r3" if replay == "R3" else None)
+            ),
+            trainer.mesh,
         )
-        self.ref_logp_fn = jax.jit(functools.partial(logp_pass, replay_key=None))
+        self.ref_logp_fn = on_mesh(
+            jax.jit(functools.partial(logp_pass, replay_key=None)), trainer.mesh
+        )
         self.gae_fn = jax.jit(
             functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam))
         )
