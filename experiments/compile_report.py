@@ -137,7 +137,13 @@ def _argument_paths(part: str, args) -> list[str]:
 
 
 def _abstract_shapes(tree) -> list[tuple[int, ...]]:
-    return [tuple(x.shape) for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
+    """Each array's shape on one device (its shard), as the per-device program holds it."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "shape"):
+            sharding = getattr(x, "sharding", None)
+            out.append(tuple(sharding.shard_shape(x.shape) if sharding else x.shape))
+    return out
 
 
 def report_one(
