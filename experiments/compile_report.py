@@ -239,7 +239,9 @@ def report_one(
         inventory=inv,
         matmul_tflop_hlo=hlo_flops / 1e12,
         matmul_tflop_model=flops_model / 1e12,
-        hlo_over_model=hlo_flops / flops_model if flops_model and not unknown else None,
+        hlo_over_model=(
+            hlo_flops / flops_model if flops_model and hlo_flops and not unknown else None
+        ),
         unknown_trip_counts=len(unknown),
     )
 
@@ -288,7 +290,12 @@ def render(r: dict) -> str:
         + (", ".join(f"{k} x{v:g}" for k, v in inv["custom_calls"].items()) or "none")
     )
     ratio = r["hlo_over_model"]
-    if r["unknown_trip_counts"]:
+    if r["matmul_tflop_hlo"] == 0:
+        lines.append(
+            "matmul FLOPs: no dot or GEMM call found: this reader does not parse the "
+            "backend's form of a matmul (XLA:TPU writes them as convolutions)"
+        )
+    elif r["unknown_trip_counts"]:
         lines.append(
             f"matmul FLOPs per device: program {r['matmul_tflop_hlo']:.2f} TFLOP with "
             f"{r['unknown_trip_counts']} loop(s) of unknown trip count counted once (the "
