@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.sharding import logical_to_mesh_spec
 
 # Finite "minus infinity" for masked attention scores: a row with no valid key
 # gives a finite (uniform) softmax instead of NaN.
@@ -130,7 +131,6 @@ def _rows_sharded(cfg: ModelConfig, *xs):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return xs
-    from gspo_jax.models.sharding import logical_to_mesh_spec
 
     def one(x):
         names = ("batch",) + (None,) * (x.ndim - 1)
