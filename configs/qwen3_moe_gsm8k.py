@@ -14,16 +14,21 @@ with the paper's clip range for long responses), ``replay`` (none | R2 | R3),
 ``smoke``. The mesh shards parameters over fsdp (all devices) and experts over
 ``expert``; change ``--config.mesh.*`` for a pod, e.g. data=4, fsdp=-1, expert=8.
 
-Memory (docs/memory.md, ``python -m experiments.memory_budget``): sized for one node
-of 8x H100 80GB, where f32 parameters and AdamW moments with one f32 gradient take
-56.9 GiB of each GPU. Hence no gradient accumulation (``micro_batches=1``: an
-accumulator would add 14.2 GiB), 16 prompts x 8 samples in 4 mini-batches (4 rows of
-P + T - 1 = 1407 tokens per GPU per update), remat 'full', logits in chunks of 128
-positions, cuDNN flash attention and 128 held-out prompts; the train step peaks near
-65 of the 75.7 GiB XLA may take with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` (set it:
-the default is 0.75). A KL term (``objective=grpo``) adds a 7.1 GiB reference copy: it does not fit
-one node. On TPU the attention is XLA's; a v5p-8 (4 chips) cannot hold the f32 state
-(114 GiB per chip), a v5p-16 (8 chips) runs this config as it is.
+Memory (docs/memory.md, compiled for the devices by ``python -m
+experiments.compile_report --size flagship``): sized for one node of 8x H100 80GB, where
+f32 parameters and AdamW moments with one f32 gradient take 56.9 GiB of each GPU. Hence
+no gradient accumulation (``micro_batches=1``: an accumulator would add 14.2 GiB), 16
+prompts x 8 samples in 4 mini-batches (4 rows of P + T - 1 = 1407 tokens per GPU per
+update), remat 'full', logits in chunks of 128 positions, cuDNN flash attention, 128
+held-out prompts, the 'blocked' dispatch in blocks of 512 rows and Adam's first moment
+in bf16: the train step's compiled peak is 63.3 of the 75.2 GiB of an H100 that XLA may
+take at ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` (the trainer sets it), 70.4 with an f32
+first moment. The 'ragged' dispatch does not fit (XLA's GPU lowering of ``ragged_dot``
+computes every expert: 166 GiB per GPU) and does not compile for a TPU with the rows
+split over devices. A KL term (``objective=grpo``) adds a 7.1 GiB reference copy: it
+does not fit one node. On TPU the attention is XLA's; a v5p-8 (4 chips) cannot hold the
+f32 state (114 GiB per chip), a v5p-16 (8 chips) runs this config (76.2 GiB per chip
+with an f32 first moment, of 90.2).
 """
 
 from gspo_jax import config as config_lib
@@ -52,7 +57,10 @@ def get_config(arg: str | None = None):
     c.tokenizer = c.model.pretrained  # tokenizer.json beside the weights
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
-    c.model.moe_backend = "ragged"  # grouped matmul on GPU/TPU
+    # Each block of 512 rows gathers its expert's weights once (docs/memory.md). 'ragged'
+    # would read them in place, but XLA lowers it densely on a GPU.
+    c.model.moe_backend = "blocked"
+    c.model.moe_block_size = 512
     c.model.remat_policy = "full"  # keeps 4 KiB per token per layer (docs/memory.md)
     c.model.attention_impl = "auto"  # cuDNN flash attention on GPU, XLA elsewhere
     c.model.logits_chunk_size = 128  # [rows, 128, 151936] f32 logits at a time
@@ -72,6 +80,7 @@ def get_config(arg: str | None = None):
     c.optimizer.lr = 1e-6
     c.optimizer.warmup_steps = 10
     c.optimizer.weight_decay = 0.01
+    c.optimizer.mu_dtype = "bfloat16"  # 7.1 GiB less per GPU; v and the weights stay f32
     c.sft.steps = 0  # the checkpoint is already an instruction model
     c.total_rl_steps = 500
     c.eval_every = 20

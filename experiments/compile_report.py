@@ -217,6 +217,8 @@ def report_one(
         mesh=dict(mesh.shape),
         layers=sh.cfg.num_layers,
         moe_backend=sh.cfg.moe_backend,
+        moe_block_size=sh.cfg.moe_block_size,
+        mu_dtype=sh.mu_dtype,
         batch=(
             batch
             if part in ("prefill", "decode", "sampler")

@@ -79,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype
     c.model.param_dtype = "float32"
     c.model.moe_backend = "blocked"  # 'blocked' (CPU), 'ragged' (TPU/GPU grouped matmul), 'dense'
+    # Rows per block of the 'blocked' dispatch (an upper bound): each block gathers its
+    # expert's weights, so larger blocks copy less (512 on a GPU or TPU: docs/memory.md).
+    c.model.moe_block_size = 64
     c.model.scan_layers = True
     # Rematerialisation of each layer group's activations in the backward pass:
     # none, full, dots, dots_no_batch, dots_no_scores (docs/memory.md).
@@ -629,6 +632,7 @@ MODEL_RUNTIME_FIELDS = (
     "dtype",
     "param_dtype",
     "moe_backend",
+    "moe_block_size",
     "scan_layers",
     "remat_policy",
     "attention_impl",
@@ -637,7 +641,7 @@ MODEL_RUNTIME_FIELDS = (
 # ModelConfig fields without a default: an initialised model needs them.
 _MODEL_REQUIRED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads")
 _MODEL_REQUIRED += ("head_dim", "d_ff")
-_MODEL_POSITIVE_INTS = _MODEL_REQUIRED[1:] + ("moe_every", "moe_block_size")
+_MODEL_POSITIVE_INTS = _MODEL_REQUIRED[1:] + ("moe_every",)
 _MODEL_NONNEGATIVE_INTS = ("vocab_size", "moe_d_ff", "num_experts", "top_k", "first_dense_layers")
 # Derived by train.model_config from the tokenizer (the padding rows of a vocab_size
 # larger than the tokenizer's); set here it could mask real tokens.
@@ -661,6 +665,7 @@ def _check_model_runtime(c: ml_collections.ConfigDict) -> None:
     _str(c, "model.attention_impl", choices=ATTENTION_IMPLS)
     _bool(c, "model.scan_layers")
     _int(c, "model.logits_chunk_size", low=0, why=" (0 = off)")
+    _int(c, "model.moe_block_size", low=1)
     if c.model.attention_impl == "cudnn" and c.model.dtype == "float32":
         raise _err(
             "model.attention_impl",
@@ -902,12 +907,12 @@ def validate(
     model.attention_impl                                   auto, xla, cudnn (cudnn: a
                                                            bf16/f16 model.dtype)
     model.logits_chunk_size                                int >= 0 (0 = off)
+    model.moe_block_size                                   int >= 1
     model.scan_layers                                      bool
     model.fields.vocab_size                                int >= 0 (0 = the tokenizer's;
                                                            >= the tokenizer's)
     model.fields.d_model, num_layers, num_heads,           int >= 1
-    num_kv_heads, head_dim, d_ff, moe_every,
-    moe_block_size
+    num_kv_heads, head_dim, d_ff, moe_every
     model.fields.num_experts, top_k, moe_d_ff,             int >= 0; with num_experts > 0:
     first_dense_layers                                     top_k in [1, num_experts],
                                                            moe_d_ff >= 1

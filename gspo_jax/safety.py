@@ -47,6 +47,7 @@ RESUMABLE_FIELDS = (
     "task.eval_pass_k",
     "mesh.*",
     "model.moe_backend",
+    "model.moe_block_size",  # how the blocked dispatch lays out its rows, not what it computes
     "model.remat_policy",
     # How logits and attention are computed, not what: chunking changes no number, the
     # attention kernel only rounding (as a change of hardware would).

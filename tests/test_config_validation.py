@@ -280,7 +280,6 @@ def test_every_string_field_refuses_a_non_string(path):
         ("moe_every", 0, 2),
         ("moe_every", 1.5, 1),
         ("first_dense_layers", -1, 1),
-        ("moe_block_size", 0, 16),
         ("rope_theta", INF, 1e6),
         ("rope_theta", 0.0, 500.0),
         ("norm_eps", NAN, 1e-5),
@@ -313,7 +312,6 @@ def test_the_sweep_covers_every_model_config_field():
     checked = {
         "moe_every",
         "first_dense_layers",
-        "moe_block_size",
         "rope_theta",
         "norm_eps",
         "init_std",
@@ -342,6 +340,26 @@ def test_model_fields_keys():
     c = _smoke()
     c.model.fields.dtype = "bfloat16"  # train.model_config would overwrite it
     assert "config.model.dtype" in _raises(c, "model.fields.dtype")
+
+
+def test_moe_block_size_is_a_runtime_setting():
+    """config.model.moe_block_size reaches initialised and pretrained models alike (it
+    lays out the blocked dispatch's rows, changing no number): checked there, refused in
+    model.fields, resumable."""
+    c = _smoke()
+    c.model.moe_block_size = 512
+    config_lib.validate(c, 8)
+    assert config_lib.model_config(c, 64).moe_block_size == 512
+    c.model.moe_block_size = 0
+    _raises(c, "model.moe_block_size")
+    c = _smoke()
+    c.model.fields.moe_block_size = 512
+    assert "config.model.moe_block_size" in _raises(c, "model.fields.moe_block_size")
+    from gspo_jax import safety
+
+    assert safety.config_differences(
+        {"model": {"moe_block_size": 64}}, {"model": {"moe_block_size": 512}}
+    ) == []
 
 
 def test_model_runtime_memory_fields():

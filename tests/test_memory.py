@@ -310,3 +310,42 @@ def test_flagship_config_is_the_budgeted_one_and_fits():
     assert c.task.eval_size == run.eval_size and c.task.eval_samples == run.eval_samples
     assert c.objective.hparams.kl_coef == 0 and not run.kl
     assert max(budget.phases().values()) <= 0.9 * budget.hw.budget
+
+
+def test_flagship_config_is_the_compiled_one_and_fits():
+    """configs/qwen3_moe_gsm8k.py is the program `experiments/compile_report.py --size
+    flagship` compiles, and its committed report for one 8x H100 node (the config's
+    dispatch, block size and first-moment dtype) is within 90% of what XLA may use."""
+    import json
+    import os
+
+    from experiments import programs
+
+    c = qwen3_moe_gsm8k.get_config("ckpt=/ckpt")
+    sh = programs.FLAGSHIP
+    m = sh["model"]
+    assert (c.model.remat_policy, c.model.logits_chunk_size) == (
+        m["remat_policy"],
+        m["logits_chunk_size"],
+    )
+    assert (c.model.dtype, c.model.param_dtype) == (m["dtype"], m["param_dtype"])
+    rows = c.rollout.prompts_per_step * c.rollout.group_size
+    assert sh["rows"] == rows // c.updates.num_minibatches and sh["logprob_rows"] == rows
+    assert c.updates.micro_batches == sh["micro_batches"] == 1
+    assert (sh["prompt_len"], sh["response_len"]) == (
+        c.rollout.max_prompt_len,
+        c.rollout.max_new_tokens,
+    )
+    assert (c.model.moe_backend, c.model.moe_block_size, c.optimizer.mu_dtype) == (
+        "blocked",
+        512,
+        "bfloat16",
+    )
+    path = os.path.join(
+        os.path.dirname(__file__),
+        "..",
+        "experiments/accelerator/compile/flagship_h100x8_blocked512_mubf16.json",
+    )
+    (train,) = json.load(open(path))["rows"]
+    assert train["part"] == "train" and train["devices"] == 8 and train["moe_backend"] == "blocked"
+    assert train["memory"]["fraction_of_usable"] <= 0.9
