@@ -385,7 +385,7 @@ def prefill_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool):
         positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
         cache = model.init_cache(tokens.shape[0], max_len)
         logits, aux, cache = model.decode(
-            tokens, cache, positions=positions, attn_mask=mask, last_only=True
+            tokens, cache, positions=positions, attn_mask=mask, last_only=True, prefill=True
         )
         return logits, aux.topk_indices, cache
 

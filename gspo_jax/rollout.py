@@ -453,6 +453,7 @@ def _generate(
         attn_mask=prompt_mask,
         last_only=True,
         router_noise=router_noise(prompt_keys, positions),
+        prefill=True,
     )
     cache = _repeat_rows(cache, G)
     cache = cache.replace(

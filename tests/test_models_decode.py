@@ -127,3 +127,39 @@ def test_router_noise_is_added_to_the_router_logits():
   with pytest.raises(ValueError, match="router_noise"):
     model.decode(tokens, model.init_cache(*tokens.shape), positions=pos,
                  router_noise=jnp.zeros(shape[:-1] + (cfg.num_experts + 1,)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_into_an_empty_cache_skips_its_slots(dtype):
+  """decode(prefill=True) attends among the new tokens only: the same logits and the
+  same cached keys and values at every real token as attending to the empty slots too
+  (they get probability 0), bitwise; and a cache that holds tokens is refused."""
+  model = _model(dtype=dtype)
+  tokens, mask, pos = _inputs()
+  graphdef, state = nnx.split(model)
+
+  def prefill(flag):
+    @jax.jit
+    def run(state):
+      mdl = nnx.merge(graphdef, state)
+      cache = mdl.init_cache(tokens.shape[0], tokens.shape[1] + 6)
+      return mdl.decode(tokens, cache, positions=pos, attn_mask=mask, prefill=flag)
+    return run(state)
+
+  (l_all, aux_all, c_all), (l_new, aux_new, c_new) = prefill(False), prefill(True)
+  m = np.asarray(mask, bool)
+  np.testing.assert_array_equal(np.asarray(l_new)[m], np.asarray(l_all)[m])
+  np.testing.assert_array_equal(np.asarray(aux_new.topk_indices)[m],
+                                np.asarray(aux_all.topk_indices)[m])
+  for a, b in zip(c_new.v + c_new.k, c_all.v + c_all.k):  # [B, KV, S, hd] / [B, KV, hd, S]
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    slots = np.zeros(c_all.valid.shape, bool)
+    slots[:, : tokens.shape[1]] = m
+    if a.shape[2] == slots.shape[1]:  # values: slots on axis 2
+      np.testing.assert_array_equal(a.transpose(0, 2, 1, 3)[slots], b.transpose(0, 2, 1, 3)[slots])
+    else:  # keys: slots on axis 3
+      np.testing.assert_array_equal(a.transpose(0, 3, 1, 2)[slots], b.transpose(0, 3, 1, 2)[slots])
+  full = model.init_cache(2, 20)
+  _, _, full = model.decode(tokens, full, positions=pos, attn_mask=mask)
+  with pytest.raises(ValueError, match="already holds 9 tokens"):
+    model.decode(tokens, full, positions=pos, attn_mask=mask, prefill=True)

@@ -203,7 +203,8 @@ class Attention(nnx.Module):
         With cache = (k_layers, v_layers, layer, cache_mask): the KV cache of every
         layer (sequences of arrays holding earlier tokens, in the cache's dtype:
         keys [B, KV, hd, S], values [B, KV, S, hd]), this layer's index (a Python int, or an int32 scalar inside
-        a scan over layers) and cache_mask bool[B, T, S].  The queries attend to
+        a scan over layers) and cache_mask bool[B, T, S] (None: the cache is empty,
+        and the new tokens attend among themselves only).  The queries attend to
         the S cached slots and the T new tokens at once, one softmax over S + T
         scores:
 
@@ -294,6 +295,10 @@ class Attention(nnx.Module):
             return jnp.einsum("bkgts,bksh->bkgth", p.astype(dt), values.astype(dt))
 
         s_new = scores(k, mask)
+        if cache_mask is None:  # an empty cache (`Transformer.decode(prefill=True)`)
+            out = mix(jax.nn.softmax(s_new, axis=-1), v)
+            out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, cfg.head_dim)
+            return out, k.swapaxes(2, 3), v
 
         def attend(j):  # this layer's queries over layer j's cache + the new tokens
             kc, vc = k_layers[j], v_layers[j]  # [B, KV, hd, S], [B, KV, S, hd]

@@ -283,7 +283,14 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ core
     def _run(
-        self, tokens, positions, attn_mask, replay, cache: Optional[KVCache], router_noise=None
+        self,
+        tokens,
+        positions,
+        attn_mask,
+        replay,
+        cache: Optional[KVCache],
+        router_noise=None,
+        prefill: bool = False,
     ):
         cfg = self.cfg
         self._check_inputs(tokens, positions, attn_mask, replay, router_noise)
@@ -303,6 +310,8 @@ class Transformer(nnx.Module):
             # it holds a real token.  The new tokens' keys go to [index, index + T).
             kc, vc = tuple(cache.k), tuple(cache.v)
             cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
+            if prefill:  # an empty cache: nothing to attend to but the new tokens
+                cache_mask = None
             valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
         # Per-MoE-layer inputs, leading L: (replay [L, B, T, K], noise [L, B, T, E]).
         per_layer = lambda a, dtype: None if a is None else jnp.moveaxis(a.astype(dtype), 2, 0)
@@ -559,6 +568,7 @@ class Transformer(nnx.Module):
         replay=None,
         last_only: bool = False,
         router_noise=None,
+        prefill: bool = False,
     ):
         """Write tokens [B, T'] at cache slots [index, index + T') and attend causally
         to all valid slots.  T' = prompt length for prefill, 1 for a step.
@@ -575,6 +585,13 @@ class Transformer(nnx.Module):
             records the noisy logits and choices.
           last_only: return the logits of the last position only (what a sampler
             needs after a prefill): the [B, T', V] projection is skipped.
+          prefill: the cache is empty (fresh from `init_cache`): the tokens attend
+            among themselves only, not to its S empty slots as well. The same outputs
+            at every real token, bitwise; the scores are [T', T'] instead of
+            [T', S + T'] (the H200 benchmark's 12-layer prefill of 1024 prompts of 128
+            tokens into 1,279 slots: 71.0 -> 63.2 GiB by the compile report). A cache
+            that holds tokens is refused where its index is known; under jit the caller
+            vouches for it.
 
         The caller keeps index + T' <= max_len (not checkable under jit:
         `dynamic_update_slice` would clamp the write).
@@ -616,7 +633,14 @@ class Transformer(nnx.Module):
             )
         if positions is None:
             raise ValueError("positions: decode needs explicit positions int32[B, T']")
-        h, aux, cache = self._run(tokens, positions, attn_mask, replay, cache, router_noise)
+        if prefill and not isinstance(cache.index, jax.core.Tracer) and int(cache.index) != 0:
+            raise ValueError(
+                f"prefill: the cache already holds {int(cache.index)} tokens; prefill=True "
+                "is for an empty cache"
+            )
+        h, aux, cache = self._run(
+            tokens, positions, attn_mask, replay, cache, router_noise, prefill=prefill
+        )
         if last_only:
             h = h[:, -1:]
         return self.logits(h), aux, cache
