@@ -19,8 +19,8 @@ devices; TPU slices through libtpu) and prints for each program:
 * an op inventory: gathers and scatters that move expert-weight-shaped arrays (bytes
   per call of the program), dense expansions of ``ragged_dot``, f32 matmuls with a
   vocabulary-sized dimension, custom calls;
-* matmul FLOPs of the optimised program (every dot and cuBLAS GEMM, through loop trip
-  counts) against the model's: 2 x active matmul parameters per token forward, 6 x for
+* matmul FLOPs of the optimised program (every dot, cuBLAS GEMM and, on a TPU,
+  convolution, through loop trip counts) against the model's: 2 x active matmul parameters per token forward, 6 x for
   a train step (attention's products run in cuDNN's custom calls and are not in
   either figure).
 
@@ -293,10 +293,7 @@ def render(r: dict) -> str:
     )
     ratio = r["hlo_over_model"]
     if r["matmul_tflop_hlo"] == 0:
-        lines.append(
-            "matmul FLOPs: no dot or GEMM call found: this reader does not parse the "
-            "backend's form of a matmul (XLA:TPU writes them as convolutions)"
-        )
+        lines.append("matmul FLOPs: no dot, GEMM call or convolution found in the program")
     elif r["unknown_trip_counts"]:
         lines.append(
             f"matmul FLOPs per device: program {r['matmul_tflop_hlo']:.2f} TFLOP with "

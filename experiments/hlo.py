@@ -218,6 +218,59 @@ def trip_count(instr: Instr) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _constant(comp: Computation, name: str, depth: int = 0) -> int | None:
+    """The integer value of a scalar ``constant`` instruction of ``comp`` (through
+    copies and bitcasts), else None."""
+    for i in comp.instrs:
+        if i.name != name:
+            continue
+        if i.opcode == "constant":
+            try:
+                return int(i.operands[0])
+            except (IndexError, ValueError):
+                return None
+        if i.opcode in ("copy", "bitcast") and i.operands and depth < 8:
+            return _constant(comp, i.operands[0], depth + 1)
+    return None
+
+
+def inferred_trip_count(comps: dict[str, Computation], loop: Instr) -> int | None:
+    """The trip count of a while loop whose backend gives none (XLA:TPU), read from its
+    program: a condition ``ROOT compare(gte(param, k), constant(C)), direction=LT`` and
+    an initial tuple whose element k is the constant 0; its body must add 1 to element
+    k (JAX's scans and fori_loops). None when any of these is not so."""
+    cond = comps.get((re.search(r"\bcondition=%?([\w.\-]+)", loop.attrs) or [None, ""])[1])
+    body = comps.get((re.search(r"\bbody=%?([\w.\-]+)", loop.attrs) or [None, ""])[1])
+    parent = comps.get(loop.computation)
+    if not (cond and body and parent and cond.instrs):
+        return None
+    root = next((i for i in cond.instrs if i.opcode == "compare"), None)
+    if root is None or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    gte = next((i for i in cond.instrs if i.name == root.operands[0]), None)
+    limit = _constant(cond, root.operands[1])
+    m = re.search(r"index=(\d+)", gte.attrs) if gte is not None else None
+    if limit is None or gte is None or gte.opcode != "get-tuple-element" or not m:
+        return None
+    k = int(m.group(1))
+    init = next((i for i in parent.instrs if i.name == loop.operands[0]), None)
+    if init is None or init.opcode != "tuple" or k >= len(init.operands):
+        return None
+    if _constant(parent, init.operands[k]) != 0:
+        return None
+    # The body's output tuple at k: add(gte(param, k), constant(1)).
+    out = next((i for i in body.instrs if i.opcode == "tuple" and "ROOT" in i.attrs), None)
+    out = out or next((i for i in reversed(body.instrs) if i.opcode == "tuple"), None)
+    if out is None or k >= len(out.operands):
+        return None
+    step = next((i for i in body.instrs if i.name == out.operands[k]), None)
+    if step is None or step.opcode != "add":
+        return None
+    if 1 not in [_constant(body, o) for o in step.operands]:
+        return None
+    return limit
+
+
 def _callees(instr: Instr) -> list[tuple[str, str]]:
     """(computation, role) pairs this instruction calls."""
     out = []
@@ -248,6 +301,8 @@ def execution_counts(comps: dict[str, Computation]) -> tuple[dict[str, float], l
                 mult = 1.0
                 if ins.opcode == "while" and role in ("body", "condition"):
                     t = trip_count(ins)
+                    if t is None:
+                        t = inferred_trip_count(comps, ins)
                     if t is None:
                         unknown.append(ins.name)
                         t = 1
@@ -310,12 +365,21 @@ def matmuls(comps: dict[str, Computation], counts: dict[str, float]) -> list[Mat
                 kind, lc = "gemm", _json_dims(ins.attrs, "lhs_contracting_dimensions")
             elif ins.opcode == "ragged-dot":
                 kind, lc = "ragged-dot", _dims_attr(ins.attrs, "lhs_contracting_dims")
+            elif ins.opcode == "convolution":  # XLA:TPU's form of a dot
+                kind, lc = "convolution", []
             if kind is None:
                 continue
             lhs = (_operand_arrays(comp, ins, 0) or [None])[0]
             rhs = (_operand_arrays(comp, ins, 1) or [None])[0]
             res = (ins.arrays or [None])[0]
             k = math.prod(lhs.dims[d] for d in lc) if lhs is not None and lc else 1
+            if kind == "convolution":
+                # Each output element sums over the kernel's input features and window:
+                # the rhs dims labelled 'i' or a digit in dim_labels=<lhs>_<rhs>-><out>.
+                m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+                if m is None or rhs is None or len(m.group(1)) != len(rhs.dims):
+                    continue
+                k = math.prod(n for c, n in zip(m.group(1), rhs.dims) if c == "i" or c.isdigit())
             flops = 2.0 * (math.prod(res.dims) if res else 0) * k
             out.append(Matmul(ins.name, comp.name, kind, lhs, rhs, res, flops, n, ins.op_name))
     return out

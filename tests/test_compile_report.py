@@ -193,3 +193,22 @@ def test_fsdp_train_step_compiles_for_four_gpus(h200):
     fn, fargs = programs.train_program(sh, mesh, abstract=True)
     with pytest.raises(Exception, match="custom_partitioner"):
         fn.lower(*fargs).compile()  # no mesh set: cuDNN's partitioner refuses the shardings
+
+
+def test_tpu_matmul_flops_through_an_inferred_trip_count():
+    """XLA:TPU writes a dot as a convolution and gives no trip count: the FLOPs come from
+    the convolution's kernel dims and the loop's own condition (i < 3, from 0, step 1)."""
+    try:
+        tpu = targets.compile_devices("v5e:2x2")
+    except targets.TargetUnavailable as e:
+        pytest.skip(str(e))
+
+    def looped(x, w):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
+
+    _, comps, counts, unknown = _compile(
+        looped, ((256, 512), jnp.bfloat16), ((512, 512), jnp.bfloat16), device=tpu.devices[0]
+    )
+    mms = hlo.matmuls(comps, counts)
+    assert {m.kind for m in mms} == {"convolution"}
+    assert not unknown and sum(m.flops * m.count for m in mms) == 3 * 2 * 256 * 512 * 512
