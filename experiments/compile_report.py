@@ -20,9 +20,9 @@ devices; TPU slices through libtpu) and prints for each program:
   per call of the program), dense expansions of ``ragged_dot``, f32 matmuls with a
   vocabulary-sized dimension, custom calls;
 * matmul FLOPs of the optimised program (every dot, cuBLAS GEMM and, on a TPU,
-  convolution, through loop trip counts) against the model's: 2 x active matmul parameters per token forward, 6 x for
-  a train step (attention's products run in cuDNN's custom calls and are not in
-  either figure).
+  convolution, through loop trip counts) against the model's: 2 x active matmul
+  parameters per token forward, 6 x for a train step (attention's products run in
+  cuDNN's custom calls and are not in either figure).
 
 No timings: the compiler does not run the program. On a GPU target, the CUDA plugin
 must be installed (``pip install -e '.[compile]'``); without it the report says so
@@ -186,7 +186,8 @@ def report_one(
     comps = hlo.parse_module(text)
     counts, unknown = hlo.execution_counts(comps)
     mm = hlo.matmuls(comps, counts)
-    hlo_flops = sum(x.flops * x.count for x in mm)
+    unread = sum(1 for x in mm if math.isnan(x.flops))
+    hlo_flops = sum(x.flops * x.count for x in mm if not math.isnan(x.flops))
     flops_model = model_flops(sh, part, batch) / mesh.size  # per device
     labeller = Labeller(
         sh,
@@ -242,9 +243,12 @@ def report_one(
         matmul_tflop_hlo=hlo_flops / 1e12,
         matmul_tflop_model=flops_model / 1e12,
         hlo_over_model=(
-            hlo_flops / flops_model if flops_model and hlo_flops and not unknown else None
+            hlo_flops / flops_model
+            if flops_model and hlo_flops and not unknown and not unread
+            else None
         ),
         unknown_trip_counts=len(unknown),
+        unread_matmuls=unread,
     )
 
 
@@ -292,7 +296,12 @@ def render(r: dict) -> str:
         + (", ".join(f"{k} x{v:g}" for k, v in inv["custom_calls"].items()) or "none")
     )
     ratio = r["hlo_over_model"]
-    if r["matmul_tflop_hlo"] == 0:
+    if r.get("unread_matmuls"):
+        lines.append(
+            f"matmul FLOPs: not read: {r['unread_matmuls']} convolution(s) of a form the "
+            "reader does not parse (windows or feature groups: XLA:TPU's batched matmuls)"
+        )
+    elif r["matmul_tflop_hlo"] == 0:
         lines.append("matmul FLOPs: no dot, GEMM call or convolution found in the program")
     elif r["unknown_trip_counts"]:
         lines.append(
