@@ -96,6 +96,9 @@ def compile_devices(name: str) -> Target:
             raise TargetUnavailable(
                 f"target {name!r}: libtpu is not installed; pip install -e '.[compile]'"
             ) from e
+        # libtpu admits one process per machine (a lock file), for the chips' sake; a
+        # compile-only topology touches no chip, so several compiling processes may share.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
         return Target(name, "tpu", tuple(topo.devices), TPU_HBM_GIB[m.group(1)] * 2**30)
     raise ValueError(
