@@ -94,8 +94,7 @@ class Labeller:
         self.vocab = cfg.vocab_size
         self.param_shapes = set(param_shapes)
         self.cache_shapes = set(cache_shapes)
-
-    paths: list[str] = []
+        self.paths: list[str] = []  # each HLO parameter's argument path (report_one sets it)
 
     def __call__(self, name: str | None, arr, is_argument: bool) -> str:
         if is_argument:

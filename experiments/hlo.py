@@ -71,22 +71,7 @@ def parse_type(text: str) -> list[Array]:
 def _tuple_elements(text: str) -> list[str]:
     """Top-level elements of a tuple type string "(a, (b, c), d)"."""
     text = _COMMENT.sub("", text).strip()
-    if not text.startswith("("):
-        return [text]
-    out, depth, cur = [], 0, ""
-    for ch in text[1:-1]:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
+    return _split_top(text[1:-1]) if text.startswith("(") else [text]
 
 
 def element_type(text: str, index: tuple[int, ...]) -> list[Array]:

@@ -279,10 +279,8 @@ def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0, rows:
     }
 
 
-def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None):
-    if graphdef is None:
-        graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
-    fn = jax.jit(
+def _logprob_fn(sh: Shape, graphdef):
+    return jax.jit(
         functools.partial(
             step.logprob_pass,
             graphdef=graphdef,
@@ -291,6 +289,12 @@ def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, par
             micro_batches=sh.logprob_micro_batches,
         )
     )
+
+
+def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None):
+    if graphdef is None:
+        graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
+    fn = _logprob_fn(sh, graphdef)
     rows = sh.logprob_rows or sh.rows
     return fn, (params, rollout_batch(sh, mesh, abstract=abstract, rows=rows))
 
@@ -317,7 +321,7 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
         graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
     optimizer, sched = make_optimizer(sh.mu_dtype)
     batch = rollout_batch(sh, mesh, abstract=abstract)
-    lp, _ = logprob_program(sh, mesh, abstract=abstract, graphdef=graphdef, params=params)
+    lp = _logprob_fn(sh, graphdef)
     lp_args = (params, batch)
     if abstract:
         opt_state = jax.eval_shape(optimizer.init, params)
