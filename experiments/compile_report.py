@@ -167,7 +167,8 @@ def report_one(
     try:
         with tempfile.TemporaryDirectory() as dump:
             options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-            with jax.set_mesh(mesh):  # as the trainer traces its programs
+            # On the mesh, as the trainer traces its programs; for the target's kernels.
+            with jax.set_mesh(mesh), targets.compiling_for(target):
                 compiled = fn.lower(*args).compile(options)
             compile_s = time.perf_counter() - t0
             text = compiled.as_text()
@@ -330,7 +331,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--parts", default="train,logprob,prefill,decode")
     ap.add_argument("--batches", default="", help="sampler-side batches (default: the size's)")
     ap.add_argument(
-        "--backend", default="", help="MoE dispatch (default: blocked; the flagship's ragged)"
+        "--backend",
+        default="auto",
+        help="MoE dispatch: auto (the target's), blocked, ragged, dense",
     )
     ap.add_argument(
         "--set",
@@ -363,12 +366,10 @@ def main(argv=None) -> list[dict]:
         mesh_shape = {k: int(v) for k, v in (x.split("=") for x in args.mesh.split(","))}
     mesh = mesh_for(target, mesh_shape)
     if args.size == "flagship":
-        sh = programs.flagship_shape(
-            platform=target.platform, backend=args.backend or "ragged", **overrides
-        )
+        sh = programs.flagship_shape(platform=target.platform, backend=args.backend, **overrides)
     else:
         sh = programs.shape(
-            args.size, args.backend or "blocked", args.layers, platform=target.platform, **overrides
+            args.size, args.backend, args.layers, platform=target.platform, **overrides
         )
     sh = programs.on_mesh(sh, mesh)
     batches = [int(b) for b in args.batches.split(",") if b] or list(sh.sampler_batches)

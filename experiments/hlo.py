@@ -8,7 +8,7 @@ any machine; `experiments/compile_report.py` is its user.
 * `execution_counts`: how often each computation runs per call of the program,
   through while loops (XLA's ``known_trip_count``), fusions, calls and branches.
 * `matmul_flops`: 2 x M x N x K of every ``dot`` (in fusions too), cuBLAS GEMM custom
-  call and ``ragged-dot``, times its computation's count.
+  call, ``ragged-dot`` and grouped-matmul kernel call, times its computation's count.
 * `inventory`: gathers and scatters that move expert-weight-shaped arrays, dense
   expansions of ``ragged_dot``, f32 matmuls with a vocabulary-sized dimension, custom
   calls.
@@ -325,7 +325,7 @@ def _json_dims(attrs: str, key: str) -> list[int]:
 class Matmul:
     name: str
     computation: str
-    kind: str  # dot, gemm (cuBLAS), ragged-dot
+    kind: str  # dot, gemm (cuBLAS), ragged-dot, convolution, grouped (a kernel call)
     lhs: Array | None
     rhs: Array | None
     out: Array | None
@@ -352,7 +352,19 @@ def matmuls(comps: dict[str, Computation], counts: dict[str, float]) -> list[Mat
                 kind, lc = "ragged-dot", _dims_attr(ins.attrs, "lhs_contracting_dims")
             elif ins.opcode == "convolution":  # XLA:TPU's form of a dot
                 kind, lc = "convolution", []
+            elif ins.opcode == "custom-call" and re.search(r"ragged_\w*dot", ins.op_name):
+                kind, lc = "grouped", []  # a grouped-matmul kernel (tokamax's Pallas)
             if kind is None:
+                continue
+            if kind == "grouped":
+                arrays = [
+                    a for i in range(len(ins.operands)) for a in _operand_arrays(comp, ins, i)
+                ]
+                flops = _grouped_flops(arrays + ins.arrays)
+                res = (ins.arrays or [None])[0]
+                out.append(
+                    Matmul(ins.name, comp.name, kind, None, None, res, flops, n, ins.op_name)
+                )
                 continue
             lhs = (_operand_arrays(comp, ins, 0) or [None])[0]
             rhs = (_operand_arrays(comp, ins, 1) or [None])[0]
@@ -368,6 +380,21 @@ def matmuls(comps: dict[str, Computation], counts: dict[str, float]) -> list[Mat
             flops = 2.0 * (math.prod(res.dims) if res else 0) * k
             out.append(Matmul(ins.name, comp.name, kind, lhs, rhs, res, flops, n, ins.op_name))
     return out
+
+
+def _grouped_flops(arrays: list[Array]) -> float:
+    """2 x M x X x Y for a grouped matmul among whose operands and results are one
+    weight stack [G, X, Y] and row arrays [M, X] or [X, M] (the forward, the lhs
+    gradient and the weight gradient alike); NaN where the shapes do not say."""
+    stacks = [a for a in arrays if len(a.dims) == 3]
+    if len(stacks) != 1:
+        return math.nan
+    _, x, y = stacks[0].dims
+    rows = [a for a in arrays if len(a.dims) == 2 and x in a.dims and a.dtype != "s32"]
+    if not rows:
+        return math.nan
+    m = math.prod(rows[0].dims) // x
+    return 2.0 * m * x * y
 
 
 def _weight_like(a: Array, expert_shapes: list[tuple[int, int]], num_experts: int) -> bool:

@@ -78,7 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Runtime settings, for an initialised and a loaded model alike.
     c.model.dtype = "float32"  # compute dtype
     c.model.param_dtype = "float32"
-    c.model.moe_backend = "blocked"  # 'blocked' (CPU), 'ragged' (TPU/GPU grouped matmul), 'dense'
+    c.model.moe_backend = "auto"  # blocked on CPU, ragged on GPU/TPU; or one of them, or dense
     # Rows per block of the 'blocked' dispatch (an upper bound): each block gathers its
     # expert's weights, so larger blocks copy less (512 on a GPU or TPU: docs/memory.md).
     c.model.moe_block_size = 64
@@ -901,7 +901,7 @@ def validate(
     task.test_fraction                                     finite in [0, 1); > 0 with task
                                                            'file' and no test_file
     model.dtype, model.param_dtype                         float32, bfloat16, float16
-    model.moe_backend                                      blocked, ragged, dense
+    model.moe_backend                                      auto, blocked, ragged, dense
     model.remat_policy                                     none, full, dots, dots_no_batch,
                                                            dots_no_scores
     model.attention_impl                                   auto, xla, cudnn (cudnn: a

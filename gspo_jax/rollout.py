@@ -74,6 +74,7 @@ the stop token(s) belong to the response (mask 1).  A row that emits
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -747,7 +748,10 @@ class Sampler:
             router_noise_std=router_noise_std,
             routing=routing,
         )
-        out = _generate_jit(*args, spec=spec)
+        # Traced on the mesh, as the trainer's programs are: the ragged MoE dispatch
+        # takes its per-device row groups (and expert parallelism) from it.
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            out = _generate_jit(*args, spec=spec)
         if n_rows < out["tokens"].shape[0]:
             out = {k: None if v is None else v[:n_rows] for k, v in out.items()}
         return Rollout(**out)

@@ -11,6 +11,7 @@ needs ``libtpu``. Both compile with ``JAX_PLATFORMS=cpu``: nothing runs on them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import os
@@ -106,3 +107,16 @@ def compile_devices(name: str) -> Target:
         "(optionally xN devices, e.g. h100x8) or a TPU slice such as v5e:2x2, v5p:2x2x1, "
         "v6e:2x2"
     )
+
+
+@contextlib.contextmanager
+def compiling_for(target: Target):
+    """Programs traced inside see ``target`` as the device they are for: JAX's default
+    device is its first device (the model's `moe_backend='auto'` and tokamax's kernel
+    choice read it), and tokamax's hardware checks are off (its cross-compile flag),
+    so its Pallas kernels are the ones the target itself would run."""
+    import jax
+    from tokamax._src import config as tokamax_config
+
+    with jax.default_device(target.devices[0]), tokamax_config.cross_compile(True):
+        yield

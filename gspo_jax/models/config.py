@@ -22,7 +22,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-MOE_BACKENDS = ("blocked", "ragged", "dense")
+MOE_BACKENDS = ("auto", "blocked", "ragged", "dense")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_no_scores")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -89,16 +89,18 @@ class ModelConfig:
         padded by one) or 'auto' (cudnn where all of that holds, else xla).  The KV-cache decode
         path is the same einsum attention whatever this says.
       moe_backend: 'blocked' (sort-based, dropless, expert-blocked batched matmul;
-        fast on CPU), 'ragged' (sort-based, ``lax.ragged_dot``; for TPU/GPU) or
-        'dense' (every expert on every token, masked; the reference).
+        fast on CPU), 'ragged' (sort-based, dropless grouped matmul reading the
+        experts in place, expert parallel over the mesh's expert axis; for GPU and
+        TPU), 'dense' (every expert on every token, masked; the reference) or
+        'auto' (blocked on CPU, ragged on GPU and TPU; docs/moe.md).
       moe_block_size: rows per block of the 'blocked' backend (an upper bound;
         shrunk for small token counts).
       moe_groups: the 'blocked' and 'ragged' dispatches sort and compute the tokens
         of this many equal blocks of batch rows separately (gcd with the rows of a
         call): the trainer sets it to the mesh's batch shards (data x fsdp), so that
-        each device dispatches its own rows. Changes no value. With 'ragged', each
-        group gets its own copy of the expert weights (``ragged_dot`` batches no
-        other way): one per device when the rows are sharded, so keep 1 on one device.
+        each device dispatches its own rows. Changes no value. Under a mesh set
+        with `jax.set_mesh`, 'ragged' takes its groups from the mesh instead
+        (`gspo_jax.models.expert_parallel`).
       aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
       z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
       value_head: add a scalar value head (PPO critic).

@@ -11,15 +11,20 @@ Dispatch backends (same math, tests compare them, values and gradients):
 * ``dense``: every expert on every token, combined with a [N, E] gate matrix
   that is zero off the chosen experts.  O(E) compute; the reference.
 * ``ragged``: the N*K (token, expert) assignments are sorted by expert and fed
-  to ``jax.lax.ragged_dot`` (grouped matmul) with the per-expert group sizes.
-  Dropless.  The right primitive on TPU / GPU; slow on CPU (experiments/model.md).
+  to a grouped matmul (`grouped_matmul`: tokamax's Mosaic kernel on GPU and
+  TPU) with the per-expert group sizes.  Token rows move; each expert's weights
+  are read where they lie.  Dropless.  The accelerator dispatch; slow on CPU
+  (experiments/model.md).  On a mesh, and with expert parallelism, it runs in
+  `gspo_jax.models.expert_parallel`.
 * ``blocked``: the sorted assignments are laid out in fixed-size blocks of
   `bk` rows, each block holding rows of one expert only (each expert's group is
   padded to a multiple of bk); a batched matmul runs every block against its
-  expert's weights, gathered per block.  Dropless: the static number of blocks
+  expert's weights, gathered per block (`take_expert_blocks`, whose backward
+  is a matmul, not a scatter).  Dropless: the static number of blocks
   nb = floor((N*K + E*(bk - 1)) / bk) bounds sum_e ceil(c_e / bk) for any
   expert counts c_e.  Compute follows active (not total) parameters, plus at
-  most E*(bk-1) padding rows.
+  most E*(bk-1) padding rows.  The CPU dispatch.
+* ``auto``: `resolve_backend`, per device kind.
 
 Routing replay (docs/objectives.md, "Routing replay"): replay int32[N, K], -1 = free.
 A row whose K entries are all >= 0 uses exactly those experts; any other row
@@ -93,15 +98,45 @@ def _combine(y_assign, gates, n, k):
     return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype))
 
 
+def grouped_matmul(lhs, rhs, sizes):
+    """out[r] = lhs[r] @ rhs[g] for the rows r of group g, rows sorted by group.
+
+    lhs [M, K]; rhs [G, K, N]; sizes int32[G] with sum <= M (rows past the sum
+    belong to no group: their output is unspecified and must not be read).  Each
+    group's weights are read where they lie, never gathered or copied per row.
+
+    The kernel is tokamax's `ragged_dot`, which picks per device: its Pallas
+    Mosaic kernel on Hopper/Blackwell GPUs and on TPU, `jax.lax.ragged_dot`
+    elsewhere (CPU).  Its backward is two more grouped matmuls (lhs gradient:
+    rows against the transposed weights; weight gradient: per-group lhs^T dout),
+    so no scatter of weights appears either way.  The choice over
+    `jax.lax.ragged_dot` on GPU, which XLA expands into a dense [M, G*K] product
+    there, is recorded in docs/moe.md.
+    """
+    import tokamax  # imported here: only the ragged dispatch needs it
+
+    return tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=lhs.dtype)
+
+
+def grouped_swiglu(rows, sizes, wg, wu, wd):
+    """SwiGLU of expert g on each row of group g: rows [M, D] sorted by expert,
+    sizes int32[E], wg/wu [E, D, F], wd [E, F, D] -> [M, D]."""
+    h = jax.nn.silu(grouped_matmul(rows, wg, sizes)) * grouped_matmul(rows, wu, sizes)
+    return grouped_matmul(h, wd, sizes)
+
+
 def dispatch_ragged(x, idx, gates, wg, wu, wd):
-    """Sort-based dropless dispatch through `jax.lax.ragged_dot`."""
+    """Sort-based dropless dispatch through a grouped matmul (`grouped_matmul`).
+
+    The N*K (token, expert) assignments are sorted by expert; the sort moves token
+    rows (x[order // K], a [N*K, D] gather whose backward is a scatter-add of token
+    rows), never weights."""
     n, k = idx.shape
     e = wg.shape[0]
-    flat_e, order = _sort_assignments(idx)
-    xs = x[order // k]  # [NK, D], grouped by expert
+    flat_e = idx.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat_e, stable=True)
     sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-    ys = jax.lax.ragged_dot(h, wd, sizes)  # [NK, D], sorted order
+    ys = grouped_swiglu(x[order // k], sizes, wg, wu, wd)  # [NK, D], sorted order
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return _combine(ys[inv], gates, n, k)
 
@@ -151,6 +186,32 @@ def _rank_within_expert(flat_e, e: int, method: str):
     start = jnp.cumsum(counts) - counts
     rank_sorted = jnp.arange(nk, dtype=jnp.int32) - start[sorted_e]
     return jnp.zeros((nk,), jnp.int32).at[order].set(rank_sorted)
+
+
+@jax.custom_vjp
+def take_expert_blocks(w, block_e):
+    """w[block_e]: each block's expert matrix, [E, ...] -> [blocks, ...].
+
+    Autodiff's backward of this gather is a scatter-add of [blocks, ...] into
+    [E, ...], which on GPU serialises on atomics (60% of the H200 train step,
+    experiments/accelerator.md).  The backward here is the same sum written as a
+    matmul with the blocks' one-hot expert matrix: dw[e] = sum_b [block_e[b] = e]
+    dy[b], a `dot` with f32 accumulation."""
+    return w[block_e]
+
+
+def _take_expert_blocks_fwd(w, block_e):
+    return w[block_e], (block_e, w.shape[0])
+
+
+def _take_expert_blocks_bwd(res, dy):
+    block_e, e = res
+    onehot = jax.nn.one_hot(block_e, e, dtype=dy.dtype)  # [blocks, E], exact in any dtype
+    dw = jnp.tensordot(onehot, dy, axes=(0, 0), preferred_element_type=jnp.float32)
+    return dw.astype(dy.dtype), None
+
+
+take_expert_blocks.defvjp(_take_expert_blocks_fwd, _take_expert_blocks_bwd)
 
 
 def dispatch_blocked(
@@ -203,11 +264,21 @@ def dispatch_blocked(
     block_start = jnp.arange(nb, dtype=jnp.int32) * bk
     block_e = jnp.sum(pad_end[None, :] <= block_start[:, None], axis=1, dtype=jnp.int32)
     block_e = jnp.minimum(block_e, e - 1)
-    h = jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wg[block_e])) * jnp.einsum(
-        "bcd,bdf->bcf", xb, wu[block_e]
-    )
-    yb = jnp.einsum("bcf,bfd->bcd", h, wd[block_e]).reshape(nb * bk, d)
+    wgb, wub, wdb = (take_expert_blocks(w, block_e) for w in (wg, wu, wd))
+    h = jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wgb)) * jnp.einsum("bcd,bdf->bcf", xb, wub)
+    yb = jnp.einsum("bcf,bfd->bcd", h, wdb).reshape(nb * bk, d)
     return _combine(yb[dest], gates, n, k)
+
+
+def resolve_backend(backend: str) -> str:
+    """The dispatch that `backend` ('auto', 'blocked', 'ragged' or 'dense') names
+    on the device programs are compiled for (JAX's default device, which a
+    compile-only target sets): 'auto' is 'blocked' on CPU and 'ragged' on GPU and
+    TPU, in training and in decode (the evidence: docs/moe.md)."""
+    if backend != "auto":
+        return backend
+    platform = jax.extend.backend.get_default_device().platform
+    return "blocked" if platform == "cpu" else "ragged"
 
 
 def route(logits, top_k: int, renormalize: bool, replay=None):
@@ -272,26 +343,25 @@ class MoE(nnx.Module):
 
         dt = x.dtype
         wg, wu, wd = (self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
-        if cfg.moe_backend == "dense":
+        backend = resolve_backend(cfg.moe_backend)
+        if backend == "dense":
             y = dispatch_dense(xf, idx, gates, wg, wu, wd)
+        elif backend == "ragged":
+            from gspo_jax.models import expert_parallel  # it builds on this module
+
+            y = expert_parallel.ragged_ffn(cfg, xf, idx, gates, wg, wu, wd)
         else:
-            # The sorting dispatches run per group of rows: with the rows sharded over
+            # The blocked dispatch runs per group of rows: with the rows sharded over
             # the batch devices in `moe_groups` blocks, each device sorts and computes
             # its own tokens. One sort over all N tokens would make XLA gather every
             # token to every device and compute every expert there (per-device FLOPs
             # of the layer on 4 CPU devices: 1.00x one device's; tests/test_models_sharding.py).
             g = math.gcd(b, cfg.moe_groups)
             grouped = lambda a: a.reshape((g, n // g) + a.shape[1:])  # noqa: E731
-            if cfg.moe_backend == "ragged":
-                # ragged_dot batches only when every operand has the group axis (a
-                # broadcast: each device holds its own group's copy, once sharded).
-                w = [jnp.broadcast_to(a, (g,) + a.shape) for a in (wg, wu, wd)]
-                y = jax.vmap(dispatch_ragged)(grouped(xf), grouped(idx), grouped(gates), *w)
-            else:
-                dispatch = functools.partial(dispatch_blocked, max_block=cfg.moe_block_size)
-                y = jax.vmap(dispatch, in_axes=(0, 0, 0, None, None, None))(
-                    grouped(xf), grouped(idx), grouped(gates), wg, wu, wd
-                )
+            dispatch = functools.partial(dispatch_blocked, max_block=cfg.moe_block_size)
+            y = jax.vmap(dispatch, in_axes=(0, 0, 0, None, None, None))(
+                grouped(xf), grouped(idx), grouped(gates), wg, wu, wd
+            )
             y = y.reshape(n, d)
 
         m = token_mask.reshape(n).astype(jnp.float32)
