@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax.models import ModelConfig, Transformer
+from gspo_jax.models import ModelConfig, Transformer, layers
 
 V = 97
 
@@ -59,6 +59,41 @@ def test_decode_equals_full_forward(overrides):
   np.testing.assert_allclose(got[m], np.asarray(want)[m], atol=1e-5)
   assert int(cache.index) == 9
   np.testing.assert_array_equal(np.asarray(cache.valid[:, :9]), m)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(scan_layers=False)], ids=["scan", "unrolled"])
+def test_fused_cached_attention_equals_the_einsums(monkeypatch, overrides):
+  """The KV-cache path of a fused kernel (cuDNN on a GPU; here jax.nn's 'xla'
+  implementation of the same call): cache in [B, S, KV, hd], the cache and the new
+  tokens merged by their log-sum-exps. Same logits as the full forward and the same
+  cache contents as the einsum path's, transposed."""
+  model = _model(**overrides)
+  tokens, mask, pos = _inputs()
+  want, _ = jax.jit(lambda t, p, m: model(t, positions=p, attn_mask=m))(tokens, pos, mask)
+  l0_e, ls_e, cache_e = _decode_all(model, tokens, mask, pos, prompt=5)
+  monkeypatch.setattr(layers, "fused_cached_attention", lambda cfg: True)
+  l0, ls, cache = _decode_all(model, tokens, mask, pos, prompt=5)
+  cfg = model.cfg
+  assert cache.k[0].shape == cache.v[0].shape == (2, 11, cfg.num_kv_heads, cfg.head_dim)
+  got = np.concatenate([np.asarray(l0), np.asarray(ls)], axis=1)
+  m = np.asarray(mask, bool)
+  np.testing.assert_allclose(got[m], np.asarray(want)[m], atol=1e-5)
+  einsum = np.concatenate([np.asarray(l0_e), np.asarray(ls_e)], axis=1)
+  assert np.abs(got[m] - einsum[m]).max() > 0  # not the einsum path run twice
+  # Layer 0's keys and values come before any attention: bitwise the same. Later
+  # layers' differ by the attention's rounding at real tokens (the padding tokens'
+  # queries see no key; the two paths average different nothing there).
+  valid = np.asarray(cache.valid)
+  np.testing.assert_array_equal(valid, np.asarray(cache_e.valid))
+  for layer, (k_f, v_f, k_e, v_e) in enumerate(zip(cache.k, cache.v, cache_e.k, cache_e.v)):
+    k_e, v_e = np.asarray(k_e).transpose(0, 3, 1, 2), np.asarray(v_e).transpose(0, 2, 1, 3)
+    if layer == 0:
+      np.testing.assert_array_equal(np.asarray(k_f), k_e)
+      np.testing.assert_array_equal(np.asarray(v_f), v_e)
+    np.testing.assert_allclose(np.asarray(k_f)[valid], k_e[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v_f)[valid], v_e[valid], atol=1e-5)
+  with pytest.raises(ValueError, match=r"cache\.k: expected .* \[B, S, KV, hd\]"):
+    model.decode(tokens[:, :1], cache_e, positions=pos[:, :1])
 
 
 def test_last_only_is_the_last_column():

@@ -121,6 +121,61 @@ def attention_implementation(cfg: ModelConfig, dtype) -> str:
     return "cudnn" if ok else "xla"
 
 
+def fused_cached_attention(cfg: ModelConfig) -> bool:
+    """Whether the KV-cache path of `Attention` (the sampler's prefill and decode steps)
+    runs through the fused kernel of `attention_implementation` (cuDNN's flash attention
+    on a GPU: no [B, H, T, S] scores over the cache in memory), or through einsums over
+    every cached slot.
+
+    The one backend choice is `attention_implementation`'s ('cudnn' here). On the CPU
+    the einsums are kept: a decode step's attention at the rollout benchmark's shapes
+    (batch 64, 2 KV heads x 2 query heads of 32) took 63 us per layer with the einsums
+    against 153 us through ``jax.nn.dot_product_attention(implementation='xla')``
+    (80 slots; 2.2 against 8.5 ms at 1,024 slots), which needs the keys as [S, hd]
+    per head: XLA:CPU's product with that operand is the slow one
+    (experiments/rollout.md, 2026-11-25)."""
+    return attention_implementation(cfg, cfg.jnp_dtype) == "cudnn"
+
+
+def cache_layouts(cfg: ModelConfig) -> tuple[str, str]:
+    """The axis order of one layer's cached keys and values (b rows, k KV heads, s slots,
+    h head_dim): keys [B, KV, hd, S] and values [B, KV, S, hd] for the einsums (a decode
+    step's scores are then a plain [G, hd] x [hd, S] product per (row, KV head), 3x
+    faster on XLA:CPU than with [S, hd] keys); both [B, S, KV, hd] for the fused kernel,
+    its operands' layout (another would be transposed, the whole cache, every step)."""
+    return ("bskh", "bskh") if fused_cached_attention(cfg) else ("bkhs", "bksh")
+
+
+def _attention_with_lse(q, k, v, mask, scale: float, impl: str, causal: bool):
+    """Attention of q [B, T, H, hd] over k, v [B, S, KV, hd] under mask bool[B, 1, T, S],
+    and the log-sum-exp of each query's scaled, masked scores: (out [B, T, H, hd] in q's
+    dtype, lse f32[B, T, H]).  ``causal``: the mask is also causal (T == S); cuDNN then
+    skips the tiles above the diagonal.
+
+    Through cuDNN, the function ``jax.nn.dot_product_attention`` itself calls: jax.nn
+    returns cuDNN's log-sum-exp (computed in f32) rounded to the output's dtype, and a
+    bf16 log-sum-exp (error up to |lse| / 256) would misweigh the new tokens against
+    the cache in `Attention._attend_cached_fused`."""
+    if impl == "cudnn":
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+        out, lse = dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=scale,
+            mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK,
+            qkv_layout="BTNH",
+            return_residual=True,
+        )
+        return out, lse.astype(jnp.float32).swapaxes(1, 2)  # cuDNN's stats are [B, H, T]
+    out, lse = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=causal, implementation=impl, return_residual=True
+    )
+    return out, lse.astype(jnp.float32)
+
+
 def _rows_sharded(cfg: ModelConfig, *xs):
     """``xs`` constrained to the rows' sharding (the config's 'batch' rule) and
     replicated on every other axis, under a mesh set with `jax.set_mesh`; unchanged
@@ -201,12 +256,13 @@ class Attention(nnx.Module):
         T tokens themselves (query t may see token s).
 
         With cache = (k_layers, v_layers, layer, cache_mask): the KV cache of every
-        layer (sequences of arrays holding earlier tokens, in the cache's dtype:
-        keys [B, KV, hd, S], values [B, KV, S, hd]), this layer's index (a Python int, or an int32 scalar inside
-        a scan over layers) and cache_mask bool[B, T, S] (None: the cache is empty,
-        and the new tokens attend among themselves only).  The queries attend to
-        the S cached slots and the T new tokens at once, one softmax over S + T
-        scores:
+        layer (sequences of arrays holding earlier tokens, in the cache's dtype and
+        `cache_layouts`: keys [B, KV, hd, S] and values [B, KV, S, hd] for the
+        einsums, both [B, S, KV, hd] for the fused kernel), this layer's index (a
+        Python int, or an int32 scalar inside a scan over layers) and cache_mask
+        bool[B, T, S] (None: the cache is empty, and the new tokens attend among
+        themselves only).  The queries attend to the S cached slots and the T new
+        tokens at once, one softmax over S + T scores:
 
             p_t = softmax([q_t . k_s / sqrt(hd)]_{s < S} ++ [q_t . k_u / sqrt(hd)]_{u < T}),
             out_t = sum_s p_ts v_s (cached) + sum_u p_tu v_u (new),
@@ -217,16 +273,14 @@ class Attention(nnx.Module):
         `lax.switch` around the attention itself, so each branch reads its layer's
         buffer where it lies (a dynamic slice of a stacked cache would copy the
         whole layer every token).  The new keys/values are rounded to the cache's
-        dtype before use, as if read back from it.
+        dtype before use, as if read back from it.  Where `fused_cached_attention`
+        holds (cuDNN on a GPU) the fused kernel computes it
+        (`_attend_cached_fused`), elsewhere einsums over every slot
+        (`_attend_cached`).
 
-        Keys are cached transposed, [hd, S] per KV head, so that the scores of a
-        decode step are a plain [G, hd] x [hd, S] product per (row, KV head); with
-        [S, hd] keys XLA:CPU ran that product about 3x slower than the [G, S] x
-        [S, hd] value product (experiments/rollout.md).
-
-        Returns (out [B, T, D], (k, v) of the T new tokens: with a cache, keys
-        [B, KV, hd, T] and values [B, KV, T, hd] in the cache's dtype; without one,
-        both [B, KV, T, hd] in x's dtype).
+        Returns (out [B, T, D], (k, v) of the T new tokens: with a cache, in its
+        layouts with T slots, in its dtype; without one, both [B, KV, T, hd] in x's
+        dtype).
         """
         cfg = self.cfg
         dt = x.dtype
@@ -267,9 +321,52 @@ class Attention(nnx.Module):
             # (transformer._REMAT), which saves no [B, H, T, S] scores.
             out = checkpoint_name(out, "attn_ctx")
             k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
+        elif fused_cached_attention(cfg):
+            out, k, v = self._attend_cached_fused(q, k, v, mask, cache, scale)
         else:
             out, k, v = self._attend_cached(q, k, v, mask, cache, scale)
         return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
+
+    def _attend_cached_fused(self, q, k, v, mask, cache, scale):
+        """The KV-cache path of `__call__` through the fused kernel
+        (`fused_cached_attention`), keys and values cached as [B, S, KV, hd].  One kernel
+        call attends the T new tokens among themselves (causal, ``mask``); with a
+        cache that holds tokens, another attends them to its valid slots
+        (``cache_mask``), and the two are merged by their log-sum-exps:
+
+            lse = logaddexp(lse_c, lse_n),  out = e^(lse_c - lse) out_c + e^(lse_n - lse) out_n,
+
+        which is the one softmax over S + T scores of `__call__`'s docstring, with no
+        [B, H, T, S] scores in memory, no copy of the cache and no write into it (the
+        caller writes the new keys after the layer stack).  Returns (out [B, T, H, hd],
+        new keys and values [B, T, KV, hd] in the cache's dtype)."""
+        cfg = self.cfg
+        dt = q.dtype
+        impl = attention_implementation(cfg, dt)
+        k_layers, v_layers, layer, cache_mask = cache
+        k = k.astype(k_layers[0].dtype)  # [B, T, KV, hd]: the cache's layout
+        v = v.astype(v_layers[0].dtype)
+
+        def attend(keys, values, m, causal):
+            qkvm = _rows_sharded(cfg, q, keys.astype(dt), values.astype(dt), m[:, None])
+            return _attention_with_lse(*qkvm, scale, impl, causal)
+
+        out_new, lse_new = attend(k, v, mask, causal=True)
+        if cache_mask is None:  # an empty cache (`Transformer.decode(prefill=True)`)
+            return out_new, k, v
+
+        def attend_cache(j):  # this layer's queries over layer j's cache, merged
+            out_c, lse_c = attend(k_layers[j], v_layers[j], cache_mask, causal=False)
+            lse = jnp.logaddexp(lse_c, lse_new)
+            weigh = lambda out, part: jnp.exp(part - lse)[..., None] * out.astype(jnp.float32)
+            return (weigh(out_c, lse_c) + weigh(out_new, lse_new)).astype(dt)
+
+        if isinstance(layer, int):
+            return attend_cache(layer), k, v
+        out = jax.lax.switch(
+            layer, [functools.partial(attend_cache, j) for j in range(len(k_layers))]
+        )
+        return out, k, v
 
     def _attend_cached(self, q, k, v, mask, cache, scale):
         """The KV-cache path of `__call__` (prefill and decode steps), in einsums:

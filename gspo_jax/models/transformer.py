@@ -25,7 +25,15 @@ import numpy as np
 from flax import nnx, struct
 
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.layers import MLP, Attention, RMSNorm, attention_mask, make_param, rope_tables
+from gspo_jax.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    attention_mask,
+    cache_layouts,
+    make_param,
+    rope_tables,
+)
 from gspo_jax.models.moe import MoE, MoEStats
 
 
@@ -73,8 +81,11 @@ class KVCache:
 
     Attributes:
       k: tuple of num_layers arrays [B, KV, hd, S] (keys transposed: the scores
-        of a decode step are then a plain [G, hd] x [hd, S] product).
-      v: tuple of num_layers arrays [B, KV, S, hd].
+        of a decode step are then a plain [G, hd] x [hd, S] product), or
+        [B, S, KV, hd] where attention over the cache runs in a fused kernel
+        (`layers.cache_layouts`: cuDNN's, on a GPU).
+      v: tuple of num_layers arrays [B, KV, S, hd], or [B, S, KV, hd] with the
+        fused kernel.
         Both in the compute dtype unless `init_cache` was given another; one
         buffer per layer.
       valid: bool[B, S], slot holds a real token.
@@ -373,15 +384,17 @@ class Transformer(nnx.Module):
         aux = self._router_aux(all_stats, b, t)
         new_cache = None
         if cache is not None:
-            # Each layer's new keys [B, KV, hd, T] / values [B, KV, T, hd] go to
+            # Each layer's new keys / values (in the cache's layouts, T slots) go to
             # slots [index, index + T) of its buffers, in place.
             k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # leading L
-            write = lambda bufs, new, at: tuple(
-                jax.lax.dynamic_update_slice(buf, new[j], at) for j, buf in enumerate(bufs)
+            at = lambda layout: tuple(cache.index if a == "s" else 0 for a in layout)
+            write = lambda bufs, new, layout: tuple(
+                jax.lax.dynamic_update_slice(buf, new[j], at(layout)) for j, buf in enumerate(bufs)
             )
+            k_layout, v_layout = cache_layouts(cfg)
             new_cache = KVCache(
-                k=write(kc, k_new, (0, 0, 0, cache.index)),
-                v=write(vc, v_new, (0, 0, cache.index, 0)),
+                k=write(kc, k_new, k_layout),
+                v=write(vc, v_new, v_layout),
                 valid=valid,
                 index=cache.index + t,
             )
@@ -540,6 +553,12 @@ class Transformer(nnx.Module):
             "btd,d->bt", h.astype(jnp.float32), self.value_w[...].astype(jnp.float32)
         ) + self.value_b[...].astype(jnp.float32)
 
+    def _cache_shapes(self, batch_size: int, max_len: int):
+        """One layer's (keys, values) shapes in `layers.cache_layouts`."""
+        cfg = self.cfg
+        size = dict(b=batch_size, k=cfg.num_kv_heads, h=cfg.head_dim, s=max_len)
+        return tuple(tuple(size[a] for a in layout) for layout in cache_layouts(cfg))
+
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
         """Empty KV cache for `batch_size` sequences of up to `max_len` slots."""
         cfg = self.cfg
@@ -547,8 +566,7 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"init_cache: batch_size and max_len must be > 0, got {batch_size}, {max_len}"
             )
-        v_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-        k_shape = (batch_size, cfg.num_kv_heads, cfg.head_dim, max_len)
+        k_shape, v_shape = self._cache_shapes(batch_size, max_len)
         dt = jnp.dtype(dtype) if dtype is not None else cfg.jnp_dtype
         zeros = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
         return KVCache(
@@ -602,10 +620,12 @@ class Transformer(nnx.Module):
         b, t = tokens.shape
         if tuple(cache.valid.shape[:1]) != (b,):
             raise ValueError(f"cache: batch {cache.valid.shape[0]} != tokens batch {b}")
-        kv, s_len, hd = self.cfg.num_kv_heads, cache.valid.shape[1], self.cfg.head_dim
+        names = dict(b="B", k="KV", h="hd", s="S")
         layouts = {
-            "k": ("[B, KV, hd, S]", (b, kv, hd, s_len)),
-            "v": ("[B, KV, S, hd]", (b, kv, s_len, hd)),
+            name: ("[" + ", ".join(names[a] for a in layout) + "]", want)
+            for name, layout, want in zip(
+                ("k", "v"), cache_layouts(self.cfg), self._cache_shapes(b, cache.valid.shape[1])
+            )
         }
         for name, (layout, want) in layouts.items():
             bufs = getattr(cache, name)
