@@ -273,7 +273,10 @@ def _callees(instr: Instr) -> list[tuple[str, str]]:
 
 def execution_counts(comps: dict[str, Computation]) -> tuple[dict[str, float], list[str]]:
     """Runs per program call of every computation reachable from the entry, and the
-    while loops whose trip count XLA did not know (counted once)."""
+    while loops whose trip count XLA did not know (counted once).  One branch of a
+    conditional runs per execution: each of its k branches is counted 1/k of it (the
+    decode step's per-layer ``switch`` over the KV cache runs each branch once per
+    layer, so the share is exact there)."""
     counts: dict[str, float] = defaultdict(float)
     unknown: list[str] = []
 
@@ -294,6 +297,8 @@ def execution_counts(comps: dict[str, Computation]) -> tuple[dict[str, float], l
                     mult = t + (1 if role == "condition" else 0)
                 if role == "to_apply":  # scalar reducers: not a program's work
                     continue
+                if ins.opcode == "conditional":
+                    mult = 1.0 / max(1, sum(1 for _, r in _callees(ins) if r != "to_apply"))
                 visit(callee, n * mult, depth + 1)
 
     visit(entry(comps).name, 1.0)
@@ -415,7 +420,7 @@ def inventory(
     weight_moves, ragged_dense, f32_vocab, custom = [], [], [], defaultdict(float)
     for mm in matmuls(comps, counts):
         arrays = [a for a in (mm.lhs, mm.rhs, mm.out) if a is not None]
-        if "ragged_dot" in mm.op_name and mm.kind != "ragged-dot":
+        if "ragged_dot" in mm.op_name and mm.kind not in ("ragged-dot", "grouped"):
             ragged_dense.append(mm)
         if (
             any(vocab_size in a.dims for a in arrays)

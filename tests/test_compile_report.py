@@ -70,9 +70,7 @@ def test_planted_expert_weight_scatter_and_f32_vocab_matmul_are_found(h200):
         ((D, V), jnp.float32),
         device=dev,
     )
-    inv = hlo.inventory(
-        comps, counts, vocab_size=V, expert_shapes=[(D, F), (F, D)], num_experts=E
-    )
+    inv = hlo.inventory(comps, counts, vocab_size=V, expert_shapes=[(D, F), (F, D)], num_experts=E)
     ops = {w["opcode"] for w in inv["expert_weight_copies"]}
     assert ops == {"gather", "scatter"}, inv["expert_weight_copies"]
     assert inv["expert_weight_copy_gib"] == pytest.approx(2 * 64 * D * F * 2 / 2**30, rel=0.01)
@@ -90,9 +88,7 @@ def test_planted_expert_weight_scatter_and_f32_vocab_matmul_are_found(h200):
         ((D, V), jnp.bfloat16),
         device=dev,
     )
-    inv = hlo.inventory(
-        comps, counts, vocab_size=V, expert_shapes=[(D, F), (F, D)], num_experts=E
-    )
+    inv = hlo.inventory(comps, counts, vocab_size=V, expert_shapes=[(D, F), (F, D)], num_experts=E)
     assert inv["expert_weight_copies"] == [] and inv["f32_vocab_matmuls"] == []
 
 
@@ -110,9 +106,7 @@ def test_matmul_flops_count_loop_trips(h200):
 def test_tiny_train_step_report_adds_up(h200):
     sh = programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16")
     mesh = compile_report.mesh_for(h200, {"data": 1})
-    r = compile_report.report_one(
-        "train", sh, h200, mesh, batch=0, mem_fraction=0.95, top=10_000
-    )
+    r = compile_report.report_one("train", sh, h200, mesh, batch=0, mem_fraction=0.95, top=10_000)
     mem = r["memory"]
     assert mem["peak_gib"] == pytest.approx(
         mem["arguments_gib"] + mem["outputs_gib"] + mem["temporaries_gib"] - mem["aliased_gib"]
@@ -134,13 +128,30 @@ def test_tiny_train_step_report_adds_up(h200):
     # The heap's slots hold the temporaries (XLA reports them in slots of its heap).
     heap = sum(b["bytes"] for b in r["largest_buffers"] if b["name"].startswith("heap slot"))
     assert heap >= 0.9 * mem["temporaries_gib"] * 2**30
-    # The blocked dispatch gathers expert weights per block and scatters their gradient.
+    # The blocked dispatch gathers expert weights per block; their gradient is a matmul
+    # with the blocks' one-hot experts, not a scatter (moe.take_expert_blocks).
     ops = {w["opcode"] for w in r["inventory"]["expert_weight_copies"]}
-    assert ops == {"gather", "scatter"}
+    assert ops == {"gather"}
     assert r["inventory"]["f32_vocab_matmuls"] == []  # the head's backward runs in bf16
     assert r["hlo_over_model"] > 1  # rematerialisation and block padding, never fewer
     text = compile_report.render(r)
     assert "NVIDIA H200" in text and "expert-weight gathers/scatters" in text
+
+
+def test_ragged_train_step_reads_experts_in_place(h200):
+    """'auto' on the H200 is the ragged dispatch: tokamax's Hopper kernel in the
+    forward, lhs-gradient and weight-gradient forms, no copy of expert weights, no
+    dense expansion, and the kernels' FLOPs in the program's count."""
+    sh = programs.shape("tiny", "auto", platform="cuda", dtype="bfloat16")
+    mesh = compile_report.mesh_for(h200, {"data": 1})
+    r = compile_report.report_one("train", sh, h200, mesh, batch=0, mem_fraction=0.95, top=5)
+    assert r["moe_backend"] == "auto"
+    inv = r["inventory"]
+    assert inv["expert_weight_copies"] == [] and inv["ragged_dot_dense"] == []
+    assert inv["custom_calls"].get("mosaic_gpu_v2", 0) > 0
+    # The program's matmuls: the model's, plus what the remat policy recomputes, and
+    # not more than 1.3x of that.
+    assert 1 <= r["hlo_over_model"] <= 1.3 * r["expected_over_model"]
 
 
 @pytest.mark.parametrize("part", ["logprob", "prefill", "decode", "sampler"])
@@ -182,7 +193,9 @@ def test_fsdp_train_step_compiles_for_four_gpus(h200):
     gpus = targets.compile_devices("h200x4")
     mesh = compile_report.mesh_for(gpus, None)  # fsdp over every device
     assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
-    sh = programs.on_mesh(programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16"), mesh)
+    sh = programs.on_mesh(
+        programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16"), mesh
+    )
     assert sh.cfg.moe_groups == 4 and sh.cfg.attention_impl == "cudnn"
     r = compile_report.report_one("train", sh, gpus, mesh, batch=0, mem_fraction=0.95, top=10_000)
     args = [b for b in r["largest_buffers"] if not b["name"].startswith("heap slot")]

@@ -98,6 +98,9 @@ def _combine(y_assign, gates, n, k):
     return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype))
 
 
+GROUPED_ROW_TILE = 8
+
+
 def grouped_matmul(lhs, rhs, sizes):
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g, rows sorted by group.
 
@@ -115,7 +118,14 @@ def grouped_matmul(lhs, rhs, sizes):
     """
     import tokamax  # imported here: only the ragged dispatch needs it
 
-    return tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=lhs.dtype)
+    # The GPU kernel tiles rows by 8 and refuses a row count that is not a multiple:
+    # pad with rows of no group, and drop their outputs.
+    m = lhs.shape[0]
+    pad = -m % GROUPED_ROW_TILE
+    if pad:
+        lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+    out = tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=lhs.dtype)
+    return out[:m] if pad else out
 
 
 def grouped_swiglu(rows, sizes, wg, wu, wd):
