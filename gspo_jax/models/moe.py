@@ -124,7 +124,16 @@ def grouped_matmul(lhs, rhs, sizes):
     pad = -m % GROUPED_ROW_TILE
     if pad:
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
-    out = tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=lhs.dtype)
+    # Inside a shard_map the kernel must be told over which mesh axes its output
+    # varies: those of either operand.
+    varying = jax.typeof(lhs).manual_axis_type.varying | jax.typeof(rhs).manual_axis_type.varying
+    out = tokamax.ragged_dot(
+        lhs,
+        rhs,
+        sizes,
+        preferred_element_type=lhs.dtype,
+        manual_axis_type=jax.sharding.ManualAxisType(varying=varying) if varying else None,
+    )
     return out[:m] if pad else out
 
 
