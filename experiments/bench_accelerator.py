@@ -286,10 +286,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--parts", default="train,sampler", help="train, sampler (comma-separated)")
-    ap.add_argument(
-        "--backends", default="ragged,blocked", help="MoE dispatch paths of the train step"
-    )
-    ap.add_argument("--sampler-backend", default="ragged")
+    ap.add_argument("--backends", default="auto,dense", help="MoE dispatch paths of the train step")
+    ap.add_argument("--sampler-backend", default="auto")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=0, help="0: the size's")
     ap.add_argument("--new-tokens", type=int, default=0, help="0: the size's")

@@ -194,7 +194,7 @@ def shape(size: str, backend: str, layers: int = 0, *, platform=None, **override
     return Shape(cfg=model_config(size, backend, layers, platform=platform, **overrides), **batch)
 
 
-def flagship_shape(*, platform=None, backend="ragged", **overrides) -> Shape:
+def flagship_shape(*, platform=None, backend="auto", **overrides) -> Shape:
     return shape("flagship", backend, platform=platform, **overrides)
 
 

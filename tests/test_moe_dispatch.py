@@ -55,7 +55,7 @@ def _routing(b, t, cfg, seed):
     return jnp.asarray(replay), jnp.asarray(noise)
 
 
-def _layer_loss_and_grads(cfg, b, t, *, mesh=None, seed=0):
+def _layer_loss_and_grads(cfg, b, t, *, mesh=None, seed=0, rows=P(("data", "fsdp"))):
     """Loss, output, routing and parameter gradients of one MoE layer (the same
     parameters for every config: they depend on the seed and shapes only)."""
     graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
@@ -73,10 +73,9 @@ def _layer_loss_and_grads(cfg, b, t, *, mesh=None, seed=0):
     args = (state, x, mask, replay, noise)
     if mesh is None:
         return fn(*args)
-    rows = NamedSharding(mesh, P(("data", "fsdp")))
     with jax.set_mesh(mesh):
         state = jax.device_put(state, param_shardings(state, mesh, cfg))
-        return fn(state, *jax.device_put(args[1:], rows))
+        return fn(state, *jax.device_put(args[1:], NamedSharding(mesh, rows)))
 
 
 def _assert_same(out, ref):
@@ -123,6 +122,23 @@ def test_ragged_dispatch_on_a_mesh_equals_one_device(mesh_shape):
     ref = _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), b, t)
     cfg = ModelConfig.tiny(moe_backend="ragged", moe_groups=groups)
     _assert_same(_layer_loss_and_grads(cfg, b, t, mesh=mesh), ref)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (2, 1, 2, 2)])
+def test_ragged_dispatch_with_rows_sharded_over_the_expert_axis(mesh_shape):
+    """The layout where the batch rule shards rows over the expert axis too: each
+    expert-axis device dispatches its own rows, and none is all-gathered."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), AXES)
+    rules = tuple(
+        (name, ("data", "fsdp", "expert") if name == "batch" else target)
+        for name, target in ModelConfig.tiny().axis_rules
+    )
+    ref = _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), 8, 5)
+    cfg = ModelConfig.tiny(moe_backend="ragged", axis_rules=rules)
+    rows = P(("data", "fsdp", "expert"))
+    _assert_same(_layer_loss_and_grads(cfg, 8, 5, mesh=mesh, rows=rows), ref)
 
 
 def test_expert_parallel_program_exchanges_token_rows():

@@ -3,15 +3,16 @@ with an expert axis the token rows travel to the experts' devices and back.
 
 Inside one `jax.shard_map` over every mesh axis, a device holds
 
-* its rows of the batch (the config's 'batch' rule: the data and FSDP axes);
-  they are the same on every device of the expert and tensor axes;
+* its rows of the batch (the config's 'batch' rule: by default the data and FSDP
+  axes, so they are the same on every device of the expert and tensor axes; a
+  rule that adds the expert axis gives each expert-axis device rows of its own);
 * its experts' weights: gate/up [E/ep, D, F/tp], down [E/ep, F/tp, D] (the
   'expert' and 'mlp' rules; the FSDP-sharded model dimension is gathered, as
   FSDP gathers every weight before it is used).
 
 Without an expert axis (ep = 1) a device runs `moe.dispatch_ragged` on its rows.
-With one, the ep devices that share the same rows split them: device r of the
-expert axis takes rows [r*m, (r+1)*m), and then
+With one, a device takes m rows: its own, or, where the ep devices of the
+expert axis share the same rows, rows [r*m, (r+1)*m) of them on device r; then
 
 1. sorts its m*K assignments by expert, so that the rows bound for expert
    shard s are contiguous (experts s*E/ep .. (s+1)*E/ep - 1);
@@ -21,8 +22,8 @@ expert axis takes rows [r*m, (r+1)*m), and then
 3. the receiver sorts its buffer by local expert and runs the grouped SwiGLU
    over its own experts' weights, read where they lie;
 4. the reverse all-to-all returns each row's output to its sender, which
-   undoes its sort, combines the K outputs of each token with its gates and
-   all-gathers the m-row pieces over the expert axis.
+   undoes its sort and combines the K outputs of each token with its gates
+   (shared rows: and all-gathers the m-row pieces over the expert axis).
 
 With a tensor axis, F is split: each device's SwiGLU output is a partial sum
 over its F/tp columns, summed over the tensor axis (psum).
@@ -67,24 +68,28 @@ def _slots_to_sorted(buf, send, send_off, ep: int):
     return buf.reshape(ep * slot, -1)[dest * slot + (p - send_off[dest])]
 
 
-def _expert_parallel_local(x, idx, gates, wg, wu, wd, *, ep_axis, ep: int):
+def _expert_parallel_local(x, idx, gates, wg, wu, wd, *, ep_axis, ep: int, rows_split: bool):
     """One device's part of the expert-parallel dispatch (module docstring,
-    steps 1-4).  x [n, D], idx/gates [n, K] (the same on every device of
-    `ep_axis`); wg/wu [E/ep, D, F'], wd [E/ep, F', D] this device's experts.
-    Returns [n, D] (a partial sum over F' when the tensor axis splits F)."""
+    steps 1-4).  x [n, D], idx/gates [n, K]: the same on every device of `ep_axis`,
+    or, with `rows_split` (the batch rule shards rows over the expert axis too),
+    this device's own rows; wg/wu [E/ep, D, F'], wd [E/ep, F', D] this device's
+    experts.  Returns [n, D] (a partial sum over F' when the tensor axis splits F)."""
     n, k = idx.shape
     e_loc = wg.shape[0]
     e = e_loc * ep
-    m = -(-n // ep)
-    pad = m * ep - n
-    if pad:  # padding rows: expert 0 with gate 0, outputs dropped below
-        x = jnp.pad(x, ((0, pad), (0, 0)))
-        idx = jnp.pad(idx, ((0, pad), (0, 0)))
-        gates = jnp.pad(gates, ((0, pad), (0, 0)))
     me = jax.lax.axis_index(ep_axis)
-    xm = jax.lax.dynamic_slice_in_dim(x, me * m, m)
-    im = jax.lax.dynamic_slice_in_dim(idx, me * m, m)
-    gm = jax.lax.dynamic_slice_in_dim(gates, me * m, m)
+    if rows_split:
+        m, xm, im, gm = n, x, idx, gates
+    else:
+        m = -(-n // ep)
+        pad = m * ep - n
+        if pad:  # padding rows: expert 0 with gate 0, outputs dropped below
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            idx = jnp.pad(idx, ((0, pad), (0, 0)))
+            gates = jnp.pad(gates, ((0, pad), (0, 0)))
+        xm = jax.lax.dynamic_slice_in_dim(x, me * m, m)
+        im = jax.lax.dynamic_slice_in_dim(idx, me * m, m)
+        gm = jax.lax.dynamic_slice_in_dim(gates, me * m, m)
 
     # 1. sort this device's assignments by expert (so by destination shard).
     flat_e = im.reshape(-1).astype(jnp.int32)
@@ -119,6 +124,8 @@ def _expert_parallel_local(x, idx, gates, wg, wu, wd, *, ep_axis, ep: int):
     ys = _slots_to_sorted(back, send, send_off, ep)  # [m*K, D], sorted order
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(slot, dtype=jnp.int32))
     ym = moe._combine(ys[inv], gm, m, k)  # [m, D]
+    if rows_split:
+        return ym
     y = jax.lax.all_gather(ym, ep_axis, tiled=True, to="invarying")  # [m*ep, D]
     return y[:n]
 
@@ -175,7 +182,9 @@ def _on_mesh(mesh, rows, up, down, ep_axis, tp_axis, xf, idx, gates, wg, wu, wd)
 
     def local(x, i, gt, a, b, c):
         if ep > 1:
-            y = _expert_parallel_local(x, i, gt, a, b, c, ep_axis=ep_axis, ep=ep)
+            y = _expert_parallel_local(
+                x, i, gt, a, b, c, ep_axis=ep_axis, ep=ep, rows_split=ep_axis in _axes(rows[0])
+            )
         else:
             y = moe.dispatch_ragged(x, i, gt, a, b, c)
         if tp_axis is not None:
