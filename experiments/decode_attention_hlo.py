@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="h200")
     ap.add_argument("--layers", type=int, default=0, help="0: the size's")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--backend", default="auto", help="MoE dispatch (ModelConfig.moe_backend)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--expect-fused", action="store_true")
     args = ap.parse_args(argv)
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     for kv in args.set:
         k, _, v = kv.partition("=")
         overrides[k] = int(v) if v.isdigit() else v
-    sh = programs.shape(args.size, "auto", args.layers, platform=target.platform, **overrides)
+    sh = programs.shape(args.size, args.backend, args.layers, platform=target.platform, **overrides)
     sh = programs.on_mesh(sh, mesh)
     cfg = sh.cfg
     slots = sh.prompt_len + sh.new_tokens - 1
