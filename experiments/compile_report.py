@@ -18,7 +18,7 @@ devices; TPU slices through libtpu) and prints for each program:
   several values at different times; it is labelled by its largest);
 * an op inventory: gathers and scatters that move expert-weight-shaped arrays (bytes
   per call of the program), dense expansions of ``ragged_dot``, f32 matmuls with a
-  vocabulary-sized dimension, custom calls;
+  vocabulary-sized dimension, custom calls, collectives;
 * matmul FLOPs of the optimised program (every dot, cuBLAS GEMM, grouped-matmul kernel
   call and, on a TPU, convolution, through loop trip counts) against the model's: 2 x
   active matmul parameters per token forward, 6 x for a train step (attention's
@@ -332,6 +332,10 @@ def render(r: dict) -> str:
     lines.append(
         "custom calls: "
         + (", ".join(f"{k} x{v:g}" for k, v in inv["custom_calls"].items()) or "none")
+    )
+    lines.append(
+        "collectives: "
+        + (", ".join(f"{k} x{v:g}" for k, v in inv.get("collectives", {}).items()) or "none")
     )
     ratio = r["hlo_over_model"]
     if r.get("unread_matmuls"):

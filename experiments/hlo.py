@@ -11,7 +11,7 @@ any machine; `experiments/compile_report.py` is its user.
   call, ``ragged-dot`` and grouped-matmul kernel call, times its computation's count.
 * `inventory`: gathers and scatters that move expert-weight-shaped arrays, dense
   expansions of ``ragged_dot``, f32 matmuls with a vocabulary-sized dimension, custom
-  calls.
+  calls, collectives (executions per program call).
 * `peak_buffers`: the buffers live at XLA's peak, each with its shape and what it is.
 """
 
@@ -47,6 +47,14 @@ DTYPE_BYTES = {
 
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")
+COLLECTIVES = (
+    "all-to-all",
+    "ragged-all-to-all",
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "collective-permute",
+)
 GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 
 
@@ -418,6 +426,7 @@ def inventory(
 ) -> dict:
     """The ops a reader of an MoE program wants to find (module docstring)."""
     weight_moves, ragged_dense, f32_vocab, custom = [], [], [], defaultdict(float)
+    collectives = defaultdict(float)
     for mm in matmuls(comps, counts):
         arrays = [a for a in (mm.lhs, mm.rhs, mm.out) if a is not None]
         if "ragged_dot" in mm.op_name and mm.kind not in ("ragged-dot", "grouped"):
@@ -438,6 +447,9 @@ def inventory(
             if ins.opcode == "custom-call":
                 m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
                 custom[m.group(1) if m else "?"] += n
+            base = ins.opcode.removesuffix("-start")
+            if base in COLLECTIVES:
+                collectives[base] += n
             if ins.opcode in ("gather", "scatter"):
                 res = ins.arrays
                 upd = _operand_arrays(comp, ins, 2) if ins.opcode == "scatter" else []
@@ -472,6 +484,7 @@ def inventory(
         ragged_dot_dense=[mm_row(m) for m in ragged_dense],
         f32_vocab_matmuls=[mm_row(m) for m in f32_vocab],
         custom_calls=dict(sorted(custom.items(), key=lambda kv: -kv[1])),
+        collectives=dict(sorted(collectives.items(), key=lambda kv: -kv[1])),
     )
 
 

@@ -154,6 +154,24 @@ def test_ragged_train_step_reads_experts_in_place(h200):
     assert 1 <= r["hlo_over_model"] <= 1.3 * r["expected_over_model"]
 
 
+def test_expert_parallel_train_step_on_eight_gpus_moves_token_rows():
+    """On 8 compile-only H100s with an 8-way expert axis, each GPU holds one
+    expert's weights and the step exchanges token rows by all-to-all."""
+    try:
+        h100x8 = targets.compile_devices("h100x8")
+    except targets.TargetUnavailable as e:
+        pytest.skip(str(e))
+    sh = programs.shape("tiny", "auto", platform="cuda", dtype="bfloat16")
+    mesh = compile_report.mesh_for(h100x8, {"data": 1, "fsdp": 1, "expert": 8, "tensor": 1})
+    r = compile_report.report_one("train", sh, h100x8, mesh, batch=0, mem_fraction=0.95, top=5)
+    inv = r["inventory"]
+    assert inv["expert_weight_copies"] == [] and inv["custom_calls"].get("mosaic_gpu_v2", 0) > 0
+    # Per MoE layer and micro-batch: rows out and back, and both again in the backward.
+    moe_layers = sum(sh.cfg.layer_kinds)
+    assert inv["collectives"]["all-to-all"] >= 4 * moe_layers
+    assert "collectives: all-to-all" in compile_report.render(r)
+
+
 @pytest.mark.parametrize("part", ["logprob", "prefill", "decode", "sampler"])
 def test_every_program_compiles_for_the_target(h200, part):
     sh = programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16")

@@ -100,6 +100,52 @@ def _combine(y_assign, gates, n, k):
 
 GROUPED_ROW_TILE = 8
 
+# The three products of a grouped matmul, as `jax.lax.RaggedDotDimensionNumbers`
+# fields (contracting dims, batch dims, ragged lhs dims, group dims of the rhs):
+# out [M, N] = lhs [M, K] . rhs[g] [K, N]; dlhs [M, K] = dout [M, N] . rhs[g]^T;
+# drhs [G, K, N] = per group, lhs^T [K, M_g] . dout [M_g, N] (M is contracted).
+_FORWARD = (([1], [1]), ([], [])), [0], [0]
+_LHS_GRAD = (([1], [2]), ([], [])), [0], [0]
+_RHS_GRAD = (([0], [0]), ([], [])), [0], []
+
+
+def _ragged_dot(a, b, sizes, dims, dtype, varying):
+    """tokamax's ragged_dot_general with ``dims``; the result typed as varying over
+    the mesh axes ``varying`` (inside a shard_map: the kernels are per device)."""
+    import tokamax  # imported here: only the ragged dispatch needs it
+
+    dot, ragged, group = dims
+    mat = jax.sharding.ManualAxisType(varying=varying) if varying else None
+    out = tokamax.ragged_dot_general(
+        a,
+        b,
+        sizes,
+        jax.lax.RaggedDotDimensionNumbers(dot, ragged, group),
+        preferred_element_type=dtype,
+        manual_axis_type=mat,
+    )
+    missing = tuple(sorted(varying - jax.typeof(out).manual_axis_type.varying))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(lhs, rhs, sizes, varying):
+    return _ragged_dot(lhs, rhs, sizes, _FORWARD, lhs.dtype, varying)
+
+
+def _grouped_fwd(lhs, rhs, sizes, varying):
+    return _grouped(lhs, rhs, sizes, varying), (lhs, rhs, sizes)
+
+
+def _grouped_bwd(varying, res, dout):
+    lhs, rhs, sizes = res
+    dlhs = _ragged_dot(dout, rhs, sizes, _LHS_GRAD, lhs.dtype, varying)
+    drhs = _ragged_dot(lhs, dout, sizes, _RHS_GRAD, rhs.dtype, varying)
+    return dlhs, drhs, None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
 
 def grouped_matmul(lhs, rhs, sizes):
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g, rows sorted by group.
@@ -108,32 +154,33 @@ def grouped_matmul(lhs, rhs, sizes):
     belong to no group: their output is unspecified and must not be read).  Each
     group's weights are read where they lie, never gathered or copied per row.
 
-    The kernel is tokamax's `ragged_dot`, which picks per device: its Pallas
-    Mosaic kernel on Hopper/Blackwell GPUs and on TPU, `jax.lax.ragged_dot`
-    elsewhere (CPU).  Its backward is two more grouped matmuls (lhs gradient:
-    rows against the transposed weights; weight gradient: per-group lhs^T dout),
-    so no scatter of weights appears either way.  The choice over
-    `jax.lax.ragged_dot` on GPU, which XLA expands into a dense [M, G*K] product
-    there, is recorded in docs/moe.md.
+    The kernel is tokamax's `ragged_dot_general`, which picks per device: its
+    Pallas Mosaic kernel on Hopper/Blackwell GPUs and on TPU, `jax.lax.ragged_dot`
+    elsewhere (CPU).  The backward is two more grouped matmuls (`_grouped_bwd`:
+    rows against the transposed weights, and per group lhs^T dout), so no scatter
+    of weights appears either way.  Written here rather than left to tokamax's own
+    VJP so that inside a shard_map every product is typed as varying over the
+    operands' mesh axes (its GPU kernel's weight gradient comes out untyped).  The
+    choice over `jax.lax.ragged_dot` on GPU, which XLA expands into a dense
+    [M, G*K] product there, is recorded in docs/moe.md.
     """
-    import tokamax  # imported here: only the ragged dispatch needs it
-
     # The GPU kernel tiles rows by 8 and refuses a row count that is not a multiple:
     # pad with rows of no group, and drop their outputs.
     m = lhs.shape[0]
     pad = -m % GROUPED_ROW_TILE
     if pad:
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
-    # Inside a shard_map the kernel must be told over which mesh axes its output
-    # varies: those of either operand.
-    varying = jax.typeof(lhs).manual_axis_type.varying | jax.typeof(rhs).manual_axis_type.varying
-    out = tokamax.ragged_dot(
-        lhs,
-        rhs,
-        sizes,
-        preferred_element_type=lhs.dtype,
-        manual_axis_type=jax.sharding.ManualAxisType(varying=varying) if varying else None,
+    # Inside a shard_map: both operands varying over the axes either varies over (the
+    # weights' pvary transposes to the psum their gradient needs).
+    varying = frozenset(
+        jax.typeof(lhs).manual_axis_type.varying | jax.typeof(rhs).manual_axis_type.varying
     )
+
+    def vary(a):
+        missing = tuple(sorted(varying - jax.typeof(a).manual_axis_type.varying))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    out = _grouped(vary(lhs), vary(rhs), vary(sizes), varying)
     return out[:m] if pad else out
 
 
