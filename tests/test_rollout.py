@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gspo_jax import rollout
-from gspo_jax.models import ModelConfig, Transformer
+from gspo_jax.models import ModelConfig, Transformer, layers
 
 T = 8  # max_new_tokens shared by most tests (one compile per bucket)
 GENERATE = "jit(_generate)"  # the sampler's compiled function, in compile_counts
@@ -299,6 +299,34 @@ def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, comp
         np.testing.assert_array_equal(np.asarray(getattr(plain, name)), np.asarray(getattr(cpu, name)))
     np.testing.assert_allclose(np.asarray(plain.logp), np.asarray(cpu.logp), atol=1e-6)
     np.testing.assert_allclose(np.asarray(plain.logp_sampling), np.asarray(cpu.logp_sampling), atol=1e-5)
+
+
+def test_fused_cached_attention_gives_the_same_rollout(sampler, monkeypatch):
+    # The sampler with the KV cache of a fused attention kernel ([B, S, KV, hd], cuDNN on
+    # a GPU), here through jax.nn's 'xla' implementation of the same calls: the same
+    # tokens and experts, log-probs to rounding.
+    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7)
+    einsums = sampler(PROMPTS, **kw)
+    calls = collections.Counter()
+    fused = layers._attention_with_lse
+
+    def counted(*args):
+        calls["fused"] += 1
+        return fused(*args)
+
+    monkeypatch.setattr(layers, "fused_cached_attention", lambda cfg: True)
+    monkeypatch.setattr(layers, "_attention_with_lse", counted)
+    rollout._generate_jit.clear_cache()  # the layout is chosen while tracing
+    try:
+        r = sampler(PROMPTS, **kw)
+    finally:
+        rollout._generate_jit.clear_cache()
+    assert calls["fused"] > 0
+    for name in ("tokens", "mask", "experts"):
+        np.testing.assert_array_equal(np.asarray(getattr(r, name)), np.asarray(getattr(einsums, name)))
+    np.testing.assert_allclose(np.asarray(r.logp), np.asarray(einsums.logp), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(r.logp_sampling), np.asarray(einsums.logp_sampling),
+                               atol=1e-5)
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
