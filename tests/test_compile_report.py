@@ -154,6 +154,32 @@ def test_ragged_train_step_reads_experts_in_place(h200):
     assert 1 <= r["hlo_over_model"] <= 1.3 * r["expected_over_model"]
 
 
+@pytest.mark.parametrize("rows", [200, 45024])
+def test_grouped_matmul_compiles_for_the_gpu_at_any_row_count(h200, rows):
+    """The GPU kernels tile rows (by 8, and by 64 in the weight gradient): a row
+    count that is a multiple of neither compiles, forward and backward, with the
+    three products as kernel calls and their FLOPs counted."""
+    from gspo_jax.models import moe
+
+    d, f, e = 256, 128, 8
+
+    def loss(x, w, sizes):
+        return jnp.sum(moe.grouped_matmul(x, w, sizes).astype(jnp.float32) ** 2)
+
+    with targets.compiling_for(h200):
+        c, comps, counts, _ = _compile(
+            jax.grad(loss, argnums=(0, 1)),
+            ((rows, d), jnp.bfloat16),
+            ((e, d, f), jnp.bfloat16),
+            ((e,), jnp.int32),
+            device=h200.devices[0],
+        )
+    grouped = [m for m in hlo.matmuls(comps, counts) if m.kind == "grouped"]
+    assert len(grouped) == 3
+    padded = -(-rows // moe.GROUPED_ROW_TILE) * moe.GROUPED_ROW_TILE
+    assert all(m.flops == 2 * padded * d * f for m in grouped)
+
+
 def test_expert_parallel_train_step_on_eight_gpus_moves_token_rows():
     """On 8 compile-only H100s with an 8-way expert axis, each GPU holds one
     expert's weights and the step exchanges token rows by all-to-all."""
