@@ -78,7 +78,10 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=64),
              # both ways of ordering assignments within an expert
              lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare")]:
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare"),
+             # both backwards of the per-block weight gather (CPU's default: scatter)
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, weight_grad="matmul"),
+             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, weight_grad="matmul")]:
     g, y = jax.jit(jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True))(x, gates, ws)
     np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
     assert _max_tree_diff(g, ref_g) < 1e-5
