@@ -155,7 +155,8 @@ def _attention_with_lse(q, k, v, mask, scale: float, impl: str, causal: bool):
     Through cuDNN, the function ``jax.nn.dot_product_attention`` itself calls: jax.nn
     returns cuDNN's log-sum-exp (computed in f32) rounded to the output's dtype, and a
     bf16 log-sum-exp (error up to |lse| / 256) would misweigh the new tokens against
-    the cache in `Attention._attend_cached_fused`."""
+    the cache in `Attention._attend_cached_fused`. (A private module of jax: setup.cfg
+    pins jax below 0.13.)"""
     if impl == "cudnn":
         from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
