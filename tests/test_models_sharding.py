@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from gspo_jax.models import ModelConfig, init_sharded, logical_to_mesh_spec, param_shardings
 from gspo_jax.models.sharding import batch_sharding
