@@ -1,11 +1,14 @@
-"""Benchmark of a full RL step (rollout, old log-probs, update) at the default config.
+"""Benchmark of a full RL step (rollout, old log-probs, update) at a config (the default's).
 
     python experiments/bench_rl_step.py                 # default config, 5 timed steps
     python experiments/bench_rl_step.py --steps 10 --arg objective=grpo
+    python experiments/bench_rl_step.py --config configs/bench_rl_h200.py --steps 3  # one GPU
 
 Reports the share of step time in rollout (sampling, rewards, advantages),
 old log-probs and the update, and the update's achieved FLOP/s against this
-machine's dense f32 matmul FLOP/s measured in the same run. It also times the
+machine's dense f32 matmul FLOP/s measured in the same run, and the step's throughput
+in tokens/s per device as NeMo-RL reports it (the rollout's prompt and response tokens
+over the whole step's time, divided by the devices). It also times the
 config's objective alone (jitted value and gradient with its metrics, on the
 update's own old log-probs, advantages, mask, reference log-probs and router
 shift) and gives its share of one update. The update's FLOPs
@@ -18,6 +21,7 @@ bound for the config.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -31,6 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default as default_config  # noqa: E402
 from experiments.bench_model import matmul_peak  # noqa: E402
 from gspo_jax import objectives, train  # noqa: E402
+
+
+def load_config(spec: str):
+    """``path[:argument]`` -> the config file's ``get_config(argument)``."""
+    path, _, arg = spec.partition(":")
+    if not os.path.exists(path):
+        raise SystemExit(f"--config: no file {path}")
+    module_spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg or None)
 
 
 def time_fn(fn, args, warmup: int, runs: int) -> float:
@@ -76,11 +91,19 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--arg", default="", help="config argument, e.g. objective=grpo")
+    ap.add_argument(
+        "--config",
+        default="configs/default.py",
+        help="a config file, optionally with its argument: configs/bench_rl_h200.py:layers=16",
+    )
+    ap.add_argument("--arg", default="", help="the default config's argument, e.g. objective=grpo")
     ap.add_argument("--data_dir", default="")
     args = ap.parse_args(argv)
 
-    c = default_config.get_config(args.arg)
+    if args.config == "configs/default.py":
+        c = default_config.get_config(args.arg)
+    else:
+        c = load_config(args.config)
     c.sft.steps = 0
     c.progress_bar = False
     c.total_rl_steps = args.steps + 1
@@ -117,7 +140,7 @@ def main(argv=None):
     updates = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
     achieved = flops_per_update * updates / upd_t
     print(
-        f"config: configs/default.py:{args.arg}  prompts={c.rollout.prompts_per_step} G={c.rollout.group_size} "
+        f"config: {args.config}:{args.arg}  prompts={c.rollout.prompts_per_step} G={c.rollout.group_size} "
         f"max_new_tokens={c.rollout.max_new_tokens} updates/step={updates} devices={jax.device_count()}"
     )
     print(
@@ -139,6 +162,14 @@ def main(argv=None):
         f"-> {achieved / peak:.1%} of peak"
     )
     print(f"tokens/s (generated + trained): {mean('tokens_per_s'):.0f}")
+    rows = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+    step_tokens = rows * (int(c.rollout.max_prompt_len) + mean("response_len"))
+    print(
+        f"tokens/s/device (the rollout's prompt, at its padded length, and response tokens "
+        f"over the whole step; NeMo-RL's measure): {step_tokens / step_t / jax.device_count():.0f} "
+        f"({rows} rows x ({c.rollout.max_prompt_len} + {mean('response_len'):.0f}) tokens, "
+        f"{jax.device_count()} device(s))"
+    )
     upd_ms = upd_t / updates * 1e3
     print(
         f"objective {trainer.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
