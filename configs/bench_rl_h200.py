@@ -14,7 +14,7 @@ checkpoints.
     python experiments/bench_rl_step.py --config configs/bench_rl_h200.py:tiny   # CPU
 
 Arguments: ``layers=<n>``; ``tiny`` shrinks the model and the rollout to run on a CPU
-in seconds (the same code path, for the tests).
+in seconds (the same code path, for the tests); ``smoke`` as every config has it.
 """
 
 from configs import default
@@ -22,7 +22,7 @@ from gspo_jax import config as config_lib
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=("layers", "tiny"))
+    args = config_lib.parse_arg(arg, known=("layers", "tiny", "smoke"))
     c = default.get_config()
     c.sft.steps = 0
     c.eval_every = 10**6
@@ -75,4 +75,7 @@ def get_config(arg: str | None = None):
         c.rollout.group_size = 4
         c.rollout.max_new_tokens = 16
         c.updates.micro_batches = 1
+    if args.get("smoke"):
+        config_lib.apply_smoke(c)
+        c.updates.logprob_micro_batches = 1
     return c

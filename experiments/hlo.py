@@ -398,7 +398,10 @@ def matmuls(comps: dict[str, Computation], counts: dict[str, float]) -> list[Mat
 def _grouped_flops(arrays: list[Array]) -> float:
     """2 x M x X x Y for a grouped matmul among whose operands and results are one
     weight stack [G, X, Y] and row arrays [M, X] or [X, M] (the forward, the lhs
-    gradient and the weight gradient alike); NaN where the shapes do not say."""
+    gradient and the weight gradient alike); NaN where the shapes do not say.  M is
+    every row of the operand: an upper bound where rows past the groups' sum are not
+    computed (the padding to the kernel's tile; expert parallelism's receive buffer,
+    ep times the rows a device sends, gspo_jax/models/expert_parallel.py)."""
     stacks = [a for a in arrays if len(a.dims) == 3]
     if len(stacks) != 1:
         return math.nan

@@ -226,7 +226,7 @@ def single_device_mesh(device=None) -> Mesh:
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes a batch's rows are sharded over (the trainer's BATCH_AXES)."""
-    return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+    return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
 
 
 def _rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -967,7 +967,7 @@ def validate(
     optimizer.grad_clip                                    finite > 0: clipping is always on
                                                            (a large value makes it a no-op)
     optimizer.mu_dtype                                     float32, bfloat16
-    sft.batch_size                                         int >= 1; divisible by data*fsdp
+    sft.batch_size                                         int >= 1; divisible by data*fsdp*expert
     =====================================================  ==================================
     """
     from gspo_jax import objectives  # local: keeps config import light
@@ -1104,7 +1104,7 @@ def validate(
 
     # Batches against the mesh.
     shape = mesh_shape(c, num_devices)
-    batch_shards = shape["data"] * shape["fsdp"]
+    batch_shards = shape["data"] * shape["fsdp"] * shape["expert"]  # train.BATCH_AXES
     n = int(c.rollout.prompts_per_step) * g
     mb = int(c.updates.num_minibatches)
     if n % mb:
@@ -1122,18 +1122,19 @@ def validate(
         raise _err(
             "mesh",
             f"the micro-batch of {n // mb // micro} sequences is not divisible by the "
-            f"data*fsdp = {batch_shards} batch shards",
+            f"data*fsdp*expert = {batch_shards} batch shards",
         )
     lp = int(c.updates.logprob_micro_batches)
     if n % lp or (n // lp) % batch_shards:
         raise _err(
             "updates.logprob_micro_batches",
             f"{lp} pieces of the rollout batch of {n} sequences: each must be a whole number "
-            f"of sequences divisible by the data*fsdp = {batch_shards} batch shards",
+            f"of sequences divisible by the data*fsdp*expert = {batch_shards} batch shards",
         )
     if int(c.sft.steps) > 0 and int(c.sft.batch_size) % batch_shards:
         raise _err(
-            "sft.batch_size", f"{c.sft.batch_size} is not divisible by data*fsdp = {batch_shards}"
+            "sft.batch_size",
+            f"{c.sft.batch_size} is not divisible by data*fsdp*expert = {batch_shards}",
         )
     if c.optimizer.schedule not in SCHEDULES:
         raise _err(

@@ -602,7 +602,7 @@ class Sampler:
       mesh: optional device mesh; the batch is sharded over ``data_axes`` and the
         parameters keep whatever sharding ``state`` has.
       data_axes: mesh axes the batch is sharded over (default: those of
-        ("data", "fsdp") that the mesh has).
+        ("data", "fsdp", "expert") that the mesh has: the trainer's batch axes).
       min_prompt_bucket: the smallest prompt bucket; buckets are the powers of two
         from it up.
       prompt_buckets: explicit increasing prompt buckets instead (a prompt longer
@@ -647,7 +647,7 @@ class Sampler:
             self._sharding = None
         else:
             if data_axes is None:
-                data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+                data_axes = tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
             data_axes = tuple(data_axes)
             for a in data_axes:
                 if a not in mesh.axis_names:

@@ -67,7 +67,9 @@ from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
-BATCH_AXES = ("data", "fsdp")
+# The mesh axes a batch's rows are split over: every axis but 'tensor' (the model's
+# 'batch' rule; with an 'expert' axis, expert parallelism moves rows, not weights).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 # --------------------------------------------------------------------------

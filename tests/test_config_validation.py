@@ -504,6 +504,7 @@ def test_unknown_and_missing_keys_are_refused():
 # Every config file, with its documented arguments.
 
 DOCUMENTED_ARGS = {
+    "bench_rl_h200": ["", "layers=16", "tiny"],
     "cispo": [""],
     "file_task": ["file=/data/prompts.jsonl", "file=/data/prompts.parquet"],
     "default": [""] + [f"objective={n}" for n in objectives.names()],

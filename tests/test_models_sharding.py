@@ -27,8 +27,11 @@ def test_logical_to_mesh_spec_rules():
       "expert", "fsdp", "tensor")
   # 97 is not divisible by tensor=2: replicated instead.
   assert logical_to_mesh_spec(("vocab", "embed"), (97, 32), rules, mesh) == P(None, "fsdp")
-  # batch -> (data, fsdp); data has size 1 but is still a valid factor.
-  assert logical_to_mesh_spec(("batch", None), (4, 7), rules, mesh) == P(("data", "fsdp"), None)
+  # batch -> (data, fsdp, expert); data has size 1 but is still a valid factor.
+  assert logical_to_mesh_spec(("batch", None), (4, 7), rules, mesh) == P(
+      ("data", "fsdp", "expert"), None)
+  # An axis that does not divide the rows is left out (2 rows: fsdp only).
+  assert logical_to_mesh_spec(("batch", None), (2, 7), rules, mesh) == P(("data", "fsdp"), None)
   # A mesh axis is used once per array.
   rules2 = (("embed", "tensor"), ("mlp", "tensor"))
   assert logical_to_mesh_spec(("embed", "mlp"), (32, 64), rules2, mesh) == P("tensor", None)

@@ -111,8 +111,10 @@ def test_layer_with_replay_and_noise_equals_dense(backend, groups):
 )
 def test_ragged_dispatch_on_a_mesh_equals_one_device(mesh_shape):
     """On 8 CPU devices the ragged dispatch (shard_map with its all-to-alls and
-    psums written out) gives one device's values and gradients. 6 x 5 rows: the
-    expert axis's share of a batch shard is padded (15 rows over 2, 4 or 8)."""
+    psums written out) gives one device's values and gradients. 6 x 5 rows: where
+    the expert axis does not divide a batch shard's rows, its devices share them and
+    pad their split (15 rows over 2, 4 or 8); 8 x 5 rows divide, and each device
+    dispatches its own."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices")
     devices = np.asarray(jax.devices()[: int(np.prod(mesh_shape))]).reshape(mesh_shape)
@@ -125,20 +127,24 @@ def test_ragged_dispatch_on_a_mesh_equals_one_device(mesh_shape):
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (2, 1, 2, 2)])
-def test_ragged_dispatch_with_rows_sharded_over_the_expert_axis(mesh_shape):
-    """The layout where the batch rule shards rows over the expert axis too: each
-    expert-axis device dispatches its own rows, and none is all-gathered."""
+@pytest.mark.parametrize("rows_over_expert", [True, False])
+def test_ragged_dispatch_with_rows_split_or_shared_over_the_expert_axis(
+    mesh_shape, rows_over_expert
+):
+    """The trainer's layout, rows sharded over the expert axis too (each expert-axis
+    device dispatches its own rows, none is all-gathered), and a batch rule without
+    it (the expert-axis devices share their rows and split them in the layer)."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices")
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), AXES)
+    batch = ("data", "fsdp", "expert") if rows_over_expert else ("data", "fsdp")
     rules = tuple(
-        (name, ("data", "fsdp", "expert") if name == "batch" else target)
+        (name, batch if name == "batch" else target)
         for name, target in ModelConfig.tiny().axis_rules
     )
     ref = _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), 8, 5)
     cfg = ModelConfig.tiny(moe_backend="ragged", axis_rules=rules)
-    rows = P(("data", "fsdp", "expert"))
-    _assert_same(_layer_loss_and_grads(cfg, 8, 5, mesh=mesh, rows=rows), ref)
+    _assert_same(_layer_loss_and_grads(cfg, 8, 5, mesh=mesh, rows=P(batch)), ref)
 
 
 def test_expert_parallel_program_exchanges_token_rows():

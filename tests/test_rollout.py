@@ -437,28 +437,30 @@ def test_decode_loop_is_one_device_program(sampler):
 
 
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
-@pytest.mark.parametrize("axes,shape", [(("data", "tensor"), (4, 2)),
-                                        (("data", "fsdp", "expert"), (2, 2, 2))])
-def test_sharded_batch_equals_single_device(model, sampler, axes, shape):
+@pytest.mark.parametrize("axes,shape,shards,buckets", [
+    (("data", "tensor"), (4, 2), 4, [4, 2, 4, 8]),
+    (("data", "fsdp", "expert"), (2, 2, 2), 8, [8, 4, 8, 8]),
+])
+def test_sharded_batch_equals_single_device(model, sampler, axes, shape, shards, buckets):
     devices = np.array(jax.devices()[:8])
     if devices.size < 8:
         pytest.skip("needs 8 (fake) devices")
-    # Batch over the data axes ('data' = 4, or 'data' x 'fsdp' = 2 x 2), the
-    # parameters sharded by the model's rules over the other axes.
+    # Batch over the data axes ('data' = 4, or 'data' x 'fsdp' x 'expert' = 2 x 2 x 2),
+    # the parameters sharded by the model's rules over the other axes.
     mesh = Mesh(devices.reshape(shape), axes)
     from gspo_jax.models import param_shardings
     state = jax.device_put(sampler.state, param_shardings(sampler.state, mesh, model.cfg))
     sharded = rollout.Sampler(sampler.graphdef, state, vocab_size=model.cfg.vocab_size, mesh=mesh)
-    data_axes = tuple(a for a in axes if a in ("data", "fsdp"))
-    assert sharded.data_axes == data_axes and sharded.data_shards == 4
+    data_axes = tuple(a for a in axes if a in ("data", "fsdp", "expert"))
+    assert sharded.data_axes == data_axes and sharded.data_shards == shards
     assert any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
                for x in jax.tree.leaves(state))  # some parameters are sharded
-    # Prompt buckets b such that the b * G rows divide over the 4 data shards.
-    assert [sharded.batch_bucket(n, g) for n, g in ((3, 3), (1, 2), (1, 1), (5, 3))] == [4, 2, 4, 8]
+    # Prompt buckets b such that the b * G rows divide over the data shards.
+    assert [sharded.batch_bucket(n, g) for n, g in ((3, 3), (1, 2), (1, 1), (5, 3))] == buckets
     kw = dict(num_samples=4, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
     # 4 prompts x 4 = 16 rows: no padding rows, the prefill batch sharded too;
-    # 1 prompt x 4: the prefill replicated, the 4 rows sharded.
-    for prompts in (PROMPTS + [[5, 6]], PROMPTS[:1]):
+    # shards / 4 prompts x 4: the prefill replicated, the rows sharded.
+    for prompts in (PROMPTS + [[5, 6]], PROMPTS[: shards // 4]):
         a, b = sharded(prompts, **kw), sampler(prompts, **kw)
         for x in (a.tokens, a.logp, a.experts):
             spec0 = x.sharding.spec[0]

@@ -32,7 +32,10 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # Logical names used by the parameters: vocab, embed, heads, kv_heads, head_dim,
 # mlp, expert, norm, layers.  `batch` is the activations' leading axis.
 DEFAULT_AXIS_RULES = (
-    ("batch", ("data", "fsdp")),
+    # Rows over every axis but 'tensor': with an 'expert' axis, each of its devices
+    # has rows of its own and exchanges them with the experts' devices (expert
+    # parallelism, gspo_jax/models/expert_parallel.py), as MaxText lays it out.
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -97,7 +100,7 @@ class ModelConfig:
         shrunk for small token counts).
       moe_groups: the 'blocked' and 'ragged' dispatches sort and compute the tokens
         of this many equal blocks of batch rows separately (gcd with the rows of a
-        call): the trainer sets it to the mesh's batch shards (data x fsdp), so that
+        call): the trainer sets it to the mesh's batch shards (data x fsdp x expert), so that
         each device dispatches its own rows. Changes no value. Under a mesh set
         with `jax.set_mesh`, 'ragged' takes its groups from the mesh instead
         (`gspo_jax.models.expert_parallel`).
