@@ -3,9 +3,10 @@ with an expert axis the token rows travel to the experts' devices and back.
 
 Inside one `jax.shard_map` over every mesh axis, a device holds
 
-* its rows of the batch (the config's 'batch' rule: by default the data and FSDP
-  axes, so they are the same on every device of the expert and tensor axes; a
-  rule that adds the expert axis gives each expert-axis device rows of its own);
+* its rows of the batch (the config's 'batch' rule: by default the data, FSDP and
+  expert axes, so each expert-axis device has rows of its own; where the expert
+  axis does not divide the rows, or a rule leaves it out, the devices along it
+  share the same rows; they are always the same along the tensor axis);
 * its experts' weights: gate/up [E/ep, D, F/tp], down [E/ep, F/tp, D] (the
   'expert' and 'mlp' rules; the FSDP-sharded model dimension is gathered, as
   FSDP gathers every weight before it is used).
