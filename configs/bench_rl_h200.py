@@ -18,6 +18,7 @@ in seconds (the same code path, for the tests); ``smoke`` as every config has it
 """
 
 from configs import default
+from experiments.programs import SIZES
 from gspo_jax import config as config_lib
 
 
@@ -28,26 +29,18 @@ def get_config(arg: str | None = None):
     c.eval_every = 10**6
     c.checkpoint_every = 10**6
     c.progress_bar = False
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
+    # The accelerator benchmark's model (experiments/programs.py), its runtime settings
+    # (dtypes, remat, logits chunk, block size) where the config keeps them.
+    model = dict(SIZES["tiny" if args.get("tiny") else "h200"]["model"])
+    for key in config_lib.MODEL_RUNTIME_FIELDS:
+        if key in model:
+            c.model[key] = model.pop(key)
     c.model.moe_backend = "auto"
-    c.model.moe_block_size = 512
-    c.model.remat_policy = "dots_no_scores"
-    c.model.logits_chunk_size = 512
-    c.model.fields = dict(
-        vocab_size=151_936,
-        d_model=2048,
-        num_layers=int(args.get("layers", 8)),
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        d_ff=6144,
-        moe_d_ff=768,
-        num_experts=64,
-        top_k=8,
-        qk_norm=True,
-        tie_embeddings=False,
-    )
+    if "layers" in args:
+        model["num_layers"] = int(args["layers"])
+    elif not args.get("tiny"):
+        model["num_layers"] = 8
+    c.model.fields = model
     c.rollout.prompts_per_step = 64
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 1024
@@ -55,21 +48,6 @@ def get_config(arg: str | None = None):
     c.updates.micro_batches = 4
     c.updates.logprob_micro_batches = 4
     if args.get("tiny"):
-        c.model.dtype = "float32"
-        c.model.logits_chunk_size = 16
-        c.model.fields = dict(
-            c.model.fields,
-            vocab_size=512,
-            d_model=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            d_ff=128,
-            moe_d_ff=32,
-            num_experts=8,
-            top_k=2,
-        )
         # 32 rows: mini-batches of 8, one row per device on 8 (the tests' fake devices).
         c.rollout.prompts_per_step = 8
         c.rollout.group_size = 4
