@@ -222,7 +222,9 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
     c.progress_bar = False
     if objective == "grpo":
         c.updates.micro_batches = 2  # gradient accumulation through the full loop
-        c.mesh.data, c.mesh.expert = 2, -1  # micro-batches of 4 over 2 batch shards; experts over 4
+        # Micro-batches of 4 rows over the 4 batch shards (data x expert); experts over 2,
+        # their width over the tensor axis.
+        c.mesh.data, c.mesh.expert, c.mesh.tensor = 2, 2, -1
         c.updates.logprob_micro_batches = 4  # the old-policy and reference passes in 4 pieces
     if replay == "R3":
         c.updates.logprob_micro_batches = 2  # the R3 record split with the rows
