@@ -116,15 +116,14 @@ def _expert_parallel_local(x, idx, gates, wg, wu, wd, *, ep_axis, ep: int, rows_
     order2 = jnp.argsort(local_e, stable=True)
     sizes = jnp.sum(mine, axis=0).astype(jnp.int32)  # [E/ep]
     y2 = moe.grouped_swiglu(buf.reshape(ep * slot, -1)[order2], sizes, wg, wu, wd)
-    inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * slot, dtype=jnp.int32))
     valid = (local_e < e_loc)[:, None]
-    ybuf = jnp.where(valid, y2[inv2], jnp.zeros((), y2.dtype)).reshape(ep, slot, -1)
+    ybuf = jnp.where(valid, y2[moe.inverse_permutation(order2)], jnp.zeros((), y2.dtype))
+    ybuf = ybuf.reshape(ep, slot, -1)
 
     # 4. outputs back to their senders, unsorted, combined, gathered.
     back = jax.lax.all_to_all(ybuf, ep_axis, 0, 0, tiled=False)  # slot s: my rows from s
     ys = _slots_to_sorted(back, send, send_off, ep)  # [m*K, D], sorted order
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(slot, dtype=jnp.int32))
-    ym = moe._combine(ys[inv], gm, m, k)  # [m, D]
+    ym = moe._combine(ys[moe.inverse_permutation(order)], gm, m, k)  # [m, D]
     if rows_split:
         return ym
     y = jax.lax.all_gather(ym, ep_axis, tiled=True, to="invarying")  # [m*ep, D]

@@ -188,9 +188,19 @@ def grouped_matmul(lhs, rhs, sizes):
 
 def grouped_swiglu(rows, sizes, wg, wu, wd):
     """SwiGLU of expert g on each row of group g: rows [M, D] sorted by expert,
-    sizes int32[E], wg/wu [E, D, F], wd [E, F, D] -> [M, D]."""
+    sizes int32[E], wg/wu [E, D, F], wd [E, F, D] -> [M, D].  The rows are padded
+    to the kernels' tile once here, not by each of the three products."""
+    m = rows.shape[0]
+    pad = -m % GROUPED_ROW_TILE
+    if pad:
+        rows = jnp.pad(rows, ((0, pad), (0, 0)))
     h = jax.nn.silu(grouped_matmul(rows, wg, sizes)) * grouped_matmul(rows, wu, sizes)
-    return grouped_matmul(h, wd, sizes)
+    return grouped_matmul(h, wd, sizes)[:m]
+
+
+def inverse_permutation(order):
+    """inv with inv[order[i]] = i: where each entry of a permuted array came from."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
 def dispatch_ragged(x, idx, gates, wg, wu, wd):
@@ -205,8 +215,7 @@ def dispatch_ragged(x, idx, gates, wg, wu, wd):
     order = jnp.argsort(flat_e, stable=True)
     sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
     ys = grouped_swiglu(x[order // k], sizes, wg, wu, wd)  # [NK, D], sorted order
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return _combine(ys[inv], gates, n, k)
+    return _combine(ys[inverse_permutation(order)], gates, n, k)
 
 
 def block_size_for(
@@ -355,9 +364,15 @@ def resolve_backend(backend: str) -> str:
     on the device programs are compiled for (JAX's default device, which a
     compile-only target sets): 'auto' is 'blocked' on CPU and 'ragged' on GPU and
     TPU, in training and in decode (the evidence: docs/moe.md)."""
+    return backend_for(backend, _platform())
+
+
+def backend_for(backend: str, platform: str) -> str:
+    """`resolve_backend` for programs compiled for ``platform`` ('cpu', 'gpu', 'cuda' or
+    'tpu')."""
     if backend != "auto":
         return backend
-    return "blocked" if _platform() == "cpu" else "ragged"
+    return "blocked" if platform == "cpu" else "ragged"
 
 
 def _platform() -> str:
