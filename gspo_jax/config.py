@@ -31,7 +31,6 @@ FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
 BAD_ROWS = ("skip", "refuse")
 LONG_PROMPTS = ("refuse", "truncate")
 SCHEDULES = ("constant", "cosine", "linear")
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
@@ -619,6 +618,8 @@ def _check_pass_k(c: ml_collections.ConfigDict) -> None:
 
 
 def _mesh_axis(c: ml_collections.ConfigDict, axis: str) -> int:
+    from gspo_jax.models.config import MESH_AXES  # local: keeps config import light
+
     if axis not in MESH_AXES:
         raise _err(f"mesh.{axis}", f"unknown mesh axis; axes are {MESH_AXES}")
     v = _get(c, f"mesh.{axis}")
@@ -783,6 +784,8 @@ def _from_dataclass_error(e: Exception, name: str, group: str, keys) -> ConfigEr
 
 def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """Resolve the mesh sizes (at most one -1) against the device count."""
+    from gspo_jax.models.config import MESH_AXES  # local: keeps config import light
+
     sizes = {}
     for axis in MESH_AXES:
         if axis not in c.mesh:

@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from gspo_jax import multihost
+
 
 def _scalar(v: Any) -> Any:
     if isinstance(v, (str, bool)) or v is None:
@@ -301,3 +303,19 @@ def open_wandb(wb: Any, workdir: str, config: Mapping[str, Any], *, enabled: boo
         raise
     finally:
         writer.finish(code)
+
+
+def progress_bar(c, total: int, start: int, desc: str):
+    """A tqdm bar on the primary process where ``config.progress_bar`` is on; else one that
+    does nothing."""
+    if c.progress_bar and multihost.is_primary():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+
+    class _Null:
+        def update(self, n): ...
+        def set_postfix(self, **kw): ...
+        def close(self): ...
+
+    return _Null()

@@ -279,7 +279,7 @@ def check_health(metrics: Mapping[str, Any], c: ml_collections.ConfigDict, where
     """Stop the run when its parameters are no longer finite, or when more than
     ``updates.max_consecutive_skips`` updates in a row were skipped for a non-finite
     loss or gradient (FloatingPointError saying which)."""
-    if float(metrics["params_finite"]) < 1:  # a mean over the step's updates
+    if float(metrics["params_finite"]) < 1:  # the minimum over the step's updates
         raise FloatingPointError(
             f"{where}: the parameters are no longer finite after an update with a finite "
             "loss and gradient; the run stops before saving them. Lower the learning rate."

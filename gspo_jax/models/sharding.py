@@ -9,14 +9,45 @@ the dimension, is dropped for that dimension (it is replicated instead).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.config import MESH_AXES, ModelConfig
+
+# The mesh axes a batch's rows are split over: every axis but 'tensor' (the model's
+# 'batch' rule; with an 'expert' axis, expert parallelism moves rows, not weights).
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def make_mesh(shape: dict[str, int]) -> Mesh:
+    """The run's device mesh: ``shape`` (`gspo_jax.config.mesh_shape`) over `MESH_AXES`."""
+    devices = np.asarray(jax.devices()).reshape(tuple(shape[a] for a in MESH_AXES))
+    return Mesh(devices, MESH_AXES)
+
+
+def on_mesh(fn, mesh: Mesh):
+    """``fn`` (jit-compiled) called, and so traced, with ``mesh`` set (`jax.set_mesh`):
+    the model's full forward reads it to shard cuDNN attention's inputs by rows
+    (`gspo_jax.models.layers._rows_sharded`). Only the programs are traced under it:
+    creating parameters under a mesh would read their logical axis names as mesh axes."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    def lower(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args, **kwargs)
+
+    call.lower = lower
+    return call
 
 
 def logical_to_mesh_spec(
