@@ -13,7 +13,6 @@
 
 import dataclasses
 import os
-import sys
 
 import jax
 import numpy as np
@@ -23,7 +22,6 @@ from gspo_jax import config as config_lib
 from gspo_jax import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 # The compiled functions of an RL step, by the name compile_counts gives them.
