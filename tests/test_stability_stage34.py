@@ -52,10 +52,10 @@ def test_fisher_matches_hand_computed_values():
 
 
 def test_fisher_agrees_with_scipy_where_available():
-    stats = pytest.importorskip("scipy.stats")
+    scipy_stats = pytest.importorskip("scipy.stats")
     for a in range(6):
         for b in range(6):
-            want = stats.fisher_exact([[a, 5 - a], [b, 5 - b]], alternative="less")[1]
+            want = scipy_stats.fisher_exact([[a, 5 - a], [b, 5 - b]], alternative="less")[1]
             assert stats.fisher_one_sided(a, 5, b, 5) == pytest.approx(want, rel=1e-9), (a, b)
 
 
@@ -211,7 +211,7 @@ def test_setting_status_rules_an_lr_in_or_out_only_when_the_missing_seeds_cannot
 
 def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch):
     monkeypatch.setattr(stage3_config, "CALIBRATION", str(tmp_path / "missing.json"))
-    with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
+    with pytest.raises(FileNotFoundError, match="experiments.stability.stage1_probes --report"):
         stage3_config.get_config("lr=0.003")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"eps_low": None, "note": "GRPO's clip fraction is off the grid"}))

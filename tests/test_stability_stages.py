@@ -371,7 +371,7 @@ def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
     from experiments.stability import stage2_config
 
     monkeypatch.setattr(stage2_config, "PLAN", str(tmp_path / "missing.json"))
-    with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
+    with pytest.raises(FileNotFoundError, match="experiments.stability.stage1_probes --report"):
         stage2_config.get_config()
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"lrs": [3e-4, 1e-3], "eps_low": 0.01, "eps_high": 0.0133}))
