@@ -425,32 +425,62 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
     stage3_replay.main(["--report", "--out", str(out)])
     text = (out / "table.md").read_text()
-    assert "| grpo | 5 / 5 | - | - | 272 |" in text  # median collapse step 17 x 16 updates
-    assert "| grpo_r3 | 0 / 5 | 0.00397 | **yes** |" in text  # 1/252
-    assert "| n/a |" in text
-    assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text  # 21/252
+    groups = _groups(out)
+    rows = {r["arm"]: r for r in stage3_report.arm_rows(groups)}
+    assert list(rows) == ["grpo", "grpo_r3", "gspo"]
+    grpo, r3, gspo = rows["grpo"], rows["grpo_r3"], rows["gspo"]
+    assert (grpo["collapsed"], grpo["seeds"], grpo["p"], grpo["prevents"]) == (5, 5, None, None)
+    assert grpo["median_update"] == 272  # median collapse step 17 x 16 updates
+    assert (r3["collapsed"], r3["seeds"], r3["against"]) == (0, 5, "grpo")
+    assert r3["p"] == pytest.approx(1 / 252) and r3["prevents"] is True
+    assert r3["preliminary"] is None and r3["median_update"] is None
+    assert (gspo["collapsed"], gspo["seeds"]) == (2, 5)
+    assert gspo["p"] == pytest.approx(21 / 252) and gspo["prevents"] is False
+    assert gspo["median_update"] == 320  # collapses at step 20 x 16 updates
+    # Held-out: every run's summary gives 0.3, so the interval is a point.
+    for row in rows.values():
+        assert row["final"] == pytest.approx((0.3, 0.3, 0.3))
     # Flips cross 3 steps before every collapse (0.08 > 3 x 0.01), never elsewhere;
-    # precursors without a series are n/a.
-    assert "+3 [+3, +3] (5/5); FA -" in text
-    assert "+3 [+3, +3] (7/7); FA 0/8" in text
+    # precursors without a series have no runs to count.
+    prec = stage3_report.precursor_rows(groups)
+    flips = {arm: per["free flips"] for arm, per in prec.items()}
+    assert flips["grpo"]["leads"] == [3] * 5 and flips["grpo"]["crossed"] == 5
+    assert flips["grpo"]["not_collapsed"] == 0
+    everything = flips["all arms"]
+    assert everything["leads"] == [3] * 7 and everything["median"] == 3
+    assert (everything["crossed"], everything["collapsed"]) == (7, 7)
+    assert (everything["false_alarms"], everything["not_collapsed"]) == (0, 8)
     # Every hand-made collapse is after step 10, so the clean-baseline row is the same.
-    (row,) = [
-        ln for ln in text.splitlines() if ln.startswith("| all arms, collapses after step 10")
-    ]
-    assert row.split(" | ")[2] == "+3 [+3, +3] (7/7); FA 0/8"  # the free flips' cell
+    assert flips["all arms, collapses after step 10"] == everything
+    clip = prec["all arms"]["token clip fraction"]  # no run logs it: n/a
+    assert clip["collapsed"] == clip["not_collapsed"] == 0 and clip["missing"] == 15
+    assert stage3_report.fmt_precursor(clip) == "n/a"
+    assert prec["grpo_r3"]["F(τ=2)"]["missing"] == 5  # GRPO's alone
     # The step each arm takes: medians over seeds, and the ratio to GRPO's on the same
     # seed (GSPO: 0.4 / 0.1 = 4 at seed 0 down to 0.4 / 0.5 = 0.8 at seed 4).
-    assert "| grpo | 5 | 0.3 [0.1, 0.5] | 0.2 [0.2, 0.2] | 1 [1, 1] |" in text
-    assert "| grpo_r3 | 5 | 0.15 [0.05, 0.25] | - | 0.5 [0.5, 0.5] |" in text
-    assert "| gspo | 5 | 0.4 [0.4, 0.4] | - | 1.33 [0.8, 4] |" in text
+    steps = {r["arm"]: r for r in stage3_report.step_rows(groups)}
+    assert steps["grpo"]["kl"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert steps["grpo"]["f2"] == pytest.approx([0.2] * 5)
+    assert steps["grpo"]["ratio"] == pytest.approx([1] * 5)
+    assert steps["grpo_r3"]["kl"] == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.25])
+    assert steps["grpo_r3"]["f2"] == [] and steps["grpo_r3"]["ratio"] == pytest.approx([0.5] * 5)
+    assert steps["gspo"]["kl"] == pytest.approx([0.4] * 5)
+    assert steps["gspo"]["ratio"] == pytest.approx([4, 2, 4 / 3, 1, 0.8])
+    # The rendering, lightly: a row per arm in each table, the rule's numbers in them.
+    for arm in rows:
+        assert text.count(f"| {arm} |") == 3  # the rule's, the precursors' and the step's
+    assert "| 0.00397 | **yes** |" in text and "| n/a |" in text
     for name in ("reward_vs_updates.png", "precursors.png"):
         assert (out / name).stat().st_size > 0
     # An arm short of the planned seeds gets its numbers and no verdict.
     os.remove(out / "runs" / "grpo_r3_s4.jsonl")
     stage3_replay.main(["--report", "--out", str(out)])
-    text = (out / "table.md").read_text()
-    assert "| grpo_r3 | 0 / 4 | 0.00794 | preliminary (4 of 5 seeds) |" in text  # 1/126
-    assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text
+    rows = {r["arm"]: r for r in stage3_report.arm_rows(_groups(out))}
+    r3 = rows["grpo_r3"]
+    assert (r3["collapsed"], r3["seeds"]) == (0, 4) and r3["p"] == pytest.approx(1 / 126)
+    assert r3["preliminary"] == "preliminary (4 of 5 seeds)"
+    assert rows["gspo"]["p"] == pytest.approx(21 / 252) and rows["gspo"]["preliminary"] is None
+    assert "| preliminary (4 of 5 seeds) |" in (out / "table.md").read_text()
     # The dense twin: GRPO there is a reference (no verdict); GMPO there is read against
     # it, not against GRPO on the MoE.
     for seed in range(5):
@@ -459,9 +489,19 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
     stage3_replay.main(["--report", "--out", str(out)])
     text = (out / "table.md").read_text()
-    assert "| grpo_dense | 5 / 5 | 1 | (dense reference) | 160 |" in text
+    rows = {r["arm"]: r for r in stage3_report.arm_rows(_groups(out))}
+    ref, gmpo = rows["grpo_dense"], rows["gmpo_dense"]
+    assert (ref["collapsed"], ref["seeds"], ref["against"], ref["p"]) == (5, 5, "grpo", 1)
+    assert ref["median_update"] == 160
     # 1 of 5 against 5 of 5: p = C(6,1) C(4,4) / C(10,5) = 6/252
-    assert "| gmpo_dense | 1 / 5 | 0.0238 (vs grpo_dense) | **yes** (on the dense twin) |" in text
+    assert (gmpo["collapsed"], gmpo["against"], gmpo["prevents"]) == (1, "grpo_dense", True)
+    assert gmpo["p"] == pytest.approx(6 / 252)
+    assert "| (dense reference) |" in text and "(vs grpo_dense) | **yes** (on the dense twin) |" in text
+
+
+def _groups(out) -> dict[str, list[dict]]:
+    """A stage-3 report's runs by arm, as its tables read them."""
+    return stage3_report.by_arm(common.read_records(str(out / "runs")))
 
 
 # --------------------------------------------------------------------------

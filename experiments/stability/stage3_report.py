@@ -60,35 +60,58 @@ def eval_curve(run: dict) -> dict[int, float]:
     return curve
 
 
-def table(groups: dict[str, list[dict]]) -> str:
-    """The decision rule's table: each arm against GRPO on the MoE; a dense-twin control
-    (``gmpo_dense``) against GRPO on the dense twin; the dense reference is only shown."""
-    lines = [
-        "| arm | collapsed / seeds | one-sided Fisher p vs GRPO | prevents the collapse "
-        "| median collapse update | final held-out reward [95% CI] |",
-        "|---|---:|---:|---|---:|---|",
-    ]
+def arm_rows(groups: dict[str, list[dict]]) -> list[dict]:
+    """The numbers of the decision rule's table, a dict per arm: its ``collapsed`` runs
+    of ``seeds``, the arm it is read ``against`` (GRPO on the MoE; a dense-twin control
+    such as ``gmpo_dense``: GRPO on the dense twin), the one-sided Fisher ``p``, whether
+    it ``prevents`` the collapse and the ``preliminary`` mark before every planned seed
+    is in (all None for the arm read against itself), the ``median_update`` of its
+    collapses (RL step × updates per rollout) and its ``final`` held-out reward's
+    (mean, lower, upper) bootstrap interval (None without runs)."""
+    rows = []
     for arm, rs in groups.items():
         hits, n = collapses(rs), len(rs)
         control = arm in stage3_config.DENSE_ARMS and arm != stage3_config.DENSE_REFERENCE
         against = stage3_config.DENSE_REFERENCE if control else "grpo"
         ref = groups.get(against)
-        if ref is None or arm == against:
+        row = dict(arm=arm, collapsed=hits, seeds=n, against=None, p=None, prevents=None)
+        row["preliminary"] = None
+        if ref is not None and arm != against:
+            p, yes = prevents_collapse(hits, n, collapses(ref), len(ref))
+            planned = max(r.get("seeds", 0) for r in rs + ref)
+            row.update(against=against, p=p, prevents=yes)
+            row["preliminary"] = preliminary(n, len(ref), planned)
+        upd = [r["collapse_step"] * r["updates"] for r in rs if r["collapsed"]]
+        row["median_update"] = np.median(upd) if upd else None
+        finals = [r["eval_final"] for r in rs if r["eval_final"] is not None]
+        row["final"] = bootstrap_ci(finals) if finals else None
+        rows.append(row)
+    return rows
+
+
+def table(groups: dict[str, list[dict]]) -> str:
+    """The decision rule's table (`arm_rows`); the dense reference is only shown."""
+    lines = [
+        "| arm | collapsed / seeds | one-sided Fisher p vs GRPO | prevents the collapse "
+        "| median collapse update | final held-out reward [95% CI] |",
+        "|---|---:|---:|---|---:|---|",
+    ]
+    for row in arm_rows(groups):
+        arm = row["arm"]
+        if row["p"] is None:
             p_txt, dec = "-", "-"
         else:
-            p, yes = prevents_collapse(hits, n, collapses(ref), len(ref))
-            p_txt, dec = f"{p:.3g}", "**yes**" if yes else "no"
-            planned = max(r.get("seeds", 0) for r in rs + ref)
-            dec = preliminary(n, len(ref), planned) or dec
-            if control:
-                p_txt, dec = f"{p_txt} (vs {against})", f"{dec} (on the dense twin)"
+            p_txt = f"{row['p']:.3g}"
+            dec = row["preliminary"] or ("**yes**" if row["prevents"] else "no")
+            if row["against"] != "grpo":  # a control on the dense twin
+                p_txt, dec = f"{p_txt} (vs {row['against']})", f"{dec} (on the dense twin)"
             if arm == stage3_config.DENSE_REFERENCE:  # the dense twin: not an arm of the rule
                 dec = "(dense reference)"
-        upd = [r["collapse_step"] * r["updates"] for r in rs if r["collapsed"]]
-        med = f"{np.median(upd):g}" if upd else "-"
-        finals = [r["eval_final"] for r in rs if r["eval_final"] is not None]
-        ci = fmt_ci(*bootstrap_ci(finals)) if finals else "-"
-        lines.append(f"| {arm} | {hits} / {n} | {p_txt} | {dec} | {med} | {ci} |")
+        med = "-" if row["median_update"] is None else f"{row['median_update']:g}"
+        ci = "-" if row["final"] is None else fmt_ci(*row["final"])
+        lines.append(
+            f"| {arm} | {row['collapsed']} / {row['seeds']} | {p_txt} | {dec} | {med} | {ci} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -106,38 +129,37 @@ def fmt_precursor(st: dict) -> str:
     return f"{lead}; FA {fa}"
 
 
-def precursor_table(groups: dict[str, list[dict]]) -> str:
-    head = "| arm | " + " | ".join(p.label for p in PRECURSORS) + " |"
-    lines = [head, "|---|" + "---|" * len(PRECURSORS)]
+def precursor_rows(groups: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """The numbers of the precursor table: per row (each arm, all arms, and all arms
+    keeping only the collapses after the baseline's window) `precursor_stats` by
+    precursor label."""
     everything = [r for rs in groups.values() for r in rs]
     # A collapse inside the baseline window drags the baseline itself down (a collapsed
     # run's series fall to 0), so its lead times are artefacts; the last row keeps the
     # collapses after the window and every run that did not collapse.
     clean = [r for r in everything if not r["collapsed"] or r["collapse_step"] > BASELINE_STEPS]
     late = f"all arms, collapses after step {BASELINE_STEPS}"
-    for arm, rs in list(groups.items()) + [("all arms", everything), (late, clean)]:
-        cells = [fmt_precursor(precursor_stats(rs, p)) for p in PRECURSORS]
+    return {
+        arm: {p.label: precursor_stats(rs, p) for p in PRECURSORS}
+        for arm, rs in list(groups.items()) + [("all arms", everything), (late, clean)]
+    }
+
+
+def precursor_table(groups: dict[str, list[dict]]) -> str:
+    head = "| arm | " + " | ".join(p.label for p in PRECURSORS) + " |"
+    lines = [head, "|---|" + "---|" * len(PRECURSORS)]
+    for arm, per in precursor_rows(groups).items():
+        cells = [fmt_precursor(st) for st in per.values()]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def step_taken_table(groups: dict[str, list[dict]]) -> str:
-    """How far each arm moves the policy on its first rollout: KL(pi_old || pi_theta)
-    (``ppo_kl``) and F(tau=2) at the rollout's last update, and KL's ratio to GRPO's on
-    the same seed (same start, same batch). Descriptive: no rule reads it."""
+def step_rows(groups: dict[str, list[dict]]) -> list[dict]:
+    """The numbers of the step table, a dict per arm: its ``seeds``, and over the seeds
+    that logged them its first-rollout ``kl`` (``ppo_kl``) and ``f2`` (F(τ=2)) at the
+    rollout's last update, and ``ratio``, KL over GRPO's on the MoE on the same seed."""
     grpo = {r["seed"]: first_step(r, KL_KEY) for r in groups.get("grpo", [])}
-    lines = [
-        "| arm | seeds | KL after the first rollout [range] | F(τ=2) [range] "
-        "| KL / MoE GRPO's, same seed [range] |",
-        "|---|---:|---|---|---|",
-    ]
-
-    def cell(xs):
-        xs = [x for x in xs if x is not None]
-        if not xs:
-            return "-"
-        return f"{np.median(xs):.3g} [{min(xs):.3g}, {max(xs):.3g}]"
-
+    rows = []
     for arm, rs in groups.items():
         kl = [first_step(r, KL_KEY) for r in rs]
         f2 = [first_step(r, "frac_ratio_gt_2_klast") for r in rs]
@@ -146,7 +168,30 @@ def step_taken_table(groups: dict[str, list[dict]]) -> str:
             for k, r in zip(kl, rs)
             if k is not None and grpo.get(r["seed"]) not in (None, 0.0)
         ]
-        lines.append(f"| {arm} | {len(rs)} | {cell(kl)} | {cell(f2)} | {cell(ratio)} |")
+        present = lambda xs: [x for x in xs if x is not None]  # noqa: E731
+        rows.append(dict(arm=arm, seeds=len(rs), kl=present(kl), f2=present(f2), ratio=ratio))
+    return rows
+
+
+def step_taken_table(groups: dict[str, list[dict]]) -> str:
+    """How far each arm moves the policy on its first rollout (`step_rows`): medians
+    [range] over seeds. Descriptive: no rule reads it."""
+    lines = [
+        "| arm | seeds | KL after the first rollout [range] | F(τ=2) [range] "
+        "| KL / MoE GRPO's, same seed [range] |",
+        "|---|---:|---|---|---|",
+    ]
+
+    def cell(xs):
+        if not xs:
+            return "-"
+        return f"{np.median(xs):.3g} [{min(xs):.3g}, {max(xs):.3g}]"
+
+    for row in step_rows(groups):
+        lines.append(
+            f"| {row['arm']} | {row['seeds']} | {cell(row['kl'])} | {cell(row['f2'])} "
+            f"| {cell(row['ratio'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
