@@ -1,5 +1,5 @@
 """The accelerator programs of gspo_jax at a named model shape: one definition that the
-device benchmark (`experiments/bench_accelerator.py`) runs and the compile report
+device benchmark (`experiments/bench/bench_accelerator.py`) runs and the compile report
 (`experiments/compile_report.py`) compiles for a device it does not have.
 
 Each ``*_program`` returns ``(jitted, args)``: the jitted function and its arguments.

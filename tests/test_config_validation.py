@@ -6,7 +6,6 @@ import dataclasses
 import importlib
 import math
 import pathlib
-import sys
 
 import ml_collections
 import pytest
@@ -17,7 +16,6 @@ from gspo_jax.models.config import ModelConfig
 from gspo_jax.objectives.hparams import field_types
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from configs import default as default_config  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")

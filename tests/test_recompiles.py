@@ -13,7 +13,6 @@
 
 import dataclasses
 import os
-import sys
 
 import jax
 import numpy as np
@@ -25,7 +24,6 @@ from gspo_jax import sft, trainer as trainer_lib
 from gspo_jax.data.encoding import fit_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 # The compiled functions of an RL step, by the name compile_counts gives them.

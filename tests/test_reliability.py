@@ -23,7 +23,6 @@ from gspo_jax.models import ModelConfig, Transformer
 from gspo_jax.rollout import Sampler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 

@@ -6,7 +6,6 @@ import functools
 import json
 import math
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,6 @@ from gspo_jax.metrics_log import MetricsWriter, read_metrics
 from gspo_jax.models import ModelConfig, Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,

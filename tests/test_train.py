@@ -17,7 +17,6 @@ from gspo_jax import objectives
 from gspo_jax.metrics_log import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 # Metrics that measure time, not math: they differ between any two runs.

@@ -22,9 +22,9 @@ learning rate (a paired design). Each probe's records go to
 index k, k = 0 being pi_old itself); a probe whose file exists is skipped, so the
 script resumes after an interrupted chunk.
 
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --root runs/stability \
+    python -m experiments.stability.stage1_probes --root runs/stability \
         --only-arms moe2,dense2 --max-minutes 55                      # one chunk
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --report   # figures, tables
+    python -m experiments.stability.stage1_probes --report   # figures, tables
 """
 
 from __future__ import annotations
@@ -32,28 +32,18 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from experiments.stability import common  # noqa: E402
-from gspo_jax import config as config_lib  # noqa: E402
-from gspo_jax import routing, step  # noqa: E402
+from experiments.stability import common, stage1_report
+from experiments.stability.stage1_config import gspo_grid
+from gspo_jax import config as config_lib
+from gspo_jax import routing, step
 
 OUT = os.path.join(common.RESULTS, "stage1")
-
-
-def gspo_grid(sc) -> tuple[tuple[float, float], ...]:
-    """The sequence clip ranges measured: the named ones, then the calibration grid
-    (eps_low log-spaced, eps_high = 4/3 eps_low, GSPO's proportion)."""
-    lows = np.geomspace(sc.gspo_grid_lo, sc.gspo_grid_hi, int(sc.gspo_grid_points))
-    grid = tuple((float(lo), float(lo) * 4.0 / 3.0) for lo in lows)
-    return tuple(tuple(map(float, r)) for r in sc.gspo_named) + grid
 
 
 def probe_config(sc, arm: str, seed: int, objective: str, lr: float, root: str):
@@ -278,8 +268,6 @@ def main(argv=None) -> None:
     args = common.stage_parser(__doc__, OUT, "stage1_config.py", only).parse_args(argv)
     sc = common.stage_config(args, only)
     if args.report:
-        from experiments.stability import stage1_report
-
         stage1_report.report(args.out, sc)
         return
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))

@@ -1,8 +1,8 @@
 """Benchmark of a full RL step (rollout, old log-probs, update) at a config (the default's).
 
-    python experiments/bench_rl_step.py                 # default config, 5 timed steps
-    python experiments/bench_rl_step.py --steps 10 --arg objective=grpo
-    python experiments/bench_rl_step.py --config configs/bench_rl_h200.py --steps 3  # one GPU
+    python -m experiments.bench.bench_rl_step                 # default config, 5 timed steps
+    python -m experiments.bench.bench_rl_step --steps 10 --arg objective=grpo
+    python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py --steps 3  # one GPU
 
 Reports the share of step time in rollout (sampling, rewards, advantages),
 old log-probs and the update, and the update's achieved FLOP/s against this
@@ -21,31 +21,25 @@ bound for the config.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import default as default_config  # noqa: E402
-from experiments.bench_model import matmul_peak  # noqa: E402
-from gspo_jax import objectives, train  # noqa: E402
+from configs import default as default_config
+from experiments.bench.bench_model import matmul_peak
+from gspo_jax import objectives, sweep, train
 
 
 def load_config(spec: str):
     """``path[:argument]`` -> the config file's ``get_config(argument)``."""
-    path, _, arg = spec.partition(":")
+    path, _, _ = spec.partition(":")
     if not os.path.exists(path):
         raise SystemExit(f"--config: no file {path}")
-    module_spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+    return sweep.load_config(spec)
 
 
 def time_fn(fn, args, warmup: int, runs: int) -> float:

@@ -2,8 +2,8 @@
 rate against the HBM roofline, the old-log-prob pass, and peak device memory, each as a
 ratio to what the hardware allows, in one run.
 
-    python experiments/bench_accelerator.py --size h200 --json out.json   # one H200
-    python experiments/bench_accelerator.py --size tiny                   # any CPU, seconds
+    python -m experiments.bench.bench_accelerator --size h200 --json out.json   # one H200
+    python -m experiments.bench.bench_accelerator --size tiny                   # any CPU, seconds
 
 The model (``--size h200``) is Qwen3-MoE-shaped and trains on one H200 from random
 initialisation: 12 layers by default (``--layers``), d_model 2048, 32 query / 4 KV heads
