@@ -158,10 +158,6 @@ def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
     return adv_lib.gae(token_rewards, values, mask, gamma=gamma, lam=lam)
 
 
-def _take(batch: dict[str, jax.Array], idx: np.ndarray) -> dict[str, jax.Array]:
-    return {k: v[idx] for k, v in batch.items()}
-
-
 def _permutations(key, *, n: int, epochs: int) -> jax.Array:
     """int32[epochs, n]: the mini-batch order of each epoch of one rollout's updates
     (epoch e: ``permutation(fold_in(key, e), n)``)."""

@@ -12,7 +12,7 @@ of 128 with q/k norm, 64 experts of width 768, top-8, Qwen3's 151,936-entry voca
 `experiments/programs.py`, which `experiments/compile_report.py` compiles for a device
 the machine does not have: a device run and a compile report describe one program.
 The benchmark sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` unless it is set
-(`gspo_jax.train.claim_device_memory`; JAX's default 0.75 would leave 35 GiB of an H200
+(`gspo_jax.multihost.claim_device_memory`; JAX's default 0.75 would leave 35 GiB of an H200
 unused).
 
 What each figure is:
@@ -42,7 +42,7 @@ import argparse
 import json
 import time
 
-from gspo_jax.train import claim_device_memory
+from gspo_jax.multihost import claim_device_memory
 
 claim_device_memory()  # before JAX touches a device: 95% of each GPU, not JAX's 75%
 

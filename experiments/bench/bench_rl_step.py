@@ -31,7 +31,9 @@ import numpy as np
 
 from configs import default as default_config
 from experiments.bench.bench_model import matmul_peak
-from gspo_jax import objectives, sweep, train
+from gspo_jax import objectives, sweep
+from gspo_jax.rl import RLPhase
+from gspo_jax.trainer import Trainer
 
 
 def load_config(spec: str):
@@ -104,14 +106,14 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="bench_rl_")
     if args.data_dir:
         c.task.data_dir = args.data_dir
-    trainer = train.Trainer(c, work)
-    rl = train.RLPhase(trainer, trainer.init_params)
+    trainer = Trainer(c, work)
+    rl = RLPhase(trainer, trainer.init_params)
 
     rl.step(0)  # compiles everything
     ms = [rl.step(s)[0] for s in range(1, args.steps + 1)]
 
     # FLOPs of one update (one mini-batch) from XLA's cost analysis.
-    host, _ = trainer.collect(rl.state.params, 0, jax.random.key(0))
+    host, _ = rl.collect(rl.state.params, 0, jax.random.key(0))
     batch, _ = rl.prepare(host)
     mb = batch["tokens"].shape[0] // int(c.updates.num_minibatches)
     mini = {k: v[:mb] for k, v in batch.items()}
@@ -120,7 +122,7 @@ def main(argv=None):
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops_per_update = float(cost["flops"])
     peak = matmul_peak()
-    obj_ms = objective_ms(trainer.step_cfg, mini)
+    obj_ms = objective_ms(rl.step_cfg, mini)
 
     def mean(k):
         return float(np.mean([m[k] for m in ms]))
@@ -166,7 +168,7 @@ def main(argv=None):
     )
     upd_ms = upd_t / updates * 1e3
     print(
-        f"objective {trainer.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
+        f"objective {rl.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
         f"tokens): {obj_ms:.3f} ms median, {obj_ms / upd_ms:.3%} of one update ({upd_ms:.0f} ms)"
     )
 

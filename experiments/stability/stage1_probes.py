@@ -176,8 +176,6 @@ TRAIN_METRICS = ("clip_frac", "grad_norm", "update_norm", "no_signal", "loss")
 def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
     """The records of one probe: for each rollout batch, pi_old (k = 0) and the drift
     after each of ``sc.updates`` updates from ``params0``."""
-    from gspo_jax import train
-
     c = trainer.c
     graphdef = trainer.graphdef
     kw = dict(
@@ -198,9 +196,10 @@ def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
         perm = np.random.default_rng(1000 * c.seed + b).permutation(n)
         per_k = [(drift_metrics(phase.state.params, batch, old_lp, **kw), {})]
         for k in range(int(sc.updates)):
-            mini = trainer.put_batch(train._take(batch, perm[k * mb : (k + 1) * mb]))
+            rows = perm[k * mb : (k + 1) * mb]
+            mini = trainer.put_batch({key: v[rows] for key, v in batch.items()})
             phase.state, m = phase.train_fn(phase.state, mini, jax.random.key(k))
-            trained = {f"train_{name}": m[name] for name in TRAIN_METRICS if name in m}
+            trained = {f"train_{name}": m[name].compute() for name in TRAIN_METRICS if name in m}
             per_k.append((drift_metrics(phase.state.params, batch, old_lp, **kw), trained))
         for k, (drift, trained) in enumerate(jax.device_get(per_k)):
             records.append(dict(batch=b, k=k, **_round(drift), **_round(trained)))
@@ -214,7 +213,9 @@ def probe_path(out: str, arm: str, objective: str, lr: float, seed: int) -> str:
 def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
     """Every probe of the grid not yet in ``out``, warm start by warm start, until the
     chunk's budget expires. Returns the number of probes run."""
-    from gspo_jax import train
+    from gspo_jax import sft
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
 
     ranges = gspo_grid(sc)
     done = 0
@@ -236,16 +237,16 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 if budget.expired():
                     return done
                 c = probe_config(sc, arm, int(seed), obj, lr, root)
-                trainer = train.Trainer(c, warm)
-                params0 = trainer.warm_start_params()
+                trainer = Trainer(c, warm)
+                params0 = sft.final_params(trainer)
                 if params0 is None:
                     raise RuntimeError(
                         f"{warm}: the warm start's final checkpoint does not restore"
                     )
-                phase = train.RLPhase(trainer, params0)
+                phase = RLPhase(trainer, params0)
                 if host_batches is None:  # one set of rollouts per warm start, shared
                     host_batches = [
-                        trainer.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b))[0]
+                        phase.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b))[0]
                         for b in range(int(sc.batches))
                     ]
                 records = run_probe(trainer, phase, params0, host_batches, sc, ranges)

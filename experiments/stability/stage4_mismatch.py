@@ -83,16 +83,18 @@ def calibrate(sc, root: str, out: str, log=print) -> dict:
     ``sc.calib_seed``; writes ``<out>/calibration.json``."""
     import jax
 
-    from gspo_jax import train
+    from gspo_jax import sft
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
 
     seed = int(sc.calib_seed)
     warm = common.ensure_warm_start(root, sc.arm, seed, smoke=sc.smoke)
     c = common.rl_config(sc.arm, seed, root, smoke=sc.smoke)  # as the stage's RL runs
-    trainer = train.Trainer(c, warm)
-    params = trainer.warm_start_params()
+    trainer = Trainer(c, warm)
+    params = sft.final_params(trainer)
     if params is None:
         raise RuntimeError(f"{warm}: the warm start's final checkpoint does not restore")
-    phase = train.RLPhase(trainer, params)
+    phase = RLPhase(trainer, params)
     evaluations: dict[float, dict] = {}
 
     def measure(sigma: float) -> float:
@@ -104,7 +106,7 @@ def calibrate(sc, root: str, out: str, log=print) -> dict:
             per = []
             for b in range(int(sc.calib_batches)):
                 rng = jax.random.fold_in(jax.random.key(c.seed + 1), b)
-                host_batch, _ = trainer.collect(params, b, rng)
+                host_batch, _ = phase.collect(params, b, rng)
                 _, info = phase.prepare(host_batch)
                 per.append(
                     {k: float(v) for k, v in jax.device_get(info).items() if np.ndim(v) == 0}
