@@ -89,6 +89,7 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
     directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
+    from gspo_jax import config as config_lib
     from gspo_jax import evaluation, safety
     from gspo_jax.train import enable_compilation_cache
     from gspo_jax.trainer import Trainer
@@ -119,7 +120,7 @@ def evaluate_checkpoint(
             trainer = Trainer(c, checkpoint)
             params, restored = restore_params(trainer)
         data = trainer.eval_data if split == "test" else trainer.train_data
-        count = len(data) if num_prompts < 0 else num_prompts or int(c.task.eval_size)
+        count = len(data) if num_prompts < 0 else num_prompts or config_lib.typed(c).task.eval_size
         examples = data.first(count)
         metrics = evaluation.evaluate(trainer, params, examples=examples)
     finally:

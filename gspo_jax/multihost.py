@@ -13,6 +13,7 @@ run takes exactly the path it always took. `docs/distributed.md` has the whole p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -23,6 +24,27 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from gspo_jax.fields import setting
+
+DISTRIBUTED_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """``config.distributed``: several processes (hosts) in one run
+    (`gspo_jax.train.maybe_initialize_distributed`). May change on resume."""
+
+    mode: str = setting(
+        "auto",
+        choices=DISTRIBUTED_MODES,
+        doc="auto: start jax.distributed when a coordinator is named (here or in "
+        "JAX_COORDINATOR_ADDRESS) or the environment is a multi-process srun or Open MPI job "
+        "or a TPU pod; on: always (JAX detects what is not given); off: never",
+    )
+    coordinator_address: str = setting("", doc='host:port of process 0 ("" = detected)')
+    num_processes: int = setting(0, low=0, doc="processes in the run (0 = detected)")
+    process_id: int = setting(-1, low=-1, doc="this process's index (-1 = detected)")
 
 
 def is_primary() -> bool:

@@ -87,6 +87,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gspo_jax.fields import setting
+
 __all__ = ["ROUTING", "Rollout", "Sampler"]
 
 # What of the routing record a rollout keeps (`Sampler.__call__`'s ``routing``):
@@ -95,6 +97,57 @@ __all__ = ["ROUTING", "Rollout", "Sampler"]
 ROUTING = ("all", "response", "none")
 _NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
 NOISE_STREAM = 2**31  # folded into rng for the router noise's keys (prompt ids are < 2**31)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """``config.rollout``: what the sampler draws each RL step."""
+
+    prompts_per_step: int = setting(64, low=1, doc="prompts sampled per RL step")
+    group_size: int = setting(
+        8, low=1, doc="samples per prompt (>= 2 for group advantages and dynamic sampling)"
+    )
+    max_new_tokens: int = setting(24, low=1, doc="response length limit, in tokens")
+    temperature: float = setting(
+        1.0,
+        low=0,
+        low_open=True,
+        why=" (RL samples, and trains on softmax(logits / temperature))",
+        doc="RL trains on the log-probs of softmax(logits / temperature)",
+    )
+    # top_p < 1 or top_k > 0 would sample from a truncated distribution whose log-probs
+    # the trainer does not compute, so RL refuses them (`config.validate`).
+    top_p: float = setting(
+        1.0, low=0, high=1, low_open=True, doc="1 in RL (< 1 would bias the gradient)"
+    )
+    top_k: int = setting(0, low=0, doc="0 in RL (> 0 would bias the gradient)")
+    router_noise_std: float = setting(
+        0.0,
+        low=0,
+        doc="std of Gaussian noise on the sampler's router logits, never the trainer's: a "
+        "controlled train-inference routing mismatch (experiments/router_noise.md); 0 for "
+        "a dense model",
+    )
+    # One prompt shape for the sampler, the log-prob passes and the train step (and
+    # SFT) over the whole run, so no batch recompiles them. 64 fits Countdown's and
+    # arithmetic's compact prompts (at most 52 characters with BOS, at every
+    # difficulty). A truncated prompt keeps its end (the question's end, the answer
+    # format and the chat template's assistant turn) and is counted in the RL step's
+    # ``prompts_truncated`` (``eval_prompts_truncated``, SFT's too).
+    max_prompt_len: int = setting(
+        64,
+        low=1,
+        resume=True,
+        doc="every prompt is left-padded to this many tokens; a longer one is refused or "
+        "truncated (long_prompts)",
+    )
+    long_prompts: str = setting(
+        "refuse",
+        choices=("refuse", "truncate"),
+        resume=True,
+        doc="a prompt over max_prompt_len: refused (an error naming it) or cut to its last "
+        "max_prompt_len tokens",
+    )
 
 
 @flax.struct.dataclass

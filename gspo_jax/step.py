@@ -28,10 +28,60 @@ from flax import nnx
 
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
+from gspo_jax.fields import setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
 from gspo_jax.objectives.critic import value_loss_mergeable
 
 Batch = dict[str, jax.Array]
+
+REPLAY_MODES = ("none", "R2", "R3")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatesConfig:
+    """``config.updates``: the updates made from each rollout (the off-policy regime
+    where MoE instability shows)."""
+
+    num_minibatches: int = setting(
+        2, low=1, doc="optimizer steps per rollout and epoch; divides the rollout batch"
+    )
+    num_epochs: int = setting(1, low=1, doc="passes over each rollout")
+    micro_batches: int = setting(
+        1, low=1, doc="gradient accumulation inside a mini-batch; divides it"
+    )
+    logprob_micro_batches: int = setting(
+        1,
+        low=1,
+        doc="the old-policy (and reference) log-prob passes run the rollout batch in this "
+        "many strided pieces, one after another, each split over the batch shards "
+        "(docs/memory.md)",
+    )
+    routing_replay: str = setting(
+        "none", choices=REPLAY_MODES, doc="routing replay: none, R2 or R3 (R2/R3: MoE only)"
+    )
+    gamma_min: float = setting(
+        0.5, low=0, high=1, low_open=True, doc="RSPO's floor on the router-shift weight"
+    )
+    # Router losses in RL: off by default (the warm start keeps its own, sft.*).
+    aux_loss_coef: float = setting(
+        0.0,
+        low=0,
+        doc="load-balancing loss in RL; its expert load is the free router's, even under replay",
+    )
+    z_loss_coef: float = setting(0.0, low=0, doc="router z-loss in RL")
+    update_without_signal: bool = setting(
+        False,
+        doc="whether a mini-batch whose advantages are all zero (no RL signal) still makes "
+        "an update (router losses, KL or entropy alone would drive it); counted as "
+        "no_signal_minibatches",
+    )
+    max_consecutive_skips: int = setting(
+        8,
+        low=0,
+        resume=True,
+        doc="non-finite losses or gradients skip the update; more than this many in a row "
+        "stop the run with an error",
+    )
 
 
 @flax.struct.dataclass
