@@ -26,8 +26,6 @@ import numpy as np
 GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
 ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
 REPLAY_MODES = ("none", "R2", "R3")
-TASKS = ("countdown", "arithmetic", "gsm8k", "file")
-FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
 BAD_ROWS = ("skip", "refuse")
 LONG_PROMPTS = ("refuse", "truncate")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -67,7 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.answer_column = "answer"  # the reference answer (countdown: the target integer)
     c.task.messages_column = ""  # "" = off; else a list of {role, content} in place of the prompt
     c.task.solution_column = ""  # "" = none (no warm start); else the SFT completion, verbatim
-    c.task.verifier = "numeric"  # one of FILE_VERIFIERS, or a reward function "module:function"
+    c.task.verifier = "numeric"  # a gspo_jax.verifiers name, or a reward function "module:function"
     c.task.bad_rows = "skip"  # "skip" (each logged once) or "refuse" (the first raises)
 
     c.tokenizer = "char"  # "char" or a checkpoint directory holding tokenizer.json
@@ -811,40 +809,6 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]
     return sizes
 
 
-def _check_file_task(c: ml_collections.ConfigDict) -> None:
-    """Task "file": the fields that make a user's file usable (the file is read later)."""
-    t = c.task
-    if not t.file:
-        raise _err("task.file", "task 'file' needs the path of a .jsonl or .parquet file")
-    for path in ("file", "test_file"):
-        if t[path] and not t[path].endswith((".jsonl", ".parquet")):
-            raise _err(f"task.{path}", f"must end in .jsonl or .parquet, got {t[path]!r}")
-    if not t.test_file and not t.test_fraction > 0:
-        raise _err("task.test_fraction", "must be > 0 without task.test_file (the test split)")
-    if not t.messages_column and not t.prompt_column:
-        raise _err("task.prompt_column", "must name a column (or set task.messages_column)")
-    if not t.answer_column:
-        raise _err("task.answer_column", "must name a column")
-    if int(c.sft.steps) > 0 and not t.solution_column:
-        raise _err(
-            "task.solution_column",
-            f"the warm start (sft.steps={c.sft.steps}) trains on reference solutions: "
-            "name the column holding them, or set sft.steps=0",
-        )
-    if ":" in t.verifier:
-        from gspo_jax import rewards  # local: keeps config import light
-
-        try:
-            rewards.load_reward_fn(t.verifier)
-        except ValueError as e:
-            raise _err("task.verifier", " ".join(str(e).split())) from None
-    elif t.verifier not in FILE_VERIFIERS:
-        raise _err(
-            "task.verifier",
-            f"unknown verifier {t.verifier!r}; known: {FILE_VERIFIERS} or 'module:function'",
-        )
-
-
 # --------------------------------------------------------------------------
 # Validation.
 
@@ -886,7 +850,7 @@ def validate(
     advantage                                              one of ADVANTAGES; 'gae' only with
                                                            objective 'ppo'
     entropy_coef                                           finite >= 0
-    task.name / .difficulty / .style                       TASKS / the task's levels /
+    task.name / .difficulty / .style                       gspo_jax.tasks.names() / its levels /
                                                            compact, instruct
     task.eval_size, task.eval_samples                      int >= 1
     task.eval_pass_k                                       non-empty tuple of ints in
@@ -895,7 +859,7 @@ def validate(
     task.file, test_file, prompt_column, answer_column,    str; with task 'file': file set,
     messages_column, solution_column                       prompt/answer columns non-empty,
                                                            solution_column set if sft.steps > 0
-    task.verifier                                          one of FILE_VERIFIERS or an
+    task.verifier                                          gspo_jax.verifiers.names() or an
                                                            importable 'module:function'
     task.bad_rows                                          skip, refuse
     task.test_fraction                                     finite in [0, 1); > 0 with task
@@ -1000,29 +964,13 @@ def validate(
     except (TypeError, ValueError) as e:
         raise _from_dataclass_error(e, c.objective.name, "objective.hparams", hparams) from None
 
-    # The task.
-    if c.task.name not in TASKS:
-        raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
-    if c.task.name in ("gsm8k", "file"):
-        if c.task.difficulty:
-            raise _err(
-                "task.difficulty",
-                f"{c.task.name} has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
-            )
-        if c.task.name == "file":
-            _check_file_task(c)
-    else:
-        from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
+    # The task: its name, difficulty level and own fields (gspo_jax.tasks).
+    from gspo_jax import tasks  # local: the tasks import their data builders
 
-        builder = (
-            countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
-        )
-        levels = [b.name for b in builder.BUILDER_CONFIGS]
-        if c.task.difficulty not in levels:
-            raise _err(
-                "task.difficulty",
-                f"{c.task.name} has no level {c.task.difficulty!r}; known: {levels}",
-            )
+    try:
+        tasks.check_config(c)
+    except tasks.TaskConfigError as e:
+        raise _err(e.path, e.message) from None
     if c.task.style not in ("compact", "instruct"):
         raise _err("task.style", f"unknown prompt style {c.task.style!r}; known: compact, instruct")
 

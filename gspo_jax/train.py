@@ -55,11 +55,11 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, objectives, rewards, safety, shaping, step
+from gspo_jax import evaluation, multihost, objectives, rewards, safety, shaping, step, tasks
 from gspo_jax import metrics as metrics_lib
+from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data import PromptSource
-from gspo_jax.data.user_file import FileTask
 from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.models import from_pretrained, init_sharded
 from gspo_jax.models.transformer import inference_params
@@ -170,7 +170,7 @@ def make_mesh(shape: dict[str, int]) -> Mesh:
 
 def make_tokenizer(c: ml_collections.ConfigDict):
     if c.tokenizer == "char":
-        return CharTokenizer(words=(rewards.ANSWER_OPEN, rewards.ANSWER_CLOSE))
+        return CharTokenizer(words=(ANSWER_OPEN, ANSWER_CLOSE))
     path = c.tokenizer
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
@@ -367,12 +367,8 @@ class Trainer:
         self.mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
-        difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
-        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
-        if c.task.name == "gsm8k":
-            kw["gsm8k_files"] = c.task.gsm8k_files or None
-        if c.task.name == "file":
-            kw["file_task"] = FileTask.from_config(c.task)
+        options = tasks.get(c.task.name).options(c.task)  # the task's own PromptSource options
+        kw = dict(data_dir=data_dir, seed=c.seed, style=c.task.style, **options)
         # One process prepares a data set that is not on disk yet; the others then read it.
         if not multihost.is_primary():
             multihost.barrier("data prepared")
@@ -713,8 +709,8 @@ class Trainer:
             examples = self.eval_data.first(int(c.task.eval_size))
         k = int(c.task.eval_samples)
         ro, cut = self._rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
-        # A user-file task's answers are read as its verifier reads them (numeric: values).
-        kind = c.task.get("verifier", "") if c.task.name == "file" else c.task.name
+        # Final answers compared as the task's verifier reads them (numeric: as values).
+        kind = tasks.get(c.task.name).answer_kind(c.task)
         _, sampled, _, _ = self.score(examples, ro, num_samples=k, answers=kind)
         answers = multihost.codes_to_answers(sampled["answer_code"])
         ro, _ = self._rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
