@@ -47,6 +47,13 @@ class Example:
     messages: tuple[Mapping[str, str], ...] | None = None
 
 
+def in_style(style: str, *, compact: str, instruct: str) -> str:
+    """The prompt of ``style``: ``compact`` or ``instruct``."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    return compact if style == "compact" else instruct
+
+
 def answer_span(content: str) -> str:
     """``<answer>content</answer>``."""
     return f"{ANSWER_OPEN}{content}{ANSWER_CLOSE}"

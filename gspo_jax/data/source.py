@@ -21,6 +21,12 @@ from gspo_jax import tasks
 from gspo_jax.data import prompts
 
 
+def prepared(builder):
+    """``builder`` prepared as array_record: generated on first use, reused after."""
+    builder.download_and_prepare(file_format="array_record")
+    return builder
+
+
 def _prepare(task: tasks.Task, data_dir, options: dict[str, Any]):
     """``task.prepare(data_dir, **options)``, with a ValueError naming an option the
     task does not take (and the tasks that take it) or a required one not given."""

@@ -20,10 +20,12 @@ any module a config file imports); docs/tasks.md walks through one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from typing import Any, Callable, Mapping
 
+from gspo_jax import answers
 from gspo_jax.answers import Limits, Verdict
 
 
@@ -78,6 +80,18 @@ class Task:
     options: Callable[[Any], dict[str, Any]] = _no_options
     check_config: Callable[[Any], None] = _no_check
     answer_kind: Callable[[Any], str] = lambda task_config: "tag"
+
+
+def numeric_task(name: str, **fields) -> Task:
+    """A task whose answer is one number: its examples' ``meta`` is ``{"answer"}``, the
+    verifier :func:`~gspo_jax.answers.verify_numeric`, answers compared by value."""
+    return Task(
+        name=name,
+        check_meta=functools.partial(answers.check_numeric_meta, name),
+        verify=answers.verify_numeric_meta,
+        answer_kind=lambda task_config: "numeric",
+        **fields,
+    )
 
 
 _REGISTRY: dict[str, Task] = {}

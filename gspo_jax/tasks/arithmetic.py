@@ -7,30 +7,30 @@ level); the answer is a number, read and compared exactly by
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
-from gspo_jax import answers, tasks
+from gspo_jax import tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import arithmetic as arithmetic_data
-from gspo_jax.data import prompts
+from gspo_jax.data import prompts, source
 
 
 def prompt(question: str, style: str = "compact") -> str:
     """Prompt for an arithmetic question like ``"12*34"``."""
-    if style == "compact":
-        return f"Compute {question}.\n"
-    if style == "instruct":
-        return (
+    return prompts.in_style(
+        style,
+        compact=f"Compute {question}.\n",
+        instruct=(
             f"Compute {question}. Give only the final integer inside "
             f"{ANSWER_OPEN}{ANSWER_CLOSE}, for example {prompts.answer_span('42')}."
-        )
-    raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
+        ),
+    )
 
 
 def _prepare(data_dir, config=None):
-    builder = arithmetic_data.GspoArithmetic(data_dir=str(data_dir), config=config)
-    builder.download_and_prepare(file_format="array_record")
-    return builder
+    builder = arithmetic_data.GspoArithmetic(data_dir=os.fspath(data_dir), config=config)
+    return source.prepared(builder)
 
 
 def _example(record: Mapping[str, Any], index: int, style: str) -> prompts.Example:
@@ -45,14 +45,11 @@ def _example(record: Mapping[str, Any], index: int, style: str) -> prompts.Examp
 
 
 TASK = tasks.register(
-    tasks.Task(
-        name="arithmetic",
+    tasks.numeric_task(
+        "arithmetic",
         prepare=_prepare,
         example=_example,
-        check_meta=lambda meta: answers.check_numeric_meta("arithmetic", meta),
-        verify=answers.verify_numeric_meta,
         levels=lambda: [b.name for b in arithmetic_data.GspoArithmetic.BUILDER_CONFIGS],
         options=lambda task_config: {"config": task_config.difficulty},
-        answer_kind=lambda task_config: "numeric",
     )
 )

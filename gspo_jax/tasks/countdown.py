@@ -10,6 +10,7 @@ integers, with limits on length, nesting depth and literal size
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from gspo_jax.answers import (
     extract_answer,
 )
 from gspo_jax.data import countdown as countdown_data
-from gspo_jax.data import prompts
+from gspo_jax.data import prompts, source
 
 
 class _Reject(Exception):
@@ -197,22 +198,22 @@ def verify_countdown(
 def prompt(numbers, target: int, style: str = "compact") -> str:
     """Prompt for a Countdown problem."""
     nums = " ".join(str(int(n)) for n in numbers)
-    if style == "compact":
-        return f"Make {int(target)} from {nums} with + - * /, each once.\n"
-    if style == "instruct":
-        return (
+    return prompts.in_style(
+        style,
+        compact=f"Make {int(target)} from {nums} with + - * /, each once.\n",
+        instruct=(
             f"Using the numbers {nums}, write an expression that equals {int(target)}. "
             "You may use + - * / and parentheses, and must use each number exactly once. "
             f"Give only the final expression inside {ANSWER_OPEN}{ANSWER_CLOSE}, "
             f"for example {prompts.answer_span('(1+2)*3')}."
-        )
-    raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
+        ),
+    )
 
 
 def _prepare(data_dir, config=None):
-    builder = countdown_data.GspoCountdown(data_dir=str(data_dir), config=config)
-    builder.download_and_prepare(file_format="array_record")
-    return builder
+    return source.prepared(
+        countdown_data.GspoCountdown(data_dir=os.fspath(data_dir), config=config)
+    )
 
 
 def _example(record: Mapping[str, Any], index: int, style: str) -> prompts.Example:

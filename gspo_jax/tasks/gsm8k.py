@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from gspo_jax import answers, tasks
+from gspo_jax import tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import gsm8k as gsm8k_data
 from gspo_jax.data import prompts
@@ -19,14 +19,14 @@ from gspo_jax.data import prompts
 def prompt(question: str, style: str = "compact") -> str:
     """Prompt for a GSM8K word problem."""
     question = question.strip()
-    if style == "compact":
-        return f"{question}\n"
-    if style == "instruct":
-        return (
+    return prompts.in_style(
+        style,
+        compact=f"{question}\n",
+        instruct=(
             f"{question}\nSolve the problem step by step, then give the final number "
             f"inside {ANSWER_OPEN}{ANSWER_CLOSE}, for example {prompts.answer_span('42')}."
-        )
-    raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
+        ),
+    )
 
 
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
@@ -55,13 +55,10 @@ def _example(record: Mapping[str, Any], index: int, style: str) -> prompts.Examp
 
 
 TASK = tasks.register(
-    tasks.Task(
-        name="gsm8k",
+    tasks.numeric_task(
+        "gsm8k",
         prepare=_prepare,
         example=_example,
-        check_meta=lambda meta: answers.check_numeric_meta("gsm8k", meta),
-        verify=answers.verify_numeric_meta,
         options=lambda task_config: {"gsm8k_files": task_config.gsm8k_files or None},
-        answer_kind=lambda task_config: "numeric",
     )
 )
