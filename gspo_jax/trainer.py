@@ -21,10 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, objectives, rewards, step
+from gspo_jax import evaluation, multihost, objectives, rewards, step, tasks
+from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import encode_prompt, fit_prompts
-from gspo_jax.data.user_file import FileTask
 from gspo_jax.models import from_pretrained, init_sharded
 from gspo_jax.models.sharding import BATCH_AXES, make_mesh, on_mesh
 from gspo_jax.rollout import Sampler
@@ -33,7 +33,7 @@ from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
 def make_tokenizer(c: ml_collections.ConfigDict):
     if c.tokenizer == "char":
-        return CharTokenizer(words=(rewards.ANSWER_OPEN, rewards.ANSWER_CLOSE))
+        return CharTokenizer(words=(ANSWER_OPEN, ANSWER_CLOSE))
     path = c.tokenizer
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
@@ -54,12 +54,8 @@ class Trainer:
         self.mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
-        difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
-        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
-        if c.task.name == "gsm8k":
-            kw["gsm8k_files"] = c.task.gsm8k_files or None
-        if c.task.name == "file":
-            kw["file_task"] = FileTask.from_config(c.task)
+        options = tasks.get(c.task.name).options(c.task)  # the task's own PromptSource options
+        kw = dict(data_dir=data_dir, seed=c.seed, style=c.task.style, **options)
         # One process prepares a data set that is not on disk yet; the others then read it.
         if not multihost.is_primary():
             multihost.barrier("data prepared")
