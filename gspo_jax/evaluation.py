@@ -196,9 +196,10 @@ def evaluate(trainer, params, examples=None) -> dict[str, float]:
     per prompt) and ``eval/greedy``.
     """
     c = trainer.c
+    cfg = trainer.cfg
     if examples is None:
-        examples = trainer.eval_data.first(int(c.task.eval_size))
-    k = int(c.task.eval_samples)
+        examples = trainer.eval_data.first(cfg.task.eval_size)
+    k = cfg.task.eval_samples
     ro, cut = trainer.rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
     # Final answers are read as the task compares them (numeric: values; else the tag).
     kind = tasks.get(c.task.name).answer_kind(c.task)
@@ -215,7 +216,7 @@ def evaluate(trainer, params, examples=None) -> dict[str, float]:
         eval_metrics(
             np.asarray(sampled["correct"]).reshape(len(examples), k),
             [answers[i * k : (i + 1) * k] for i in range(len(examples))],
-            ks=[int(x) for x in c.task.eval_pass_k],
+            ks=list(cfg.task.eval_pass_k),
             greedy_correct=greedy["correct"],
         )
     )
