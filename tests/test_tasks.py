@@ -139,5 +139,5 @@ def test_names_are_unique(parity):
     with pytest.raises(ValueError, match="already registered"):
         tasks.register(tasks.Task("parity", PARITY.prepare, PARITY.example, None, None))
     c = _config("chess")
-    with pytest.raises(config_lib.ConfigError, match=r"^config\.task\.name: unknown task 'chess'"):
+    with pytest.raises(config_lib.ConfigError, match=r"^config\.task\.name: must be one of \(.*'parity'\), got 'chess'"):
         config_lib.validate(c, 8)
