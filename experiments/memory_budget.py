@@ -40,7 +40,7 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # --------------------------------------------------------------------------
-# Models: the fields `gspo_jax.models.hf.config_from_hf` reads from each
+# Models: the fields `gspo_jax.models.hf_layout.config_from_hf` reads from each
 # checkpoint's config.json (Hugging Face Qwen/<name>/config.json).
 
 
