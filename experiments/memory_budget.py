@@ -40,7 +40,7 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # --------------------------------------------------------------------------
-# Models: the fields `gspo_jax.models.hf.config_from_hf` reads from each
+# Models: the fields `gspo_jax.models.hf_layout.config_from_hf` reads from each
 # checkpoint's config.json (Hugging Face Qwen/<name>/config.json).
 
 
@@ -175,7 +175,7 @@ class Run:
         return self.prompt_len + self.max_new_tokens - 1
 
 
-# Parameters the forward reads in f32 (transformer.F32_PARAMS): the router.
+# Parameters the forward reads in f32 (precision.F32_PARAMS): the router.
 def _router_params(cfg: ModelConfig) -> int:
     return cfg.num_moe_layers * cfg.d_model * cfg.num_experts
 
@@ -301,7 +301,7 @@ class Budget:
 
     def reference(self) -> float:
         """With KL: the reference copy in the compute dtype, the router in f32
-        (`transformer.inference_params`)."""
+        (`precision.inference_params`)."""
         if not self.run.kl:
             return 0.0
         r = _router_params(self.cfg)

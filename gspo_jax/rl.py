@@ -36,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 from gspo_jax import advantages as adv_lib
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import shaping, step
+from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
-from gspo_jax.models.transformer import inference_params
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer

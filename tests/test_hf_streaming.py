@@ -1,4 +1,4 @@
-"""Streaming, sharded Hugging Face checkpoint I/O (gspo_jax.models.hf).
+"""Streaming, sharded Hugging Face checkpoint I/O (gspo_jax.models.hf_load, hf_export).
 
 * `from_pretrained(path, mesh=...)` maps each tensor from its file and puts each
   block straight on the devices of its sharding: a > 1 GB bf16 Qwen3-MoE checkpoint
@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gspo_jax.models import export_pretrained, from_pretrained, param_shardings
-from gspo_jax.models import hf as hf_lib
+from gspo_jax.models import hf_load
 from gspo_jax.models.safetensors_io import (
     TensorReader,
     parse_size,
@@ -87,7 +87,7 @@ def _qwen3_moe_config(v, d, layers, heads, kv, hd, ff, experts, moe_ff, dense=(0
 
 def _hf_specs(c):
     """(name, shape) of every tensor of the HF checkpoint for config dict ``c``:
-    written out here from the HF layout, independently of hf.py's tables."""
+    written out here from the HF layout, independently of hf_layout's tables."""
     d, hd, ff, moe_ff = c["hidden_size"], c["head_dim"], c["intermediate_size"], c["moe_intermediate_size"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     out = []
@@ -456,4 +456,4 @@ def test_tensor_reader_maps_one_tensor(tmp_path):
         assert not got.flags.writeable
         np.testing.assert_array_equal(reader.array(infos["b"]), b)
         assert reader.array(infos["z"]).shape == (0, 2)
-    assert hf_lib._file_dtype(infos) == "float32"
+    assert hf_load._file_dtype(infos) == "float32"

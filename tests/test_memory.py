@@ -16,7 +16,7 @@ from flax import nnx
 from configs import qwen3_moe_gsm8k
 from experiments import memory_budget as mb
 from gspo_jax.models import ModelConfig, Transformer, layers
-from gspo_jax.models.transformer import F32_PARAMS, inference_params
+from gspo_jax.models.precision import F32_PARAMS, inference_params
 
 V = 97
 

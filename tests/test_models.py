@@ -9,7 +9,7 @@ from flax import nnx
 
 from gspo_jax.models import ModelConfig, Transformer
 from gspo_jax.models import moe as moe_lib
-from gspo_jax.models.transformer import plan_segments
+from gspo_jax.models.blocks import plan_segments
 
 V = 97
 

@@ -127,14 +127,14 @@ def test_ragged_backend_and_bf16_load(tmp_path):
 
 def test_router_aux_loss_coef_is_rescaled_to_our_load_balancing_loss():
   """transformers' load-balancing loss is K times ours (load summing to K, not 1)."""
-  from gspo_jax.models import hf as hf_lib
+  from gspo_jax.models import hf_layout
   cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
          "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
          "head_dim": 8, "intermediate_size": 32, "hidden_act": "silu", "num_experts": 4,
          "num_experts_per_tok": 2, "moe_intermediate_size": 8, "router_aux_loss_coef": 0.001}
-  ours = hf_lib.config_from_hf(cfg)
+  ours = hf_layout.config_from_hf(cfg)
   assert ours.aux_loss_coef == pytest.approx(0.002)
-  assert hf_lib.config_to_hf(ours, "float32")["router_aux_loss_coef"] == pytest.approx(0.001)
+  assert hf_layout.config_to_hf(ours, "float32")["router_aux_loss_coef"] == pytest.approx(0.001)
 
 
 def test_clear_errors(tmp_path):

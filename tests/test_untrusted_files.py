@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import tokenizers as gtok
-from gspo_jax.models import hf
+from gspo_jax.models import hf_load
 from gspo_jax.models.safetensors_io import read_safetensors, write_safetensors
 
 
@@ -127,7 +127,7 @@ def index(folder, weight_map):
 
 def index_refused(folder, *words):
     with pytest.raises(ValueError) as e:
-        hf._read_checkpoint(str(folder))
+        hf_load._read_checkpoint(str(folder))
     msg = str(e.value)
     assert msg.startswith(os.path.join(str(folder), "model.safetensors.index.json")), msg
     for w in words:
@@ -168,7 +168,7 @@ def test_index_good_cases(tmp_path):
     shard(ckpt / "a.safetensors", "a")
     shard(ckpt / "sub" / "b.safetensors", "b")
     index(ckpt, {"a": "a.safetensors", "b": "sub/b.safetensors"})
-    assert sorted(hf._read_checkpoint(str(ckpt))) == ["a", "b"]
+    assert sorted(hf_load._read_checkpoint(str(ckpt))) == ["a", "b"]
     # A Hugging Face hub cache snapshot links its files to the repository's blobs.
     repo = tmp_path / "models--org--name"
     os.makedirs(repo / "blobs")
@@ -176,7 +176,7 @@ def test_index_good_cases(tmp_path):
     os.makedirs(snap)
     shard(repo / "blobs" / "deadbeef", "w")
     os.symlink("../../blobs/deadbeef", snap / "model.safetensors")
-    assert sorted(hf._read_checkpoint(str(snap) + "/")) == ["w"]
+    assert sorted(hf_load._read_checkpoint(str(snap) + "/")) == ["w"]
 
 
 def test_tensor_in_two_shards(tmp_path):
@@ -186,7 +186,7 @@ def test_tensor_in_two_shards(tmp_path):
     shard(ckpt / "b.safetensors", "w")
     index(ckpt, {"w": "a.safetensors", "x": "b.safetensors"})
     with pytest.raises(ValueError, match=r"tensor 'w' is in both .*a\.safetensors and .*b\.safetensors"):
-        hf._read_checkpoint(str(ckpt))
+        hf_load._read_checkpoint(str(ckpt))
 
 
 def test_from_pretrained_names_the_bad_shard(tmp_path):
@@ -197,7 +197,7 @@ def test_from_pretrained_names_the_bad_shard(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 8}))
     raw(ckpt / "model.safetensors", {"model.embed_tokens.weight": entry(shape=(8, 8), offsets=(0, 64))})
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.embed_tokens\.weight'"):
-        hf.from_pretrained(str(ckpt))
+        hf_load.from_pretrained(str(ckpt))
 
 
 # ---------------------------------------------------------------------------

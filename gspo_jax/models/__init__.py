@@ -8,13 +8,17 @@
     logits, aux, cache = model.decode(tokens, cache, positions=positions, attn_mask=mask)
 
 Modules: config (ModelConfig), layers (norm, RoPE, attention, MLP), moe (router,
-replay, dispatch backends), transformer (Transformer, RouterAux, KVCache),
-sharding (logical axis rules -> mesh, sharded init), hf (Hugging Face
-checkpoints), safetensors_io (pickle-free tensor files).
+replay, dispatch backends), blocks (the decoder layer, segments of stacked
+repeats, remat policies), precision (f32 parameters, the output head, the
+inference copy), transformer (Transformer, RouterAux, KVCache), sharding (logical
+axis rules -> mesh, sharded init), the Hugging Face checkpoints in hf_layout
+(config.json and tensor names <-> ours), hf_load (from_pretrained) and hf_export
+(export_pretrained), safetensors_io (pickle-free tensor files).
 """
 
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.hf import export_pretrained, from_pretrained
+from gspo_jax.models.hf_export import export_pretrained
+from gspo_jax.models.hf_load import from_pretrained
 from gspo_jax.models.sharding import init_sharded, logical_to_mesh_spec, param_shardings
 from gspo_jax.models.transformer import KVCache, RouterAux, Transformer
 

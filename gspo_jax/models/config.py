@@ -93,7 +93,7 @@ class ModelConfig:
         the q/k/v/o projections, dense MLPs and the router) | 'dots_no_scores'
         ('dots_no_batch' plus the attention output [B, T, H, hd] before the output
         projection, so the backward pass recomputes only the scores; no
-        [B, H, T, S] array is saved, see transformer._REMAT).  Applied per
+        [B, H, T, S] array is saved, see blocks.CHECKPOINT_POLICIES).  Applied per
         scanned layer group.
       attention_impl: the full forward's attention (`jax.nn.dot_product_attention`):
         'xla' (einsum scores; every backend), 'cudnn' (the cuDNN flash kernel:

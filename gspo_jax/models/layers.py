@@ -1,7 +1,7 @@
 """Building blocks: parameters with logical axes, RMSNorm, RoPE, attention, SwiGLU.
 
 Every module may be created with leading `stack` dimensions on all of its
-parameters (logical axis 'layers'); `transformer.py` stacks identical layers
+parameters (logical axis 'layers'); `blocks.py` stacks identical layers
 this way and slices them inside `lax.scan`, so the modules' forward code only
 ever sees one layer's parameters.
 
@@ -319,7 +319,7 @@ class Attention(nnx.Module):
                 implementation=impl,
             )[:, :t]
             # [B, T, H, hd]; saved by the remat policy 'dots_no_scores'
-            # (transformer._REMAT), which saves no [B, H, T, S] scores.
+            # (blocks.CHECKPOINT_POLICIES), which saves no [B, H, T, S] scores.
             out = checkpoint_name(out, "attn_ctx")
             k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, KV, T, hd], the cache's layout
         elif fused_cached_attention(cfg):

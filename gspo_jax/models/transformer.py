@@ -1,12 +1,9 @@
 """Decoder-only MoE transformer (Flax NNX) with exposed routing and a KV cache.
 
-Layer stack.  The layer kinds (dense / MoE, `ModelConfig.layer_kinds`) are cut
-into segments, each a unit of consecutive layer kinds repeated n times, e.g.
-"1 dense, then 47 MoE" -> [(D,) x 1, (M,) x 47] and "MoE every 2nd layer" ->
-[(D, M) x 24].  A segment stores each unit position's parameters stacked over
-its n repeats (leading logical axis 'layers'); the forward runs `lax.scan` over
-the repeats (one compiled body per segment, optional remat) or, with
-`scan_layers=False`, an unrolled loop over the same parameters.
+`Transformer` embeds the tokens, runs the layer segments (`blocks`: a scan over
+each segment's stacked repeats), then the final norm and the output head
+(`precision.head_logits`); `RouterAux` is its routing record, `KVCache` its
+decoding state.
 
 Attention masks work on cache slots: a query at slot q sees key slot s iff
 s <= q and slot s holds a real token (attn_mask == 1).  In the full forward the
@@ -24,17 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from gspo_jax.models.blocks import CHECKPOINT_POLICIES, Segment, plan_segments
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.layers import (
-    MLP,
-    Attention,
-    RMSNorm,
-    attention_mask,
-    cache_layouts,
-    make_param,
-    rope_tables,
-)
-from gspo_jax.models.moe import MoE, MoEStats
+from gspo_jax.models.layers import RMSNorm, attention_mask, cache_layouts, make_param, rope_tables
+from gspo_jax.models.moe import MoEStats
+from gspo_jax.models.precision import head_logits
 
 
 @struct.dataclass
@@ -105,27 +96,6 @@ class KVCache:
     index: jax.Array
 
 
-def plan_segments(
-    kinds: tuple[bool, ...], max_period: int = 4
-) -> list[tuple[tuple[bool, ...], int]]:
-    """Greedy cut of layer kinds into (unit, repeats): at each point, the unit of
-    <= max_period layers whose repeats cover the most layers (ties: shorter)."""
-    out, i, n = [], 0, len(kinds)
-    while i < n:
-        best = None
-        for p in range(1, min(max_period, n - i) + 1):
-            unit = kinds[i : i + p]
-            r = 1
-            while i + (r + 1) * p <= n and kinds[i + r * p : i + (r + 1) * p] == unit:
-                r += 1
-            score = r * p if r > 1 else 1  # a unit that does not repeat: take 1 layer
-            if best is None or score > best[0]:
-                best = (score, unit, r)
-        out.append((best[1], best[2]))
-        i += len(best[1]) * best[2]
-    return out
-
-
 def _check_temperature(temperature) -> float:
     """A log-prob temperature: a static number > 0 (it decides the graph), as a float."""
     ok = isinstance(temperature, (int, float, np.integer, np.floating)) and not isinstance(
@@ -134,111 +104,6 @@ def _check_temperature(temperature) -> float:
     if not (ok and np.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature: must be a Python float > 0, got {temperature!r}")
     return float(temperature)
-
-
-_CP = jax.checkpoint_policies
-# What the backward pass of a rematerialised layer group reads back instead of
-# recomputing.  'dots' saves every dot_general output, the full forward's attention
-# scores [B, KV, G, T, S] (f32) and probabilities @ values among them: L layers of
-# B * H * T^2 * 4 bytes.  'dots_no_scores' saves the dot_generals without batch
-# dims (q/k/v/o projections, dense MLP, router logits) and the attention output
-# [B, T, H, hd] (named "attn_ctx" in layers.Attention); the backward pass then
-# recomputes one layer's scores at a time.  No policy saves the experts' grouped
-# products (`lax.ragged_dot` is not a dot_general; the CPU backend's are batched).
-# tests/test_memory.py checks what each policy saves.
-_REMAT = {
-    "full": _CP.nothing_saveable,
-    "dots": _CP.checkpoint_dots,
-    "dots_no_batch": _CP.dots_with_no_batch_dims_saveable,
-    "dots_no_scores": _CP.save_from_both_policies(
-        _CP.dots_with_no_batch_dims_saveable, _CP.save_only_these_names("attn_ctx")
-    ),
-}
-
-
-# Parameters the forward reads in float32 whatever the compute dtype: the router
-# (its logits are an f32 matmul, moe.MoE) and the value head (Transformer.value).
-F32_PARAMS = ("router", "value_w", "value_b")
-
-
-@jax.custom_vjp
-def head_logits(h: jax.Array, w: jax.Array) -> jax.Array:
-    """f32 logits h [..., D] @ w [D, V], computed in h's dtype with f32 accumulation.
-
-    Its backward also runs in h's dtype: the f32 logit cotangent is rounded to h's dtype
-    before both products, and the weight's gradient comes out in w's dtype (f32
-    accumulation). Autodiff of the forward alone would run both backward products in
-    f32 (TF32 on a GPU: half the bf16 rate, over the whole vocabulary; 13% of the
-    16-layer benchmark's train-step FLOPs, experiments/accelerator/compile/). With h in
-    f32 it is autodiff's result."""
-    return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-
-
-def _head_logits_fwd(h, w):
-    return head_logits(h, w), (h, w)
-
-
-def _head_logits_bwd(res, dz):
-    h, w = res
-    dz = dz.astype(h.dtype)
-    dh = jnp.einsum("...v,dv->...d", dz, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    dw = jnp.einsum("...d,...v->dv", h, dz, preferred_element_type=jnp.float32)
-    return dh.astype(h.dtype), dw.astype(w.dtype)
-
-
-head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
-
-
-def inference_params(params, cfg: ModelConfig):
-    """A copy of a model's parameters for forward passes only (the RL reference
-    policy): every floating parameter the forward casts to the compute dtype
-    (`cfg.dtype`) stored in it, those of `F32_PARAMS` as they are.
-
-    The forward gives bitwise the logits it gives from `params`: each of its
-    ``param.astype(dtype)`` casts is made once here instead of in every forward
-    (a cast to the dtype a value already has is the identity).  At bf16 compute and
-    f32 storage the copy takes half the memory.  Always a new buffer (the trainer
-    donates `params` to its update)."""
-    dt = cfg.jnp_dtype
-
-    def cast(path, a):
-        keys = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
-        if keys & set(F32_PARAMS) or not jnp.issubdtype(a.dtype, jnp.floating):
-            return jnp.copy(a)
-        return jnp.copy(a) if a.dtype == dt else a.astype(dt)
-
-    return jax.tree_util.tree_map_with_path(cast, params)
-
-
-class Block(nnx.Module):
-    """Pre-norm decoder layer: x + Attn(norm(x)), then x + FFN(norm(x))."""
-
-    def __init__(self, cfg: ModelConfig, moe: bool, *, stack=(), rngs: nnx.Rngs):
-        pd = cfg.jnp_param_dtype
-        self.is_moe = moe
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
-        self.attn = Attention(cfg, stack=stack, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, stack=stack, param_dtype=pd)
-        self.mlp = MoE(cfg, stack=stack, rngs=rngs) if moe else MLP(cfg, stack=stack, rngs=rngs)
-
-    def __call__(self, x, cos, sin, mask, token_mask, replay=None, cache=None, router_noise=None):
-        a, kv = self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        x = x + a
-        h = self.mlp_norm(x)
-        if self.is_moe:
-            y, stats = self.mlp(h, token_mask, replay, router_noise)
-        else:
-            y, stats = self.mlp(h), None
-        return x + y, stats, kv
-
-
-class Segment(nnx.Module):
-    """`repeats` copies of a unit of layers; parameters stacked over repeats."""
-
-    def __init__(self, cfg: ModelConfig, unit: tuple[bool, ...], repeats: int, *, rngs):
-        self.unit = tuple(unit)
-        self.repeats = repeats
-        self.blocks = nnx.List([Block(cfg, kind, stack=(repeats,), rngs=rngs) for kind in unit])
 
 
 class Transformer(nnx.Module):
@@ -361,7 +226,9 @@ class Transformer(nnx.Module):
                 return x, (stack(stats), stack(kvs) if kc is not None else None)
 
             if cfg.remat_policy != "none":
-                body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=False)
+                body = jax.checkpoint(
+                    body, policy=CHECKPOINT_POLICIES[cfg.remat_policy], prevent_cse=False
+                )
             steps = jnp.arange(n, dtype=jnp.int32)
             if cfg.scan_layers:
                 x, (stats, kvs) = jax.lax.scan(body, x, (state, steps, moe_seg))

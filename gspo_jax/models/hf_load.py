@@ -1,35 +1,19 @@
-"""Hugging Face checkpoints: Qwen3-MoE, Qwen3 and Qwen2 (config.json + safetensors).
+"""Reading a Hugging Face checkpoint: `from_pretrained`, streaming.
 
-Layout conversions (HF nn.Linear stores [out, in]):
-
-    q_proj.weight [H*hd, D]  <->  attn.q [D, H, hd]       (transpose, reshape)
-    k/v_proj.weight [KV*hd, D] <-> attn.k/v [D, KV, hd]
-    o_proj.weight [D, H*hd]  <->  attn.o [H, hd, D]
-    q/k/v_proj.bias [N*hd]   <->  attn.q/k/v_bias [N, hd]            (Qwen2)
-    gate/up_proj.weight [F, D] <-> gate/up [D, F];  down_proj [D, F] <-> down [F, D]
-    mlp.gate.weight [E, D]   <->  mlp.router [D, E]
-    mlp.experts.{e}.gate_proj.weight [I, D] <-> mlp.gate[e] [D, I]   (also the fused
-      mlp.experts.gate_up_proj [E, 2I, D] / down_proj [E, D, I] layout on read)
-    lm_head.weight [V, D]    <->  lm_head [D, V]
-
-Qwen3-MoE's layer rule (decoder_sparse_step, mlp_only_layers) maps to
-ModelConfig.moe_every / dense_layers; norm_topk_prob to renormalize_topk.
-
-Both directions stream (docs/checkpoints.md): `from_pretrained` reads the headers,
-checks every tensor against the config, then memory-maps one tensor at a time and
-puts each device's block of it (converted to our layout and dtype) on that device
-alone; `export_pretrained` gathers one tensor (one layer of a stacked parameter)
-at a time and writes shards of a bounded size with model.safetensors.index.json.
-Neither ever holds the whole model on the host or on one device.
+`from_pretrained` reads the headers of the weight files (only files inside the
+checkpoint folder, refusing links that lead elsewhere), checks every tensor against
+the config (`hf_layout`'s table), then memory-maps one tensor at a time and puts
+each device's block of it (converted to our layout and dtype) on that device
+alone; it never holds the whole model on the host or on one device
+(docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
-from typing import Optional, Union
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,209 +22,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import multihost
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.safetensors_io import (
-    TensorInfo,
-    TensorReader,
-    tensor_infos,
-    write_sharded,
+from gspo_jax.models.hf_layout import (
+    config_from_hf,
+    dotted_attr,
+    hf_shape,
+    layer_slots,
+    layer_table,
 )
+from gspo_jax.models.safetensors_io import TensorInfo, TensorReader, tensor_infos
 from gspo_jax.models.transformer import Transformer
-
-SUPPORTED = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2ForCausalLM": "qwen2",
-}
-
-
-# ---------------------------------------------------------------- config
-def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig from a HF config.json dict (+ ModelConfig field overrides)."""
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED:
-        by_type = {v: k for k, v in SUPPORTED.items()}
-        if arch is None and hf.get("model_type") in by_type:
-            arch = by_type[hf["model_type"]]
-        else:
-            raise ValueError(
-                f"config.json: unsupported architecture {arch or hf.get('model_type')!r}; "
-                f"supported: {sorted(SUPPORTED)}"
-            )
-    kind = SUPPORTED[arch]
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} unsupported (only 'silu')")
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or hf.get("rope_scaling"):
-        raise ValueError(
-            f"config.json: rope scaling {hf.get('rope_scaling') or rope!r} unsupported "
-            "(only the default RoPE)"
-        )
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is unsupported")
-    if kind != "qwen2" and hf.get("attention_bias"):
-        raise ValueError("config.json: attention_bias=true is unsupported for Qwen3 (o_proj bias)")
-    heads = hf["num_attention_heads"]
-    num_experts = (
-        hf.get("num_experts", hf.get("num_local_experts", 0)) if kind == "qwen3_moe" else 0
-    )
-    kw = dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        d_ff=hf["intermediate_size"],
-        qk_norm=kind != "qwen2",
-        qkv_bias=kind == "qwen2",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-    )
-    if num_experts:
-        kw.update(
-            num_experts=num_experts,
-            top_k=hf["num_experts_per_tok"],
-            moe_d_ff=hf["moe_intermediate_size"],
-            moe_every=hf.get("decoder_sparse_step", 1),
-            dense_layers=tuple(hf.get("mlp_only_layers") or ()),
-            renormalize_topk=bool(hf.get("norm_topk_prob", False)),
-            # transformers' load-balancing loss is K times ours (its load sums to K
-            # over experts, ours to 1): the same regularisation needs K times the coef.
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) * hf["num_experts_per_tok"],
-        )
-    kw.update(overrides)
-    return ModelConfig(**kw)
-
-
-def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
-    """HF config.json dict for `cfg` (raises if no supported architecture fits)."""
-    if cfg.num_experts > 0:
-        arch, mtype = "Qwen3MoeForCausalLM", "qwen3_moe"
-    elif cfg.qk_norm:
-        arch, mtype = "Qwen3ForCausalLM", "qwen3"
-    else:
-        arch, mtype = "Qwen2ForCausalLM", "qwen2"
-    if (mtype == "qwen2") != cfg.qkv_bias or (mtype != "qwen2") != cfg.qk_norm:
-        raise ValueError(
-            f"export_pretrained: qk_norm={cfg.qk_norm} with qkv_bias={cfg.qkv_bias} "
-            "matches no supported HF architecture (Qwen3: q/k norm, no bias; Qwen2: "
-            "bias, no norm)"
-        )
-    hf = dict(
-        architectures=[arch],
-        model_type=mtype,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.d_ff,
-        hidden_act="silu",
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
-        initializer_range=cfg.init_std,
-        attention_dropout=0.0,
-        use_sliding_window=False,
-        sliding_window=None,
-        max_position_embeddings=32768,
-        dtype=dtype,
-    )
-    if mtype != "qwen2":
-        hf["attention_bias"] = False
-    if cfg.num_experts > 0:
-        hf.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k,
-            moe_intermediate_size=cfg.moe_d_ff,
-            decoder_sparse_step=cfg.moe_every,
-            mlp_only_layers=sorted(set(cfg.dense_layers) | set(range(cfg.first_dense_layers))),
-            norm_topk_prob=cfg.renormalize_topk,
-            router_aux_loss_coef=cfg.aux_loss_coef / cfg.top_k,
-        )  # see config_from_hf
-    return hf
-
-
-# ---------------------------------------------------------------- layout
-def _layer_slots(model: Transformer):
-    """For each layer i in order: (block module, repeat index r)."""
-    slots = []
-    for seg in model.segments:
-        for r in range(seg.repeats):
-            for blk in seg.blocks:
-                slots.append((blk, r))
-    return slots
-
-
-def _get(obj, path: str):
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
-def _layer_table(cfg: ModelConfig, moe: bool):
-    """(hf suffix, module path, hf -> ours, ours -> hf) for one layer."""
-    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    t = lambda w: w.T
-    rows = [
-        ("input_layernorm.weight", "attn_norm.scale", None, None),
-        ("post_attention_layernorm.weight", "mlp_norm.scale", None, None),
-        (
-            "self_attn.q_proj.weight",
-            "attn.q",
-            lambda w: w.T.reshape(d, h, hd),
-            lambda w: w.reshape(d, h * hd).T,
-        ),
-        (
-            "self_attn.k_proj.weight",
-            "attn.k",
-            lambda w: w.T.reshape(d, kv, hd),
-            lambda w: w.reshape(d, kv * hd).T,
-        ),
-        (
-            "self_attn.v_proj.weight",
-            "attn.v",
-            lambda w: w.T.reshape(d, kv, hd),
-            lambda w: w.reshape(d, kv * hd).T,
-        ),
-        (
-            "self_attn.o_proj.weight",
-            "attn.o",
-            lambda w: w.T.reshape(h, hd, d),
-            lambda w: w.reshape(h * hd, d).T,
-        ),
-    ]
-    if cfg.qkv_bias:
-        rows += [
-            (
-                f"self_attn.{n}_proj.bias",
-                f"attn.{n}_bias",
-                lambda b, m=m: b.reshape(m, hd),
-                lambda b: b.reshape(-1),
-            )
-            for n, m in (("q", h), ("k", kv), ("v", kv))
-        ]
-    if cfg.qk_norm:
-        rows += [
-            ("self_attn.q_norm.weight", "attn.q_norm.scale", None, None),
-            ("self_attn.k_norm.weight", "attn.k_norm.scale", None, None),
-        ]
-    if moe:
-        rows += [("mlp.gate.weight", "mlp.router", t, t)]
-    else:
-        rows += [
-            ("mlp.gate_proj.weight", "mlp.gate", t, t),
-            ("mlp.up_proj.weight", "mlp.up", t, t),
-            ("mlp.down_proj.weight", "mlp.down", t, t),
-        ]
-    return rows
 
 
 # ---------------------------------------------------------------- files
@@ -335,13 +126,6 @@ def _file_dtype(infos: dict[str, TensorInfo]) -> str:
     return _FILE_TO_PARAM_DTYPE[max(total, key=total.get)]
 
 
-def _hf_shape(to_hf, shape) -> tuple[int, ...]:
-    """The checkpoint shape of a tensor whose shape in our layout is ``shape``."""
-    if to_hf is None:
-        return tuple(shape)
-    return tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(tuple(shape), jnp.float32)).shape)
-
-
 class _Tensor:
     """One checkpoint tensor as an array of our layout: ``view`` (transposes,
     reshapes and slices only, so no data is copied or read) turns the mapped file
@@ -426,12 +210,12 @@ def _plan(model: Transformer, ckpt: _Checkpoint) -> dict[int, tuple[nnx.Param, o
 
     d, e, f, v = cfg.d_model, cfg.num_experts, cfg.moe_d_ff, cfg.vocab_size
     t = lambda w: w.T  # noqa: E731
-    for i, (blk, r) in enumerate(_layer_slots(model)):
+    for i, (blk, r) in enumerate(layer_slots(model)):
         pre = f"model.layers.{i}."
-        for suffix, attr, to_ours, to_hf in _layer_table(cfg, blk.is_moe):
-            p = _get(blk, attr)
+        for suffix, attr, to_ours, to_hf in layer_table(cfg, blk.is_moe):
+            p = dotted_attr(blk, attr)
             inner = tuple(p.shape[1:])
-            layer(p, r, ckpt.tensor(pre + suffix, _hf_shape(to_hf, inner), inner, to_ours))
+            layer(p, r, ckpt.tensor(pre + suffix, hf_shape(to_hf, inner), inner, to_ours))
         if not blk.is_moe:
             continue
         mlp = blk.mlp
@@ -615,117 +399,3 @@ def from_pretrained(
     for p, value in values:
         p.set_value(value)
     return model
-
-
-# ---------------------------------------------------------------- export
-@functools.partial(jax.jit, static_argnames="dtype")
-def _layer_as(a, r, dtype):
-    return a[r].astype(dtype)
-
-
-class _Fetch:
-    """Host copies of parameters (or one layer of a stacked one) in the file dtype,
-    one at a time: fetching the next frees the last, so the host holds one layer's
-    tensor (for experts: one layer's [E, D, I] stack) at a time."""
-
-    def __init__(self, dtype: np.dtype):
-        self.dtype, self.key, self.value = dtype, None, None
-
-    def __call__(self, param, r=None) -> np.ndarray:
-        if self.key != (id(param), r):
-            self.key, self.value = None, None  # free the previous copy first
-            a = jnp.asarray(param[...])
-            a = a.astype(self.dtype) if r is None else _layer_as(a, np.int32(r), self.dtype)
-            if a.is_fully_addressable:
-                value = jax.device_get(a)
-            else:  # shards on several processes: every process takes part in the gather
-                from jax.experimental import multihost_utils
-
-                value = multihost_utils.process_allgather(a, tiled=True)
-            self.key, self.value = (id(param), r), np.asarray(value)
-        return self.value
-
-
-def _export_entries(model: Transformer, dtype: np.dtype) -> list[tuple]:
-    """``(name, hf_shape, produce)`` for every tensor of the HF checkpoint, in the
-    order they are written; ``produce()`` returns the array (a view of the
-    fetched parameter in the HF layout)."""
-    cfg, fetch = model.cfg, _Fetch(dtype)
-    out = []
-    for i, (blk, r) in enumerate(_layer_slots(model)):
-        pre = f"model.layers.{i}."
-        for suffix, attr, _, to_hf in _layer_table(cfg, blk.is_moe):
-            p = _get(blk, attr)
-
-            def produce(p=p, r=r, to_hf=to_hf):
-                w = fetch(p, r)
-                return to_hf(w) if to_hf else w
-
-            out.append((pre + suffix, _hf_shape(to_hf, p.shape[1:]), produce))
-        if blk.is_moe:
-            # One projection at a time over the experts: fetched once per layer.
-            for attr in ("gate", "up", "down"):
-                p = getattr(blk.mlp, attr)
-                _, e, a, b = p.shape
-                for x in range(e):
-                    name = f"{pre}mlp.experts.{x}.{attr}_proj.weight"
-                    out.append((name, (b, a), lambda p=p, r=r, x=x: fetch(p, r)[x].T))
-    v, d = cfg.vocab_size, cfg.d_model
-    out.append(("model.embed_tokens.weight", (v, d), lambda: fetch(model.embed)))
-    out.append(("model.norm.weight", (d,), lambda: fetch(model.final_norm.scale)))
-    if not cfg.tie_embeddings:
-        out.append(("lm_head.weight", (v, d), lambda: fetch(model.lm_head).T))
-    return out
-
-
-def export_pretrained(
-    model: Transformer,
-    path: str,
-    *,
-    dtype: Optional[str] = None,
-    max_shard_size: Union[int, str] = "5GB",
-) -> list[str]:
-    """Write `model` as a HF checkpoint that transformers and vLLM load: config.json
-    plus ``model.safetensors``, or, past ``max_shard_size``, shards
-    ``model-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json``.
-
-    Streams: one parameter (or one layer of a stacked one) at a time is gathered
-    from its devices to the host, converted and written, so the host holds about
-    one tensor; parameters may be sharded over any mesh. With several processes,
-    every process calls this (each gather is collective) and process 0 writes the
-    files to ``path``, which it must be able to reach; the others return once the
-    files are there. Weight files of an earlier export in ``path`` that this one does
-    not overwrite are removed. The value head, which HF models lack, is not written.
-
-    Args:
-      dtype: tensor dtype in the files (default: the parameters' dtype, so bf16
-        models export bf16).
-      max_shard_size: bytes per file (an int, or "5GB", "500MB", "2GiB"); a tensor
-        larger than that gets a file of its own.
-
-    Returns the names of the weight files written (index included); [] on every
-    process but 0.
-    """
-    cfg = model.cfg
-    dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
-    hf = config_to_hf(cfg, dtype.name)
-    hf["torch_dtype"] = dtype.name  # the key transformers < 4.56 (and vLLM with it) read
-    entries = _export_entries(model, dtype)
-    if not multihost.is_primary():
-        for _, _, produce in entries:  # the gathers process 0 waits on
-            produce()
-        multihost.barrier("export_pretrained")
-        return []
-    files = write_sharded(
-        path,
-        [(name, dtype, shape) for name, shape, _ in entries],
-        (produce() for _, _, produce in entries),
-        max_shard_size=max_shard_size,
-        metadata={"format": "pt"},
-    )
-    tmp = os.path.join(path, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(path, "config.json"))
-    multihost.barrier("export_pretrained")
-    return files
