@@ -41,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 from gspo_jax import step
 from gspo_jax.models import ModelConfig
 from gspo_jax.models.precision import inference_params
-from gspo_jax.models.sharding import init_sharded, param_shardings
-from gspo_jax.models.transformer import Transformer
+from gspo_jax.models.sharding import param_shardings
+from gspo_jax.models.transformer import Transformer, init_sharded
 
 # The benchmark model: Qwen3-MoE-shaped (Qwen3-30B-A3B's layer at d_model 2048 with
 # Qwen3's vocabulary), randomly initialised. ``layers`` picks 8, 12 or 16 of them.

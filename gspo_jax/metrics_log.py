@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from gspo_jax import multihost
-from gspo_jax.fields import setting
+from gspo_jax.fields import ConfigError, setting
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -264,8 +264,6 @@ class WandbWriter:
         try:
             import wandb
         except ImportError:
-            from gspo_jax.config import ConfigError
-
             raise ConfigError(
                 "config.wandb.enabled: is True but the wandb package is not installed; "
                 "pip install -e '.[wandb]' (or set --config.wandb.enabled=False)"

@@ -22,7 +22,7 @@ if len(sys.argv) > 2:
     jax.distributed.initialize(f"localhost:{sys.argv[2]}", 2, int(sys.argv[3]))
 
 from gspo_jax.models import ModelConfig, export_pretrained, from_pretrained  # noqa: E402
-from gspo_jax.models.sharding import init_sharded  # noqa: E402
+from gspo_jax.models.transformer import init_sharded  # noqa: E402
 
 mesh = Mesh(np.asarray(jax.devices()).reshape(1, 4, 2, 1), ("data", "fsdp", "expert", "tensor"))
 cfg = ModelConfig(

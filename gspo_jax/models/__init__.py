@@ -10,8 +10,8 @@
 Modules: config (ModelConfig), layers (norm, RoPE, attention, MLP), moe (router,
 replay, dispatch backends), blocks (the decoder layer, segments of stacked
 repeats, remat policies), precision (f32 parameters, the output head, the
-inference copy), transformer (Transformer, RouterAux, KVCache), sharding (logical
-axis rules -> mesh, sharded init), the Hugging Face checkpoints in hf_layout
+inference copy), transformer (Transformer, RouterAux, KVCache, sharded init), sharding
+(logical axis rules -> mesh, the run's mesh), the Hugging Face checkpoints in hf_layout
 (config.json and tensor names <-> ours), hf_load (from_pretrained) and hf_export
 (export_pretrained), safetensors_io (pickle-free tensor files).
 """
@@ -19,8 +19,8 @@ axis rules -> mesh, sharded init), the Hugging Face checkpoints in hf_layout
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.hf_export import export_pretrained
 from gspo_jax.models.hf_load import from_pretrained
-from gspo_jax.models.sharding import init_sharded, logical_to_mesh_spec, param_shardings
-from gspo_jax.models.transformer import KVCache, RouterAux, Transformer
+from gspo_jax.models.sharding import logical_to_mesh_spec, param_shardings
+from gspo_jax.models.transformer import KVCache, RouterAux, Transformer, init_sharded
 
 __all__ = [
     "ModelConfig",

@@ -160,20 +160,3 @@ def batch_sharding(mesh: Mesh, cfg: ModelConfig, ndim: int, batch_size: int) -> 
         ("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), cfg.axis_rules, mesh
     )
     return NamedSharding(mesh, spec)
-
-
-def init_sharded(cfg: ModelConfig, mesh: Mesh, *, seed: int = 0):
-    """A Transformer whose parameters are created directly in their sharding
-    (`jax.jit(init, out_shardings=...)`; no full replica is ever materialised)."""
-    from gspo_jax.models.transformer import Transformer
-
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
-    gdef, abs_state = nnx.split(abstract)
-    shardings = param_shardings(abs_state, mesh, cfg)
-
-    @jax.jit
-    def init():
-        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
-
-    state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(gdef, state)

@@ -26,6 +26,7 @@ from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import RMSNorm, attention_mask, cache_layouts, make_param, rope_tables
 from gspo_jax.models.moe import MoEStats
 from gspo_jax.models.precision import head_logits
+from gspo_jax.models.sharding import param_shardings
 
 
 @struct.dataclass
@@ -531,3 +532,18 @@ class Transformer(nnx.Module):
         if last_only:
             h = h[:, -1:]
         return self.logits(h), aux, cache
+
+
+def init_sharded(cfg: ModelConfig, mesh: jax.sharding.Mesh, *, seed: int = 0):
+    """A Transformer whose parameters are created directly in their sharding
+    (`jax.jit(init, out_shardings=...)`; no full replica is ever materialised)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    gdef, abs_state = nnx.split(abstract)
+    shardings = param_shardings(abs_state, mesh, cfg)
+
+    @jax.jit
+    def init():
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(gdef, state)
