@@ -6,6 +6,12 @@ Reads ``metrics.jsonl`` and ``updates.jsonl`` of both workdirs and compares ever
 that both records of one (phase, step[, k]) hold, exactly (a float differs if a bit of
 its JSON digits differs). Wall-clock figures (`TIMING`) are left out. Prints the counts
 and each key that differs (with its first differing record); exits 1 if any differs.
+
+``--pooled``: the runs are expected to differ in how an RL step's record merges its
+updates' metrics (a mean of per-update values before, the pooled value after:
+`gspo_jax.metrics.merge_all`). The RL-step keys that are train-step metrics (the keys
+of ``updates.jsonl``) are then listed apart and do not fail the comparison; every other
+key of ``metrics.jsonl``, and every per-update record, must still be equal.
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ def _records(path: str) -> dict[tuple, dict]:
     return out
 
 
+def _update_keys(workdir: str) -> set[str]:
+    path = os.path.join(workdir, "updates.jsonl")
+    if not os.path.exists(path):
+        return set()
+    keys = set().union(*(r.keys() for r in _records(path).values()))
+    return keys | {"no_signal_minibatches"}
+
+
 def compare(a: str, b: str, ignore: frozenset[str] = frozenset()) -> dict:
     """``{"equal": n, "differ": {key: (record id, value a, value b)}, "only_a": [...],
     "only_b": [...]}`` over ``metrics.jsonl`` and ``updates.jsonl`` of workdirs ``a``, ``b``."""
@@ -51,7 +65,7 @@ def compare(a: str, b: str, ignore: frozenset[str] = frozenset()) -> dict:
         for rid in sorted(set(ra) & set(rb), key=str):
             x, y = ra[rid], rb[rid]
             for k in set(x) & set(y):
-                if k in TIMING or k in ignore:
+                if k in TIMING or k in ignore or k in ("phase", "step", "k"):
                     continue
                 if x[k] == y[k]:
                     equal += 1
@@ -72,11 +86,25 @@ def main(argv=None) -> int:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--ignore", nargs="*", default=[], help="keys not compared")
+    p.add_argument(
+        "--pooled", action="store_true", help="RL-step merges of update metrics may differ"
+    )
     args = p.parse_args(argv)
     out = compare(args.a, args.b, frozenset(args.ignore))
+    pooled = {}
+    if args.pooled:
+        merged = _update_keys(args.a) & _update_keys(args.b)
+        for key in list(out["differ"]):
+            name, _, k = key.partition(":")
+            if name == "metrics.jsonl" and k in merged:
+                pooled[key] = out["differ"].pop(key)
     print(f"{out['equal']} values equal, {len(out['differ'])} keys differ")
     for key, (rid, x, y) in sorted(out["differ"].items()):
         print(f"  {key} first at {rid}: {x!r} vs {y!r}")
+    if pooled:
+        print(
+            f"{len(pooled)} RL-step keys merged over updates differ (--pooled): {', '.join(sorted(k.partition(':')[2] for k in pooled))}"
+        )
     for side in ("only_a", "only_b"):
         if out[side]:
             print(f"keys {side.replace('_', ' in ')}: {', '.join(out[side])}")
