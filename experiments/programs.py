@@ -455,7 +455,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
         graphdef,
         params,
         vocab_size=sh.cfg.vocab_size,
-        prompt_buckets=(sh.prompt_len,),
+        prompt_len=sh.prompt_len,
     )
     prompts = np.random.RandomState(0).randint(1, sh.cfg.vocab_size, (batch, sh.prompt_len))
     args, spec, _ = sampler._prepare(
@@ -468,7 +468,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
         routing="none",
     )
     platform = platform or jax.default_backend()
-    spec = spec._replace(mode=spec.mode._replace(cpu=platform == "cpu"))
+    spec = spec._replace(cpu=platform == "cpu")
     if mesh.size > 1:  # rows sharded over the data axes, as a Sampler with a mesh does
         spec = spec._replace(batch_sharding=NamedSharding(mesh, P(batch_axes(mesh))))
     if abstract:

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import sys
 from typing import Any
 
 import ml_collections
@@ -116,12 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.prompts_per_step = 64
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 24
+    # RL samples from, and trains on the log-probs of, softmax(logits / temperature).
     c.rollout.temperature = 1.0
-    # RL trains on the log-probs of the distribution that sampled: softmax(logits /
-    # temperature). top_p < 1 or top_k > 0 would sample from a truncated distribution
-    # whose log-probs the trainer does not compute, so RL refuses them (`validate`).
-    c.rollout.top_p = 1.0
-    c.rollout.top_k = 0
     # Gaussian noise of this standard deviation on the sampler's router logits (never
     # the trainer's): a controlled train-inference routing mismatch for CPU studies
     # (experiments/router_noise.md).
@@ -402,6 +399,8 @@ def unknown_key_message(path: str, c: ml_collections.ConfigDict) -> str:
     ``config.optimizer.lrr: unknown config key; did you mean config.optimizer.lr?``,
     or, with nothing close, the keys its group does have."""
     key = path.removeprefix("config.")
+    if key in REMOVED_KEYS:
+        return f"config.{key}: removed ({REMOVED_KEYS[key][1]}); drop it"
     suggestion = closest_key(key, c)
     if suggestion:
         return f"config.{key}: unknown config key; did you mean {suggestion}?"
@@ -412,6 +411,26 @@ def unknown_key_message(path: str, c: ml_collections.ConfigDict) -> str:
 
 # Groups whose keys are not base_config()'s: checked against their own schema.
 _OPEN_GROUPS = ("objective.hparams", "model.fields")
+
+# Keys that are gone, with the one value they ever accepted and why: a config that
+# still sets that value is run with a one-line notice, any other value is refused.
+REMOVED_KEYS = {
+    "rollout.top_p": (1.0, "RL samples the whole softmax(logits / temperature)"),
+    "rollout.top_k": (0, "RL samples the whole softmax(logits / temperature)"),
+}
+
+
+def _removed_key(path: str, value: Any) -> None:
+    """A removed key (`REMOVED_KEYS`) of a config: a notice at its one accepted value,
+    else ConfigError naming it."""
+    only, why = REMOVED_KEYS[path]
+    if isinstance(value, bool) or value != only:
+        raise _err(
+            path,
+            f"removed ({why}; a truncated distribution would bias the gradient); it only "
+            f"ever accepted {only!r}, got {value!r}",
+        )
+    print(f"config.{path}: removed ({why}); ignored, delete it", file=sys.stderr)
 
 
 def _check_keys(
@@ -425,7 +444,9 @@ def _check_keys(
     the did-you-mean of a nested key."""
     root = c if root is None else root
     for key in c.keys():
-        if key not in base:
+        if key not in base and prefix + key in REMOVED_KEYS:
+            _removed_key(prefix + key, c[key])
+        elif key not in base:
             raise ConfigError(unknown_key_message(prefix + key, root))
     for key, default in base.items():
         path = prefix + key
@@ -561,8 +582,6 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
         low_open=True,
         why=" (RL samples, and trains on softmax(logits / temperature))",
     )
-    _finite(c, "rollout.top_p", low=0, high=1, low_open=True)
-    _int(c, "rollout.top_k", low=0)
     _finite(c, "rollout.router_noise_std", low=0)
     _int(c, "rollout.max_prompt_len", low=1)
     _str(c, "rollout.long_prompts", choices=LONG_PROMPTS)
@@ -930,9 +949,6 @@ def validate(
     rollout.group_size                                     int >= 1; >= 2 for group
                                                            advantages, dynamic sampling
     rollout.temperature                                    finite > 0
-    rollout.top_p                                          1 (finite in (0, 1]; < 1 would
-                                                           bias the gradient)
-    rollout.top_k                                          0 (int >= 0; likewise)
     rollout.router_noise_std                               finite >= 0; 0 for a dense model
     rollout.max_prompt_len                                 int >= 1
     rollout.long_prompts                                   refuse, truncate
@@ -1046,21 +1062,6 @@ def validate(
     if c.dapo.dynamic_sampling and g < 2:
         raise _err("rollout.group_size", "dynamic sampling needs a group of at least 2")
 
-    # Sampling: RL trains on the log-probs of softmax(logits / temperature).
-    if c.rollout.top_p != 1:
-        raise _err(
-            "rollout.top_p",
-            f"{c.rollout.top_p} truncates the sampling distribution, whose log-probs "
-            "the trainer does not compute (the gradient would be biased); RL needs "
-            'top_p = 1 (docs/objectives.md, "Conventions")',
-        )
-    if c.rollout.top_k != 0:
-        raise _err(
-            "rollout.top_k",
-            f"{c.rollout.top_k} truncates the sampling distribution, whose log-probs "
-            "the trainer does not compute (the gradient would be biased); RL needs "
-            'top_k = 0 (docs/objectives.md, "Conventions")',
-        )
     from gspo_jax.objectives.correction import RolloutCorrection
 
     rc = dict(c.rollout_correction)

@@ -1,34 +1,36 @@
 """Rollout: a jit-compiled batched sampler with a KV cache that records what RL needs.
 
-A `Sampler` (built once, called every RL step) turns a list of prompts into
-``len(prompts) * num_samples`` responses, prompt-major (row
+A `Sampler` (built once, called every RL step and at every evaluation) turns a
+list of prompts into ``len(prompts) * num_samples`` responses, prompt-major (row
 ``r = i * num_samples + g`` is sample g of prompt i), and returns a `Rollout`
-that holds, per response token, everything the trainer needs:
+that holds, per response token:
 
-* the unmodified policy log-prob ``logp`` (temperature 1, no truncation), which
-  is π_old(o_t | q, o_<t) of every objective in ``objectives.md``;
-* the log-prob under the distribution that actually drew the token
-  (``logp_sampling``: temperature, top-k, top-p applied);
+* ``logp``, the log-prob of the token under the distribution that drew it,
+  softmax(logits / temperature) (0 for greedy decoding).  The trainer keeps it as
+  the batch's ``rollout_logp``: the sampler's side of the train-inference
+  mismatch metrics and of the rollout correction.  The objectives' old log-probs
+  π_old are not these: the trainer recomputes them with its own forward at the
+  same temperature (the old-log-prob pass, `gspo_jax.step.logprob_pass`);
 * the MoE routing record (R3): the top-K experts every MoE layer chose at the
-  forward position that produced the token, and those of the prompt prefill.
+  forward position that produced the token, and those of the prompt prefill
+  (`replay_r3` aligns them with the trainer's forward).
 
 How it runs
 -----------
-1. Host side (once per call): prompts are left-padded to a *prompt bucket* P
-   (powers of two, at least ``min_prompt_bucket``), the prompt list is padded to
-   a *batch bucket* b (a power of two, or a multiple of one, so that the
-   B = b * G rows divide over the data-parallel shards), and
-   every array is placed on the device (sharded over the mesh's data axes when
-   a mesh is given).  Only these bucketed shapes reach the compiled function, so
-   a new batch recompiles only when it falls in a new (B, P) bucket; one
-   explicit bucket (``prompt_buckets=(P,)``, what the trainer uses with
-   ``rollout.max_prompt_len``) makes it one program for every batch.
-2. Device side, one ``jax.jit``-compiled function per (B, P, max_new_tokens,
-   G, sampling mode): one prefill of the [b, P] prompts into a KV cache, then a
-   ``lax.while_loop`` that samples token t from the last logits, records it and
-   feeds it back through ``model.decode`` (one token per row), until every row
-   has stopped or ``max_new_tokens`` tokens are out.  Nothing returns to the host
-   between tokens.
+1. Host side (once per call): prompts are left-padded to one length P (the
+   sampler's ``prompt_len``; without one, the call's longest prompt), the prompt
+   list is padded to a *batch bucket* b (a power of two, or a multiple of one, so
+   that the B = b * G rows divide over the data-parallel shards), and every array
+   is placed on the device (sharded over the mesh's data axes when a mesh is
+   given).  The trainer passes ``prompt_len=rollout.max_prompt_len`` and a fixed
+   prompt count per call site, so it compiles one program per call site for the
+   whole run.
+2. Device side, one ``jax.jit``-compiled function per (B, P, max_new_tokens, G,
+   greedy or not, routing record): one prefill of the [b, P] prompts into a KV
+   cache, then a ``lax.while_loop`` that samples token t from the last logits,
+   records it and feeds it back through ``model.decode`` (one token per row),
+   until every row has stopped or ``max_new_tokens`` tokens are out.  Nothing
+   returns to the host between tokens.
 
 The prefill runs once per prompt, on [b, P], and its KV cache is copied to the
 prompt's G rows; it projects only the last prompt position to logits
@@ -37,18 +39,19 @@ prompt's G rows; it projects only the last prompt position to logits
 
 Sampling (per row, per step, logits ℓ ∈ R^V):
 
-* greedy (``temperature == 0``): o_t = argmax ℓ; ``logp_sampling`` = 0 (log 1).
-* otherwise x = ℓ / temperature, then top-k keeps the k largest x, then top-p
-  keeps the smallest prefix (largest first) of the renormalised distribution
-  whose mass reaches ``top_p``.  The token is drawn from softmax(x) restricted
-  to the kept set, by inverse-CDF sampling with one uniform u_{r,t}.  How the
-  sort, cumulative sum and argmax are computed depends on the backend, in one
-  place: `_use_cpu_sampling`.
+* greedy (``temperature == 0``): o_t = argmax ℓ; ``logp`` = 0 (log 1).
+* otherwise o_t is drawn from softmax(ℓ / temperature) by inverse-CDF sampling
+  with one uniform u_{r,t}.  How the cumulative sum and argmax are computed
+  depends on the backend, in one place: `_use_cpu_sampling`.
+
+RL trains on the log-probs of the distribution that sampled, so the sampler
+offers no truncation of it (top-k, top-p): the trainer would not compute the
+truncated distribution's log-probs, and the gradient would be biased.
 
 Randomness: row r = (prompt i, sample g) uses the key
 ``fold_in(fold_in(rng, prompt_ids[i]), g)`` and draws all its uniforms from it,
 so a row's sample does not depend on the other rows of the batch, on the
-buckets, or on the prompt's position in the list (pass the same ``prompt_ids``
+padding, or on the prompt's position in the list (pass the same ``prompt_ids``
 to reproduce a prompt's samples in another batch).
 
 Router noise (``router_noise_std`` σ > 0): a controllable sampler/trainer
@@ -60,15 +63,14 @@ RoPE position p is σ · normal(fold_in(k_r, p)) of shape [L, E], with
 (NOISE_STREAM = 2**31, outside the prompt ids' range, so the uniforms' keys are
 untouched); the prompt's prefill, shared by its G rows, uses sample 0's key.
 So it is independent per token, layer and expert, and, like the uniforms, a
-row's noise does not depend on the batch or the buckets.  Everything recorded
+row's noise does not depend on the batch or the padding.  Everything recorded
 is the noisy forward's: ``experts`` holds the experts actually used, ``logp``
-and ``logp_sampling`` the log-probs of the distribution that drew the token.
-σ is a traced value (changing it does not recompile); σ = 0 (the default)
-runs the noise-free program, bit for bit.
+the log-prob of the distribution that drew the token.  σ is a traced value
+(changing it does not recompile); σ = 0 (the default) runs the noise-free
+program, bit for bit.
 
-Stopping: a row stops after emitting any ``eos_id`` token or the last token of
-any ``stop_sequences`` entry (matched on token ids), inside the response only;
-the stop token(s) belong to the response (mask 1).  A row that emits
+Stopping: a row stops after emitting any ``eos_id`` token, inside the response
+only; the stop token belongs to the response (mask 1).  A row that emits
 ``max_new_tokens`` tokens without stopping is ``truncated``.
 """
 
@@ -87,14 +89,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["ROUTING", "Rollout", "Sampler"]
+__all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
 
 # What of the routing record a rollout keeps (`Sampler.__call__`'s ``routing``):
 # everything (R3 replays it), the response tokens' only (``experts``: the
 # sampler/trainer routing mismatch), or nothing.
 ROUTING = ("all", "response", "none")
-_NO_TOKEN = -2  # the stop-matching history before any token (matches nothing)
 NOISE_STREAM = 2**31  # folded into rng for the router noise's keys (prompt ids are < 2**31)
+
+
+def replay_r3(prompt_experts: jax.Array, experts: jax.Array) -> jax.Array:
+    """int32[N, P+T-1, L, K]: the R3 replay array of a rollout's routing record, for
+    the forward whose logits at positions P-1 ... P+T-2 give the response log-probs
+    (the input ``concat(prompt_tokens, tokens)`` without its last token).
+
+    Position j < P routes prompt token j (``prompt_experts[:, j]``); position P + t
+    routes response token t, whose routing the sampler recorded when it fed o_t to
+    produce o_{t+1} (``experts[:, t+1]``).  ``experts[:, 0]`` is the last prompt
+    position's, which ``prompt_experts[:, P-1]`` already holds.
+    """
+    return jnp.concatenate([prompt_experts, experts[:, 1:]], axis=1)
 
 
 @flax.struct.dataclass
@@ -102,7 +116,7 @@ class Rollout:
     """Sampled responses and the record RL needs, N = len(prompts) * num_samples
     rows in prompt-major order (row i * num_samples + g is sample g of prompt i).
 
-    T = max_new_tokens, P = the prompt bucket (left padding included),
+    T = max_new_tokens, P = the padded prompt length (left padding included),
     L = number of MoE layers, K = experts per token.
 
     Attributes:
@@ -111,20 +125,19 @@ class Rollout:
         0.0 after.  ``mask[r, t] = t < lengths[r]``.
       lengths: int32[N], number of response tokens (= mask.sum(-1)).
       truncated: bool[N], reached T tokens without emitting a stop token.
-      logp: f32[N, T], log π(o_t | q, o_<t) under the *unmodified* policy
-        (temperature 1, no top-k/top-p): log_softmax(logits)[o_t].  This is the
-        π_old log-prob that RL objectives use.  0 where mask is 0.
-      logp_sampling: f32[N, T], the log-prob of o_t under the distribution that
-        drew it (temperature, top-k and top-p applied; 0 for greedy decoding,
-        which draws with probability 1).  0 where mask is 0.
+      logp: f32[N, T], the log-prob of o_t under the distribution that drew it,
+        log softmax(logits / temperature)[o_t] (0 for greedy decoding, which
+        draws with probability 1).  The trainer's ``rollout_logp``; the
+        objectives' old log-probs come from the trainer's own forward (module
+        docstring).  0 where mask is 0.
       experts: int32[N, T, L, K], the R3 routing record: experts[r, t] is the
         top-K chosen by every MoE layer at the forward position whose output
         produced o_t, i.e. the input position (P - 1 + t) of the padded sequence
         ``concat(prompt_tokens, tokens)`` (the last prompt token for t = 0).  It
         is aligned with logp[r, t].  -1 where mask is 0.  With router noise, the
-        experts actually used (the noisy router's top-K); logp and
-        logp_sampling are then those of the noisy forward too.  None when the
-        sampler was asked for no routing record (``routing="none"``).
+        experts actually used (the noisy router's top-K); logp is then that of
+        the noisy forward too.  None when the sampler was asked for no routing
+        record (``routing="none"``).
       prompt_tokens: int32[N, P], the prompts, left-padded with ``pad_id``.
       prompt_mask: bool[N, P], True on real prompt tokens.
       prompt_experts: int32[N, P, L, K], the prefill's top-K at every prompt
@@ -137,30 +150,24 @@ class Rollout:
     lengths: jax.Array
     truncated: jax.Array
     logp: jax.Array
-    logp_sampling: jax.Array
     experts: jax.Array
     prompt_tokens: jax.Array
     prompt_mask: jax.Array
     prompt_experts: jax.Array
 
     def replay(self) -> jax.Array:
-        """int32[N, P+T, L, K]: the R3 replay array for a forward over the full
-        sequence ``concat(prompt_tokens, tokens)``.
-
-        Position j < P routes prompt token j (``prompt_experts``); position P + t
-        routes response token t, whose routing the sampler recorded when it fed
-        o_t to produce o_{t+1} (``experts[:, t+1]``).  The last response token is
-        never fed during sampling, so its position holds -1 (free routing); no
-        response log-prob depends on it.  The logits at positions P-1 ... P+T-2
-        of that forward give ``logp``.  Needs the whole record (``routing="all"``).
-        """
+        """int32[N, P+T, L, K]: the R3 replay array (`replay_r3`) for a forward over
+        the full sequence ``concat(prompt_tokens, tokens)``.  The last response
+        token is never fed during sampling, so its position holds -1 (free
+        routing); no response log-prob depends on it.  Needs the whole record
+        (``routing="all"``)."""
         if self.prompt_experts is None or self.experts is None:
             raise ValueError(
                 "Rollout.replay: the rollout has no prompt routing record; sample with "
                 "routing='all'"
             )
         tail = jnp.full_like(self.experts[:, :1], -1)
-        return jnp.concatenate([self.prompt_experts, self.experts[:, 1:], tail], axis=1)
+        return jnp.concatenate([replay_r3(self.prompt_experts, self.experts), tail], axis=1)
 
 
 # ----------------------------------------------------------------------------
@@ -169,7 +176,7 @@ class Rollout:
 
 def _use_cpu_sampling() -> bool:
     """Whether token sampling uses its XLA:CPU formulations: the one backend
-    check of this module (it decides `_Mode.cpu`).
+    check of this module (it decides `_Spec.cpu`).
 
     Measured on XLA:CPU at a decode step's shapes (experiments/rollout.md,
     profiled at batch 64, V = 512): ``argmax`` lowers to a (value, index) pair
@@ -177,22 +184,12 @@ def _use_cpu_sampling() -> bool:
     several times slower than a min-reduction of one int32 operand
     (`_first_true`); ``jnp.cumsum`` to a reduce-window (~57 µs per token over
     512 entries), about 3x slower than two small triangular matmuls
-    (`_cumsum`); ``argsort`` over V about 100x slower than ``lax.top_k``.
-    Elsewhere these would be wrong: the matmul cumsum is quadratic in V (about
+    (`_cumsum`).  Elsewhere these would be wrong: the matmul cumsum is quadratic in V (about
     23 GFLOP per decode step at V = 152k and 512 rows), so every other backend
-    uses the plain operations (``jnp.argmax``, ``jnp.cumsum``, a sort).  Both
+    uses the plain operations (``jnp.argmax``, ``jnp.cumsum``).  Both
     give the same tokens up to f32 rounding in the cumulative sum.
     """
     return jax.default_backend() == "cpu"
-
-
-class _Mode(NamedTuple):
-    """The static part of the sampling configuration (decides the graph)."""
-
-    greedy: bool
-    top_k: int  # 0 = no top-k (already reduced to 0 when >= V)
-    use_top_p: bool
-    cpu: bool  # the XLA:CPU formulations (`_use_cpu_sampling`)
 
 
 def _first_true(m: jax.Array, cpu: bool) -> jax.Array:
@@ -245,17 +242,6 @@ def _cumsum(w: jax.Array, cpu: bool, block: int = 32) -> jax.Array:
     return (within + before[:, :, None]).reshape(b, nb * block)[:, :c]
 
 
-def _largest(x: jax.Array, k: int, cpu: bool) -> tuple[jax.Array, jax.Array]:
-    """(f32[B, k], int32[B, k]): the k largest entries of each row of x and their
-    indices, in decreasing order, ties towards the lower index.  ``lax.top_k``,
-    except for the whole row off CPU: a stable sort."""
-    if cpu or k < x.shape[-1]:
-        return jax.lax.top_k(x, k)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    neg, idx = jax.lax.sort((-x, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
-    return -neg, idx
-
-
 def _inverse_cdf(x: jax.Array, u: jax.Array, cpu: bool) -> tuple[jax.Array, jax.Array]:
     """Index drawn from softmax(x) along the last axis, by inverse CDF.
 
@@ -283,54 +269,24 @@ def _inverse_cdf(x: jax.Array, u: jax.Array, cpu: bool) -> tuple[jax.Array, jax.
 
 
 def _sample_token(
-    logits: jax.Array, u: jax.Array, temperature, top_p, mode: _Mode
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    logits: jax.Array, u: jax.Array, temperature, *, greedy: bool, cpu: bool
+) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row; the sampling step of the decode loop.
 
     Args:
       logits: f32[B, V], the policy's next-token logits ℓ.
       u: f32[B], uniforms in [0, 1) (one per row; the only randomness).
       temperature: f32[], τ > 0 (ignored when greedy).
-      top_p: f32[]; keep the smallest set of most likely tokens (of the
-        tempered, top-k-restricted distribution) whose probability mass is >=
-        top_p (used when ``mode.use_top_p``).
-      mode: greedy (argmax ℓ: temperature, top-k, top-p ignored, as the argmax
-        lies in every kept set); top_k (keep the k most likely tokens, ties
-        towards the lower token id; 0: all); use_top_p; cpu.
+      greedy: argmax ℓ instead of a draw.
+      cpu: the XLA:CPU formulations (`_use_cpu_sampling`).
 
     Returns:
-      (tokens int32[B], logp f32[B] = log_softmax(ℓ)[token] (unmodified policy),
-       logp_sampling f32[B] = log q(token) under the distribution sampled from;
-       0 for greedy).
+      (tokens int32[B], logp f32[B] = log softmax(ℓ / τ)[token], the log-prob
+       under the distribution sampled from; 0 for greedy).
     """
-    if mode.greedy:
-        logits_max = jnp.max(logits, axis=-1)
-        tok = _argmax(logits, mode.cpu, logits_max)
-        lps = jnp.zeros(logits.shape[:1], jnp.float32)
-    else:
-        logits_max = None
-        x = logits / jnp.asarray(temperature, jnp.float32)
-        if mode.top_k or mode.use_top_p:
-            vals, idx = _largest(x, mode.top_k or x.shape[-1], mode.cpu)
-            if mode.use_top_p:
-                p = jax.nn.softmax(vals, axis=-1)
-                # Mass strictly before each entry (exclusive cumsum); entry 0 is
-                # always kept since top_p > 0.
-                before = jnp.concatenate(
-                    [jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=-1)[:, :-1]], axis=-1
-                )
-                vals = jnp.where(before < jnp.asarray(top_p, jnp.float32), vals, -jnp.inf)
-            j, lps = _inverse_cdf(vals, u, mode.cpu)
-            tok = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        else:
-            tok, lps = _inverse_cdf(x, u, mode.cpu)
-    # log_softmax(logits)[tok], without the [B, V] log-softmax.
-    if logits_max is None:
-        logits_max = jnp.max(logits, axis=-1)
-    shifted = logits - logits_max[:, None]
-    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
-    lp = jnp.take_along_axis(shifted, tok[:, None], axis=-1)[:, 0] - lse
-    return tok, lp, lps
+    if greedy:
+        return _argmax(logits, cpu), jnp.zeros(logits.shape[:1], jnp.float32)
+    return _inverse_cdf(logits / jnp.asarray(temperature, jnp.float32), u, cpu)
 
 
 # ----------------------------------------------------------------------------
@@ -343,7 +299,8 @@ class _Spec(NamedTuple):
 
     max_new_tokens: int
     num_samples: int  # G: each prompt's prefill is shared by its G rows
-    mode: _Mode
+    greedy: bool  # temperature 0: argmax (the temperature itself is traced)
+    cpu: bool  # the XLA:CPU sampling formulations (`_use_cpu_sampling`)
     pad_id: int
     batch_sharding: Optional[NamedSharding]  # of [rows, ...] arrays
     router_noise: bool  # router_noise_std > 0 (the value itself is traced)
@@ -357,11 +314,9 @@ class _Carry(NamedTuple):
     route: Optional[jax.Array]  # int32[B, L, K], routing of the position that gave them
     tokens: jax.Array  # int32[B, T]
     logp: jax.Array  # f32[B, T]
-    logp_sampling: jax.Array  # f32[B, T]
     experts: Optional[jax.Array]  # int32[B, T, L, K] (None: no routing record)
     stopped: jax.Array  # bool[B], emitted a stop token
     lengths: jax.Array  # int32[B]
-    history: jax.Array  # int32[B, M], the last M response tokens (stop matching)
 
 
 def _repeat_rows(cache, g: int):
@@ -384,9 +339,8 @@ def _generate(
     prompt_mask,
     prompt_ids,
     live,
-    stop_table,
+    eos_ids,
     temperature,
-    top_p,
     router_noise_std,
     spec: _Spec,
 ):
@@ -394,9 +348,9 @@ def _generate(
 
     Shapes, with b prompts (bucketed) and B = b * G rows: prompt_tokens
     int32[b, P] (left-padded), prompt_mask bool[b, P], prompt_ids int32[b] (the
-    keys), live bool[B] (False on padding rows), stop_table int32[S, M] (stop
-    sequences right-aligned, -1 = wildcard on the left), temperature / top_p /
-    router_noise_std f32[] (the last used when ``spec.router_noise``).
+    keys), live bool[B] (False on padding rows), eos_ids int32[S] (the stop
+    tokens; S may be 0), temperature / router_noise_std f32[] (the last used
+    when ``spec.router_noise``).
     """
     nb, plen = prompt_tokens.shape
     G = spec.num_samples
@@ -414,7 +368,7 @@ def _generate(
 
     # One uniform per (row, step), from the row's own key.
     sample_ids = jnp.tile(jnp.arange(G, dtype=jnp.int32), nb)
-    if spec.mode.greedy:
+    if spec.greedy:
         uniforms = jnp.zeros((batch, steps), jnp.float32)
     else:
 
@@ -478,37 +432,28 @@ def _generate(
         route=last_route if record else None,
         tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),
         logp=shard(jnp.zeros((batch, steps), jnp.float32)),
-        logp_sampling=shard(jnp.zeros((batch, steps), jnp.float32)),
         experts=shard(jnp.full((batch, steps) + route_shape, -1, jnp.int32)) if record else None,
         stopped=jnp.zeros((batch,), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
-        history=jnp.full((batch, stop_table.shape[1]), _NO_TOKEN, jnp.int32),
     )
 
     def emit(c: _Carry) -> tuple[_Carry, jax.Array]:
         """Samples response token c.t for every row still running and records it."""
         active = live & ~c.stopped
         u = jax.lax.dynamic_index_in_dim(uniforms, c.t, axis=1, keepdims=False)
-        tok, lp, lps = _sample_token(c.logits, u, temperature, top_p, spec.mode)
+        tok, lp = _sample_token(c.logits, u, temperature, greedy=spec.greedy, cpu=spec.cpu)
         tok = jnp.where(active, tok, spec.pad_id)
         lp = jnp.where(active, lp, 0.0)
-        lps = jnp.where(active, lps, 0.0)
-        history = jnp.concatenate([c.history[:, 1:], tok[:, None]], axis=1)
-        # A stop sequence matches when every non-wildcard entry equals the
-        # history at the same right-aligned offset: [B, S, M] -> [B].
-        match = (stop_table[None] == -1) | (history[:, None, :] == stop_table[None])
-        hit = jnp.any(jnp.all(match, axis=-1), axis=-1)
+        hit = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=c.t, axis=1)
         c = c._replace(
             tokens=put(c.tokens, tok),
             logp=put(c.logp, lp),
-            logp_sampling=put(c.logp_sampling, lps),
             experts=(
                 put(c.experts, jnp.where(active[:, None, None], c.route, -1)) if record else None
             ),
             stopped=c.stopped | (active & hit),
             lengths=jnp.where(active, c.t + 1, c.lengths),
-            history=history,
         )
         return c, tok
 
@@ -541,7 +486,6 @@ def _generate(
         lengths=c.lengths,
         truncated=~c.stopped,
         logp=c.logp,
-        logp_sampling=c.logp_sampling,
         experts=c.experts,
         prompt_tokens=rows(prompt_tokens),
         prompt_mask=prompt_mask,
@@ -554,7 +498,7 @@ _generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("spec",
 
 
 # ----------------------------------------------------------------------------
-# Host side: validation, bucketing, placement.
+# Host side: validation, padding, placement.
 
 
 def _next_pow2(n: int) -> int:
@@ -588,12 +532,11 @@ class Sampler:
     """A batched sampler bound to one model structure; split the model once, call
     it every RL step (passing the latest parameters as ``state=``).
 
-    Compiled functions are cached per (batch bucket, prompt bucket,
-    max_new_tokens, sampling mode, stop-table shapes): temperature, top_p and
+    Compiled functions are cached per (batch bucket, prompt length P,
+    max_new_tokens, number of stop tokens, sampling mode): temperature and
     router_noise_std are traced values, so changing them does not recompile;
-    greedy-vs-sampling, top_k, whether top-p is on (top_p < 1), whether
-    router noise is on (router_noise_std > 0) and the routing record kept
-    (``routing``) are static.
+    greedy-vs-sampling, whether router noise is on (router_noise_std > 0) and
+    the routing record kept (``routing``) are static.
 
     Args:
       graphdef, state: ``nnx.split(model)`` of a model with the
@@ -603,10 +546,9 @@ class Sampler:
         parameters keep whatever sharding ``state`` has.
       data_axes: mesh axes the batch is sharded over (default: those of
         ("data", "fsdp", "expert") that the mesh has: the trainer's batch axes).
-      min_prompt_bucket: the smallest prompt bucket; buckets are the powers of two
-        from it up.
-      prompt_buckets: explicit increasing prompt buckets instead (a prompt longer
-        than the last raises ValueError).
+      prompt_len: every prompt is left-padded to this many tokens (a longer one
+        raises ValueError), so every call compiles the same program; None: to
+        the longest prompt of each call.
     """
 
     def __init__(
@@ -617,28 +559,16 @@ class Sampler:
         vocab_size: int,
         mesh: Optional[Mesh] = None,
         data_axes: Optional[Sequence[str]] = None,
-        min_prompt_bucket: int = 16,
-        prompt_buckets: Optional[Sequence[int]] = None,
+        prompt_len: Optional[int] = None,
     ):
         if not (_is_int(vocab_size) and vocab_size > 0):
             raise ValueError(f"vocab_size: must be a positive int, got {vocab_size!r}")
-        if not (_is_int(min_prompt_bucket) and min_prompt_bucket > 0):
-            raise ValueError(
-                f"min_prompt_bucket: must be a positive int, got {min_prompt_bucket!r}"
-            )
-        if prompt_buckets is not None:
-            pb = list(prompt_buckets)
-            if not pb or not all(_is_int(b) and b > 0 for b in pb) or sorted(set(pb)) != pb:
-                raise ValueError(
-                    f"prompt_buckets: must be strictly increasing positive ints, "
-                    f"got {prompt_buckets!r}"
-                )
-            prompt_buckets = tuple(int(b) for b in pb)
+        if prompt_len is not None and not (_is_int(prompt_len) and prompt_len > 0):
+            raise ValueError(f"prompt_len: must be a positive int or None, got {prompt_len!r}")
         self.graphdef = graphdef
         self.state = state
         self.vocab_size = int(vocab_size)
-        self.min_prompt_bucket = int(min_prompt_bucket)
-        self.prompt_buckets = prompt_buckets
+        self.prompt_len = None if prompt_len is None else int(prompt_len)
         self.mesh = mesh
         if mesh is None:
             if data_axes is not None:
@@ -664,17 +594,16 @@ class Sampler:
         graphdef, state = nnx.split(model)
         return cls(graphdef, state, vocab_size=model.cfg.vocab_size, **kwargs)
 
-    def prompt_bucket(self, length: int) -> int:
+    def padded_prompt_len(self, length: int) -> int:
         """The padded prompt length P used for a longest prompt of ``length``."""
-        if self.prompt_buckets is None:
-            return max(self.min_prompt_bucket, _next_pow2(length))
-        for b in self.prompt_buckets:
-            if b >= length:
-                return b
-        raise ValueError(
-            f"prompts: a prompt of {length} tokens is longer than the largest "
-            f"prompt bucket {self.prompt_buckets[-1]}"
-        )
+        if self.prompt_len is None:
+            return length
+        if length > self.prompt_len:
+            raise ValueError(
+                f"prompts: a prompt of {length} tokens is longer than the sampler's "
+                f"prompt_len={self.prompt_len}"
+            )
+        return self.prompt_len
 
     def batch_bucket(self, num_prompts: int, num_samples: int) -> int:
         """The padded prompt count b (rows B = b * num_samples): the smallest
@@ -694,10 +623,7 @@ class Sampler:
         max_new_tokens: int,
         rng: jax.Array,
         temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
         eos_id: Union[None, int, Sequence[int]] = None,
-        stop_sequences: Sequence[Sequence[int]] = (),
         pad_id: int = 0,
         prompt_ids: Optional[Sequence[int]] = None,
         state=None,
@@ -712,10 +638,7 @@ class Sampler:
           max_new_tokens: T, the response length bound (and the output width).
           rng: a JAX PRNG key (typed or raw uint32[2]).
           temperature: τ >= 0; 0 = greedy.
-          top_p: in (0, 1]; 1 = off.
-          top_k: >= 0; 0 = off.
           eos_id: a token id or a list of them; emitting one stops the row.
-          stop_sequences: token-id sequences; completing one stops the row.
           pad_id: the token written at padding (prompt and response).
           prompt_ids: distinct ints, one per prompt, folded into the row keys
             (default 0 .. len(prompts) - 1).  The same prompt with the same
@@ -738,10 +661,7 @@ class Sampler:
             max_new_tokens=max_new_tokens,
             rng=rng,
             temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
             eos_id=eos_id,
-            stop_sequences=stop_sequences,
             pad_id=pad_id,
             prompt_ids=prompt_ids,
             state=state,
@@ -764,10 +684,7 @@ class Sampler:
         max_new_tokens: int,
         rng: jax.Array,
         temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
         eos_id: Union[None, int, Sequence[int]] = None,
-        stop_sequences: Sequence[Sequence[int]] = (),
         pad_id: int = 0,
         prompt_ids: Optional[Sequence[int]] = None,
         state=None,
@@ -789,10 +706,6 @@ class Sampler:
             and temperature >= 0
         ):
             raise ValueError(f"temperature: must be a finite float >= 0, got {temperature!r}")
-        if not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0 < top_p <= 1):
-            raise ValueError(f"top_p: must be in (0, 1], got {top_p!r}")
-        if not (_is_int(top_k) and top_k >= 0):
-            raise ValueError(f"top_k: must be an int >= 0, got {top_k!r}")
         if not (
             isinstance(router_noise_std, (int, float, np.integer, np.floating))
             and not isinstance(router_noise_std, (bool, np.bool_))
@@ -812,9 +725,6 @@ class Sampler:
             eos = _token_list([eos_id], "eos_id", V)
         else:
             eos = _token_list(eos_id, "eos_id", V)
-        stops = [[e] for e in eos] + [
-            _token_list(s, f"stop_sequences[{j}]", V) for j, s in enumerate(stop_sequences)
-        ]
         n, G = len(plist), int(num_samples)
         if prompt_ids is None:
             pids = np.arange(n, dtype=np.int64)
@@ -836,9 +746,9 @@ class Sampler:
         if rng.shape != ():
             raise ValueError(f"rng: expected a single key, got shape {rng.shape}")
 
-        # Bucketed, left-padded host arrays.
+        # Padded, left-aligned host arrays.
         N = n * G
-        P = self.prompt_bucket(max(len(p) for p in plist))
+        P = self.padded_prompt_len(max(len(p) for p in plist))
         nb = self.batch_bucket(n, G)
         B = nb * G
         toks = np.full((nb, P), pad_id, np.int32)
@@ -850,21 +760,12 @@ class Sampler:
         pid = np.zeros((nb,), np.int32)
         pid[:n] = pids
         live = np.arange(B) < N
-        width = max([len(s) for s in stops], default=1)
-        table = np.full((len(stops), width), -1, np.int32)
-        for j, s in enumerate(stops):
-            table[j, width - len(s) :] = s
 
-        mode = _Mode(
-            greedy=temperature == 0,
-            top_k=int(top_k) if 0 < top_k < V and temperature > 0 else 0,
-            use_top_p=top_p < 1 and temperature > 0,
-            cpu=_use_cpu_sampling(),
-        )
         spec = _Spec(
             max_new_tokens=int(max_new_tokens),
             num_samples=G,
-            mode=mode,
+            greedy=temperature == 0,
+            cpu=_use_cpu_sampling(),
             pad_id=int(pad_id),
             batch_sharding=self._sharding,
             router_noise=bool(router_noise_std > 0),
@@ -890,9 +791,8 @@ class Sampler:
             put_prompts(pmask),
             put_prompts(pid),
             put(live),
-            jnp.asarray(table),
+            jnp.asarray(np.asarray(eos, np.int32)),
             jnp.float32(temperature if temperature > 0 else 1.0),
-            jnp.float32(top_p),
             jnp.float32(router_noise_std),
         )
         return args, spec, N

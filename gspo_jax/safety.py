@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from gspo_jax.config import ConfigError
+from gspo_jax.config import REMOVED_KEYS, ConfigError
 
 # Fields that may change when a run resumes: its length, how it is logged, evaluated
 # and checkpointed, where its data lives, how it is laid out on devices, and safety
@@ -86,7 +86,9 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_FIELDS):
+        if key in REMOVED_KEYS or any(
+            fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_FIELDS
+        ):
             continue
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
         if va != vb:

@@ -64,7 +64,7 @@ from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.models import from_pretrained, init_sharded
 from gspo_jax.models.transformer import inference_params
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
-from gspo_jax.rollout import Sampler
+from gspo_jax.rollout import Sampler, replay_r3
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
 # The mesh axes a batch's rows are split over: every axis but 'tensor' (the model's
@@ -305,7 +305,7 @@ class _Round:
 
 # The Rollout's arrays the training batch is assembled from (`_assemble`); the
 # routing record only where the sampler kept it.
-_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp_sampling")
+_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp")
 _ROUTING_FIELDS = {"all": ("experts", "prompt_experts"), "response": ("experts",), "none": ()}
 
 
@@ -340,17 +340,13 @@ def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
         "prompt_mask": take("prompt_mask").astype(jnp.float32),
         "tokens": take("tokens"),
         "mask": mask * valid[:, None],
-        "rollout_logp": take("logp_sampling"),
+        "rollout_logp": take("logp"),
     }
     if "experts" in parts[0]:
-        # The sampler's routing of the position that produced each response token:
-        # positions P-1 ... P+T-2 of the replay array (prompt_experts[:, P-1] equals
-        # experts[:, 0]).
+        # The sampler's routing of the position that produced each response token.
         batch["sampler_topk"] = take("experts")
     if "prompt_experts" in parts[0]:
-        batch["replay_r3"] = jnp.concatenate(
-            [take("prompt_experts"), batch["sampler_topk"][:, 1:]], axis=1
-        )
+        batch["replay_r3"] = replay_r3(take("prompt_experts"), batch["sampler_topk"])
     return batch
 
 
@@ -420,7 +416,7 @@ class Trainer:
             params,
             vocab_size=self.model_cfg.vocab_size,
             mesh=self.mesh,
-            prompt_buckets=(self.max_prompt_len,),
+            prompt_len=self.max_prompt_len,
         )
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
         # model's mismatch metrics compare the response tokens' with the trainer's.
@@ -645,8 +641,6 @@ class Trainer:
             max_new_tokens=int(c.rollout.max_new_tokens),
             rng=rng,
             temperature=0.0 if greedy else float(c.rollout.temperature),
-            top_p=1.0 if greedy else float(c.rollout.top_p),
-            top_k=0 if greedy else int(c.rollout.top_k),
             eos_id=list(tok.stop_ids),
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
