@@ -447,7 +447,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
     """The sampler's compiled function for ``batch`` prompts of ``prompt_len`` tokens,
     one sample each, ``new_tokens`` new tokens, temperature 1, no stop token, no
     routing record (what the benchmark times). ``platform``: the sampling formulations
-    of that backend (`gspo_jax.rollout._use_cpu_sampling`)."""
+    of that backend (`gspo_jax.generate.use_cpu_sampling`)."""
     from gspo_jax import rollout
 
     graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
@@ -491,14 +491,14 @@ class _SamplerJit:
         self.spec = spec
 
     def lower(self, *args):
-        from gspo_jax import rollout
+        from gspo_jax import generate
 
-        return rollout._generate_jit.lower(*args, spec=self.spec)
+        return generate.generate_jit.lower(*args, spec=self.spec)
 
     def __call__(self, *args):
-        from gspo_jax import rollout
+        from gspo_jax import generate
 
-        return rollout._generate_jit(*args, spec=self.spec)
+        return generate.generate_jit(*args, spec=self.spec)
 
 
 def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):
