@@ -60,8 +60,9 @@ layer at every token it feeds (prefill and decode steps), before top-K and the
 gates; the trainer's forwards never do.  The noise of row r at the token of
 RoPE position p is σ · normal(fold_in(k_r, p)) of shape [L, E], with
 ``k_r = fold_in(fold_in(fold_in(rng, NOISE_STREAM), prompt_ids[i]), g)``
-(`gspo_jax.generate.NOISE_STREAM` = 2**31, outside the prompt ids' range, so the uniforms' keys are
-untouched); the prompt's prefill, shared by its G rows, uses sample 0's key.
+(`gspo_jax.generate.NOISE_STREAM` = 2**31, outside the prompt ids' range, so the
+uniforms' keys are untouched); the prompt's prefill, shared by its G rows, uses
+sample 0's key.
 So it is independent per token, layer and expert, and, like the uniforms, a
 row's noise does not depend on the batch or the padding.  Everything recorded
 is the noisy forward's: ``experts`` holds the experts actually used, ``logp``
