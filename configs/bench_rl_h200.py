@@ -1,4 +1,4 @@
-r"""One whole RL step at a realistic rollout on one GPU, for `experiments/bench_rl_step.py`.
+r"""One whole RL step at a realistic rollout on one GPU, for `experiments/bench/bench_rl_step.py`.
 
 The benchmark model of `experiments/programs.py` (``--size h200``): Qwen3-MoE-shaped,
 d_model 2048, 32/4 heads of 128 with q/k norm, 64 experts of 768 top-8, a 151,936-entry
@@ -9,9 +9,9 @@ prompts x 8 samples, 1,024 new tokens, 4 mini-batches of 128 rows in micro-batch
 (the train step's shape of the accelerator benchmark), no warm start, no evaluation, no
 checkpoints.
 
-    python experiments/bench_rl_step.py --config configs/bench_rl_h200.py --steps 3
-    python experiments/bench_rl_step.py --config configs/bench_rl_h200.py:layers=16
-    python experiments/bench_rl_step.py --config configs/bench_rl_h200.py:tiny   # CPU
+    python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py --steps 3
+    python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py:layers=16
+    python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py:tiny   # CPU
 
 Arguments: ``layers=<n>``; ``tiny`` shrinks the model and the rollout to run on a CPU
 in seconds (the same code path, for the tests); ``smoke`` as every config has it.

@@ -14,7 +14,7 @@ differs only in its objective and routing replay:
   ``gmpo``     RSPO without the router-shift weight
 
     python -m gspo_jax.train --config=configs/stability.py:variant=grpo --workdir=runs/stab/grpo
-    python experiments/stability_pilot.py --workdir runs/stab      # every variant, one warm start, plots
+    python -m experiments.archive.stability_pilot --workdir runs/stab      # every variant, one warm start, plots
 
 Arguments (comma-separated): ``variant`` (above), ``minibatches`` (optimizer steps
 per rollout, default 8), ``lr`` (RL learning rate, default 2e-4), ``smoke``.

@@ -5,7 +5,7 @@
     python -m experiments.compile_report --target v5p:2x2x1 --size flagship --parts train
 
 It compiles the programs of `experiments/programs.py` (the ones
-`experiments/bench_accelerator.py` runs on a device) for a compile-only target
+`experiments/bench/bench_accelerator.py` runs on a device) for a compile-only target
 (`experiments/targets`: h100, h200, b200 from XLA's GPU specs, optionally ``xN``
 devices; TPU slices through libtpu) and prints for each program:
 

@@ -1,7 +1,7 @@
 """How a decode step's attention over the KV cache is computed in the optimised program
 of a compile-only accelerator (no device needed).
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python experiments/decode_attention_hlo.py \\
+    JAX_PLATFORMS=cpu python -m experiments.decode_attention_hlo \\
         --target h200 --size h200 --layers 2 --batch 64
 
 It compiles `experiments/programs.py`'s ``decode`` program (one token per row against a

@@ -1,7 +1,7 @@
 """Plot a run's learning curves from its metrics.jsonl.
 
-    python experiments/plot_curves.py --workdir runs/default --out experiments/default_curve.png
-    python experiments/plot_curves.py --workdir runs/a --workdir runs/b --label GSPO --label GRPO \
+    python -m experiments.plot_curves --workdir runs/default --out experiments/default_curve.png
+    python -m experiments.plot_curves --workdir runs/a --workdir runs/b --label GSPO --label GRPO \
         --metric eval_reward_mean --metric flip_frac --out cmp.png
 
 One panel per metric, RL phase only; several workdirs are overlaid.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 try:
     import matplotlib
@@ -24,7 +23,6 @@ except ImportError:  # plotting is an extra: training does not need it
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gspo_jax.metrics_log import read_metrics  # noqa: E402
 
 DEFAULT_METRICS = ("eval_reward_mean", "reward_mean", "clip_frac", "flip_frac")

@@ -5,10 +5,10 @@ Reads ``<workdir>/updates.jsonl`` (one record per optimizer update: RL ``step``,
 draws, for each metric, every RL step's curve against k (thin, coloured from early
 to late steps) and their mean over steps (bold), one panel per metric:
 
-    python experiments/plot_updates.py --workdir runs/flip --metric flip_frac \\
+    python -m experiments.plot_updates --workdir runs/flip --metric flip_frac \\
         --metric flip_frac_vs_sampler --metric ppo_kl --metric clip_frac \\
         --out experiments/flip_vs_k.png
-    python experiments/plot_updates.py --workdir a --workdir b --label grpo --label gspo ...
+    python -m experiments.plot_updates --workdir a --workdir b --label grpo --label gspo ...
 
 With several workdirs only the means are drawn, one line per run. ``--table`` also
 prints the mean over steps at each k as a markdown table.
@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections import defaultdict
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gspo_jax.metrics_log import read_metrics  # noqa: E402
+from gspo_jax.metrics_log import read_metrics
 
 DEFAULT_METRICS = ("flip_frac", "flip_frac_vs_sampler", "ppo_kl", "clip_frac")
 

@@ -1,5 +1,5 @@
 """The accelerator programs of gspo_jax at a named model shape: one definition that the
-device benchmark (`experiments/bench_accelerator.py`) runs and the compile report
+device benchmark (`experiments/bench/bench_accelerator.py`) runs and the compile report
 (`experiments/compile_report.py`) compiles for a device it does not have.
 
 Each ``*_program`` returns ``(jitted, args)``: the jitted function and its arguments.
@@ -215,7 +215,7 @@ def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
 
 def on_mesh(sh: Shape, mesh: Mesh) -> Shape:
     """``sh`` as the trainer runs it on ``mesh``: each batch shard dispatches its own
-    tokens to the experts (``ModelConfig.moe_groups``, `gspo_jax.train.Trainer`)."""
+    tokens to the experts (``ModelConfig.moe_groups``, `gspo_jax.trainer.Trainer`)."""
     groups = math.prod(mesh.shape[a] for a in batch_axes(mesh))
     return dataclasses.replace(sh, cfg=sh.cfg.replace(moe_groups=groups))
 

@@ -22,8 +22,8 @@ Each seed draws its own model init, prompts and sampling key; the table gives
 the mean over seeds (± the standard deviation over seeds for the overall
 disagreement).  Metrics pool the seed's valid tokens.
 
-    PYTHONPATH=. python experiments/router_noise.py                  # 3 seeds
-    PYTHONPATH=. python experiments/router_noise.py --seeds=1 --sft-steps=0
+    python -m experiments.router_noise                  # 3 seeds
+    python -m experiments.router_noise --seeds=1 --sft-steps=0
 """
 
 from __future__ import annotations

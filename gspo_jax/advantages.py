@@ -17,12 +17,29 @@ R - mean R) for all three.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from gspo_jax.fields import setting
 
 Array = jax.Array
 
 GROUP_STD_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class GaeConfig:
+    """``config.gae``: generalised advantage estimation and its critic (advantage 'gae',
+    objective 'ppo')."""
+
+    gamma: float = setting(1.0, low=0, high=1, doc="discount")
+    lam: float = setting(0.95, low=0, high=1, doc="GAE's lambda")
+    value_clip: float = setting(0.2, low=0, doc="the critic's value clip")
+    value_coef: float = setting(
+        0.5, low=0, doc="the value loss's weight; > 0 with 'gae' (the critic must learn)"
+    )
 
 
 def _check_rewards(rewards, fn: str, min_group: int) -> Array:

@@ -5,227 +5,99 @@ Every file in ``configs/`` defines ``get_config(arg)`` by starting from
 comma-separated list of ``key=value`` items and flags, for example
 ``configs/default.py:objective=gspo,smoke``; :func:`parse_arg` reads it.
 
+Each section of the config is a frozen dataclass declared by the module that uses it,
+every field once: its default, type, range, doc and whether it may change on resume
+(`gspo_jax.fields`; the tree is `gspo_jax.run_config.RunConfig`). From those
+declarations come :func:`base_config`, the checks of each value in :func:`validate`,
+the table of docs/config.md (:func:`docs_table`), the fields that may change on
+resume (:func:`resumable_fields`) and the typed sections of a validated config
+(:func:`typed`).
+
 :func:`validate` checks a config before anything is built or compiled and raises
 :class:`ConfigError` (a ``ValueError``) naming the offending field by its path
-(``config.optimizer.lr: must be finite and > 0, got inf``); its docstring tables
-every field's domain. :func:`unknown_key_message` turns a misspelt key into one line
-with the closest known key (:func:`closest_key`).
+(``config.optimizer.lr: must be finite and > 0, got inf``). :func:`unknown_key_message`
+turns a misspelt key into one line with the closest known key (:func:`closest_key`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
-import numbers
+import functools
 import sys
 from typing import Any
 
 import ml_collections
-import numpy as np
 
-GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
-ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
-REPLAY_MODES = ("none", "R2", "R3")
-TASKS = ("countdown", "arithmetic", "gsm8k", "file")
-FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
-BAD_ROWS = ("skip", "refuse")
-LONG_PROMPTS = ("refuse", "truncate")
-SCHEDULES = ("constant", "cosine", "linear")
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
-WANDB_MODES = ("auto", "online", "offline", "disabled")
-DISTRIBUTED_MODES = ("auto", "on", "off")
+from gspo_jax import fields
+from gspo_jax.fields import ConfigError
+from gspo_jax.fields import err as _err
+
+__all__ = ["ConfigError"]
+
+# Names this module re-exports from the modules that declare them (imported on first
+# use: those modules import JAX).
+_EXPORTS = {
+    "MODEL_RUNTIME_FIELDS": ("gspo_jax.models.config", "RUNTIME_FIELDS"),
+    "MESH_AXES": ("gspo_jax.models.config", "MESH_AXES"),
+    "ADVANTAGES": ("gspo_jax.run_config", "ADVANTAGES"),
+    "GROUP_ADVANTAGES": ("gspo_jax.run_config", "GROUP_ADVANTAGES"),
+    "FILE_VERIFIERS": ("gspo_jax.run_config", "FILE_VERIFIERS"),
+    "REPLAY_MODES": ("gspo_jax.step", "REPLAY_MODES"),
+}
 
 
-class ConfigError(ValueError):
-    """An invalid experiment config; the message names the field."""
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        module, attr = _EXPORTS[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _declaration() -> type:
+    from gspo_jax.run_config import RunConfig  # local: the sections' modules import JAX
+
+    return RunConfig
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """The defaults every experiment family starts from: a tiny MoE on CPU."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.total_rl_steps = 60
-
-    # Prompts.
-    c.task = ml_collections.ConfigDict()
-    c.task.name = "countdown"
-    c.task.difficulty = "small"  # 3 numbers in 1..9, target 1..30
-    c.task.data_dir = ""  # "" = <workdir>/data
-    c.task.style = (
-        "compact"  # prompt style: "compact" (character models) or "instruct" (chat models)
-    )
-    c.task.gsm8k_files = ""  # folder with GSM8K's jsonl files where TFDS cannot download them
-    c.task.eval_size = 128  # held-out prompts scored every eval_every steps
-    c.task.eval_samples = 4  # samples per held-out prompt (plus one greedy)
-    c.task.eval_pass_k = (1, 4)  # the k of eval/pass@k and eval/maj@k, each <= eval_samples
-    c.task.format_reward = 0.0  # weight of the optional format reward
-    # Task "file": a user's prompts and answers (gspo_jax/data/user_file.py; configs/file_task.py).
-    c.task.file = ""  # the train rows: a .jsonl or .parquet file
-    c.task.test_file = ""  # the test rows; "" = hold out test_fraction of task.file
-    c.task.test_fraction = 0.1  # held-out fraction of task.file's valid rows without test_file
-    c.task.prompt_column = "prompt"
-    c.task.answer_column = "answer"  # the reference answer (countdown: the target integer)
-    c.task.messages_column = ""  # "" = off; else a list of {role, content} in place of the prompt
-    c.task.solution_column = ""  # "" = none (no warm start); else the SFT completion, verbatim
-    c.task.verifier = "numeric"  # one of FILE_VERIFIERS, or a reward function "module:function"
-    c.task.bad_rows = "skip"  # "skip" (each logged once) or "refuse" (the first raises)
-
-    c.tokenizer = "char"  # "char" or a checkpoint directory holding tokenizer.json
-
-    # The policy.
-    c.model = ml_collections.ConfigDict()
-    c.model.pretrained = ""  # a Hugging Face checkpoint directory, or "" to init
-    # Runtime settings, for an initialised and a loaded model alike.
-    c.model.dtype = "float32"  # compute dtype
-    c.model.param_dtype = "float32"
-    c.model.moe_backend = "auto"  # blocked on CPU, ragged on GPU/TPU; or one of them, or dense
-    # Rows per block of the 'blocked' dispatch (an upper bound): each block gathers its
-    # expert's weights, so larger blocks copy less (512 on a GPU or TPU: docs/memory.md).
-    c.model.moe_block_size = 64
-    c.model.scan_layers = True
-    # Rematerialisation of each layer group's activations in the backward pass:
-    # none, full, dots, dots_no_batch, dots_no_scores (docs/memory.md).
-    c.model.remat_policy = "none"
-    # Attention of the full forward: auto (cuDNN flash on an NVIDIA GPU where it
-    # applies, else XLA), xla or cudnn.
-    c.model.attention_impl = "auto"
-    # Token log-probs take the [B, c, V] f32 logits c positions at a time (0 = the
-    # whole sequence at once): a 152k vocabulary needs it (docs/memory.md).
-    c.model.logits_chunk_size = 0
-    # Architecture of an initialised model (ModelConfig fields); vocab_size 0 = the tokenizer's.
-    c.model.fields = ml_collections.ConfigDict(
-        dict(
-            vocab_size=0,
-            d_model=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            d_ff=256,
-            moe_d_ff=128,
-            num_experts=8,
-            top_k=2,
-        )
-    )
-
-    # Device mesh: sizes per axis; -1 takes the remaining devices.
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
-
-    # Rollout.
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.prompts_per_step = 64
-    c.rollout.group_size = 8
-    c.rollout.max_new_tokens = 24
-    # RL samples from, and trains on the log-probs of, softmax(logits / temperature).
-    c.rollout.temperature = 1.0
-    # Gaussian noise of this standard deviation on the sampler's router logits (never
-    # the trainer's): a controlled train-inference routing mismatch for CPU studies
-    # (experiments/router_noise.md).
-    c.rollout.router_noise_std = 0.0
-    # Every prompt is left-padded to max_prompt_len tokens: one shape for the sampler,
-    # the log-prob passes and the train step (and SFT) over the whole run, so no batch
-    # recompiles them. 64 fits Countdown's and arithmetic's compact prompts (at most 52
-    # characters with BOS, at every difficulty). A longer prompt is refused (an error
-    # naming this field and its length) with long_prompts "refuse", or with "truncate"
-    # cut to its last max_prompt_len tokens (the end holds the question's end, the
-    # answer format and the chat template's assistant turn) and counted in the RL
-    # step's ``prompts_truncated`` (``eval_prompts_truncated``, SFT's too).
-    c.rollout.max_prompt_len = 64
-    c.rollout.long_prompts = "refuse"
-
-    # Rollout correction: importance weights pi_old / pi_sampler on the per-token
-    # loss (docs/objectives.md, "Rollout correction"). mode: none, token_tis,
-    # seq_tis, token_mask, seq_mask.
-    c.rollout_correction = ml_collections.ConfigDict(
-        dict(mode="none", cap=2.0, c_low=2.0, c_high=2.0, seq_ratio="geometric")
-    )
-
-    # Objective: name and every hyperparameter it takes (`set_objective`).
-    c.objective = ml_collections.ConfigDict()
+    """The defaults every experiment family starts from: a tiny MoE on CPU (each
+    section's declared defaults; the objective's by `set_objective`)."""
+    c = fields.defaults(_declaration())
     set_objective(c, "gspo")
-
-    c.advantage = "group"
-    c.gae = ml_collections.ConfigDict(dict(gamma=1.0, lam=0.95, value_clip=0.2, value_coef=0.5))
-    c.entropy_coef = 0.0
-
-    # DAPO's data-side techniques.
-    c.dapo = ml_collections.ConfigDict()
-    c.dapo.dynamic_sampling = False
-    c.dapo.max_sampling_rounds = 3  # rollouts per step at most, to fill the batch
-    c.dapo.overlong_filter = False
-    c.dapo.soft_overlong = False
-    c.dapo.overlong_cache_len = 8
-
-    # Updates per rollout (the off-policy regime where MoE instability shows).
-    c.updates = ml_collections.ConfigDict()
-    c.updates.num_minibatches = 2  # optimizer steps per rollout and epoch
-    c.updates.num_epochs = 1
-    c.updates.micro_batches = 1  # gradient accumulation inside a mini-batch
-    # The old-policy (and reference) log-prob passes run the rollout batch in this many
-    # strided pieces, one after another: their activations and logits are those of
-    # rollout rows / logprob_micro_batches at a time (docs/memory.md).
-    c.updates.logprob_micro_batches = 1
-    c.updates.routing_replay = "none"
-    c.updates.gamma_min = 0.5  # RSPO's floor on the router-shift weight
-    # Router losses in RL: off by default (the warm start keeps its own, sft.*). When
-    # on, the load-balancing loss's expert load is the free router's, even under replay.
-    c.updates.aux_loss_coef = 0.0
-    c.updates.z_loss_coef = 0.0
-    # A mini-batch whose advantages are all zero carries no RL signal; by default it
-    # makes no update (router losses, KL or entropy alone would drive one). Counted
-    # as ``no_signal_minibatches``.
-    c.updates.update_without_signal = False
-    # Non-finite losses or gradients skip the update; more than this many in a row
-    # stop the run with an error.
-    c.updates.max_consecutive_skips = 8
-
-    c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.lr = 2e-4
-    c.optimizer.schedule = "constant"
-    c.optimizer.warmup_steps = 5
-    c.optimizer.end_lr_ratio = 0.1
-    c.optimizer.weight_decay = 0.0
-    c.optimizer.b1 = 0.9
-    c.optimizer.b2 = 0.99
-    c.optimizer.grad_clip = 1.0
-    # Storage of Adam's first moment: "bfloat16" halves it (docs/memory.md); the second
-    # moment and the master parameters stay in float32.
-    c.optimizer.mu_dtype = "float32"
-
-    # Supervised warm start on generated solutions (0 steps = skip).
-    c.sft = ml_collections.ConfigDict()
-    c.sft.steps = 300
-    c.sft.batch_size = 64
-    c.sft.lr = 3e-3
-    c.sft.warmup_steps = 20
-    c.sft.aux_loss_coef = 0.01  # the warm start's load-balancing loss
-
-    c.eval_every = 10
-    c.log_every = 1
-    c.checkpoint_every = 20
-    c.keep_checkpoints = 3
-    c.progress_bar = True
-    # Persistent XLA compilation cache: a restarted or resumed job (and every
-    # later job with the same programs) loads its executables instead of
-    # compiling them again.  "" turns it off; a JAX_COMPILATION_CACHE_DIR set in
-    # the environment takes precedence.
-    c.compilation_cache_dir = "~/.cache/gspo_jax/xla"
-    # Weights & Biases, beside TensorBoard and the JSONL files (pip install -e '.[wandb]').
-    # mode "auto": online when credentials are set and the server answers, else offline;
-    # name "" = the workdir's name; dir "" = the workdir (runs go to <dir>/wandb).
-    c.wandb = ml_collections.ConfigDict(
-        dict(enabled=False, project="gspo_jax", entity="", name="", mode="auto", dir="")
-    )
-    # Several processes (hosts) in one run: `gspo_jax.train.maybe_initialize_distributed`.
-    # mode "auto": start jax.distributed when a coordinator is named (here or in
-    # JAX_COORDINATOR_ADDRESS) or the environment is a multi-process srun or Open MPI
-    # job or a TPU pod; "on": always (JAX detects what is not given); "off": never.
-    # num_processes 0 and process_id -1: detected.
-    c.distributed = ml_collections.ConfigDict(
-        dict(mode="auto", coordinator_address="", num_processes=0, process_id=-1)
-    )
     return c
+
+
+def typed(c: ml_collections.ConfigDict):
+    """The frozen `RunConfig` of a validated config: ``typed(c).rollout.group_size`` is
+    an int, ``typed(c).objective.typed_hparams()`` the objective's hyperparameters."""
+    return fields.build(_declaration(), c)
+
+
+def docs_table() -> str:
+    """docs/config.md: every field's path, default, domain, resume rule and doc."""
+    from gspo_jax.models.config import ModelConfig
+
+    return (
+        "# The experiment config\n\n"
+        "Generated from the sections' declarations by `gspo_jax.config.docs_table()` "
+        "(tests/test_config_declarations.py checks that this file matches). "
+        '"finite": a real number, not a bool, not nan or +-inf; "int": not a bool, not 1.5. '
+        '"may change": the field may differ when a run resumes from its checkpoints.\n\n'
+        + fields.docs_table(_declaration())
+        + "\n## config.model.fields\n\nThe architecture of an initialised model: "
+        "`ModelConfig`'s fields (gspo_jax/models/config.py), checked one by one as declared "
+        "there, then across fields by ModelConfig itself; the runtime settings above are "
+        "set on config.model, and num_valid_tokens and moe_groups are the trainer's.\n\n"
+        + fields.docs_table(ModelConfig, "config.model.fields.")
+    )
+
+
+@functools.cache
+def resumable_fields() -> tuple[str, ...]:
+    """The fields that may change when a run resumes (``section.*``: all of it)."""
+    return fields.resumable(_declaration())
 
 
 def set_objective(
@@ -331,10 +203,6 @@ def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-def _err(field: str, msg: str) -> ConfigError:
-    return ConfigError(f"config.{field}: {msg}")
-
-
 # --------------------------------------------------------------------------
 # Unknown keys.
 
@@ -394,24 +262,6 @@ def closest_key(path: str, c: ml_collections.ConfigDict) -> str | None:
     return "config." + best
 
 
-def unknown_key_message(path: str, c: ml_collections.ConfigDict) -> str:
-    """One line for a key that ``c`` does not have, e.g.
-    ``config.optimizer.lrr: unknown config key; did you mean config.optimizer.lr?``,
-    or, with nothing close, the keys its group does have."""
-    key = path.removeprefix("config.")
-    if key in REMOVED_KEYS:
-        return f"config.{key}: removed ({REMOVED_KEYS[key][1]}); drop it"
-    suggestion = closest_key(key, c)
-    if suggestion:
-        return f"config.{key}: unknown config key; did you mean {suggestion}?"
-    group, node = _deepest_group(c, key.split(".")[:-1])
-    name = f"config.{group}" if group else "config"
-    return f"config.{key}: unknown config key; {name} has: {', '.join(sorted(node.keys()))}"
-
-
-# Groups whose keys are not base_config()'s: checked against their own schema.
-_OPEN_GROUPS = ("objective.hparams", "model.fields")
-
 # Keys that are gone, with the one value they ever accepted and why: a config that
 # still sets that value is run with a one-line notice, any other value is refused.
 REMOVED_KEYS = {
@@ -433,6 +283,21 @@ def _removed_key(path: str, value: Any) -> None:
     print(f"config.{path}: removed ({why}); ignored, delete it", file=sys.stderr)
 
 
+def unknown_key_message(path: str, c: ml_collections.ConfigDict) -> str:
+    """One line for a key that ``c`` does not have, e.g.
+    ``config.optimizer.lrr: unknown config key; did you mean config.optimizer.lr?``,
+    or, with nothing close, the keys its group does have."""
+    key = path.removeprefix("config.")
+    if key in REMOVED_KEYS:
+        return f"config.{key}: removed ({REMOVED_KEYS[key][1]}); drop it"
+    suggestion = closest_key(key, c)
+    if suggestion:
+        return f"config.{key}: unknown config key; did you mean {suggestion}?"
+    group, node = _deepest_group(c, key.split(".")[:-1])
+    name = f"config.{group}" if group else "config"
+    return f"config.{key}: unknown config key; {name} has: {', '.join(sorted(node.keys()))}"
+
+
 def _check_keys(
     c: ml_collections.ConfigDict,
     base: ml_collections.ConfigDict,
@@ -443,6 +308,7 @@ def _check_keys(
     would otherwise be a silently ignored new key). ``root``: the whole config, for
     the did-you-mean of a nested key."""
     root = c if root is None else root
+    open_groups = fields.open_groups(_declaration())
     for key in c.keys():
         if key not in base and prefix + key in REMOVED_KEYS:
             _removed_key(prefix + key, c[key])
@@ -455,236 +321,41 @@ def _check_keys(
         if isinstance(default, ml_collections.ConfigDict):
             if not isinstance(c[key], ml_collections.ConfigDict):
                 raise _err(path, f"must be a group of keys (a ConfigDict), got {c[key]!r}")
-            if path not in _OPEN_GROUPS:
+            if path not in open_groups:
                 _check_keys(c[key], default, root, path + ".")
 
 
 # --------------------------------------------------------------------------
-# Field domains.
+# The model.
 
 
-def _get(c: ml_collections.ConfigDict, path: str) -> Any:
-    node = c
-    for part in path.split("."):
-        node = node[part]
-    return node
+def _check_model_fields(c: ml_collections.ConfigDict) -> None:
+    """Every ModelConfig field present in config.model.fields, on its own (its
+    declaration in ModelConfig); an initialised model's required ones present."""
+    import dataclasses
 
+    from gspo_jax.models import config as model_lib
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
-
-
-def _range(low=None, high=None, low_open=False, high_open=False) -> str:
-    """`` >= 0``, `` > 0``, `` in [0, 1)`` ... (with a leading space), or ``""``."""
-    if low is not None and high is not None:
-        return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-    if low is not None:
-        return f" {'>' if low_open else '>='} {low}"
-    if high is not None:
-        return f" {'<' if high_open else '<='} {high}"
-    return ""
-
-
-def _in_range(v, low, high, low_open, high_open) -> bool:
-    if low is not None and (v <= low if low_open else v < low):
-        return False
-    return high is None or (v < high if high_open else v <= high)
-
-
-def _finite(
-    c, path: str, *, low=None, high=None, low_open=False, high_open=False, why: str = ""
-) -> float:
-    """``config.<path>`` is a finite real number (not a bool, not None) in the range:
-    ``_finite(c, "optimizer.lr", low=0, low_open=True)`` is lr in (0, inf)."""
-    v = _get(c, path)
-    if not (_is_real(v) and math.isfinite(v) and _in_range(v, low, high, low_open, high_open)):
-        domain = _range(low, high, low_open, high_open)
-        raise _err(path, f"must be finite{' and' + domain if domain else ''}{why}, got {v!r}")
-    return float(v)
-
-
-def _int(c, path: str, *, low=None, high=None, why: str = "") -> int:
-    """``config.<path>`` is an int (not a bool, not 1.5) in [low, high]."""
-    v = _get(c, path)
-    if not (_is_int(v) and _in_range(v, low, high, False, False)):
-        raise _err(path, f"must be an int{_range(low, high)}{why}, got {v!r}")
-    return int(v)
-
-
-def _bool(c, path: str) -> bool:
-    v = _get(c, path)
-    if not isinstance(v, (bool, np.bool_)):
-        raise _err(path, f"must be a bool (True or False), got {v!r}")
-    return bool(v)
-
-
-def _str(c, path: str, *, choices: tuple[str, ...] | None = None, nonempty=False) -> str:
-    v = _get(c, path)
-    if not isinstance(v, str):
-        raise _err(path, f"must be a string, got {v!r}")
-    if choices is not None and v not in choices:
-        raise _err(path, f"must be one of {choices}, got {v!r}")
-    if nonempty and not v:
-        raise _err(path, "must not be empty")
-    return v
-
-
-def _check_domains(c: ml_collections.ConfigDict) -> None:
-    """Each field on its own: type, finiteness, sign and range (`validate`'s table)."""
-    _int(c, "seed", low=0, high=2**32 - 1, why=" (it seeds numpy's RandomState)")
-    _int(c, "total_rl_steps", low=0)
-    _str(c, "tokenizer", nonempty=True)
-    _str(c, "advantage")
-    _finite(c, "entropy_coef", low=0)
-    for path in ("eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
-        _int(c, path, low=1)
-    _bool(c, "progress_bar")
-    _str(c, "compilation_cache_dir")
-    _bool(c, "wandb.enabled")
-    for path in ("wandb.project", "wandb.entity", "wandb.name", "wandb.dir"):
-        _str(c, path)
-    _str(c, "wandb.mode", choices=WANDB_MODES)
-    _str(c, "distributed.mode", choices=DISTRIBUTED_MODES)
-    _str(c, "distributed.coordinator_address")
-    _int(c, "distributed.num_processes", low=0)
-    _int(c, "distributed.process_id", low=-1)
-
-    for path in ("task.name", "task.difficulty", "task.data_dir", "task.style"):
-        _str(c, path)
-    _str(c, "task.gsm8k_files")
-    _int(c, "task.eval_size", low=1)
-    _int(c, "task.eval_samples", low=1)
-    _check_pass_k(c)
-    _finite(c, "task.format_reward", low=0)
-    for path in ("file", "test_file", "prompt_column", "answer_column", "messages_column"):
-        _str(c, "task." + path)
-    _str(c, "task.solution_column")
-    _str(c, "task.verifier", nonempty=True)
-    _str(c, "task.bad_rows", choices=BAD_ROWS)
-    _finite(c, "task.test_fraction", low=0, high=1, high_open=True)
-
-    _str(c, "model.pretrained")
-    _check_model_runtime(c)
-    _check_model_fields(c)
-    for axis in c.mesh.keys():
-        _mesh_axis(c, axis)
-
-    for path in ("prompts_per_step", "group_size", "max_new_tokens"):
-        _int(c, "rollout." + path, low=1)
-    _finite(
-        c,
-        "rollout.temperature",
-        low=0,
-        low_open=True,
-        why=" (RL samples, and trains on softmax(logits / temperature))",
-    )
-    _finite(c, "rollout.router_noise_std", low=0)
-    _int(c, "rollout.max_prompt_len", low=1)
-    _str(c, "rollout.long_prompts", choices=LONG_PROMPTS)
-
-    for path in ("objective.name", "objective.hparams_of"):
-        _str(c, path)
-    _finite(c, "gae.gamma", low=0, high=1)
-    _finite(c, "gae.lam", low=0, high=1)
-    _finite(c, "gae.value_clip", low=0)
-    _finite(c, "gae.value_coef", low=0)
-
-    for path in ("dynamic_sampling", "overlong_filter", "soft_overlong"):
-        _bool(c, "dapo." + path)
-    _int(c, "dapo.max_sampling_rounds", low=1)
-    _int(c, "dapo.overlong_cache_len", low=1)
-
-    for path in ("num_minibatches", "num_epochs", "micro_batches", "logprob_micro_batches"):
-        _int(c, "updates." + path, low=1)
-    _str(c, "updates.routing_replay")
-    _finite(c, "updates.gamma_min", low=0, high=1, low_open=True)
-    _finite(c, "updates.aux_loss_coef", low=0)
-    _finite(c, "updates.z_loss_coef", low=0)
-    _bool(c, "updates.update_without_signal")
-    _int(c, "updates.max_consecutive_skips", low=0)
-
-    _finite(c, "optimizer.lr", low=0, low_open=True)
-    _str(c, "optimizer.schedule")
-    _int(c, "optimizer.warmup_steps", low=0)
-    _finite(c, "optimizer.end_lr_ratio", low=0, high=1)
-    _finite(c, "optimizer.weight_decay", low=0)
-    _finite(c, "optimizer.b1", low=0, high=1, high_open=True)
-    _finite(c, "optimizer.b2", low=0, high=1, high_open=True)
-    _finite(c, "optimizer.grad_clip", low=0, low_open=True, why=" (clipping is always on)")
-    _str(c, "optimizer.mu_dtype", choices=("float32", "bfloat16"))
-
-    _int(c, "sft.steps", low=0)
-    _int(c, "sft.batch_size", low=1)
-    _finite(c, "sft.lr", low=0, low_open=True)
-    _int(c, "sft.warmup_steps", low=0)
-    _finite(c, "sft.aux_loss_coef", low=0)
-
-
-def _check_pass_k(c: ml_collections.ConfigDict) -> None:
-    """``task.eval_pass_k``: the k of pass@k and maj@k, each in [1, task.eval_samples]."""
-    ks, n = c.task.eval_pass_k, c.task.eval_samples
-    if not (isinstance(ks, (list, tuple)) and ks and all(_is_int(k) for k in ks)):
-        raise _err("task.eval_pass_k", f"must be a non-empty tuple of ints, got {ks!r}")
-    bad = [k for k in ks if not 1 <= k <= n]
-    if bad:
-        raise _err(
-            "task.eval_pass_k",
-            f"{bad} not in [1, task.eval_samples={n}] (pass@k and maj@k need k <= the samples)",
-        )
-
-
-def _mesh_axis(c: ml_collections.ConfigDict, axis: str) -> int:
-    if axis not in MESH_AXES:
-        raise _err(f"mesh.{axis}", f"unknown mesh axis; axes are {MESH_AXES}")
-    v = _get(c, f"mesh.{axis}")
-    if not (_is_int(v) and (v >= 1 or v == -1)):
-        raise _err(f"mesh.{axis}", f"size must be an int >= 1, or -1 (the rest), got {v!r}")
-    return int(v)
-
-
-# Set on config.model, not config.model.fields (train.model_config copies them over).
-MODEL_RUNTIME_FIELDS = (
-    "dtype",
-    "param_dtype",
-    "moe_backend",
-    "moe_block_size",
-    "scan_layers",
-    "remat_policy",
-    "attention_impl",
-    "logits_chunk_size",
-)
-# ModelConfig fields without a default: an initialised model needs them.
-_MODEL_REQUIRED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads")
-_MODEL_REQUIRED += ("head_dim", "d_ff")
-_MODEL_POSITIVE_INTS = _MODEL_REQUIRED[1:] + ("moe_every",)
-_MODEL_NONNEGATIVE_INTS = ("vocab_size", "moe_d_ff", "num_experts", "top_k", "first_dense_layers")
-# Derived by train.model_config from the tokenizer (the padding rows of a vocab_size
-# larger than the tokenizer's); set here it could mask real tokens.
-# ModelConfig fields the trainer sets, and from what.
-_MODEL_DERIVED = {
-    "num_valid_tokens": "derived from the tokenizer's vocabulary",
-    "moe_groups": "set by the trainer to the mesh's batch shards",
-}
-_MODEL_POSITIVE_REALS = ("rope_theta", "norm_eps", "init_std")
-_MODEL_NONNEGATIVE_REALS = ("aux_loss_coef", "z_loss_coef")
-_MODEL_BOOLS = ("renormalize_topk", "qk_norm", "qkv_bias", "tie_embeddings", "value_head")
-
-
-def _check_model_runtime(c: ml_collections.ConfigDict) -> None:
-    from gspo_jax.models.config import ATTENTION_IMPLS, DTYPES, MOE_BACKENDS, REMAT_POLICIES
-
-    _str(c, "model.dtype", choices=DTYPES)
-    _str(c, "model.param_dtype", choices=DTYPES)
-    _str(c, "model.moe_backend", choices=MOE_BACKENDS)
-    _str(c, "model.remat_policy", choices=REMAT_POLICIES)
-    _str(c, "model.attention_impl", choices=ATTENTION_IMPLS)
-    _bool(c, "model.scan_layers")
-    _int(c, "model.logits_chunk_size", low=0, why=" (0 = off)")
-    _int(c, "model.moe_block_size", low=1)
+    f = c.model.fields
+    known = {x.name: x for x in dataclasses.fields(model_lib.ModelConfig)}
+    for key in f.keys():
+        path = f"model.fields.{key}"
+        if key in model_lib.RUNTIME_FIELDS:
+            raise _err(path, f"a runtime setting: set config.model.{key} (this one is ignored)")
+        if key in model_lib.DERIVED_FIELDS:
+            raise _err(path, f"{model_lib.DERIVED_FIELDS[key]}; leave it out")
+        if key not in known:
+            near = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean config.model.fields.{near[0]}?" if near else ""
+            raise _err(path, f"not a ModelConfig field{hint}")
+    if not c.model.pretrained:
+        for key, x in known.items():
+            if x.default is dataclasses.MISSING and key not in f:
+                raise _err(f"model.fields.{key}", "missing (an initialised model needs it)")
+    for key in f.keys():
+        msg = model_lib.field_problem(key, f[key])
+        if msg:
+            raise _err(f"model.fields.{key}", msg)
     if c.model.attention_impl == "cudnn" and c.model.dtype == "float32":
         raise _err(
             "model.attention_impl",
@@ -693,63 +364,10 @@ def _check_model_runtime(c: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_model_fields(c: ml_collections.ConfigDict) -> None:
-    """Every ModelConfig field present in config.model.fields, on its own."""
-    from gspo_jax.models.config import ModelConfig
-
-    f = c.model.fields
-    known = [x.name for x in dataclasses.fields(ModelConfig)]
-    for key in f.keys():
-        path = f"model.fields.{key}"
-        if key in MODEL_RUNTIME_FIELDS:
-            raise _err(path, f"a runtime setting: set config.model.{key} (this one is ignored)")
-        if key in _MODEL_DERIVED:
-            raise _err(path, f"{_MODEL_DERIVED[key]}; leave it out")
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean config.model.fields.{near[0]}?" if near else ""
-            raise _err(path, f"not a ModelConfig field{hint}")
-    if not c.model.pretrained:
-        for key in _MODEL_REQUIRED:
-            if key not in f:
-                raise _err(f"model.fields.{key}", "missing (an initialised model needs it)")
-    present = set(f.keys())
-    for key in present & set(_MODEL_POSITIVE_INTS):
-        _int(c, f"model.fields.{key}", low=1)
-    for key in present & set(_MODEL_NONNEGATIVE_INTS):
-        _int(c, f"model.fields.{key}", low=0)
-    for key in present & set(_MODEL_POSITIVE_REALS):
-        _finite(c, f"model.fields.{key}", low=0, low_open=True)
-    for key in present & set(_MODEL_NONNEGATIVE_REALS):
-        _finite(c, f"model.fields.{key}", low=0)
-    for key in present & set(_MODEL_BOOLS):
-        _bool(c, f"model.fields.{key}")
-    if "dense_layers" in f:
-        layers = f.dense_layers
-        if not (isinstance(layers, (list, tuple)) and all(_is_int(i) for i in layers)):
-            raise _err("model.fields.dense_layers", f"must be a list of ints, got {layers!r}")
-
-
 def _check_model(c: ml_collections.ConfigDict, tokenizer_vocab_size: int | None) -> None:
-    """An initialised model's fields against each other and the tokenizer, then
-    ModelConfig's own checks (every error names config.model.fields.<x>)."""
-
+    """An initialised model against the tokenizer, then ModelConfig's own checks across
+    its fields (every error names config.model.fields.<x>)."""
     f = c.model.fields
-    experts = int(f.get("num_experts", 0))
-    if experts > 0:
-        if not 1 <= int(f.get("top_k", 0)) <= experts:
-            raise _err(
-                "model.fields.top_k", f"must be in [1, num_experts={experts}], got {f.get('top_k')}"
-            )
-        if int(f.get("moe_d_ff", 0)) < 1:
-            raise _err("model.fields.moe_d_ff", f"must be >= 1 with num_experts={experts}")
-    if int(f.num_heads) % int(f.num_kv_heads):
-        raise _err("model.fields.num_kv_heads", f"must divide num_heads={f.num_heads}")
-    if int(f.head_dim) % 2:
-        raise _err("model.fields.head_dim", f"must be even (rotary embedding), got {f.head_dim}")
-    bad = [i for i in f.get("dense_layers", ()) if not 0 <= i < int(f.num_layers)]
-    if bad:
-        raise _err("model.fields.dense_layers", f"{bad} not in [0, num_layers={f.num_layers})")
     vocab = int(f.vocab_size)
     if tokenizer_vocab_size is not None and vocab and vocab < tokenizer_vocab_size:
         raise _err(
@@ -757,7 +375,6 @@ def _check_model(c: ml_collections.ConfigDict, tokenizer_vocab_size: int | None)
             f"{vocab} is smaller than the tokenizer's vocabulary of {tokenizer_vocab_size} "
             "(set it to 0 to take the tokenizer's)",
         )
-    # ModelConfig's own checks, on the config the trainer will build.
     try:
         model_config(c, tokenizer_vocab_size or vocab or 1)
     except (TypeError, ValueError) as e:
@@ -769,99 +386,40 @@ def model_config(c: ml_collections.ConfigDict, tokenizer_vocab_size: int):
     settings of ``config.model``; vocab_size 0 takes the tokenizer's, and a larger one
     marks the rows past the tokenizer's as padding (never sampled). Call `validate`
     first: its errors name the config fields."""
-    from gspo_jax.models.config import ModelConfig  # local: keeps config import light
+    from gspo_jax.models.config import RUNTIME_FIELDS, ModelConfig
 
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in c.model.fields.items()}
-    fields.update({k: c.model[k] for k in MODEL_RUNTIME_FIELDS})
+    fields_ = {k: tuple(v) if isinstance(v, list) else v for k, v in c.model.fields.items()}
+    fields_.update({k: c.model[k] for k in RUNTIME_FIELDS})
     if c.advantage == "gae":
-        fields["value_head"] = True
-    if not fields.get("vocab_size"):
-        fields["vocab_size"] = tokenizer_vocab_size
-    elif fields["vocab_size"] > tokenizer_vocab_size:
-        fields["num_valid_tokens"] = tokenizer_vocab_size
-    return ModelConfig(**fields)
+        fields_["value_head"] = True
+    if not fields_.get("vocab_size"):
+        fields_["vocab_size"] = tokenizer_vocab_size
+    elif fields_["vocab_size"] > tokenizer_vocab_size:
+        fields_["num_valid_tokens"] = tokenizer_vocab_size
+    return ModelConfig(**fields_)
 
 
 def _from_dataclass_error(e: Exception, name: str, group: str, keys) -> ConfigError:
     """``"<name>.key: msg"`` or ``"<name>: key msg"`` -> ``config.<group>.key: msg``."""
+    from gspo_jax.models.config import RUNTIME_FIELDS
+
     msg = str(e)
     for sep in (".", ": "):
         head = f"{name}{sep}"
         if msg.startswith(head):
             key, _, rest = msg[len(head) :].partition(":" if sep == "." else " ")
             if key in keys:
-                if group == "model.fields" and key in MODEL_RUNTIME_FIELDS:
+                if group == "model.fields" and key in RUNTIME_FIELDS:
                     return _err(f"model.{key}", rest.strip())
                 return _err(f"{group}.{key}", rest.strip())
     return _err(group, msg)
 
 
-# --------------------------------------------------------------------------
-# The mesh.
-
-
 def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """Resolve the mesh sizes (at most one -1) against the device count."""
-    sizes = {}
-    for axis in MESH_AXES:
-        if axis not in c.mesh:
-            raise _err(f"mesh.{axis}", "missing mesh axis")
-    for axis in c.mesh.keys():
-        sizes[axis] = _mesh_axis(c, axis)
-    sizes = {a: sizes[a] for a in MESH_AXES}
-    free = [a for a, v in sizes.items() if v == -1]
-    if len(free) > 1:
-        raise _err(f"mesh.{free[1]}", "only one mesh axis may be -1")
-    fixed = 1
-    for a, v in sizes.items():
-        if v != -1:
-            fixed *= v
-    if free:
-        if num_devices % fixed:
-            raise _err(
-                f"mesh.{free[0]}",
-                f"the fixed axes multiply to {fixed}, which does not divide the {num_devices} devices",
-            )
-        sizes[free[0]] = num_devices // fixed
-    elif fixed != num_devices:
-        raise _err(
-            "mesh", f"axis sizes {sizes} multiply to {fixed}, but there are {num_devices} devices"
-        )
-    return sizes
+    from gspo_jax.models.sharding import mesh_shape as resolve
 
-
-def _check_file_task(c: ml_collections.ConfigDict) -> None:
-    """Task "file": the fields that make a user's file usable (the file is read later)."""
-    t = c.task
-    if not t.file:
-        raise _err("task.file", "task 'file' needs the path of a .jsonl or .parquet file")
-    for path in ("file", "test_file"):
-        if t[path] and not t[path].endswith((".jsonl", ".parquet")):
-            raise _err(f"task.{path}", f"must end in .jsonl or .parquet, got {t[path]!r}")
-    if not t.test_file and not t.test_fraction > 0:
-        raise _err("task.test_fraction", "must be > 0 without task.test_file (the test split)")
-    if not t.messages_column and not t.prompt_column:
-        raise _err("task.prompt_column", "must name a column (or set task.messages_column)")
-    if not t.answer_column:
-        raise _err("task.answer_column", "must name a column")
-    if int(c.sft.steps) > 0 and not t.solution_column:
-        raise _err(
-            "task.solution_column",
-            f"the warm start (sft.steps={c.sft.steps}) trains on reference solutions: "
-            "name the column holding them, or set sft.steps=0",
-        )
-    if ":" in t.verifier:
-        from gspo_jax import rewards  # local: keeps config import light
-
-        try:
-            rewards.load_reward_fn(t.verifier)
-        except ValueError as e:
-            raise _err("task.verifier", " ".join(str(e).split())) from None
-    elif t.verifier not in FILE_VERIFIERS:
-        raise _err(
-            "task.verifier",
-            f"unknown verifier {t.verifier!r}; known: {FILE_VERIFIERS} or 'module:function'",
-        )
+    return resolve(c.mesh, num_devices)
 
 
 # --------------------------------------------------------------------------
@@ -876,123 +434,24 @@ def validate(
     Raises ConfigError naming the first invalid field as its ``config.`` path, e.g.
     ``config.optimizer.lr: must be finite and > 0, got inf``. Three passes: the keys
     are base_config()'s (a misspelt key gets a did-you-mean); every field is in its
-    domain (below); then the constraints between fields, the device count and the
-    tokenizer.
+    declared domain (docs/config.md tables them: "finite" is a real number, not a bool,
+    not nan or +-inf; "int" not a bool, not 1.5; no field takes inf); then the
+    constraints between fields, the device count and the tokenizer.
 
     ``tokenizer_vocab_size``, where known, checks ``model.fields.vocab_size`` of an
     initialised model: 0 takes the tokenizer's, a smaller one is refused, a larger
     one is allowed (as real checkpoints pad the embedding; the sampler masks the
     padding rows).
-
-    Domains ("finite": a real number, not a bool, not nan or +-inf; "int": not a bool,
-    not 1.5; no field takes inf, which would always be a mistake here):
-
-    =====================================================  ==================================
-    seed                                                   int in [0, 2**32 - 1]
-    total_rl_steps, sft.steps                              int >= 0
-    optimizer.warmup_steps, sft.warmup_steps               int >= 0 (optimizer updates)
-    eval_every, log_every, checkpoint_every,               int >= 1
-    keep_checkpoints
-    progress_bar, wandb.enabled                            bool
-    wandb.project, entity, name, dir                       str ("" = default)
-    wandb.mode                                             auto, online, offline, disabled
-    distributed.mode                                       auto, on, off
-    distributed.coordinator_address                        str ("" = detected)
-    distributed.num_processes / .process_id                int >= 0 / >= -1 (0, -1 = detected)
-    tokenizer                                              "char" or a directory (non-empty)
-    compilation_cache_dir, task.data_dir,                  str ("" = off / default)
-    task.gsm8k_files, model.pretrained
-    advantage                                              one of ADVANTAGES; 'gae' only with
-                                                           objective 'ppo'
-    entropy_coef                                           finite >= 0
-    task.name / .difficulty / .style                       TASKS / the task's levels /
-                                                           compact, instruct
-    task.eval_size, task.eval_samples                      int >= 1
-    task.eval_pass_k                                       non-empty tuple of ints in
-                                                           [1, task.eval_samples]
-    task.format_reward                                     finite >= 0
-    task.file, test_file, prompt_column, answer_column,    str; with task 'file': file set,
-    messages_column, solution_column                       prompt/answer columns non-empty,
-                                                           solution_column set if sft.steps > 0
-    task.verifier                                          one of FILE_VERIFIERS or an
-                                                           importable 'module:function'
-    task.bad_rows                                          skip, refuse
-    task.test_fraction                                     finite in [0, 1); > 0 with task
-                                                           'file' and no test_file
-    model.dtype, model.param_dtype                         float32, bfloat16, float16
-    model.moe_backend                                      auto, blocked, ragged, dense
-    model.remat_policy                                     none, full, dots, dots_no_batch,
-                                                           dots_no_scores
-    model.attention_impl                                   auto, xla, cudnn (cudnn: a
-                                                           bf16/f16 model.dtype)
-    model.logits_chunk_size                                int >= 0 (0 = off)
-    model.moe_block_size                                   int >= 1
-    model.scan_layers                                      bool
-    model.fields.vocab_size                                int >= 0 (0 = the tokenizer's;
-                                                           >= the tokenizer's)
-    model.fields.d_model, num_layers, num_heads,           int >= 1
-    num_kv_heads, head_dim, d_ff, moe_every
-    model.fields.num_experts, top_k, moe_d_ff,             int >= 0; with num_experts > 0:
-    first_dense_layers                                     top_k in [1, num_experts],
-                                                           moe_d_ff >= 1
-    model.fields.num_kv_heads, head_dim                    divides num_heads; even
-    model.fields.rope_theta, norm_eps, init_std            finite > 0
-    model.fields.aux_loss_coef, z_loss_coef                finite >= 0
-    model.fields.renormalize_topk, qk_norm, qkv_bias,      bool
-    tie_embeddings, value_head
-    model.fields.dense_layers                              ints in [0, num_layers)
-    model.fields.num_valid_tokens                          not set: the trainer derives it
-    model.fields.axis_rules, other ModelConfig fields      ModelConfig's own checks
-    mesh.data, fsdp, expert, tensor                        int >= 1 or -1 (one at most);
-                                                           their product = the devices
-    rollout.prompts_per_step, max_new_tokens               int >= 1
-    rollout.group_size                                     int >= 1; >= 2 for group
-                                                           advantages, dynamic sampling
-    rollout.temperature                                    finite > 0
-    rollout.router_noise_std                               finite >= 0; 0 for a dense model
-    rollout.max_prompt_len                                 int >= 1
-    rollout.long_prompts                                   refuse, truncate
-    rollout_correction.mode, cap, c_low, c_high,           RolloutCorrection's checks (cap,
-    seq_ratio                                              c_low, c_high finite >= 1)
-    objective.name, objective.hparams.*                    a registered objective and its
-                                                           hyperparameter dataclass
-    gae.gamma, gae.lam                                     finite in [0, 1]
-    gae.value_clip                                         finite >= 0
-    gae.value_coef                                         finite >= 0; > 0 with 'gae' (the
-                                                           critic must learn)
-    dapo.dynamic_sampling, overlong_filter, soft_overlong  bool
-    dapo.max_sampling_rounds                               int >= 1
-    dapo.overlong_cache_len                                int >= 1; < rollout.max_new_tokens
-                                                           with soft_overlong
-    updates.num_minibatches, micro_batches                 int >= 1, dividing the rollout
-                                                           batch and the mini-batch
-    updates.logprob_micro_batches                          int >= 1, dividing the rollout
-                                                           batch into pieces that split
-                                                           over the batch shards
-    updates.num_epochs                                     int >= 1
-    updates.routing_replay                                 none, R2, R3 (R2/R3: MoE only)
-    updates.gamma_min                                      finite in (0, 1]
-    updates.aux_loss_coef, z_loss_coef, sft.aux_loss_coef  finite >= 0
-    updates.update_without_signal                          bool
-    updates.max_consecutive_skips                          int >= 0
-    optimizer.lr, sft.lr                                   finite > 0
-    optimizer.schedule                                     constant, cosine, linear
-    optimizer.end_lr_ratio                                 finite in [0, 1]
-    optimizer.weight_decay                                 finite >= 0
-    optimizer.b1, optimizer.b2                             finite in [0, 1)
-    optimizer.grad_clip                                    finite > 0: clipping is always on
-                                                           (a large value makes it a no-op)
-    optimizer.mu_dtype                                     float32, bfloat16
-    sft.batch_size                                         int >= 1; divisible by data*fsdp*expert
-    =====================================================  ==================================
     """
-    from gspo_jax import objectives  # local: keeps config import light
+    from gspo_jax import objectives, run_config
+    from gspo_jax.objectives.correction import RolloutCorrection
 
     _check_keys(c, base_config())
-    _check_domains(c)
+    fields.check(_declaration(), c)
+    run_config.check_pass_k(c)
+    _check_model_fields(c)
 
     # The objective and its hyperparameters.
-    _check_objective_name(c.objective.name)
     if c.objective.hparams_of != c.objective.name:
         raise _err(
             "objective.name",
@@ -1016,35 +475,9 @@ def validate(
     except (TypeError, ValueError) as e:
         raise _from_dataclass_error(e, c.objective.name, "objective.hparams", hparams) from None
 
-    # The task.
-    if c.task.name not in TASKS:
-        raise _err("task.name", f"unknown task {c.task.name!r}; known: {TASKS}")
-    if c.task.name in ("gsm8k", "file"):
-        if c.task.difficulty:
-            raise _err(
-                "task.difficulty",
-                f"{c.task.name} has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
-            )
-        if c.task.name == "file":
-            _check_file_task(c)
-    else:
-        from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
-
-        builder = (
-            countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
-        )
-        levels = [b.name for b in builder.BUILDER_CONFIGS]
-        if c.task.difficulty not in levels:
-            raise _err(
-                "task.difficulty",
-                f"{c.task.name} has no level {c.task.difficulty!r}; known: {levels}",
-            )
-    if c.task.style not in ("compact", "instruct"):
-        raise _err("task.style", f"unknown prompt style {c.task.style!r}; known: compact, instruct")
+    run_config.check_task(c)
 
     # Advantages.
-    if c.advantage not in ADVANTAGES:
-        raise _err("advantage", f"unknown advantage estimator {c.advantage!r}; known: {ADVANTAGES}")
     if c.advantage == "gae" and c.objective.name != "ppo":
         raise _err("advantage", "'gae' needs a critic; it is used with objective 'ppo'")
     if c.advantage == "gae" and not c.gae.value_coef > 0:
@@ -1054,15 +487,13 @@ def validate(
             f"got {c.gae.value_coef!r}",
         )
     g = int(c.rollout.group_size)
-    if c.advantage in GROUP_ADVANTAGES and g < 2:
+    if c.advantage in run_config.GROUP_ADVANTAGES and g < 2:
         raise _err(
             "rollout.group_size",
             f"group advantages ({c.advantage!r}) need a group of at least 2, got {g}",
         )
     if c.dapo.dynamic_sampling and g < 2:
         raise _err("rollout.group_size", "dynamic sampling needs a group of at least 2")
-
-    from gspo_jax.objectives.correction import RolloutCorrection
 
     rc = dict(c.rollout_correction)
     try:
@@ -1077,11 +508,6 @@ def validate(
         )
 
     # The model.
-    if c.updates.routing_replay not in REPLAY_MODES:
-        raise _err(
-            "updates.routing_replay",
-            f"unknown mode {c.updates.routing_replay!r}; known: {REPLAY_MODES}",
-        )
     if c.model.pretrained and c.tokenizer == "char":
         raise _err(
             "tokenizer",
@@ -1103,10 +529,16 @@ def validate(
                     "model.fields.num_experts=0 is a dense model",
                 )
 
-    # Batches against the mesh.
     shape = mesh_shape(c, num_devices)
+    _check_batches(c, shape)
+    return shape
+
+
+def _check_batches(c: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+    """The rollout batch, its mini-, micro- and log-prob batches and the warm start's
+    against each other and the mesh's batch shards."""
     batch_shards = shape["data"] * shape["fsdp"] * shape["expert"]  # train.BATCH_AXES
-    n = int(c.rollout.prompts_per_step) * g
+    n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
     mb = int(c.updates.num_minibatches)
     if n % mb:
         raise _err(
@@ -1137,8 +569,3 @@ def validate(
             "sft.batch_size",
             f"{c.sft.batch_size} is not divisible by data*fsdp*expert = {batch_shards}",
         )
-    if c.optimizer.schedule not in SCHEDULES:
-        raise _err(
-            "optimizer.schedule", f"unknown schedule {c.optimizer.schedule!r}; known: {SCHEDULES}"
-        )
-    return shape

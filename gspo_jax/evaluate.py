@@ -19,7 +19,7 @@
 
 The first ``--num_prompts`` prompts of ``--split`` in stored order (0: the config's
 ``task.eval_size``; -1: the whole split) are scored as during training
-(``Trainer.evaluate``: ``task.eval_samples`` samples each at the rollout's temperature,
+(`gspo_jax.evaluation.evaluate`: ``task.eval_samples`` samples each at the rollout's temperature,
 plus one greedy). Prints (and with ``--out`` writes) one JSON object: the metrics of
 :mod:`gspo_jax.evaluation` (``eval/pass@k``, ``eval/maj@k``, ``eval/mean@n``,
 ``eval/greedy``, and ``eval_reward_mean`` / ``eval_greedy_reward``), with
@@ -57,19 +57,20 @@ def is_workdir(path: str) -> bool:
 def restore_params(trainer) -> tuple[Any, str]:
     """(parameters, ``"rl/<step>"`` or ``"sft/<step>"``) of a workdir's newest RL
     checkpoint that restores, else of its newest warm-start one."""
+    from gspo_jax import rl, sft
     from gspo_jax.checkpoint import PhaseCheckpointer
-    from gspo_jax.train import RLPhase
 
     c = trainer.c
     rl_ckpt = PhaseCheckpointer(trainer.workdir, "rl", every=1, keep=int(c.keep_checkpoints))
     try:
         if rl_ckpt.latest_step() is not None:
-            target = RLPhase(trainer, trainer.init_params).state  # the state train.py saves
+            # The state train.py saves: parameters and the RL optimizer's moments.
+            target = trainer.new_state(trainer.init_params, rl.rl_optimizer(c)[0])
             state, _, step = rl_ckpt.restore(target)
             return state.params, f"rl/{step}"
     finally:
         rl_ckpt.close()
-    ckpt, _, _, state, step = trainer._restore_sft()
+    ckpt, _, _, state, step = sft.restore_state(trainer)
     ckpt.close()
     if step == 0:
         raise FileNotFoundError(
@@ -88,8 +89,10 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
     directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
-    from gspo_jax import safety
-    from gspo_jax.train import Trainer, enable_compilation_cache
+    from gspo_jax import config as config_lib
+    from gspo_jax import evaluation, safety
+    from gspo_jax.train import enable_compilation_cache
+    from gspo_jax.trainer import Trainer
 
     if split not in SPLITS:
         raise ValueError(f"--split must be one of {SPLITS}, got {split!r}")
@@ -117,9 +120,9 @@ def evaluate_checkpoint(
             trainer = Trainer(c, checkpoint)
             params, restored = restore_params(trainer)
         data = trainer.eval_data if split == "test" else trainer.train_data
-        count = len(data) if num_prompts < 0 else num_prompts or int(c.task.eval_size)
+        count = len(data) if num_prompts < 0 else num_prompts or config_lib.typed(c).task.eval_size
         examples = data.first(count)
-        metrics = trainer.evaluate(params, examples=examples)
+        metrics = evaluation.evaluate(trainer, params, examples=examples)
     finally:
         if lock is not None and lock.held:
             lock.release()
@@ -147,7 +150,7 @@ def main(argv: Sequence[str]) -> None:
         raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
     if not f.checkpoint:
         raise config_lib.ConfigError("--checkpoint is required: a workdir or a HF directory")
-    from gspo_jax.train import claim_device_memory
+    from gspo_jax.multihost import claim_device_memory
 
     claim_device_memory()  # 95% of each GPU for XLA, as in training
     result = evaluate_checkpoint(

@@ -1,6 +1,7 @@
 """Held-out metrics that compare across runs: pass@k, maj@k, mean@n and greedy accuracy.
 
-Every function here is pure numpy on the host. The inputs are per-sample arrays shaped
+:func:`evaluate` samples a run's held-out prompts and scores them; every other function
+here is pure numpy on the host. The inputs are per-sample arrays shaped
 ``[prompts, n]``: ``correct`` (the verifier's 0/1, :func:`gspo_jax.rewards.score`) and
 ``answers`` (each sample's extracted final answer as a string, or None when it states
 none; :func:`final_answers`). :func:`eval_metrics` turns them into the logged dict:
@@ -27,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
-from gspo_jax import rewards
+from gspo_jax import multihost, rewards
 
 
 def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
@@ -171,4 +173,47 @@ def eval_metrics(
     if greedy_correct is not None:
         g = np.asarray(greedy_correct, np.float64).reshape(-1)
         out[f"{prefix}greedy"] = float(g.mean()) if g.size else 0.0
+    return out
+
+
+# --------------------------------------------------------------------------
+# The held-out evaluation of a run (the model samples; the rest above is numpy).
+
+
+def evaluate(trainer, params, examples=None) -> dict[str, float]:
+    """Held-out metrics of ``params`` on the first ``task.eval_size`` test prompts (or
+    ``examples``); ``trainer``: the run's parts (`gspo_jax.trainer.Trainer`).
+
+    ``eval_reward_mean`` is the mean reward of ``task.eval_samples`` samples
+    per prompt at the rollout's sampling settings: the RL objective itself,
+    on prompts never trained on. ``eval_greedy_reward`` is greedy decoding's.
+    Both use fixed keys, so every evaluation sees the same randomness. From the
+    same samples, :func:`eval_metrics`: ``eval/pass@k`` and
+    ``eval/maj@k`` for k in ``task.eval_pass_k``, ``eval/mean@n`` (n the samples
+    per prompt) and ``eval/greedy``.
+    """
+    c = trainer.c
+    if examples is None:
+        examples = trainer.eval_data.first(int(c.task.eval_size))
+    k = int(c.task.eval_samples)
+    ro, cut = trainer.rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
+    # A user-file task's answers are read as its verifier reads them (numeric: values).
+    kind = c.task.get("verifier", "") if c.task.name == "file" else c.task.name
+    _, sampled, _, _ = trainer.score(examples, ro, num_samples=k, answers=kind)
+    answers = multihost.codes_to_answers(sampled["answer_code"])
+    ro, _ = trainer.rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
+    _, greedy, _, _ = trainer.score(examples, ro, num_samples=1)
+    out = {
+        "eval_reward_mean": float(np.mean(sampled["correct"])),
+        "eval_greedy_reward": float(np.mean(greedy["correct"])),
+        "eval_prompts_truncated": cut,
+    }
+    out.update(
+        eval_metrics(
+            np.asarray(sampled["correct"]).reshape(len(examples), k),
+            [answers[i * k : (i + 1) * k] for i in range(len(examples))],
+            ks=[int(x) for x in c.task.eval_pass_k],
+            greedy_correct=greedy["correct"],
+        )
+    )
     return out

@@ -8,19 +8,26 @@ number but a small pytree that carries what merging needs:
     Sum(value)              a count or a quantity already scaled to the whole batch
     Max(value), Min(value)  extrema
     Std(total, total_sq, count)  a pooled standard deviation
+    Last(value)             the latest value (a learning rate)
 
 ``merge(a, b)`` of two values of one kind gives the value of the union, exactly;
 ``reduce(x)`` does the same over a leading (micro-batch) axis, which is what a
 `jax.lax.scan` stacks; ``compute()`` gives the number to log. A new metric is added
 where it is computed, by choosing its kind; nothing else needs to know its name.
+The one rule serves both levels: the micro-batches of an update (`reduce_all`, in the
+train step) and the updates of an RL step (`merge_all`, in `gspo_jax.rl`), so an RL
+step's ``clip_frac`` is the fraction over all its updates' tokens and its
+``logratio_std`` the pooled standard deviation.
 
     m = {"clip_frac": Mean.masked(clipped, mask), "ratio_max": Max.masked(r, mask)}
     merged = reduce_all(stacked_over_micro_batches)  # dict of metrics
     logged = compute_all(merged)                     # dict of f32 arrays
+    step = compute_all(merge_all([update_1, update_2]))
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Union
 
 import flax
@@ -165,7 +172,27 @@ class Std:
         return jnp.sqrt(jnp.maximum(self.total_sq / n - mean * mean, 0.0))
 
 
-Metric = Union[Mean, Sum, Max, Min, Std]
+@flax.struct.dataclass
+class Last:
+    """The latest of the values merged (the learning rate an RL step ends at)."""
+
+    value: Array
+
+    @classmethod
+    def of(cls, value) -> Last:
+        return cls(_f32(value))
+
+    def merge(self, other: Last) -> Last:
+        return other
+
+    def reduce(self) -> Last:
+        return Last(self.value[-1])
+
+    def compute(self) -> Array:
+        return self.value
+
+
+Metric = Union[Mean, Sum, Max, Min, Std, Last]
 MetricDict = dict[str, Metric]
 
 
@@ -177,3 +204,10 @@ def reduce_all(stacked: MetricDict) -> MetricDict:
 def compute_all(metrics: MetricDict) -> dict[str, Array]:
     """The numbers to log."""
     return {k: v.compute() for k, v in metrics.items()}
+
+
+def merge_all(records: list[MetricDict]) -> MetricDict:
+    """Several records (one per update, in order) merged key by key, each by its kind."""
+    return {
+        k: functools.reduce(lambda a, b: a.merge(b), [r[k] for r in records]) for k in records[0]
+    }

@@ -12,12 +12,35 @@ run had never stopped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 from typing import Any, Mapping
 
 import numpy as np
+
+from gspo_jax import multihost
+from gspo_jax.fields import setting
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """``config.wandb``: Weights & Biases, beside TensorBoard and the JSONL files
+    (pip install -e '.[wandb]'). May change on resume."""
+
+    enabled: bool = setting(False, doc="log to Weights & Biases")
+    project: str = setting("gspo_jax", doc="the W&B project")
+    entity: str = setting("", doc='the W&B entity ("" = the default)')
+    name: str = setting("", doc="the run's name (\"\" = the workdir's name)")
+    mode: str = setting(
+        "auto",
+        choices=WANDB_MODES,
+        doc="auto: online when credentials are set and the server answers, else offline",
+    )
+    dir: str = setting("", doc='runs go to <dir>/wandb ("" = the workdir)')
 
 
 def _scalar(v: Any) -> Any:
@@ -301,3 +324,19 @@ def open_wandb(wb: Any, workdir: str, config: Mapping[str, Any], *, enabled: boo
         raise
     finally:
         writer.finish(code)
+
+
+def progress_bar(c, total: int, start: int, desc: str):
+    """A tqdm bar on the primary process where ``config.progress_bar`` is on; else one that
+    does nothing."""
+    if c.progress_bar and multihost.is_primary():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
+
+    class _Null:
+        def update(self, n): ...
+        def set_postfix(self, **kw): ...
+        def close(self): ...
+
+    return _Null()

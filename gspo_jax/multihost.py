@@ -13,14 +13,38 @@ run takes exactly the path it always took. `docs/distributed.md` has the whole p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import os
 from typing import Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from gspo_jax.fields import setting
+
+DISTRIBUTED_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """``config.distributed``: several processes (hosts) in one run
+    (`gspo_jax.train.maybe_initialize_distributed`). May change on resume."""
+
+    mode: str = setting(
+        "auto",
+        choices=DISTRIBUTED_MODES,
+        doc="auto: start jax.distributed when a coordinator is named (here or in "
+        "JAX_COORDINATOR_ADDRESS) or the environment is a multi-process srun or Open MPI job "
+        "or a TPU pod; on: always (JAX detects what is not given); off: never",
+    )
+    coordinator_address: str = setting("", doc='host:port of process 0 ("" = detected)')
+    num_processes: int = setting(0, low=0, doc="processes in the run (0 = detected)")
+    process_id: int = setting(-1, low=-1, doc="this process's index (-1 = detected)")
 
 
 def is_primary() -> bool:
@@ -151,3 +175,74 @@ def answer_codes(answers: Sequence[str | None]) -> np.ndarray:
 def codes_to_answers(codes: np.ndarray) -> list[str | None]:
     """`answer_codes` back to hashable answers (None where none was given)."""
     return [None if (c == -1).all() else f"{c[0]}:{c[1]}" for c in np.asarray(codes)]
+
+
+# --------------------------------------------------------------------------
+# Start-up: before anything touches a device.
+
+
+def cluster_detected(environ=os.environ) -> str | None:
+    """The multi-process launcher the environment shows, or None: a coordinator named in
+    JAX_COORDINATOR_ADDRESS, an srun step or Open MPI job of more than one task, a TPU
+    pod on GKE or a Cloud TPU VM. JAX finds the coordinator, process count and id in each."""
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    # srun's step, not the batch script's allocation (SLURM_NTASKS is set there too).
+    if int(environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        return "SLURM"
+    if int(environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if len([h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "TPU pod"
+    try:  # JAX's own test (private): on a Cloud TPU VM initialize() needs no arguments
+        from jax._src.clusters.cloud_tpu_cluster import running_in_cloud_tpu_vm
+    except ImportError:
+        running_in_cloud_tpu_vm = False
+    return "Cloud TPU VM" if running_in_cloud_tpu_vm else None
+
+
+# What XLA may preallocate of each GPU's memory. JAX's default is 75%, which leaves a
+# quarter of an H200 (35 GiB) unused; the memory figures of docs/memory.md are against
+# 95%. A user's own XLA_PYTHON_CLIENT_MEM_FRACTION (or PREALLOCATE=false) wins.
+DEVICE_MEMORY_FRACTION = "0.95"
+
+
+def claim_device_memory() -> str | None:
+    """Set ``XLA_PYTHON_CLIENT_MEM_FRACTION`` to `DEVICE_MEMORY_FRACTION` where the user
+    has not set it or turned preallocation off; call before anything touches a device.
+    Returns the line to log when it set it (None otherwise)."""
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return None
+    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
+        return None
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = DEVICE_MEMORY_FRACTION
+    return (
+        f"XLA_PYTHON_CLIENT_MEM_FRACTION={DEVICE_MEMORY_FRACTION} (JAX's default is 0.75; "
+        "set the variable to choose another)"
+    )
+
+
+def maybe_initialize_distributed(d: ml_collections.ConfigDict) -> bool:
+    """Start multi-process JAX (`jax.distributed.initialize`) where the run has several
+    processes; call before anything touches a device. ``d``: the config's
+    ``distributed`` block (`gspo_jax.config`); JAX_NUM_PROCESSES and JAX_PROCESS_ID in
+    the environment stand in for its counts. Returns whether it started. CPU processes
+    exchange data through gloo (`docs/distributed.md`)."""
+    address = str(d.coordinator_address) or None
+    if d.mode == "off" or jax.distributed.is_initialized():
+        return False
+    if d.mode == "auto" and address is None and cluster_detected() is None:
+        return False
+    num = int(d.num_processes) or int(os.environ.get("JAX_NUM_PROCESSES", 0)) or None
+    pid = int(d.process_id)
+    pid = pid if pid >= 0 else int(os.environ.get("JAX_PROCESS_ID", -1))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=address, num_processes=num, process_id=pid if pid >= 0 else None
+    )
+    print(
+        f"jax.distributed: process {jax.process_index()} of {jax.process_count()}, "
+        f"{jax.local_device_count()} of {jax.device_count()} devices",
+        flush=True,
+    )
+    return True

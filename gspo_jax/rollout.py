@@ -78,6 +78,7 @@ only; the stop token belongs to the response (mask 1).  A row that emits
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Optional, Sequence, Union
@@ -89,6 +90,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gspo_jax.fields import setting
 from gspo_jax.generate import Spec, generate_jit, use_cpu_sampling
 
 __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
@@ -97,6 +99,51 @@ __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
 # everything (R3 replays it), the response tokens' only (``experts``: the
 # sampler/trainer routing mismatch), or nothing.
 ROUTING = ("all", "response", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """``config.rollout``: what the sampler draws each RL step."""
+
+    prompts_per_step: int = setting(64, low=1, doc="prompts sampled per RL step")
+    group_size: int = setting(
+        8, low=1, doc="samples per prompt (>= 2 for group advantages and dynamic sampling)"
+    )
+    max_new_tokens: int = setting(24, low=1, doc="response length limit, in tokens")
+    temperature: float = setting(
+        1.0,
+        low=0,
+        low_open=True,
+        why=" (RL samples, and trains on softmax(logits / temperature))",
+        doc="RL trains on the log-probs of softmax(logits / temperature)",
+    )
+    router_noise_std: float = setting(
+        0.0,
+        low=0,
+        doc="std of Gaussian noise on the sampler's router logits, never the trainer's: a "
+        "controlled train-inference routing mismatch (experiments/router_noise.md); 0 for "
+        "a dense model",
+    )
+    # One prompt shape for the sampler, the log-prob passes and the train step (and
+    # SFT) over the whole run, so no batch recompiles them. 64 fits Countdown's and
+    # arithmetic's compact prompts (at most 52 characters with BOS, at every
+    # difficulty). A truncated prompt keeps its end (the question's end, the answer
+    # format and the chat template's assistant turn) and is counted in the RL step's
+    # ``prompts_truncated`` (``eval_prompts_truncated``, SFT's too).
+    max_prompt_len: int = setting(
+        64,
+        low=1,
+        resume=True,
+        doc="every prompt is left-padded to this many tokens; a longer one is refused or "
+        "truncated (long_prompts)",
+    )
+    long_prompts: str = setting(
+        "refuse",
+        choices=("refuse", "truncate"),
+        resume=True,
+        doc="a prompt over max_prompt_len: refused (an error naming it) or cut to its last "
+        "max_prompt_len tokens",
+    )
 
 
 def replay_r3(prompt_experts: jax.Array, experts: jax.Array) -> jax.Array:

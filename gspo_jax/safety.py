@@ -25,40 +25,8 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from gspo_jax.config import REMOVED_KEYS, ConfigError
-
-# Fields that may change when a run resumes: its length, how it is logged, evaluated
-# and checkpointed, where its data lives, how it is laid out on devices, and safety
-# limits. Any other difference changes what the checkpoints mean and is refused.
-RESUMABLE_FIELDS = (
-    "total_rl_steps",
-    "eval_every",
-    "log_every",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "progress_bar",
-    "compilation_cache_dir",
-    "wandb.*",
-    "distributed.*",
-    "task.data_dir",
-    "task.gsm8k_files",
-    "task.eval_size",
-    "task.eval_samples",
-    "task.eval_pass_k",
-    "mesh.*",
-    "model.moe_backend",
-    "model.moe_block_size",  # how the blocked dispatch lays out its rows, not what it computes
-    "model.remat_policy",
-    # How logits and attention are computed, not what: chunking changes no number, the
-    # attention kernel only rounding (as a change of hardware would).
-    "model.logits_chunk_size",
-    "model.attention_impl",
-    # Prompt padding, and what a prompt longer than it does: raising the length or
-    # switching to "truncate" is how a run stopped by a long prompt goes on.
-    "rollout.max_prompt_len",
-    "rollout.long_prompts",
-    "updates.max_consecutive_skips",
-)
+from gspo_jax import config as config_lib
+from gspo_jax.config import ConfigError
 
 CONFIG_FILE = "config.json"
 
@@ -81,13 +49,17 @@ def config_record(c: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``config.<field>: <saved> -> <current>`` for every field outside
-    `RESUMABLE_FIELDS` whose value differs (or exists on one side only)."""
+    """``config.<field>: <saved> -> <current>`` for every field whose value differs (or
+    exists on one side only), but those declared ``resume=True``: the run's length, how
+    it is logged, evaluated and checkpointed, where its data lives, how it is laid out
+    on devices, and safety limits (`gspo_jax.config.resumable_fields`); and the
+    removed keys (`gspo_jax.config.REMOVED_KEYS`)."""
+    resumable = config_lib.resumable_fields()
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in REMOVED_KEYS or any(
-            fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_FIELDS
+        if key in config_lib.REMOVED_KEYS or any(
+            fnmatch.fnmatchcase(key, pattern) for pattern in resumable
         ):
             continue
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
@@ -124,7 +96,7 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
             f"they mean ({len(diffs)} field(s), saved -> requested):\n  "
             + "\n  ".join(diffs)
             + f"\nUse the saved values ({path}) or a new --workdir. Fields that may change "
-            "on resume: " + ", ".join(RESUMABLE_FIELDS)
+            "on resume: " + ", ".join(config_lib.resumable_fields())
         )
 
 
@@ -281,7 +253,7 @@ def check_health(metrics: Mapping[str, Any], c: ml_collections.ConfigDict, where
     """Stop the run when its parameters are no longer finite, or when more than
     ``updates.max_consecutive_skips`` updates in a row were skipped for a non-finite
     loss or gradient (FloatingPointError saying which)."""
-    if float(metrics["params_finite"]) < 1:  # a mean over the step's updates
+    if float(metrics["params_finite"]) < 1:  # the minimum over the step's updates
         raise FloatingPointError(
             f"{where}: the parameters are no longer finite after an update with a finite "
             "loss and gradient; the run stops before saving them. Lower the learning rate."

@@ -9,12 +9,30 @@ dynamic_sampling_keep  keep a group only if its rewards are not all equal.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax
 import jax.numpy as jnp
 
+from gspo_jax.fields import setting
+
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DapoConfig:
+    """``config.dapo``: DAPO's data-side techniques."""
+
+    dynamic_sampling: bool = setting(
+        False, doc="resample until the batch holds prompts with a reward spread"
+    )
+    max_sampling_rounds: int = setting(3, low=1, doc="rollouts per step at most, to fill the batch")
+    overlong_filter: bool = setting(False, doc="truncated responses carry no loss")
+    soft_overlong: bool = setting(False, doc="the soft overlong length penalty")
+    overlong_cache_len: int = setting(
+        8, low=1, doc="the penalty's ramp, in tokens; < rollout.max_new_tokens with soft_overlong"
+    )
 
 
 def soft_overlong_penalty(lengths: Array, *, max_len: int, cache_len: int) -> Array:

@@ -28,10 +28,60 @@ from flax import nnx
 
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
-from gspo_jax.metrics import Mean, Min, Sum
+from gspo_jax.fields import setting
+from gspo_jax.metrics import Last, Max, Mean, Min, Sum
 from gspo_jax.objectives.critic import value_loss_mergeable
 
 Batch = dict[str, jax.Array]
+
+REPLAY_MODES = ("none", "R2", "R3")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatesConfig:
+    """``config.updates``: the updates made from each rollout (the off-policy regime
+    where MoE instability shows)."""
+
+    num_minibatches: int = setting(
+        2, low=1, doc="optimizer steps per rollout and epoch; divides the rollout batch"
+    )
+    num_epochs: int = setting(1, low=1, doc="passes over each rollout")
+    micro_batches: int = setting(
+        1, low=1, doc="gradient accumulation inside a mini-batch; divides it"
+    )
+    logprob_micro_batches: int = setting(
+        1,
+        low=1,
+        doc="the old-policy (and reference) log-prob passes run the rollout batch in this "
+        "many strided pieces, one after another, each split over the batch shards "
+        "(docs/memory.md)",
+    )
+    routing_replay: str = setting(
+        "none", choices=REPLAY_MODES, doc="routing replay: none, R2 or R3 (R2/R3: MoE only)"
+    )
+    gamma_min: float = setting(
+        0.5, low=0, high=1, low_open=True, doc="RSPO's floor on the router-shift weight"
+    )
+    # Router losses in RL: off by default (the warm start keeps its own, sft.*).
+    aux_loss_coef: float = setting(
+        0.0,
+        low=0,
+        doc="load-balancing loss in RL; its expert load is the free router's, even under replay",
+    )
+    z_loss_coef: float = setting(0.0, low=0, doc="router z-loss in RL")
+    update_without_signal: bool = setting(
+        False,
+        doc="whether a mini-batch whose advantages are all zero (no RL signal) still makes "
+        "an update (router losses, KL or entropy alone would drive it); counted as "
+        "no_signal_minibatches",
+    )
+    max_consecutive_skips: int = setting(
+        8,
+        low=0,
+        resume=True,
+        doc="non-finite losses or gradients skip the update; more than this many in a row "
+        "stop the run with an error",
+    )
 
 
 @flax.struct.dataclass
@@ -169,17 +219,20 @@ def _apply_update(state: TrainState, grads, loss, optimizer, schedule, apply=Tru
         ),
         applied=state.applied + ok.astype(jnp.int32),
     )
+    params_finite = jnp.all(
+        jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state.params)])
+    )
     norms = {
-        "grad_norm": grad_norm,
-        "update_norm": update_norm,
-        "param_norm": optax.tree.norm(new_state.params),  # may overflow while all are finite
-        "params_finite": jnp.all(
-            jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state.params)])
-        ).astype(jnp.float32),
-        "lr": jnp.asarray(schedule(state.applied), jnp.float32),
-        "skipped_update": 1.0 - finite.astype(jnp.float32),
-        "skipped_total": new_state.skipped,
-        "skipped_in_a_row": new_state.skipped_in_a_row,
+        "grad_norm": Mean.of(grad_norm),
+        "update_norm": Mean.of(update_norm),
+        "param_norm": Mean.of(
+            optax.tree.norm(new_state.params)
+        ),  # may overflow while all are finite
+        "params_finite": Min.of(params_finite),
+        "lr": Last.of(schedule(state.applied)),
+        "skipped_update": Mean.of(1.0 - finite.astype(jnp.float32)),
+        "skipped_total": Max.of(new_state.skipped),
+        "skipped_in_a_row": Max.of(new_state.skipped_in_a_row),
     }
     return new_state, norms
 
@@ -210,7 +263,7 @@ def _accumulate(loss_fn, params, batch, m: int):
     scaled by the whole mini-batch's denominators (so the sum is the mini-batch loss
     exactly, but for the load-balancing loss, taken per micro-batch) and the metrics
     as mergeable values (`gspo_jax.metrics`), which merge into the mini-batch's.
-    Returns (loss, metrics as numbers, grads).
+    Returns (loss, the mini-batch's metrics, still mergeable, grads).
 
     Memory: the accumulator and the current micro-batch's gradient are both whole f32
     gradients when they are added (42.9 GiB of the 16-layer benchmark model's 118 GiB
@@ -221,7 +274,7 @@ def _accumulate(loss_fn, params, batch, m: int):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if m == 1:
         (loss, metrics), grads = grad_fn(params, batch)
-        return loss, metrics_lib.compute_all(metrics), grads
+        return loss, metrics, grads
 
     def body(carry, mb):
         loss_acc, grads_acc = carry
@@ -232,7 +285,7 @@ def _accumulate(loss_fn, params, batch, m: int):
     (loss, grads), stacked = jax.lax.scan(
         body, (jnp.zeros((), jnp.float32), zeros), _split_micro(batch, m)
     )
-    return loss, metrics_lib.compute_all(metrics_lib.reduce_all(stacked)), grads
+    return loss, metrics_lib.reduce_all(stacked), grads
 
 
 # --------------------------------------------------------------------------
@@ -509,6 +562,9 @@ def train_step(
     optionally, ``ref_logp``, ``replay``, ``sampler_topk`` and ``rc_weight`` (the
     rollout correction). A mini-batch whose advantages are all zero makes no update
     unless ``cfg.update_without_signal`` (``no_signal`` = 1 in its metrics).
+    Returns (the new state, the update's metrics, each of its kind in
+    `gspo_jax.metrics`: `gspo_jax.metrics.compute_all` gives the numbers, and an RL
+    step merges its updates' by the same rule).
     ``rng`` is unused by the current objectives (no dropout) and kept so that
     stochastic regularisers need no API change.
     """
@@ -522,8 +578,8 @@ def train_step(
     new_state, norms = _apply_update(
         state, grads, loss, optimizer, schedule, apply=signal | cfg.update_without_signal
     )
-    no_signal = 1.0 - signal.astype(jnp.float32)
-    return new_state, dict(metrics, loss=loss, no_signal=no_signal, **norms)
+    no_signal = Sum.of(1.0 - signal.astype(jnp.float32))
+    return new_state, dict(metrics, loss=Mean.of(loss), no_signal=no_signal, **norms)
 
 
 # --------------------------------------------------------------------------
@@ -557,7 +613,8 @@ def sft_step(
     micro_batches: int = 1,
     aux_loss_coef: float = 0.0,
 ):
-    """One supervised update on prompt+reference-response sequences."""
+    """One supervised update on prompt+reference-response sequences. Returns (the new
+    state, the update's metrics, mergeable as `train_step`'s)."""
     del rng
     num_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
     loss_fn = functools.partial(
@@ -569,4 +626,4 @@ def sft_step(
     )
     loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches)
     new_state, norms = _apply_update(state, grads, loss, optimizer, schedule)
-    return new_state, dict(metrics, loss=loss, **norms)
+    return new_state, dict(metrics, loss=Mean.of(loss), **norms)

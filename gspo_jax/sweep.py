@@ -121,16 +121,12 @@ def point_name(point: dict[str, Any], paths: Sequence[str] | None = None) -> str
 def finished(workdir: str, steps: int) -> bool:
     """Whether the run in ``workdir`` logged RL step ``steps`` (or later) with its
     held-out evaluation: the trainer's last record of a finished run."""
-    if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-        return False
-    try:
-        recs = read_metrics(workdir)
-    except (OSError, ValueError):
-        return False
-    return any(r["phase"] == "rl" and r["step"] >= steps and "eval_reward_mean" in r for r in recs)
+    return any(r["step"] >= steps and "eval_reward_mean" in r for r in rl_records(workdir))
 
 
-def _rl_records(workdir: str) -> list[dict]:
+def rl_records(workdir: str) -> list[dict]:
+    """The RL records of ``<workdir>/metrics.jsonl`` in file order; none when the file
+    is missing or unreadable (a point not started, or one a crash left unreadable)."""
     if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
         return []
     try:
@@ -152,7 +148,7 @@ def _number(v: Any) -> float | None:
 def final_values(workdir: str, metrics: Sequence[str]) -> dict[str, float]:
     """Each metric in the point's final RL record (the last RL record holding it)."""
     out = {}
-    for r in reversed(_rl_records(workdir)):
+    for r in reversed(rl_records(workdir)):
         for m in metrics:
             if m not in out and _number(r.get(m)) is not None:
                 out[m] = _number(r[m])
@@ -190,7 +186,7 @@ def summarize(
             name = point_name(pt, paths)
             d = os.path.join(workdir, name)
             n = steps.get(name) if isinstance(steps, dict) else steps
-            if finished(d, n) if n is not None else bool(_rl_records(d)):
+            if finished(d, n) if n is not None else bool(rl_records(d)):
                 done.append(final_values(d, metrics))
         row = [g, f"{len(done)}/{len(pts)}"]
         for m in metrics:
@@ -237,7 +233,7 @@ def plot(
         for g, dirs in groups.items():
             curves = []
             for d in dirs:
-                c = {r["step"]: _number(r.get(m)) for r in _rl_records(d)}
+                c = {r["step"]: _number(r.get(m)) for r in rl_records(d)}
                 c = {s: x for s, x in c.items() if x is not None and math.isfinite(x)}
                 if c:
                     curves.append(c)
@@ -294,7 +290,9 @@ def write_report(workdir, points, metrics, *, steps=None, seed_axis="seed") -> s
 # The command line.
 
 
-def _load_config(spec: str):
+def load_config(spec: str):
+    """``get_config(arg)`` of the config file of ``spec``, ``PATH`` or ``PATH:ARG`` (as
+    ``--config`` of gspo_jax.train; no ARG: ``get_config(None)``)."""
     path, _, arg = spec.partition(":")
     return runpy.run_path(path)["get_config"](arg or None)
 
@@ -364,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(str(e)) from None
     paths = list(points[0])
     metrics = args.metric or list(DEFAULT_METRICS)
-    c = _load_config(args.config)
+    c = load_config(args.config)
     _check_paths(c, paths + list(base))
     for p in paths:
         base.pop(p, None)  # the grid's value wins

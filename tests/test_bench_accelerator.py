@@ -1,11 +1,11 @@
-"""`experiments/bench_accelerator.py` runs end to end at its tiny size (on CPU here,
+"""`experiments/bench/bench_accelerator.py` runs end to end at its tiny size (on CPU here,
 the same code as on a GPU), and its FLOP and byte counts are the model's."""
 
 import math
 
 import pytest
 
-from experiments import bench_accelerator as bench
+from experiments.bench import bench_accelerator as bench
 
 
 def test_flop_and_byte_counts_follow_the_shape():

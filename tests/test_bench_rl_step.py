@@ -1,10 +1,10 @@
-"""`experiments/bench_rl_step.py` with the accelerator config (`configs/bench_rl_h200.py`):
+"""`experiments/bench/bench_rl_step.py` with the accelerator config (`configs/bench_rl_h200.py`):
 the full config is valid and has the issue's shape; its CPU-sized variant runs one whole
 RL step and reports tokens/s per device."""
 
 import pytest
 
-from experiments import bench_rl_step
+from experiments.bench import bench_rl_step
 from gspo_jax import config as config_lib
 
 

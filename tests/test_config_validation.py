@@ -6,7 +6,6 @@ import dataclasses
 import importlib
 import math
 import pathlib
-import sys
 
 import ml_collections
 import pytest
@@ -17,7 +16,6 @@ from gspo_jax.models.config import ModelConfig
 from gspo_jax.objectives.hparams import field_types
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from configs import default as default_config  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
@@ -327,7 +325,7 @@ def test_the_sweep_covers_every_model_config_field():
     }
     in_base = set(_smoke().model.fields.keys())
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    # train.model_config sets the first from the tokenizer, the Trainer the second from the mesh
+    # config.model_config sets the first from the tokenizer, the Trainer the second from the mesh
     derived = {"num_valid_tokens", "moe_groups"}
     assert fields == checked | in_base | derived | set(config_lib.MODEL_RUNTIME_FIELDS)
 
@@ -338,7 +336,7 @@ def test_model_fields_keys():
     msg = _raises(c, "model.fields.d_modle")
     assert "did you mean config.model.fields.d_model?" in msg
     c = _smoke()
-    c.model.fields.dtype = "bfloat16"  # train.model_config would overwrite it
+    c.model.fields.dtype = "bfloat16"  # config.model_config would overwrite it
     assert "config.model.dtype" in _raises(c, "model.fields.dtype")
 
 
@@ -429,10 +427,10 @@ def test_vocab_size_of_a_pretrained_model_is_the_checkpoints():
 
 
 def test_char_tokenizer_default_validates():
-    from gspo_jax import train
+    from gspo_jax import trainer
 
     c = _smoke()
-    tok = train.make_tokenizer(c)
+    tok = trainer.make_tokenizer(c)
     config_lib.validate(c, 8, tokenizer_vocab_size=tok.vocab_size)
     assert config_lib.model_config(c, tok.vocab_size).vocab_size == tok.vocab_size
 

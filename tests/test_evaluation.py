@@ -18,7 +18,6 @@ from gspo_jax import config as config_lib
 from gspo_jax import evaluation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 # --------------------------------------------------------------------------

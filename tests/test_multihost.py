@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import config as config_lib
-from gspo_jax import multihost, train
+from gspo_jax import multihost
 from gspo_jax.metrics_log import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def test_answer_codes_keep_equality_and_none():
     ],
 )
 def test_cluster_detection(env, found):
-    assert train.cluster_detected(env) == found
+    assert multihost.cluster_detected(env) == found
 
 
 def test_distributed_off_or_alone_starts_nothing(monkeypatch):
@@ -103,10 +103,10 @@ def test_distributed_off_or_alone_starts_nothing(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     c = config_lib.base_config()
     c.distributed.mode = "off"
-    assert train.maybe_initialize_distributed(c.distributed) is False
+    assert multihost.maybe_initialize_distributed(c.distributed) is False
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     c.distributed.mode = "auto"
-    assert train.maybe_initialize_distributed(c.distributed) is False
+    assert multihost.maybe_initialize_distributed(c.distributed) is False
     assert jax.process_count() == 1
 
 

@@ -13,17 +13,17 @@
 
 import dataclasses
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
 
 from gspo_jax import config as config_lib
-from gspo_jax import train
+from gspo_jax import rl as rl_lib
+from gspo_jax import sft, trainer as trainer_lib
+from gspo_jax.data.encoding import fit_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 # The compiled functions of an RL step, by the name compile_counts gives them.
@@ -65,8 +65,8 @@ def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_pat
     step compile in step 1 and never again."""
     c = _config(data_dir, **{"rollout.long_prompts": "truncate", "dapo.dynamic_sampling": True,
                              "dapo.max_sampling_rounds": 2, "dapo.overlong_filter": True})
-    trainer = train.Trainer(c, str(tmp_path))
-    rl = train.RLPhase(trainer, trainer.init_params)
+    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    rl = rl_lib.RLPhase(trainer, trainer.init_params)
     n = int(c.rollout.prompts_per_step)
     lengths = [40, 8, 24, 100, 100]  # per step; + i within the batch, + 1 for BOS
     _vary_prompt_lengths(trainer, lambda pos: lengths[pos // (2 * n)])  # 2 rounds a step at most
@@ -109,10 +109,10 @@ def test_routing_record_never_reaches_the_host(data_dir, tmp_path, monkeypatch):
     collecting, preparing and updating bring to the host only the response token
     ids, lengths, truncation flags and metrics."""
     c = _config(data_dir, **{"updates.routing_replay": "R3"})
-    trainer = train.Trainer(c, str(tmp_path))
-    rl = train.RLPhase(trainer, trainer.init_params)
+    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    rl = rl_lib.RLPhase(trainer, trainer.init_params)
     fetched = _record_host_fetches(monkeypatch)
-    batch, _ = trainer.collect(rl.state.params, 0, jax.random.key(0))
+    batch, _ = rl.collect(rl.state.params, 0, jax.random.key(0))
     prepared, _ = rl.prepare(batch)
     rl.step(0)
     rows, T = int(c.rollout.prompts_per_step) * int(c.rollout.group_size), int(c.rollout.max_new_tokens)
@@ -129,12 +129,12 @@ def test_routing_record_never_reaches_the_host(data_dir, tmp_path, monkeypatch):
 
 def test_fit_prompts_refuses_or_truncates():
     prompts = [[1, 2, 3], list(range(10, 20))]
-    assert train.fit_prompts(prompts, 10, "refuse") == (prompts, 0)
-    out, cut = train.fit_prompts(prompts, 4, "truncate")
+    assert fit_prompts(prompts, 10, "refuse") == (prompts, 0)
+    out, cut = fit_prompts(prompts, 4, "truncate")
     assert out == [[1, 2, 3], [16, 17, 18, 19]] and cut == 1  # the last 4 tokens kept
     with pytest.raises(config_lib.ConfigError,
                        match=r"config\.rollout\.max_prompt_len: a prompt of 10 tokens \(number 1 of its batch\)"):
-        train.fit_prompts(prompts, 4, "refuse")
+        fit_prompts(prompts, 4, "refuse")
 
 
 @pytest.mark.parametrize("field, value", [("rollout.max_prompt_len", 0), ("rollout.max_prompt_len", -1),
@@ -149,9 +149,9 @@ def test_prompt_length_settings_are_validated(field, value):
 
 def test_warm_start_batches_have_one_prompt_length(data_dir, tmp_path):
     c = _config(data_dir, **{"rollout.long_prompts": "truncate"})
-    trainer = train.Trainer(c, str(tmp_path))
+    trainer = trainer_lib.Trainer(c, str(tmp_path))
     _vary_prompt_lengths(trainer, lambda pos: [8, 100][pos // 8])
-    short, cut0 = trainer._sft_batch(0)
-    long, cut1 = trainer._sft_batch(8)
+    short, cut0 = sft.sft_batch(trainer, 0)
+    long, cut1 = sft.sft_batch(trainer, 8)
     assert short["prompt_tokens"].shape == long["prompt_tokens"].shape == (8, 64)
     assert cut0 == 0 and cut1 == 8 and long["prompt_mask"].all()

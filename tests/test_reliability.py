@@ -17,12 +17,12 @@ from flax import nnx
 
 from gspo_jax import config as config_lib
 from gspo_jax import safety
+from gspo_jax.metrics import compute_all
 from gspo_jax.metrics_log import read_metrics
 from gspo_jax.models import ModelConfig, Transformer
 from gspo_jax.rollout import Sampler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 
@@ -227,6 +227,7 @@ def test_an_update_to_non_finite_parameters_is_reported():
         fn = jax.jit(functools.partial(step.sft_step, graphdef=graphdef, optimizer=opt,
                                        schedule=optax.constant_schedule(lr)))
         _, m = fn(step.TrainState.create(params, opt.init(params)), batch, jax.random.key(0))
+        m = compute_all(m)
         assert np.isfinite(float(m["loss"])) and float(m["params_finite"]) == finite
 
 

@@ -7,22 +7,24 @@ import json
 import math
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from experiments.stability import (  # noqa: E402
+from experiments.stability import (
     common,
     stage3_config,
     stage3_replay,
+    stage3_report,
+    stage3_rules,
     stage4_mismatch,
+    stage4_report,
+    stats,
 )
+from gspo_jax import sweep
 
-S3 = stage3_replay
 CFG3 = os.path.join(REPO, "experiments", "stability", "stage3_config.py")
 CFG4 = os.path.join(REPO, "experiments", "stability", "stage4_config.py")
 
@@ -32,42 +34,42 @@ CFG4 = os.path.join(REPO, "experiments", "stability", "stage4_config.py")
 
 def test_fisher_matches_hand_computed_values():
     # 0/5 vs 5/5: the arm holds none of the 5 collapses, P = C(5,0) C(5,5) / C(10,5).
-    assert S3.fisher_one_sided(0, 5, 5, 5) == pytest.approx(1 / 252)
+    assert stats.fisher_one_sided(0, 5, 5, 5) == pytest.approx(1 / 252)
     # 0/5 vs 4/5: P(X = 0) = C(4,0) C(6,5) / C(10,5) = 6 / 252.
-    assert S3.fisher_one_sided(0, 5, 4, 5) == pytest.approx(6 / 252)
+    assert stats.fisher_one_sided(0, 5, 4, 5) == pytest.approx(6 / 252)
     # 1/5 vs 5/5: K = 6, P(X <= 1) = [C(6,0) C(4,5) + C(6,1) C(4,4)] / 252 = 6 / 252.
-    assert S3.fisher_one_sided(1, 5, 5, 5) == pytest.approx(6 / 252)
+    assert stats.fisher_one_sided(1, 5, 5, 5) == pytest.approx(6 / 252)
     # 1/5 vs 4/5: K = 5, P(X <= 1) = [1 + C(5,1) C(5,4)] / 252 = 26 / 252.
-    assert S3.fisher_one_sided(1, 5, 4, 5) == pytest.approx(26 / 252)
+    assert stats.fisher_one_sided(1, 5, 4, 5) == pytest.approx(26 / 252)
     # Equal counts, or more than the reference: no evidence at all.
-    assert S3.fisher_one_sided(5, 5, 5, 5) == 1.0
-    assert S3.fisher_one_sided(0, 5, 0, 5) == 1.0
-    assert S3.fisher_one_sided(5, 5, 0, 5) == 1.0
+    assert stats.fisher_one_sided(5, 5, 5, 5) == 1.0
+    assert stats.fisher_one_sided(0, 5, 0, 5) == 1.0
+    assert stats.fisher_one_sided(5, 5, 0, 5) == 1.0
     # Unequal groups: 0/3 vs 3/3, P = 1 / C(6, 3).
-    assert S3.fisher_one_sided(0, 3, 3, 3) == pytest.approx(1 / 20)
+    assert stats.fisher_one_sided(0, 3, 3, 3) == pytest.approx(1 / 20)
     with pytest.raises(ValueError, match="exceed"):
-        S3.fisher_one_sided(6, 5, 0, 5)
+        stats.fisher_one_sided(6, 5, 0, 5)
 
 
 def test_fisher_agrees_with_scipy_where_available():
-    stats = pytest.importorskip("scipy.stats")
+    scipy_stats = pytest.importorskip("scipy.stats")
     for a in range(6):
         for b in range(6):
-            want = stats.fisher_exact([[a, 5 - a], [b, 5 - b]], alternative="less")[1]
-            assert S3.fisher_one_sided(a, 5, b, 5) == pytest.approx(want, rel=1e-9), (a, b)
+            want = scipy_stats.fisher_exact([[a, 5 - a], [b, 5 - b]], alternative="less")[1]
+            assert stats.fisher_one_sided(a, 5, b, 5) == pytest.approx(want, rel=1e-9), (a, b)
 
 
 def test_prevents_collapse_needs_fewer_collapses_and_p_below_005():
-    assert S3.prevents_collapse(0, 5, 5, 5) == (pytest.approx(1 / 252), True)
-    assert S3.prevents_collapse(1, 5, 4, 5)[1] is False  # p = 26/252 > 0.05
-    assert S3.prevents_collapse(0, 5, 4, 5)[1] is True  # p = 6/252
-    assert S3.prevents_collapse(3, 5, 3, 5)[1] is False
+    assert stage3_rules.prevents_collapse(0, 5, 5, 5) == (pytest.approx(1 / 252), True)
+    assert stage3_rules.prevents_collapse(1, 5, 4, 5)[1] is False  # p = 26/252 > 0.05
+    assert stage3_rules.prevents_collapse(0, 5, 4, 5)[1] is True  # p = 6/252
+    assert stage3_rules.prevents_collapse(3, 5, 3, 5)[1] is False
 
 
 # --------------------------------------------------------------------------
 # Precursors: thresholds, lead times, false alarms.
 
-P = {p.key: p for p in S3.PRECURSORS}
+P = {p.key: p for p in stage3_rules.PRECURSORS}
 
 
 def test_precursor_thresholds_are_the_readmes():
@@ -80,47 +82,47 @@ def test_precursor_thresholds_are_the_readmes():
     assert P["grad_norm"].floor is None
     assert (P["gamma_raw_mean_klast"].rule, P["gamma_raw_mean_klast"].lo) == ("below_minus", 0.1)
     assert (P["entropy"].rule, P["entropy"].lo, P["entropy"].hi) == ("outside", 0.5, 2.0)
-    assert S3.BASELINE_STEPS == 10
+    assert stage3_rules.BASELINE_STEPS == 10
 
 
 def test_baseline_is_the_median_of_the_first_ten_steps():
     steps = list(range(1, 16))
     values = [1.0] * 5 + [3.0] * 5 + [100.0] * 5
-    assert S3.baseline(steps, values) == 2.0
-    assert S3.baseline(steps, [None] * 3 + values[3:]) == 3.0  # missing values left out
-    assert S3.baseline([11, 12], [1.0, 2.0]) is None
+    assert stage3_rules.baseline(steps, values) == 2.0
+    assert stage3_rules.baseline(steps, [None] * 3 + values[3:]) == 3.0  # missing values left out
+    assert stage3_rules.baseline([11, 12], [1.0, 2.0]) is None
 
 
 def test_first_crossing_per_rule():
     steps = list(range(1, 21))
     flat = [0.1] * 10
     # above: > 3 x baseline (0.1); exactly 3x does not count.
-    assert S3.first_crossing(steps, flat + [0.3, 0.31] + [0.1] * 8, P["grad_norm"]) == 12
-    assert S3.first_crossing(steps, flat + [0.3] * 10, P["grad_norm"]) is None
+    assert stage3_rules.first_crossing(steps, flat + [0.3, 0.31] + [0.1] * 8, P["grad_norm"]) == 12
+    assert stage3_rules.first_crossing(steps, flat + [0.3] * 10, P["grad_norm"]) is None
     # below_minus: gamma below baseline - 0.1.
     g = [0.9] * 10 + [0.85, 0.79, 0.5] + [0.5] * 7
-    assert S3.first_crossing(steps, g, P["gamma_raw_mean_klast"]) == 12
+    assert stage3_rules.first_crossing(steps, g, P["gamma_raw_mean_klast"]) == 12
     # outside: entropy below 0.5x or above 2x.
     e = [1.0] * 10 + [0.6, 2.1] + [1.0] * 8
-    assert S3.first_crossing(steps, e, P["entropy"]) == 12
+    assert stage3_rules.first_crossing(steps, e, P["entropy"]) == 12
     e = [1.0] * 10 + [0.49] + [1.0] * 9
-    assert S3.first_crossing(steps, e, P["entropy"]) == 11
+    assert stage3_rules.first_crossing(steps, e, P["entropy"]) == 11
     # A spike inside the baseline window counts too (the first step at which it crosses).
     spike = [0.1] * 4 + [1.0] + [0.1] * 15
-    assert S3.first_crossing(steps, spike, P["clip_frac_klast"]) == 5
+    assert stage3_rules.first_crossing(steps, spike, P["clip_frac_klast"]) == 5
     # The floor: from a zero baseline, 0.005 does not cross 0.01, 0.02 does.
     quiet = [0.0] * 10 + [0.005] * 3 + [0.02] * 7
-    assert S3.first_crossing(steps, quiet, P["frac_ratio_gt_2_klast"]) == 14
+    assert stage3_rules.first_crossing(steps, quiet, P["frac_ratio_gt_2_klast"]) == 14
     kl = [1e-8, -1e-8] * 5 + [5e-4] * 5 + [2e-3] * 5
-    assert S3.first_crossing(steps, kl, P["ppo_kl_klast"]) == 16
+    assert stage3_rules.first_crossing(steps, kl, P["ppo_kl_klast"]) == 16
     # No baseline: never crosses.
-    assert S3.first_crossing(steps, [None] * 10 + [5.0] * 10, P["clip_frac_klast"]) is None
+    assert stage3_rules.first_crossing(steps, [None] * 10 + [5.0] * 10, P["clip_frac_klast"]) is None
 
 
 def test_lead_time_sign():
-    assert S3.lead_time(30, 22) == 8
-    assert S3.lead_time(30, 33) == -3
-    assert S3.lead_time(None, 5) is None and S3.lead_time(30, None) is None
+    assert stage3_rules.lead_time(30, 22) == 8
+    assert stage3_rules.lead_time(30, 33) == -3
+    assert stage3_rules.lead_time(None, 5) is None and stage3_rules.lead_time(30, None) is None
 
 
 def _run(collapse, series, arm="grpo", seed=0, updates=16, n=30, final=0.3):
@@ -151,14 +153,14 @@ def test_precursor_stats_lead_times_and_false_alarms():
         _run(None, {"flip_frac_klast": base + [0.02] * 20}),
         _run(None, {"grad_norm": [1.0] * 30}),  # no flips series: left out
     ]
-    st = S3.precursor_stats(runs, P["flip_frac_klast"])
+    st = stage3_rules.precursor_stats(runs, P["flip_frac_klast"])
     assert sorted(st["leads"]) == [-3, 6]
     assert st["median"] == 1.5 and st["range"] == (-3, 6)
     assert (st["crossed"], st["collapsed"]) == (2, 3)
     assert (st["false_alarms"], st["not_collapsed"], st["missing"]) == (1, 2, 1)
-    assert S3.fmt_precursor(st) == "+1.5 [-3, +6] (2/3); FA 1/2"
-    none = S3.precursor_stats(runs[2:3], P["flip_frac_klast"])
-    assert none["median"] is None and S3.fmt_precursor(none) == "- (0/1); FA -"
+    assert stage3_report.fmt_precursor(st) == "+1.5 [-3, +6] (2/3); FA 1/2"
+    none = stage3_rules.precursor_stats(runs[2:3], P["flip_frac_klast"])
+    assert none["median"] is None and stage3_report.fmt_precursor(none) == "- (0/1); FA -"
 
 
 def test_setting_lr_follows_the_readme_rule():
@@ -174,23 +176,23 @@ def test_setting_lr_follows_the_readme_rule():
         + [r("dense2", 1e-2, c) for c in (1, 1, 1)]
         + [r("moe2", 1e-3, 1, "gspo")] * 3  # another objective: ignored
     )
-    assert S3.setting_lr(runs) == 3e-3
-    assert S3.setting_lr([x for x in runs if x["lr"] != 3e-3]) is None
+    assert stage3_rules.setting_lr(runs) == 3e-3
+    assert stage3_rules.setting_lr([x for x in runs if x["lr"] != 3e-3]) is None
     # The whole grid read as it fills: the verdict agrees with setting_lr when finished.
     lrs = (1e-3, 3e-3, 1e-2)
-    assert S3.setting_verdict(runs, lrs, 3, "moe2", "dense2") == (
+    assert stage3_rules.setting_verdict(runs, lrs, 3, "moe2", "dense2") == (
         "found",
         3e-3,
         {1e-3: "cannot", 3e-3: "qualifies", 1e-2: "cannot"},
     )
     no_3e3 = [x for x in runs if x["lr"] != 3e-3]
-    assert S3.setting_verdict(no_3e3, lrs, 3, "moe2", "dense2")[:2] == ("open", 3e-3)
+    assert stage3_rules.setting_verdict(no_3e3, lrs, 3, "moe2", "dense2")[:2] == ("open", 3e-3)
     no_3e3 += [r("moe2", 3e-3, 0), r("moe2", 3e-3, 0)]  # 2 of 3 MoE seeds held: ruled out
-    assert S3.setting_verdict(no_3e3, lrs, 3, "moe2", "dense2")[:2] == ("none", None)
+    assert stage3_rules.setting_verdict(no_3e3, lrs, 3, "moe2", "dense2")[:2] == ("none", None)
 
 
 def test_setting_status_rules_an_lr_in_or_out_only_when_the_missing_seeds_cannot_matter():
-    st = S3.setting_status
+    st = stage3_rules.setting_status
     assert st([1, 1], [0, 0], 3) == "qualifies"  # 2/3 MoE at least, 1/3 dense at most
     assert st([1, 1], [0], 3) == "open"  # dense could still reach 2/3
     assert st([1], [0, 0], 3) == "open"  # MoE could still reach 2/3
@@ -209,7 +211,7 @@ def test_setting_status_rules_an_lr_in_or_out_only_when_the_missing_seeds_cannot
 
 def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch):
     monkeypatch.setattr(stage3_config, "CALIBRATION", str(tmp_path / "missing.json"))
-    with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
+    with pytest.raises(FileNotFoundError, match="experiments.stability.stage1_probes --report"):
         stage3_config.get_config("lr=0.003")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"eps_low": None, "note": "GRPO's clip fraction is off the grid"}))
@@ -235,9 +237,9 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
         1,
         2,
     )
-    assert S3.stage_name(gpu) == "stage3_gpu" and S3.stage_name(c) == "stage3"
-    assert S3.overrides(gpu, "grpo")["model.dtype"] == "bfloat16"
-    assert S3.overrides(c, "grpo")["model.dtype"] == "float32"
+    assert stage3_replay.stage_name(gpu) == "stage3_gpu" and stage3_replay.stage_name(c) == "stage3"
+    assert stage3_replay.overrides(gpu, "grpo")["model.dtype"] == "bfloat16"
+    assert stage3_replay.overrides(c, "grpo")["model.dtype"] == "float32"
     assert common.arm_fields(gpu.arm)["num_experts"] == 64
     with pytest.raises(ValueError, match="scale='tpu'"):
         stage3_config.get_config("lr=0.003,scale=tpu")
@@ -254,7 +256,7 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
         "sapo",
     )
     c.lr = 3e-3
-    o = {name: S3.overrides(c, name) for name in c.arms}
+    o = {name: stage3_replay.overrides(c, name) for name in c.arms}
     assert o["gspo"]["objective"] == ("gspo", {"eps_low": 0.004, "eps_high": 0.0053})
     assert o["grpo"]["objective"] == ("grpo", {"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.0})
     assert o["grpo_r2"]["updates.routing_replay"] == "R2"
@@ -266,8 +268,8 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
     from gspo_jax import config as config_lib
 
     for name in c.arms + (stage3_config.DENSE_REFERENCE,):
-        base = common.base_config(S3.model_arm(c, name), 0)
-        common.apply_overrides(base, S3.overrides(c, name))
+        base = common.base_config(stage3_replay.model_arm(c, name), 0)
+        common.apply_overrides(base, stage3_replay.overrides(c, name))
         config_lib.validate(base, 1, tokenizer_vocab_size=64)
 
 
@@ -278,7 +280,7 @@ def test_stage3_refuses_to_run_without_the_settings_lr(tmp_path, monkeypatch):
     sc = stage3_config.get_config()
     assert sc.lr is None
     with pytest.raises(SystemExit, match='"Setting"'):
-        S3.check_setting(sc, stage2_runs=str(tmp_path / "none"))
+        stage3_replay.check_setting(sc, stage2_runs=str(tmp_path / "none"))
     s2 = tmp_path / "s2"
     s2.mkdir()
     rows = [
@@ -287,9 +289,9 @@ def test_stage3_refuses_to_run_without_the_settings_lr(tmp_path, monkeypatch):
     ]
     common.write_jsonl(str(s2 / "runs.jsonl"), rows)
     with pytest.raises(SystemExit, match="give lr=0.001"):
-        S3.check_setting(sc, stage2_runs=str(s2))
+        stage3_replay.check_setting(sc, stage2_runs=str(s2))
     with pytest.raises(SystemExit, match="lr=<lr>"):
-        S3.run_all(sc, str(tmp_path / "r"), str(tmp_path / "o"), common.Budget(None))
+        stage3_replay.run_all(sc, str(tmp_path / "r"), str(tmp_path / "o"), common.Budget(None))
     assert not (tmp_path / "r").exists()
 
 
@@ -335,14 +337,14 @@ def test_bisection_on_log_sigma_finds_the_target():
 
 
 def test_bootstrap_diff_and_rule_one():
-    est, lo, hi = stage4_mismatch.bootstrap_diff_ci([0.5, 0.6, 0.55], [0.2, 0.25, 0.3])
+    est, lo, hi = stats.bootstrap_diff_ci([0.5, 0.6, 0.55], [0.2, 0.25, 0.3])
     assert est == pytest.approx(0.3) and 0 < lo <= est <= hi
-    est, lo, hi = stage4_mismatch.bootstrap_diff_ci([0.5, 0.1, 0.3], [0.3, 0.2, 0.4])
+    est, lo, hi = stats.bootstrap_diff_ci([0.5, 0.1, 0.3], [0.3, 0.2, 0.4])
     assert lo < 0 < hi
-    assert stage4_mismatch.bootstrap_diff_ci([0.4], [0.1]) == pytest.approx((0.3, 0.3, 0.3))
-    assert stage4_mismatch.r3_removes((1e-3, 8e-4, 1.2e-3), (5e-5, 4e-5, 6e-5))
-    assert not stage4_mismatch.r3_removes((1e-3, 8e-4, 1.2e-3), (2e-4, 1e-4, 3e-4))  # only 5x
-    assert not stage4_mismatch.r3_removes((1e-3, 5e-5, 1.2e-3), (9e-5, 4e-5, 1e-4))  # overlap
+    assert stats.bootstrap_diff_ci([0.4], [0.1]) == pytest.approx((0.3, 0.3, 0.3))
+    assert stage4_report.r3_removes((1e-3, 8e-4, 1.2e-3), (5e-5, 4e-5, 6e-5))
+    assert not stage4_report.r3_removes((1e-3, 8e-4, 1.2e-3), (2e-4, 1e-4, 3e-4))  # only 5x
+    assert not stage4_report.r3_removes((1e-3, 5e-5, 1.2e-3), (9e-5, 4e-5, 1e-4))  # overlap
 
 
 def test_stage4_rules_give_a_verdict_only_on_every_seed():
@@ -360,13 +362,13 @@ def test_stage4_rules_give_a_verdict_only_on_every_seed():
     full = [run("grpo", s, 1e-3 * (1 + 0.01 * s), 0.30 + 0.01 * s) for s in range(3)]
     full += [run("grpo_r3", s, 5e-5 * (1 + 0.01 * s), 0.31 + 0.01 * s) for s in range(3)]
     full += [run("grpo_tis", s, 1e-3, 0.40 + 0.01 * s) for s in range(3)]
-    text = "\n".join(stage4_mismatch.decisions(stage4_mismatch.cells(full), 3))
+    text = "\n".join(stage4_report.decisions(stage4_report.cells(full), 3))
     assert "GRPO / R3 = 20" in text and "≥ 10× below, intervals apart." in text
     assert re.search(r"grpo_tis − grpo = \+0\.100 \[\+0\.0\d\d, \+0\.1\d\d\] → \*\*TIS helps", text)
     assert "preliminary" not in text
     # One seed of three: the numbers, marked preliminary, and no verdict.
     one = [r for r in full if r["seed"] == 0]
-    text = "\n".join(stage4_mismatch.decisions(stage4_mismatch.cells(one), 3))
+    text = "\n".join(stage4_report.decisions(stage4_report.cells(one), 3))
     assert text.count("preliminary, 1 of 3 seeds") == 2 and "→" not in text
     assert "**TIS helps**" not in text and "undecided" in text
 
@@ -419,47 +421,87 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
             r["series"]["ppo_kl_klast"] = [kl] + [0.0] * 29
             if arm == "grpo":
                 r["series"]["frac_ratio_gt_2_klast"] = [0.2] + [0.0] * 29
-            assert common.collapse_step(r["series"]["reward_mean"]) is None or cs is not None
+            assert stats.collapse_step(r["series"]["reward_mean"]) is None or cs is not None
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
-    S3.main(["--report", "--out", str(out)])
+    stage3_replay.main(["--report", "--out", str(out)])
     text = (out / "table.md").read_text()
-    assert "| grpo | 5 / 5 | - | - | 272 |" in text  # median collapse step 17 x 16 updates
-    assert "| grpo_r3 | 0 / 5 | 0.00397 | **yes** |" in text  # 1/252
-    assert "| n/a |" in text
-    assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text  # 21/252
+    groups = _groups(out)
+    rows = {r["arm"]: r for r in stage3_report.arm_rows(groups)}
+    assert list(rows) == ["grpo", "grpo_r3", "gspo"]
+    grpo, r3, gspo = rows["grpo"], rows["grpo_r3"], rows["gspo"]
+    assert (grpo["collapsed"], grpo["seeds"], grpo["p"], grpo["prevents"]) == (5, 5, None, None)
+    assert grpo["median_update"] == 272  # median collapse step 17 x 16 updates
+    assert (r3["collapsed"], r3["seeds"], r3["against"]) == (0, 5, "grpo")
+    assert r3["p"] == pytest.approx(1 / 252) and r3["prevents"] is True
+    assert r3["preliminary"] is None and r3["median_update"] is None
+    assert (gspo["collapsed"], gspo["seeds"]) == (2, 5)
+    assert gspo["p"] == pytest.approx(21 / 252) and gspo["prevents"] is False
+    assert gspo["median_update"] == 320  # collapses at step 20 x 16 updates
+    # Held-out: every run's summary gives 0.3, so the interval is a point.
+    for row in rows.values():
+        assert row["final"] == pytest.approx((0.3, 0.3, 0.3))
     # Flips cross 3 steps before every collapse (0.08 > 3 x 0.01), never elsewhere;
-    # precursors without a series are n/a.
-    assert "+3 [+3, +3] (5/5); FA -" in text
-    assert "+3 [+3, +3] (7/7); FA 0/8" in text
+    # precursors without a series have no runs to count.
+    prec = stage3_report.precursor_rows(groups)
+    flips = {arm: per["free flips"] for arm, per in prec.items()}
+    assert flips["grpo"]["leads"] == [3] * 5 and flips["grpo"]["crossed"] == 5
+    assert flips["grpo"]["not_collapsed"] == 0
+    everything = flips["all arms"]
+    assert everything["leads"] == [3] * 7 and everything["median"] == 3
+    assert (everything["crossed"], everything["collapsed"]) == (7, 7)
+    assert (everything["false_alarms"], everything["not_collapsed"]) == (0, 8)
     # Every hand-made collapse is after step 10, so the clean-baseline row is the same.
-    (row,) = [
-        ln for ln in text.splitlines() if ln.startswith("| all arms, collapses after step 10")
-    ]
-    assert row.split(" | ")[2] == "+3 [+3, +3] (7/7); FA 0/8"  # the free flips' cell
+    assert flips["all arms, collapses after step 10"] == everything
+    clip = prec["all arms"]["token clip fraction"]  # no run logs it: n/a
+    assert clip["collapsed"] == clip["not_collapsed"] == 0 and clip["missing"] == 15
+    assert stage3_report.fmt_precursor(clip) == "n/a"
+    assert prec["grpo_r3"]["F(τ=2)"]["missing"] == 5  # GRPO's alone
     # The step each arm takes: medians over seeds, and the ratio to GRPO's on the same
     # seed (GSPO: 0.4 / 0.1 = 4 at seed 0 down to 0.4 / 0.5 = 0.8 at seed 4).
-    assert "| grpo | 5 | 0.3 [0.1, 0.5] | 0.2 [0.2, 0.2] | 1 [1, 1] |" in text
-    assert "| grpo_r3 | 5 | 0.15 [0.05, 0.25] | - | 0.5 [0.5, 0.5] |" in text
-    assert "| gspo | 5 | 0.4 [0.4, 0.4] | - | 1.33 [0.8, 4] |" in text
+    steps = {r["arm"]: r for r in stage3_report.step_rows(groups)}
+    assert steps["grpo"]["kl"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert steps["grpo"]["f2"] == pytest.approx([0.2] * 5)
+    assert steps["grpo"]["ratio"] == pytest.approx([1] * 5)
+    assert steps["grpo_r3"]["kl"] == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.25])
+    assert steps["grpo_r3"]["f2"] == [] and steps["grpo_r3"]["ratio"] == pytest.approx([0.5] * 5)
+    assert steps["gspo"]["kl"] == pytest.approx([0.4] * 5)
+    assert steps["gspo"]["ratio"] == pytest.approx([4, 2, 4 / 3, 1, 0.8])
+    # The rendering, lightly: a row per arm in each table, the rule's numbers in them.
+    for arm in rows:
+        assert text.count(f"| {arm} |") == 3  # the rule's, the precursors' and the step's
+    assert "| 0.00397 | **yes** |" in text and "| n/a |" in text
     for name in ("reward_vs_updates.png", "precursors.png"):
         assert (out / name).stat().st_size > 0
     # An arm short of the planned seeds gets its numbers and no verdict.
     os.remove(out / "runs" / "grpo_r3_s4.jsonl")
-    S3.main(["--report", "--out", str(out)])
-    text = (out / "table.md").read_text()
-    assert "| grpo_r3 | 0 / 4 | 0.00794 | preliminary (4 of 5 seeds) |" in text  # 1/126
-    assert "| gspo | 2 / 5 | 0.0833 | no | 320 |" in text
+    stage3_replay.main(["--report", "--out", str(out)])
+    rows = {r["arm"]: r for r in stage3_report.arm_rows(_groups(out))}
+    r3 = rows["grpo_r3"]
+    assert (r3["collapsed"], r3["seeds"]) == (0, 4) and r3["p"] == pytest.approx(1 / 126)
+    assert r3["preliminary"] == "preliminary (4 of 5 seeds)"
+    assert rows["gspo"]["p"] == pytest.approx(21 / 252) and rows["gspo"]["preliminary"] is None
+    assert "| preliminary (4 of 5 seeds) |" in (out / "table.md").read_text()
     # The dense twin: GRPO there is a reference (no verdict); GMPO there is read against
     # it, not against GRPO on the MoE.
     for seed in range(5):
         for arm, cs in (("grpo_dense", 10), ("gmpo_dense", 12 if seed == 0 else None)):
             r = _run(cs, series(cs), arm=arm, seed=seed)
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
-    S3.main(["--report", "--out", str(out)])
+    stage3_replay.main(["--report", "--out", str(out)])
     text = (out / "table.md").read_text()
-    assert "| grpo_dense | 5 / 5 | 1 | (dense reference) | 160 |" in text
+    rows = {r["arm"]: r for r in stage3_report.arm_rows(_groups(out))}
+    ref, gmpo = rows["grpo_dense"], rows["gmpo_dense"]
+    assert (ref["collapsed"], ref["seeds"], ref["against"], ref["p"]) == (5, 5, "grpo", 1)
+    assert ref["median_update"] == 160
     # 1 of 5 against 5 of 5: p = C(6,1) C(4,4) / C(10,5) = 6/252
-    assert "| gmpo_dense | 1 / 5 | 0.0238 (vs grpo_dense) | **yes** (on the dense twin) |" in text
+    assert (gmpo["collapsed"], gmpo["against"], gmpo["prevents"]) == (1, "grpo_dense", True)
+    assert gmpo["p"] == pytest.approx(6 / 252)
+    assert "| (dense reference) |" in text and "(vs grpo_dense) | **yes** (on the dense twin) |" in text
+
+
+def _groups(out) -> dict[str, list[dict]]:
+    """A stage-3 report's runs by arm, as its tables read them."""
+    return stage3_report.by_arm(common.read_records(str(out / "runs")))
 
 
 # --------------------------------------------------------------------------
@@ -469,7 +511,7 @@ def test_stage3_report_on_hand_made_runs(tmp_path):
 @pytest.mark.slow
 def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
-    S3.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"])
+    stage3_replay.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"])
     runs = sorted(os.listdir(out / "runs"))
     assert runs == ["grpo_r3_s0.jsonl", "grpo_s0.jsonl", "rspo_g0.5_s0.jsonl"]
     summary = common.read_jsonl(str(out / "runs" / "rspo_g0.5_s0.jsonl"))[0]
@@ -478,20 +520,20 @@ def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     assert len(summary["series"]["reward_mean"]) == 2
     assert (root / "stage3" / "grpo_r3_s0" / "metrics.jsonl").exists()
     # A second invocation resumes: nothing left to run.
-    sc = common.load_stage_config(CFG3, "smoke")
-    assert S3.run_all(sc, str(root), str(out), common.Budget(None)) == 0
-    S3.main(["--report", "--out", str(out)])
+    sc = sweep.load_config(CFG3 + ":smoke")
+    assert stage3_replay.run_all(sc, str(root), str(out), common.Budget(None)) == 0
+    stage3_replay.main(["--report", "--out", str(out)])
     for name in ("reward_vs_updates.png", "precursors.png", "table.md"):
         assert (out / name).exists(), name
     assert "| grpo_r3 | 0 / 1 | 1 | no |" in (out / "table.md").read_text()
     # The one-step lr grid of a KL-matched control: one RL step per lr.
-    S3.main(
+    stage3_replay.main(
         ["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"]
         + ["--kl-grid", "sapo"]
     )
-    grid = common.read_records(str(out / S3.KL_GRID))
+    grid = common.read_records(str(out / stage3_replay.KL_GRID))
     assert len(grid) == len(stage3_config.KL_GRID_LRS)
-    assert all(r["steps"] == [1] and S3.first_step(r, S3.KL_KEY) is not None for r in grid)
+    assert all(r["steps"] == [1] and stage3_rules.first_step(r, stage3_rules.KL_KEY) is not None for r in grid)
 
 
 @pytest.mark.slow
@@ -499,7 +541,7 @@ def test_the_gpu_replication_runs_end_to_end_on_smoke(tmp_path):
     """scale=gpu: the MoE and its dense twin in bf16 on the hard task, runs under
     <root>/stage3_gpu, warm starts under <root>/warm/hard (smoke: a 2-layer model)."""
     root, out = tmp_path / "root", tmp_path / "out"
-    S3.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke,scale=gpu"])
+    stage3_replay.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke,scale=gpu"])
     assert sorted(os.listdir(out / "runs")) == ["grpo_dense_s0.jsonl", "grpo_s0.jsonl"]
     moe = common.read_jsonl(str(out / "runs" / "grpo_s0.jsonl"))[0]
     dense = common.read_jsonl(str(out / "runs" / "grpo_dense_s0.jsonl"))[0]
@@ -507,7 +549,7 @@ def test_the_gpu_replication_runs_end_to_end_on_smoke(tmp_path):
     assert moe["dtype"] == dense["dtype"] == "bfloat16" and moe["task"] == "hard"
     assert sorted(os.listdir(root / "warm" / "hard")) == ["dense2_s0", "moe2e8_s0"]
     assert (root / "stage3_gpu" / "grpo_s0" / "metrics.jsonl").exists()
-    S3.main(["--report", "--out", str(out)])
+    stage3_replay.main(["--report", "--out", str(out)])
     assert "task hard, bfloat16 compute" in (out / "table.md").read_text()
 
 
@@ -546,7 +588,7 @@ def test_precursor_tables_last_row_drops_collapses_inside_the_baseline_window():
     early = _run(5, {"flip_frac_klast": [0.01] * 4 + [0.05] * 26})
     late = _run(25, {"flip_frac_klast": base + [0.01] * 8 + [0.05] * 12})  # 19: +6
     quiet = _run(None, {"flip_frac_klast": base + [0.01] * 20})
-    text = S3.precursor_table({"grpo": [early, late, quiet]})
+    text = stage3_report.precursor_table({"grpo": [early, late, quiet]})
     rows = {ln.split(" | ")[0]: ln.split(" | ")[2] for ln in text.splitlines()[2:]}
     assert rows["| all arms"] == "+6 [+6, +6] (1/2); FA 0/1"
     assert rows["| all arms, collapses after step 10"] == "+6 [+6, +6] (1/1); FA 0/1"
@@ -573,38 +615,38 @@ def test_kl_matched_lr_interpolates_log_kl_against_log_lr():
     grid += [_kl_run("dense2", 1e-3, 0, 5.0, variant="grpo")]
     grid += [_kl_run("moe2", 1e-3, 0, 5.0, variant="gspo")]
     target = [_kl_run("gmpo", 1e-3, s, k) for s, k in enumerate((0.02, 0.03, 0.5))]
-    m = S3.kl_matched_lr(grid, target)
+    m = stage3_rules.kl_matched_lr(grid, target)
     # log-linear: KL 0.03 lies log10(3) = 0.477 of the way from 0.01 to 0.1.
     assert m["lr"] == pytest.approx(1e-4 * 10 ** math.log10(3), rel=1e-3)
     assert m["target_kl"] == pytest.approx(0.03)
     assert m["grid"] == {1e-4: 0.01, 1e-3: 0.1, 1e-2: 1.0}
     # Exactly on a grid point gives that point; the upper segment interpolates too.
-    assert S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.1)])["lr"] == pytest.approx(1e-3)
-    assert S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.3)])["lr"] == pytest.approx(
+    assert stage3_rules.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.1)])["lr"] == pytest.approx(1e-3)
+    assert stage3_rules.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 0.3)])["lr"] == pytest.approx(
         1e-3 * 10 ** math.log10(3), rel=1e-3
     )
     with pytest.raises(ValueError, match="outside grpo's"):
-        S3.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 3.0)])
+        stage3_rules.kl_matched_lr(grid, [_kl_run("gmpo", 1e-3, 0, 3.0)])
     with pytest.raises(ValueError, match="two or more"):
-        S3.kl_matched_lr(grid[:1], target)
+        stage3_rules.kl_matched_lr(grid[:1], target)
     with pytest.raises(ValueError, match="moe2 gspo's first-rollout KL at two or more"):
-        S3.kl_matched_lr(grid, target, variant="gspo")  # one GSPO point only
+        stage3_rules.kl_matched_lr(grid, target, variant="gspo")  # one GSPO point only
     falling = [_kl_run("moe2", 1e-4, 0, 0.2, variant="grpo"), grid[-1]]
     falling[1] = _kl_run("moe2", 1e-2, 0, 0.01, variant="grpo")
     with pytest.raises(ValueError, match="falls"):
-        S3.kl_matched_lr(falling, target)
+        stage3_rules.kl_matched_lr(falling, target)
 
 
 def test_matched_verdict_follows_the_readme_rule():
     # 0 of 5 (the arm) against 4 of 5 (the control): p = 6/252 = 0.0238 < 0.05.
-    p, v = S3.matched_verdict(4, 5, 0, 5, 5)
+    p, v = stage3_rules.matched_verdict(4, 5, 0, 5, 5)
     assert p == pytest.approx(6 / 252) and v == "**not explained by the smaller step**"
-    assert S3.matched_verdict(5, 5, 0, 5, 5)[1] == "**not explained by the smaller step**"
-    assert S3.matched_verdict(1, 5, 0, 5, 5)[1] == "the smaller step can explain it"
-    assert S3.matched_verdict(0, 5, 0, 5, 5)[1] == "the smaller step can explain it"
+    assert stage3_rules.matched_verdict(5, 5, 0, 5, 5)[1] == "**not explained by the smaller step**"
+    assert stage3_rules.matched_verdict(1, 5, 0, 5, 5)[1] == "the smaller step can explain it"
+    assert stage3_rules.matched_verdict(0, 5, 0, 5, 5)[1] == "the smaller step can explain it"
     for hits in (2, 3):
-        assert S3.matched_verdict(hits, 5, 0, 5, 5)[1] == "inconclusive"
-    assert S3.matched_verdict(4, 4, 0, 5, 5)[1] == "preliminary (4 of 5 seeds)"
+        assert stage3_rules.matched_verdict(hits, 5, 0, 5, 5)[1] == "inconclusive"
+    assert stage3_rules.matched_verdict(4, 4, 0, 5, 5)[1] == "preliminary (4 of 5 seeds)"
 
 
 def test_the_kl_matched_control_has_its_own_report_section(tmp_path):
@@ -621,7 +663,7 @@ def test_the_kl_matched_control_has_its_own_report_section(tmp_path):
             r = _kl_run(arm, lr, seed, kl, cs)
             r["series"]["reward_mean"] = [0.3] * 30
             common.write_jsonl(str(out / "runs" / f"{arm}_s{seed}.jsonl"), [r])
-    S3.main(["--report", "--out", str(out)])
+    stage3_replay.main(["--report", "--out", str(out)])
     text = (out / "table.md").read_text()
     # The rule's table and the step table do not hold the control.
     head, control = text.split("## The KL-matched controls")
@@ -648,10 +690,10 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch, fake_s
     common.write_jsonl(str(s2 / "runs.jsonl"), grid)
     common.write_jsonl(str(out / "runs" / "gmpo_s0.jsonl"), [_kl_run("gmpo", 1e-3, 0, 0.03)])
     with pytest.raises(SystemExit, match=r"lacks gmpo's seeds \[1\]"):
-        S3.run_all(sc, str(tmp_path / "r"), str(out), common.Budget(None), stage2_runs=str(s2))
+        stage3_replay.run_all(sc, str(tmp_path / "r"), str(out), common.Budget(None), stage2_runs=str(s2))
     common.write_jsonl(str(out / "runs" / "gmpo_s1.jsonl"), [_kl_run("gmpo", 1e-3, 1, 0.03)])
     log = []
-    assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
+    assert stage3_replay.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
     lr = 1e-4 * 10 ** math.log10(3)
     seen = fake_stage_runs
     assert [(c["name"], c["arm"]) for c in seen] == [
@@ -664,7 +706,7 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch, fake_s
     assert summary["lr"] == pytest.approx(lr, rel=1e-3)
     assert summary["kl_matched"]["target_kl"] == pytest.approx(0.03)
     # Resuming skips both; the summaries' lr is the matched one, not the setting's.
-    assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 0
+    assert stage3_replay.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 0
     # GSPO matched to GRPO: GSPO at its calibrated range, on GSPO's grid (KL 0.06 lies
     # log10(3) of the way from 0.02 to 0.2).
     for seed in (0, 1):
@@ -672,10 +714,10 @@ def test_the_kl_matched_arm_runs_at_the_matched_lr(tmp_path, monkeypatch, fake_s
             str(out / "runs" / f"grpo_s{seed}.jsonl"), [_kl_run("grpo", 1e-3, seed, 0.06)]
         )
     sc.arms, seen[:] = ("gspo_kl_matched",), []
-    assert S3.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
+    assert stage3_replay.run_all(sc, "r", str(out), common.Budget(None), log.append, str(s2)) == 2
     assert all(c["overrides"]["optimizer.lr"] == pytest.approx(lr, rel=1e-3) for c in seen)
     assert {c["overrides"]["objective"][0] for c in seen} == {"gspo"}
-    assert S3.overrides(sc, "gspo_kl_matched")["objective"] == (
+    assert stage3_replay.overrides(sc, "gspo_kl_matched")["objective"] == (
         "gspo",
         {"eps_low": 0.004, "eps_high": 0.0053},
     )
@@ -689,9 +731,9 @@ def test_a_chunk_of_seeds_records_the_planned_seed_count(tmp_path, monkeypatch):
     monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
     ap = common.stage_parser("doc", str(tmp_path), "stage3_config.py", ("arms", "seeds"))
     args = ap.parse_args(["--config", CFG3 + ":lr=0.001", "--only-seeds", "0,1"])
-    sc = common.stage_config(args, ("arms", "seeds"), known={"arms": S3.table_rows})
+    sc = common.stage_config(args, ("arms", "seeds"), known={"arms": stage3_replay.table_rows})
     assert sc.seeds == (0, 1) and sc.planned_seeds == (0, 1, 2, 3, 4)
-    assert S3.setting_meta(sc)["seeds"] == 5
+    assert stage3_replay.setting_meta(sc)["seeds"] == 5
     # A KL-matched control needs every planned seed of the arm it matches, not the chunk's.
     out = tmp_path / "out"
     for seed in (0, 1):
@@ -699,7 +741,7 @@ def test_a_chunk_of_seeds_records_the_planned_seed_count(tmp_path, monkeypatch):
             str(out / "runs" / f"gmpo_s{seed}.jsonl"), [_kl_run("gmpo", 1e-3, seed, 0.1)]
         )
     with pytest.raises(SystemExit, match=r"lacks gmpo's seeds \[2, 3, 4\]"):
-        S3.matched_arm_lr(sc, "grpo_kl_matched", str(out))
+        stage3_replay.matched_arm_lr(sc, "grpo_kl_matched", str(out))
 
 
 def test_the_one_step_kl_grid_feeds_the_sapo_control(tmp_path, monkeypatch, fake_stage_runs):
@@ -711,7 +753,7 @@ def test_the_one_step_kl_grid_feeds_the_sapo_control(tmp_path, monkeypatch, fake
     monkeypatch.setattr(stage3_config, "CALIBRATION", str(good))
     out = tmp_path / "out"
     cfg = CFG3 + ":lr=0.001"
-    S3.main(
+    stage3_replay.main(
         ["--root", str(tmp_path / "r"), "--out", str(out), "--config", cfg]
         + ["--kl-grid", "sapo", "--only-seeds", "0,1"]
     )
@@ -721,28 +763,28 @@ def test_the_one_step_kl_grid_feeds_the_sapo_control(tmp_path, monkeypatch, fake
     assert {c["steps"] for c in calls} == {1} and {c["arm"] for c in calls} == {"moe2"}
     assert {c["overrides"]["objective"][0] for c in calls} == {"sapo"}
     assert {c["stage"] for c in calls} == {"stage3_kl_grid"}
-    runs = common.read_records(str(out / S3.KL_GRID))
+    runs = common.read_records(str(out / stage3_replay.KL_GRID))
     assert sorted((r["variant"], r["arm"], r["lr"], r["seed"]) for r in runs) == sorted(
         ("sapo", "moe2", lr, seed) for lr, seed in grid
     )
     # Resuming skips them; an objective no stage-3 arm has is refused by name.
-    S3.main(
+    stage3_replay.main(
         ["--root", str(tmp_path / "r"), "--out", str(out), "--config", cfg]
         + ["--kl-grid", "sapo", "--only-seeds", "0,1"]
     )
     assert len(calls) == len(grid)
     with pytest.raises(SystemExit, match="'ppo'"):
-        S3.main(["--out", str(out), "--config", cfg, "--kl-grid", "ppo"])
+        stage3_replay.main(["--out", str(out), "--config", cfg, "--kl-grid", "ppo"])
     # The control reads the grid (KL 0.01, 0.1, 1 at the three lrs) beside stage 2's.
     for r in runs:
         k = {1e-4: 0.01, 3e-4: 0.1, 1e-3: 1.0}[r["lr"]]
         r["series"] = {"ppo_kl_klast": [k]}
         r["steps"] = [1]
-        common.write_jsonl(str(out / S3.KL_GRID / f"sapo_lr{r['lr']:g}_s{r['seed']}.jsonl"), [r])
+        common.write_jsonl(str(out / stage3_replay.KL_GRID / f"sapo_lr{r['lr']:g}_s{r['seed']}.jsonl"), [r])
     for seed in range(5):
         common.write_jsonl(
             str(out / "runs" / f"grpo_s{seed}.jsonl"), [_kl_run("grpo", 1e-3, seed, 0.1)]
         )
     sc = stage3_config.get_config("lr=0.001")
-    m = S3.matched_arm_lr(sc, "sapo_kl_matched", str(out), str(tmp_path / "no_stage2"))
+    m = stage3_replay.matched_arm_lr(sc, "sapo_kl_matched", str(out), str(tmp_path / "no_stage2"))
     assert m["lr"] == pytest.approx(3e-4) and m["grid"] == {1e-4: 0.01, 3e-4: 0.1, 1e-3: 1.0}

@@ -6,59 +6,58 @@ settings."""
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from experiments.stability import common  # noqa: E402
+from experiments.stability import common, stats
+from gspo_jax import sweep
 
 # --------------------------------------------------------------------------
 # The collapse detector.
 
 
 def test_moving_average_is_trailing():
-    np.testing.assert_allclose(common.moving_average([3, 6, 9, 0], 2), [3, 4.5, 7.5, 4.5])
-    np.testing.assert_allclose(common.moving_average([1, 2, 3], 5), [1, 1.5, 2])
+    np.testing.assert_allclose(stats.moving_average([3, 6, 9, 0], 2), [3, 4.5, 7.5, 4.5])
+    np.testing.assert_allclose(stats.moving_average([1, 2, 3], 5), [1, 1.5, 2])
 
 
 def test_a_rising_curve_never_collapses():
-    assert common.collapse_step(np.linspace(0.2, 0.6, 60)) is None
+    assert stats.collapse_step(np.linspace(0.2, 0.6, 60)) is None
 
 
 def test_a_sustained_drop_collapses_where_it_begins():
     curve = [0.2, 0.3, 0.4, 0.5, 0.5, 0.5] + [0.0] * 10
     # Trailing 3-step means: ..., 0.5, 0.333, 0.167, 0.0, ...; peak 0.5, threshold 0.15.
     # m first drops below 0.15 at index 8 (the third zero) and stays there.
-    assert common.collapse_step(curve) == 8
+    assert stats.collapse_step(curve) == 8
 
 
 def test_a_dip_that_recovers_within_patience_is_not_a_collapse():
     curve = [0.5] * 5 + [0.0] * 6 + [0.5] * 10
     # m < 0.15 at indices 7..10 only: four steps, patience is five.
-    assert common.collapse_step(curve) is None
-    assert common.collapse_step(curve, patience=4) == 7
+    assert stats.collapse_step(curve) is None
+    assert stats.collapse_step(curve, patience=4) == 7
 
 
 def test_a_streak_cut_off_by_the_end_of_the_run_is_not_a_collapse():
-    assert common.collapse_step([0.5] * 5 + [0.0] * 6) is None
-    assert common.collapse_step([0.5] * 5 + [0.0] * 7) == 7
+    assert stats.collapse_step([0.5] * 5 + [0.0] * 6) is None
+    assert stats.collapse_step([0.5] * 5 + [0.0] * 7) == 7
 
 
 def test_a_run_that_never_learned_has_nothing_to_collapse_from():
     curve = [0.08, 0.09, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert common.collapse_step(curve) is None
-    assert common.collapse_step(curve, min_peak=0.05) is not None
+    assert stats.collapse_step(curve) is None
+    assert stats.collapse_step(curve, min_peak=0.05) is not None
 
 
 def test_collapse_detector_refuses_bad_input():
     with pytest.raises(ValueError, match="finite"):
-        common.collapse_step([0.1, float("nan")])
+        stats.collapse_step([0.1, float("nan")])
     with pytest.raises(ValueError, match="frac"):
-        common.collapse_step([0.1], frac=1.5)
+        stats.collapse_step([0.1], frac=1.5)
 
 
 # --------------------------------------------------------------------------
@@ -67,12 +66,12 @@ def test_collapse_detector_refuses_bad_input():
 
 def test_bootstrap_ci_brackets_the_mean_and_is_reproducible():
     x = [0.1, 0.4, 0.35, 0.2, 0.5, 0.3]
-    est, lo, hi = common.bootstrap_ci(x)
+    est, lo, hi = stats.bootstrap_ci(x)
     assert est == pytest.approx(np.mean(x))
     assert min(x) <= lo < est < hi <= max(x)
-    assert common.bootstrap_ci(x) == (est, lo, hi)
-    assert common.bootstrap_ci([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)
-    assert common.bootstrap_ci([0.7]) == (0.7, 0.7, 0.7)
+    assert stats.bootstrap_ci(x) == (est, lo, hi)
+    assert stats.bootstrap_ci([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)
+    assert stats.bootstrap_ci([0.7]) == (0.7, 0.7, 0.7)
 
 
 def test_bootstrap_ci_covers_the_true_mean_about_as_often_as_it_says():
@@ -80,37 +79,37 @@ def test_bootstrap_ci_covers_the_true_mean_about_as_often_as_it_says():
     hits = 0
     for i in range(200):
         x = rng.normal(1.0, 1.0, size=30)
-        _, lo, hi = common.bootstrap_ci(x, n_boot=400, seed=i)
+        _, lo, hi = stats.bootstrap_ci(x, n_boot=400, seed=i)
         hits += lo <= 1.0 <= hi
     assert 0.88 <= hits / 200 <= 0.99
 
 
 def test_critical_lr_interpolates_in_log_lr():
     lrs = [1e-4, 1e-3, 1e-2]
-    assert common.critical_lr(lrs, [0, 0, 1]) == pytest.approx(math.sqrt(1e-3 * 1e-2))
-    assert common.critical_lr(lrs, [0, 0.25, 0.75]) == pytest.approx(math.sqrt(1e-3 * 1e-2))
-    assert common.critical_lr(lrs, [0.5, 1, 1]) == 1e-4
-    assert common.critical_lr(lrs, [0, 1 / 3, 1 / 3]) == math.inf
+    assert stats.critical_lr(lrs, [0, 0, 1]) == pytest.approx(math.sqrt(1e-3 * 1e-2))
+    assert stats.critical_lr(lrs, [0, 0.25, 0.75]) == pytest.approx(math.sqrt(1e-3 * 1e-2))
+    assert stats.critical_lr(lrs, [0.5, 1, 1]) == 1e-4
+    assert stats.critical_lr(lrs, [0, 1 / 3, 1 / 3]) == math.inf
     # The first crossing counts, not a later one.
-    assert common.critical_lr(lrs, [0, 1, 0]) == pytest.approx(math.sqrt(1e-4 * 1e-3))
+    assert stats.critical_lr(lrs, [0, 1, 0]) == pytest.approx(math.sqrt(1e-4 * 1e-3))
     with pytest.raises(ValueError, match="ascending"):
-        common.critical_lr([1e-3, 1e-4], [0, 1])
+        stats.critical_lr([1e-3, 1e-4], [0, 1])
 
 
 def test_critical_lr_ci_is_exact_for_unanimous_seeds_and_censored_above_the_grid():
-    est, lo, hi = common.critical_lr_ci({1e-4: [0, 0, 0], 1e-3: [1, 1, 1]})
+    est, lo, hi = stats.critical_lr_ci({1e-4: [0, 0, 0], 1e-3: [1, 1, 1]})
     assert est == lo == hi == pytest.approx(math.sqrt(1e-4 * 1e-3))
-    est, lo, hi = common.critical_lr_ci({1e-4: [0, 0, 0], 1e-3: [0, 0, 0]})
+    est, lo, hi = stats.critical_lr_ci({1e-4: [0, 0, 0], 1e-3: [0, 0, 0]})
     assert est == lo == hi == math.inf
-    est, lo, hi = common.critical_lr_ci({1e-4: [0, 0, 1], 1e-3: [0, 1, 1], 1e-2: [1, 1, 1]})
+    est, lo, hi = stats.critical_lr_ci({1e-4: [0, 0, 1], 1e-3: [0, 1, 1], 1e-2: [1, 1, 1]})
     assert lo <= est <= hi and lo >= 1e-4 and hi <= 1e-2
-    assert "> grid" in common.fmt_ci(1e-3, 1e-4, math.inf, ".3g")
+    assert "> grid" in stats.fmt_ci(1e-3, 1e-4, math.inf, ".3g")
 
 
 def test_stage2_decision_needs_the_whole_grid_and_separated_intervals():
     import ml_collections
 
-    from experiments.stability import stage2_frontier
+    from experiments.stability import stage2_report
 
     sc = ml_collections.ConfigDict(
         dict(arms=("moe2", "dense2"), variants=("grpo",), lrs=(1e-4, 1e-3), seeds=(0, 1, 2))
@@ -124,15 +123,15 @@ def test_stage2_decision_needs_the_whole_grid_and_separated_intervals():
         ]
 
     # The MoE collapses at 1e-3 in every seed, the dense twin in none: above the grid.
-    fr = stage2_frontier.frontier(runs("moe2", [True] * 3) + runs("dense2", [False] * 3))
-    (line,) = stage2_frontier.decide(fr, sc)
+    fr = stage2_report.frontier(runs("moe2", [True] * 3) + runs("dense2", [False] * 3))
+    (line,) = stage2_report.decide(fr, sc)
     assert "**MoE-specific collapse**" in line and "> grid" in line
     # Both collapse in every seed: the same critical lr, no verdict of specificity.
-    fr = stage2_frontier.frontier(runs("moe2", [True] * 3) + runs("dense2", [True] * 3))
-    assert "not MoE-specific" in stage2_frontier.decide(fr, sc)[0]
+    fr = stage2_report.frontier(runs("moe2", [True] * 3) + runs("dense2", [True] * 3))
+    assert "not MoE-specific" in stage2_report.decide(fr, sc)[0]
     # A seed missing: numbers, marked preliminary, and no verdict.
-    fr = stage2_frontier.frontier(runs("moe2", [True] * 3) + runs("dense2", [False] * 3)[:-1])
-    (line,) = stage2_frontier.decide(fr, sc)
+    fr = stage2_report.frontier(runs("moe2", [True] * 3) + runs("dense2", [False] * 3)[:-1])
+    (line,) = stage2_report.decide(fr, sc)
     assert line.startswith("- grpo: preliminary, 11 of 12 runs") and "MoE-specific" not in line
 
     # The table's descriptive column: held-out reward below 0.3x the warm start's, the
@@ -140,9 +139,15 @@ def test_stage2_decision_needs_the_whole_grid_and_separated_intervals():
     rs = runs("moe2", [False] * 3)
     for r, start in zip(rs[3:], (0.5, 2.0, None)):  # finals 0.5: 0.5 < 0.6 only for 2.0
         r["eval_start"] = start
-    text = stage2_frontier.table(stage2_frontier.frontier(rs))
-    assert "| moe2 | grpo | 0.001 | 0 / 3 | 0.500 [0.500, 0.500] | 1 / 2 |" in text
-    assert "| moe2 | grpo | 0.0001 | 0 / 3 | 0.500 [0.500, 0.500] | 0 / 0 |" in text
+    (d,) = stage2_report.frontier(rs).values()
+    assert d["flags"] == {1e-4: [False] * 3, 1e-3: [False] * 3}
+    assert d["finals"] == {1e-4: [0.5] * 3, 1e-3: [0.5] * 3}
+    assert d["fell"] == {1e-4: [], 1e-3: [False, True]}
+    assert d["critical"] == (math.inf, math.inf, math.inf)
+    # The rendering, lightly: a row per lr, the counts in it.
+    text = stage2_report.table(stage2_report.frontier(rs))
+    assert len(text.splitlines()) == 2 + 2
+    assert "| 0.001 | 0 / 3 | 0.500 [0.500, 0.500] | 1 / 2 |" in text
 
 
 # --------------------------------------------------------------------------
@@ -341,7 +346,7 @@ def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
     # A second invocation resumes: nothing left to run.
     assert (
         stage1_probes.run_all(
-            common.load_stage_config(cfg1.split(":")[0], "smoke"),
+            sweep.load_config(cfg1.split(":")[0] + ":smoke"),
             str(root),
             str(out1),
             common.Budget(None),
@@ -372,7 +377,7 @@ def test_stage2_refuses_to_run_without_stage1s_plan(tmp_path, monkeypatch):
     from experiments.stability import stage2_config
 
     monkeypatch.setattr(stage2_config, "PLAN", str(tmp_path / "missing.json"))
-    with pytest.raises(FileNotFoundError, match="stage1_probes.py --report"):
+    with pytest.raises(FileNotFoundError, match="experiments.stability.stage1_probes --report"):
         stage2_config.get_config()
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"lrs": [3e-4, 1e-3], "eps_low": 0.01, "eps_high": 0.0133}))
@@ -411,7 +416,7 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(
     monkeypatch.setattr(common, "RESULTS", str(tmp_path / "results"))
     cfg = os.path.join(REPO, "experiments", "stability", "stage2_config.py")
     stage2_frontier.main(["--root", str(tmp_path), "--config", cfg + ":search=updates32"])
-    n = 2 * len(common.load_stage_config(cfg, "search=updates32").lrs) * 3
+    n = 2 * len(sweep.load_config(cfg + ":search=updates32").lrs) * 3
     assert len(calls) == n  # arms × lrs × seeds, GRPO only (the file loads the real plan)
     assert {c["stage"] for c in calls} == {"stage2_search/updates32"}
     assert {c["overrides"]["updates.num_minibatches"] for c in calls} == {32}
@@ -428,7 +433,7 @@ def test_stage3s_setting_search_is_stage2s_grpo_frontier_on_each_fallback(
     # search=moe2k1's dense twin is stage 2's dense2: a run stage 2 made with the same
     # lr, seed, updates and task is reused (its summary predates `updates` and `task`),
     # one made otherwise is trained; --only-lrs picks learning rates.
-    lr = common.load_stage_config(cfg, "search=moe2k1").lrs[1]
+    lr = sweep.load_config(cfg + ":search=moe2k1").lrs[1]
     stage2_runs = tmp_path / "results" / "stage2" / "runs"
     legacy = dict(arm="dense2", variant="grpo", lr=lr, seed=0, collapsed=True, collapse_step=9)
     common.write_jsonl(str(stage2_runs / f"dense2_grpo_lr{lr:g}_s0.jsonl"), [legacy])

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from gspo_jax import objectives, step
+from gspo_jax.metrics import compute_all
 from gspo_jax.models import ModelConfig, Transformer
 
 CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
@@ -58,7 +59,8 @@ def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coe
                           z_loss_coef=router_coefs[1])
     fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
                                    schedule=optax.constant_schedule(lr), cfg=cfg))
-    return fn(state, batch, jax.random.key(0))
+    state, m = fn(state, batch, jax.random.key(0))
+    return state, compute_all(m)
 
 
 @pytest.mark.parametrize("objective", ["grpo", "gspo", "rspo", "cispo"])

@@ -198,7 +198,7 @@ def test_hf_chat_template_keywords_match_transformers(tmp_path, hf_dir):
 
 
 def test_train_prompts_use_the_chat_template_where_there_is_one(tmp_path, hf_dir):
-  from gspo_jax.train import encode_prompt
+  from gspo_jax.data.encoding import encode_prompt
   text = "Make 16 from 3 5 2."
   tok = gtok.HFTokenizer.from_dir(hf_dir)
   ids = encode_prompt(tok, text)

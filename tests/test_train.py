@@ -17,7 +17,6 @@ from gspo_jax import objectives
 from gspo_jax.metrics_log import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 # Metrics that measure time, not math: they differ between any two runs.
@@ -244,22 +243,41 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
 
 
 def test_rl_step_summary_of_updates():
-    from gspo_jax import train
+    """The step's figures are its updates' metrics merged by their kind (pooled over all
+    the step's tokens, not a mean of per-update values); the per-update numbers are each
+    update's own."""
+    from gspo_jax import rl
+    from gspo_jax.metrics import Last, Max, Mean, Min, Std, Sum
 
-    ms = [{"loss": 1.0, "logratio_abs_max": 0.5, "router_shift_min": 0.9, "skipped_total": 0, "layer": [1.0, 2.0],
-           "lr": 0.1, "no_signal": 1.0, "flip_frac": 0.0},
-          {"loss": 3.0, "logratio_abs_max": 0.2, "router_shift_min": 0.7, "skipped_total": 1, "layer": [3.0, 0.0],
-           "lr": 0.2, "no_signal": 0.0, "flip_frac": 0.1},
-          {"loss": 2.0, "logratio_abs_max": 0.1, "router_shift_min": 0.8, "skipped_total": 1, "layer": [0.0, 1.0],
-           "lr": 0.3, "no_signal": 1.0, "flip_frac": 0.5}]
-    out = train.summarize_updates(ms)
+    def std(xs):
+        xs = np.asarray(xs, np.float32)
+        return Std(xs.sum(), (xs * xs).sum(), np.float32(len(xs)))
+
+    tokens = ([0.1, -0.3], [0.2, 0.0, 0.4, -0.1], [0.5, 0.5, -0.2])
+    ms = [{"loss": Mean.of(1.0), "logratio_abs_max": Max.of(0.5), "router_shift_min": Min.of(0.9),
+           "skipped_total": Max.of(0), "layer": Mean(np.float32([1.0, 2.0]), np.float32(1.0)), "lr": Last.of(0.1),
+           "no_signal": Sum.of(1.0), "flip_frac": Mean(np.float32(0.0), np.float32(10.0)), "logratio_std": std(tokens[0])},
+          {"loss": Mean.of(3.0), "logratio_abs_max": Max.of(0.2), "router_shift_min": Min.of(0.7),
+           "skipped_total": Max.of(1), "layer": Mean(np.float32([3.0, 0.0]), np.float32(1.0)), "lr": Last.of(0.2),
+           "no_signal": Sum.of(0.0), "flip_frac": Mean(np.float32(1.0), np.float32(10.0)), "logratio_std": std(tokens[1])},
+          {"loss": Mean.of(2.0), "logratio_abs_max": Max.of(0.1), "router_shift_min": Min.of(0.8),
+           "skipped_total": Max.of(1), "layer": Mean(np.float32([0.0, 1.0]), np.float32(1.0)), "lr": Last.of(0.3),
+           "no_signal": Sum.of(1.0), "flip_frac": Mean(np.float32(15.0), np.float32(30.0)), "logratio_std": std(tokens[2])}]
+    out, per_update = rl.summarize_updates(ms)
     assert out["loss"] == 2.0 and out["logratio_abs_max"] == 0.5
-    assert out["router_shift_min"] == 0.7 and out["skipped_total"] == 1
-    np.testing.assert_allclose(out["layer"], [4 / 3, 1.0])
-    assert out["lr"] == 0.3 and out["no_signal_minibatches"] == 2 and "no_signal" not in out
-    assert out["flip_frac"] == pytest.approx(0.2)
-    assert out["flip_frac_k0"] == 0.0 and out["flip_frac_k1"] == 0.1 and out["flip_frac_klast"] == 0.5
-    assert out["logratio_abs_max_k0"] == 0.5 and out["logratio_abs_max_klast"] == 0.1
+    assert out["router_shift_min"] == pytest.approx(0.7) and out["skipped_total"] == 1
+    np.testing.assert_allclose(out["layer"], [4 / 3, 1.0], rtol=1e-6)
+    assert out["lr"] == pytest.approx(0.3) and out["no_signal_minibatches"] == 2 and "no_signal" not in out
+    # Pooled: 16 flips in 50 tokens (the mean of the updates' fractions would be 0.2).
+    assert out["flip_frac"] == pytest.approx(16 / 50)
+    # The pooled standard deviation of all 9 tokens, not a mean of three.
+    assert out["logratio_std"] == pytest.approx(np.std(np.concatenate(tokens)), rel=1e-5)
+    assert out["flip_frac_k0"] == 0.0 and out["flip_frac_k1"] == pytest.approx(0.1)
+    assert out["flip_frac_klast"] == pytest.approx(0.5)
+    assert out["logratio_abs_max_k0"] == 0.5 and out["logratio_abs_max_klast"] == pytest.approx(0.1)
+    assert [u["loss"] for u in per_update] == [1.0, 3.0, 2.0]
+    assert [u["flip_frac"] for u in per_update] == pytest.approx([0.0, 0.1, 0.5])
+    assert per_update[1]["logratio_std"] == pytest.approx(np.std(tokens[1]), rel=1e-5)
 
 
 def test_routing_replay_on_a_dense_model_is_refused():
@@ -332,19 +350,20 @@ def test_metrics_log_cut_lines(tmp_path):
 def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_path):
     """A prompt batch across an epoch boundary may hold one example twice (tail of one
     epoch, head of the next); the sampler still gets distinct prompt ids."""
-    from gspo_jax import train
+    from gspo_jax import rl, trainer
 
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.progress_bar = False
-    t = train.Trainer(c, str(tmp_path))
+    t = trainer.Trainer(c, str(tmp_path))
     n, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
     src = t.train_data
     src._size = 2 * n + 2  # epochs of 2n + 2 examples: the batch of step 2 crosses one
     orders = {0: np.arange(src._size), 1: np.roll(np.arange(src._size), 1)}
     src.order = lambda epoch: orders[epoch]  # epoch 1 starts with epoch 0's last example
     assert len(set(src.indices(2 * n, n).tolist())) < n
-    batch, _ = t.collect(t.init_params, 2, jax.random.key(0))
+    phase = rl.RLPhase(t, t.init_params)
+    batch, _ = phase.prepare(phase.collect(t.init_params, 2, jax.random.key(0))[0])
     assert batch["mask"].shape[0] == n * g
     assert np.isfinite(batch["advantages"]).all()
 

@@ -323,7 +323,7 @@ def _hf_dir(path):
 
 
 def test_messages_column(tmp_path):
-    from gspo_jax.train import encode_prompt
+    from gspo_jax.data.encoding import encode_prompt
 
     msgs = [
         {"role": "system", "content": "You are terse."},

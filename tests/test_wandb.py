@@ -15,7 +15,6 @@ from gspo_jax import metrics_log  # noqa: E402
 from gspo_jax.metrics_log import MetricsWriter, WandbWriter, open_wandb, wandb_mode  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configs import default as default_config  # noqa: E402
 
 

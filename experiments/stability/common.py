@@ -12,17 +12,20 @@
   RL run of that arm and seed, in ``<root>/warm/<arm>_s<seed>``.
 * **RL runs** start from a copy of their warm start (`copy_warm_start`) and resume from
   their own checkpoints when a chunk stops them.
-* **The collapse detector** and the **bootstrap** that give stage 2 and 3 their
-  answers, written before any run (README, "Decision rules") and tested on hand-made
-  curves (tests/test_stability_stages.py).
+* **A stage's grid** (`run_grid`): each `GridRun` trained once, its compact summary
+  (`summarize_run`) written to ``<out>/.../<name>.jsonl``; a run with a summary is
+  skipped, so a stage resumes chunk by chunk.
+
+The statistics that give the stages their answers (the collapse detector, the
+bootstrap, the critical lr, Fisher's test) are in `stats`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
-import math
 import os
 import re
 import shutil
@@ -30,6 +33,9 @@ import time
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from experiments.stability.stats import collapse_step
+from gspo_jax.sweep import finished, load_config, rl_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(REPO, "experiments", "stability", "results")
@@ -139,25 +145,6 @@ def read_records(folder: str) -> list[dict]:
     return [r for p in sorted(glob.glob(os.path.join(folder, "*.jsonl"))) for r in read_jsonl(p)]
 
 
-def load_stage_config(path: str, arg):
-    """``get_config(arg)`` of the stage config file at ``path``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("stage_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(arg)
-
-
-def rl_records(workdir: str) -> list[dict]:
-    return [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "rl"]
-
-
-def finished(workdir: str, steps: int) -> bool:
-    """The run logged its held-out evaluation at RL step ``steps``."""
-    return any(r["step"] >= steps and "eval_reward_mean" in r for r in rl_records(workdir))
-
-
 def warm_start_dir(root: str, arm: str, seed: int, task: str = "small") -> str:
     """``<root>/warm/<arm>_s<seed>``; another task's under ``<root>/warm/<task>/``."""
     sub = () if check_task(task) == "small" else (task,)
@@ -237,8 +224,7 @@ def stage_config(args, only: Sequence[str], known: dict[str, Callable] | None = 
     config's own seeds kept as ``planned_seeds``. A value the config does not list
     (``known[field](config)``; by default ``config.<field>``) is an error that names the
     flag and the values it accepts."""
-    path, _, arg = args.config.partition(":")
-    sc = load_stage_config(path, arg or None)
+    sc = load_config(args.config)
     sc.planned_seeds = planned_seeds(sc)
     for field in only:
         given = getattr(args, "only_" + field)
@@ -258,156 +244,6 @@ def stage_config(args, only: Sequence[str], known: dict[str, Callable] | None = 
             )
         sc[field] = values
     return sc
-
-
-# --------------------------------------------------------------------------
-# The collapse detector (README, "Decision rules"; fixed before any run).
-
-
-def moving_average(x: Sequence[float], window: int) -> np.ndarray:
-    """Trailing mean over the last ``window`` values (fewer at the start)."""
-    x = np.asarray(x, np.float64)
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    i = np.arange(1, len(x) + 1)
-    lo = np.maximum(i - window, 0)
-    return (c[i] - c[lo]) / (i - lo)
-
-
-def collapse_step(
-    rewards: Sequence[float],
-    *,
-    window: int = 3,
-    frac: float = 0.3,
-    patience: int = 5,
-    min_peak: float = 0.1,
-) -> int | None:
-    """Index (into ``rewards``) where a collapse begins, or None.
-
-    With m_t the trailing ``window``-step mean of the training reward and M_t its
-    running maximum, the run has collapsed at the first t that starts ``patience``
-    consecutive steps with m_t < ``frac`` * M_t, where M_t >= ``min_peak`` (a run
-    that never learned has nothing to collapse from). A dip that recovers within
-    ``patience`` steps is not a collapse; a streak still running at the end of the
-    curve but shorter than ``patience`` is not one either.
-    """
-    if window < 1 or patience < 1 or not 0 < frac < 1:
-        raise ValueError(
-            f"window={window}, patience={patience} must be >= 1; frac={frac} in (0, 1)"
-        )
-    x = np.asarray(rewards, np.float64)
-    if x.ndim != 1 or not np.all(np.isfinite(x)):
-        raise ValueError("rewards: expected a finite 1-D sequence")
-    m = moving_average(x, window)
-    peak = np.maximum.accumulate(m) if len(m) else m
-    low = (m < frac * peak) & (peak >= min_peak)
-    run = 0
-    for t, is_low in enumerate(low):
-        run = run + 1 if is_low else 0
-        if run == patience:
-            return t - patience + 1
-    return None
-
-
-# --------------------------------------------------------------------------
-# Intervals.
-
-
-def bootstrap_ci(
-    samples: Sequence[float],
-    statistic: Callable[[np.ndarray], float] = np.mean,
-    *,
-    n_boot: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> tuple[float, float, float]:
-    """(statistic, lower, upper): the percentile bootstrap interval at ``level``,
-    resampling ``samples`` with replacement ``n_boot`` times (a fixed ``seed``, so a
-    table is the same every time it is made). One sample gives a zero-width interval."""
-    x = np.asarray(samples, np.float64)
-    if x.ndim != 1 or len(x) == 0:
-        raise ValueError("samples: expected a non-empty 1-D sequence")
-    est = float(statistic(x))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-    stats = np.array([statistic(x[i]) for i in idx], np.float64)
-    a = (1.0 - level) / 2.0
-    return est, float(np.quantile(stats, a)), float(np.quantile(stats, 1.0 - a))
-
-
-def bootstrap_diff_ci(a, b, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0):
-    """(mean(a) - mean(b), lower, upper): percentile bootstrap interval of the
-    difference of means, resampling each group's runs (seeds) independently."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.ndim != 1 or b.ndim != 1 or not len(a) or not len(b):
-        raise ValueError("a, b: expected non-empty 1-D sequences")
-    rng = np.random.default_rng(seed)
-    ia = rng.integers(0, len(a), (n_boot, len(a)))
-    ib = rng.integers(0, len(b), (n_boot, len(b)))
-    d = a[ia].mean(axis=1) - b[ib].mean(axis=1)
-    q = (1.0 - level) / 2.0
-    return float(a.mean() - b.mean()), float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
-
-
-def critical_lr(lrs: Sequence[float], collapse_rate: Sequence[float], threshold: float = 0.5):
-    """The learning rate at which the collapse rate first reaches ``threshold``,
-    interpolated linearly in log(lr) between the two grid points that bracket it.
-
-    ``lrs`` ascending. Returns the smallest lr when the rate is already at the
-    threshold there, ``math.inf`` when it never reaches it on the grid (censored:
-    the critical rate lies above the grid)."""
-    lrs = np.asarray(lrs, np.float64)
-    p = np.asarray(collapse_rate, np.float64)
-    if lrs.shape != p.shape or lrs.ndim != 1 or len(lrs) == 0:
-        raise ValueError("lrs and collapse_rate: expected 1-D sequences of one length")
-    if np.any(np.diff(lrs) <= 0):
-        raise ValueError("lrs: expected strictly ascending learning rates")
-    above = np.nonzero(p >= threshold)[0]
-    if len(above) == 0:
-        return math.inf
-    j = int(above[0])
-    if j == 0:
-        return float(lrs[0])
-    lo, hi = math.log(lrs[j - 1]), math.log(lrs[j])
-    w = (threshold - p[j - 1]) / (p[j] - p[j - 1])
-    return float(math.exp(lo + w * (hi - lo)))
-
-
-def critical_lr_ci(
-    collapsed: dict[float, Sequence[bool]],
-    *,
-    n_boot: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-    threshold: float = 0.5,
-) -> tuple[float, float, float]:
-    """(critical lr, lower, upper): `critical_lr` of the observed collapse rates and
-    its percentile bootstrap interval, resampling the seeds at each learning rate
-    independently. ``collapsed`` maps each lr to its runs' collapse flags."""
-    lrs = sorted(collapsed)
-    flags = [np.asarray(collapsed[lr], np.float64) for lr in lrs]
-    if any(len(f) == 0 for f in flags):
-        raise ValueError("collapsed: every learning rate needs at least one run")
-    est = critical_lr(lrs, [f.mean() for f in flags], threshold)
-    rng = np.random.default_rng(seed)
-    boots = []
-    for _ in range(n_boot):
-        rates = [f[rng.integers(0, len(f), len(f))].mean() for f in flags]
-        boots.append(critical_lr(lrs, rates, threshold))
-    # Order statistics, not interpolation: a bound may be infinite (censored).
-    boots = np.sort(np.asarray(boots))
-    a = (1.0 - level) / 2.0
-    lo = np.quantile(boots, a, method="lower")
-    hi = np.quantile(boots, 1.0 - a, method="higher")
-    return est, float(lo), float(hi)
-
-
-def fmt_ci(est: float, lo: float, hi: float, spec: str = ".3f") -> str:
-    """``0.412 [0.380, 0.441]``; an infinite bound reads ``> grid``."""
-
-    def one(v):
-        return "> grid" if math.isinf(v) else format(v, spec)
-
-    return f"{one(est)} [{one(lo)}, {one(hi)}]"
 
 
 # --------------------------------------------------------------------------
@@ -529,3 +365,80 @@ def summarize_run(workdir: str, meta: dict, *, collapse_kw: dict | None = None) 
         eval_start=first[0]["eval_reward_mean"] if first else None,
         eval_final=float(np.mean(evals[-2:])) if evals else None,
     )
+
+
+# --------------------------------------------------------------------------
+# A stage's grid of RL runs.
+
+
+@dataclasses.dataclass(frozen=True)
+class GridRun:
+    """One RL run of a stage's grid: ``steps`` RL steps of the model ``arm`` from its
+    warm start for ``seed`` under ``overrides`` (`run_rl`), summarized with ``meta``
+    (`summarize_run`) into ``<folder>/<name>.jsonl``."""
+
+    name: str
+    arm: str
+    seed: int
+    overrides: dict
+    steps: int
+    meta: dict
+    task: str = "small"
+
+
+def collapse_line(summary: dict) -> str:
+    """A finished run in one line: its collapse and held-out reward."""
+    return (
+        f"collapsed={summary['collapsed']} at {summary['collapse_step']}, "
+        f"held-out {summary['eval_start']} -> {summary['eval_final']}"
+    )
+
+
+def run_grid(
+    runs: Iterable[GridRun],
+    root: str,
+    stage: str,
+    folder: str,
+    budget: Budget,
+    *,
+    smoke: bool = False,
+    check: Callable[[str, dict, GridRun], None] | None = None,
+    reuse: Callable[[GridRun], str | None] | None = None,
+    describe: Callable[[dict], str] = collapse_line,
+    log=print,
+) -> int:
+    """Every run of ``runs`` (in their order) without a summary in ``folder``, each in
+    ``<root>/<stage>/<name>``, until the budget expires; work started finishes. A run
+    with a summary is skipped after ``check(path, summary, run)`` (which raises when
+    that summary is of another setting); one for which ``reuse(run)`` names another
+    summary file takes a copy of it. Returns the number of runs done."""
+    done = 0
+    for run in runs:
+        path = os.path.join(folder, run.name + ".jsonl")
+        if os.path.exists(path):
+            if check is not None:
+                check(path, read_jsonl(path)[0], run)
+            continue
+        same = reuse(run) if reuse is not None else None
+        if same is not None:
+            write_jsonl(path, read_jsonl(same))
+            log(f"{run.name}: the same run's summary, reused ({same})")
+            continue
+        if budget.expired():
+            return done
+        workdir = run_rl(
+            root,
+            stage,
+            run.name,
+            run.arm,
+            run.seed,
+            run.overrides,
+            run.steps,
+            smoke=smoke,
+            task=run.task,
+        )
+        summary = summarize_run(workdir, run.meta)
+        write_jsonl(path, [summary])
+        log(f"{run.name}: {describe(summary)}")
+        done += 1
+    return done

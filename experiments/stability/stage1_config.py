@@ -1,11 +1,12 @@
 """Stage 1, drift probes: the grid (experiments/stability/README.md, "Stage 1").
 
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --root runs/stability
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --root /tmp/s1 \
+    python -m experiments.stability.stage1_probes --root runs/stability
+    python -m experiments.stability.stage1_probes --root /tmp/s1 \
         --config experiments/stability/stage1_config.py:smoke          # seconds
 """
 
 import ml_collections
+import numpy as np
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -47,3 +48,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     elif arg:
         raise ValueError(f"stage1_config: unknown argument {arg!r} (known: smoke)")
     return c
+
+
+def gspo_grid(sc) -> tuple[tuple[float, float], ...]:
+    """The sequence clip ranges measured: the named ones, then the calibration grid
+    (eps_low log-spaced, eps_high = 4/3 eps_low, GSPO's proportion)."""
+    lows = np.geomspace(sc.gspo_grid_lo, sc.gspo_grid_hi, int(sc.gspo_grid_points))
+    grid = tuple((float(lo), float(lo) * 4.0 / 3.0) for lo in lows)
+    return tuple(tuple(map(float, r)) for r in sc.gspo_named) + grid

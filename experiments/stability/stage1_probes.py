@@ -22,9 +22,9 @@ learning rate (a paired design). Each probe's records go to
 index k, k = 0 being pi_old itself); a probe whose file exists is skipped, so the
 script resumes after an interrupted chunk.
 
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --root runs/stability \
+    python -m experiments.stability.stage1_probes --root runs/stability \
         --only-arms moe2,dense2 --max-minutes 55                      # one chunk
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --report   # figures, tables
+    python -m experiments.stability.stage1_probes --report   # figures, tables
 """
 
 from __future__ import annotations
@@ -32,28 +32,18 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from experiments.stability import common  # noqa: E402
-from gspo_jax import config as config_lib  # noqa: E402
-from gspo_jax import routing, step  # noqa: E402
+from experiments.stability import common, stage1_report
+from experiments.stability.stage1_config import gspo_grid
+from gspo_jax import config as config_lib
+from gspo_jax import routing, step
 
 OUT = os.path.join(common.RESULTS, "stage1")
-
-
-def gspo_grid(sc) -> tuple[tuple[float, float], ...]:
-    """The sequence clip ranges measured: the named ones, then the calibration grid
-    (eps_low log-spaced, eps_high = 4/3 eps_low, GSPO's proportion)."""
-    lows = np.geomspace(sc.gspo_grid_lo, sc.gspo_grid_hi, int(sc.gspo_grid_points))
-    grid = tuple((float(lo), float(lo) * 4.0 / 3.0) for lo in lows)
-    return tuple(tuple(map(float, r)) for r in sc.gspo_named) + grid
 
 
 def probe_config(sc, arm: str, seed: int, objective: str, lr: float, root: str):
@@ -186,8 +176,6 @@ TRAIN_METRICS = ("clip_frac", "grad_norm", "update_norm", "no_signal", "loss")
 def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
     """The records of one probe: for each rollout batch, pi_old (k = 0) and the drift
     after each of ``sc.updates`` updates from ``params0``."""
-    from gspo_jax import train
-
     c = trainer.c
     graphdef = trainer.graphdef
     kw = dict(
@@ -208,9 +196,10 @@ def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
         perm = np.random.default_rng(1000 * c.seed + b).permutation(n)
         per_k = [(drift_metrics(phase.state.params, batch, old_lp, **kw), {})]
         for k in range(int(sc.updates)):
-            mini = trainer.put_batch(train._take(batch, perm[k * mb : (k + 1) * mb]))
+            rows = perm[k * mb : (k + 1) * mb]
+            mini = trainer.put_batch({key: v[rows] for key, v in batch.items()})
             phase.state, m = phase.train_fn(phase.state, mini, jax.random.key(k))
-            trained = {f"train_{name}": m[name] for name in TRAIN_METRICS if name in m}
+            trained = {f"train_{name}": m[name].compute() for name in TRAIN_METRICS if name in m}
             per_k.append((drift_metrics(phase.state.params, batch, old_lp, **kw), trained))
         for k, (drift, trained) in enumerate(jax.device_get(per_k)):
             records.append(dict(batch=b, k=k, **_round(drift), **_round(trained)))
@@ -224,7 +213,9 @@ def probe_path(out: str, arm: str, objective: str, lr: float, seed: int) -> str:
 def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
     """Every probe of the grid not yet in ``out``, warm start by warm start, until the
     chunk's budget expires. Returns the number of probes run."""
-    from gspo_jax import train
+    from gspo_jax import sft
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
 
     ranges = gspo_grid(sc)
     done = 0
@@ -246,16 +237,16 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 if budget.expired():
                     return done
                 c = probe_config(sc, arm, int(seed), obj, lr, root)
-                trainer = train.Trainer(c, warm)
-                params0 = trainer.warm_start_params()
+                trainer = Trainer(c, warm)
+                params0 = sft.final_params(trainer)
                 if params0 is None:
                     raise RuntimeError(
                         f"{warm}: the warm start's final checkpoint does not restore"
                     )
-                phase = train.RLPhase(trainer, params0)
+                phase = RLPhase(trainer, params0)
                 if host_batches is None:  # one set of rollouts per warm start, shared
                     host_batches = [
-                        trainer.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b))[0]
+                        phase.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b))[0]
                         for b in range(int(sc.batches))
                     ]
                 records = run_probe(trainer, phase, params0, host_batches, sc, ranges)
@@ -278,8 +269,6 @@ def main(argv=None) -> None:
     args = common.stage_parser(__doc__, OUT, "stage1_config.py", only).parse_args(argv)
     sc = common.stage_config(args, only)
     if args.report:
-        from experiments.stability import stage1_report
-
         stage1_report.report(args.out, sc)
         return
     n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))

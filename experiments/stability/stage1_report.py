@@ -1,7 +1,7 @@
 """Stage 1's figures, tables and decision rules from the probe records
 (experiments/stability/README.md, "Stage 1"); made by
 
-    PYTHONPATH=. python experiments/stability/stage1_probes.py --report
+    python -m experiments.stability.stage1_probes --report
 
 Works on whatever part of the grid has run: an arm, lr or seed without records is
 left out of the figures and reported as missing by the rules that need it.
@@ -17,6 +17,8 @@ import os
 import numpy as np
 
 from experiments.stability import common
+from experiments.stability.stage1_config import gspo_grid
+from experiments.stability.stats import bootstrap_ci, fmt_ci
 
 MOE_ARMS = ("moe2", "moe4", "moe8")
 PAIRS = ((2, "moe2", "dense2"), (4, "moe4", "dense4"))
@@ -59,7 +61,7 @@ class Index:
 
 
 def _ci(x: np.ndarray) -> tuple[float, float, float]:
-    return common.bootstrap_ci(x) if len(x) else (math.nan, math.nan, math.nan)
+    return bootstrap_ci(x) if len(x) else (math.nan, math.nan, math.nan)
 
 
 # --------------------------------------------------------------------------
@@ -462,9 +464,7 @@ def decisions(idx: Index, calib, sc) -> str:
     monotone, rows = True, []
     for lr in idx.lrs:
         vals = {a: _ci(idx.per_seed(a, "grpo", lr, kmax, "flip_frac")) for a in arms}
-        rows.append(
-            f"| {lr:g} | " + " | ".join(common.fmt_ci(*vals[a], ".4f") for a in arms) + " |"
-        )
+        rows.append(f"| {lr:g} | " + " | ".join(fmt_ci(*vals[a], ".4f") for a in arms) + " |")
         if lr >= 3e-4:
             means = [vals[a][0] for a in MOE_ARMS if a in vals]
             monotone &= len(means) == 3 and all(x < y for x, y in zip(means, means[1:]))
@@ -510,8 +510,6 @@ def decisions(idx: Index, calib, sc) -> str:
 
 
 def report(out: str, sc) -> None:
-    from experiments.stability.stage1_probes import gspo_grid
-
     recs = common.read_records(os.path.join(out, "probes"))
     if not recs:
         raise SystemExit(f"{out}/probes: no probe records yet")

@@ -3,10 +3,10 @@
 The learning rates and GSPO's calibrated range come from stage 1's report
 (``results/stage1/stage2_plan.json``, decision rules 3 and 4), never chosen by hand.
 
-    PYTHONPATH=. python experiments/stability/stage2_frontier.py --root runs/stability
-    PYTHONPATH=. python experiments/stability/stage2_frontier.py --root /tmp/s2 \
+    python -m experiments.stability.stage2_frontier --root runs/stability
+    python -m experiments.stability.stage2_frontier --root /tmp/s2 \
         --config experiments/stability/stage2_config.py:smoke          # seconds
-    PYTHONPATH=. python experiments/stability/stage2_frontier.py --root runs/stability \
+    python -m experiments.stability.stage2_frontier --root runs/stability \
         --config experiments/stability/stage2_config.py:search=moe4    # stage 3's search
 """
 
@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if not os.path.exists(PLAN):
         raise FileNotFoundError(
             f"{PLAN}: missing. Stage 2's learning rates and GSPO's calibrated range come "
-            "from stage 1: run `python experiments/stability/stage1_probes.py --report`"
+            "from stage 1: run `python -m experiments.stability.stage1_probes --report`"
         )
     with open(PLAN) as f:
         plan = json.load(f)

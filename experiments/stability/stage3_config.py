@@ -6,13 +6,13 @@ rule and must be given here (``lr=``); GSPO's range is stage 1's calibrated one
 (``results/stage1/calibration.json``, written by ``stage1_probes.py --report``). Neither
 is ever chosen by hand.
 
-    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+    python -m experiments.stability.stage3_replay --root runs/stability \
         --config experiments/stability/stage3_config.py:lr=0.003     # moe2, 16 updates
-    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+    python -m experiments.stability.stage3_replay --root runs/stability \
         --config experiments/stability/stage3_config.py:lr=0.003,arm=moe4,dense_arm=dense4
-    PYTHONPATH=. python experiments/stability/stage3_replay.py --root runs/stability \
+    python -m experiments.stability.stage3_replay --root runs/stability \
         --config experiments/stability/stage3_config.py:lr=0.003,task=hard
-    PYTHONPATH=. python experiments/stability/stage3_replay.py --root /tmp/s3 \
+    python -m experiments.stability.stage3_replay --root /tmp/s3 \
         --config experiments/stability/stage3_config.py:smoke          # seconds
 
 Arguments (comma-separated): ``lr`` (required outside smoke), ``arm`` / ``dense_arm``
@@ -83,7 +83,7 @@ def load_calibration(path: str | None = None) -> tuple[float, float]:
         raise FileNotFoundError(
             f"{path}: missing. Stage 3 runs GSPO at the range calibrated in stage 1 (rule 3); "
             "stage 1's report makes this file: "
-            "`python experiments/stability/stage1_probes.py --report`"
+            "`python -m experiments.stability.stage1_probes --report`"
         )
     with open(path) as f:
         calib = json.load(f)

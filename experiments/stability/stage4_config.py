@@ -5,9 +5,9 @@ Router noise σ is calibrated on the MoE's warm start (``stage4_mismatch.py
 --calibrate``, written to ``<out>/calibration.json``) to the target routing
 disagreements; the runs read σ from that file, never a hand-chosen value.
 
-    PYTHONPATH=. python experiments/stability/stage4_mismatch.py --root runs/stability --calibrate
-    PYTHONPATH=. python experiments/stability/stage4_mismatch.py --root runs/stability
-    PYTHONPATH=. python experiments/stability/stage4_mismatch.py --root /tmp/s4 \
+    python -m experiments.stability.stage4_mismatch --root runs/stability --calibrate
+    python -m experiments.stability.stage4_mismatch --root runs/stability
+    python -m experiments.stability.stage4_mismatch --root /tmp/s4 \
         --config experiments/stability/stage4_config.py:smoke --calibrate     # seconds
 
 Arguments (comma-separated): ``lr`` (RL learning rate, default 2e-4), ``smoke``.

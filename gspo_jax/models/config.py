@@ -18,9 +18,12 @@ k dense" is ``first_dense_layers=k``.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Optional
 
 import jax.numpy as jnp
+
+from gspo_jax.fields import is_int, problem, setting
 
 MOE_BACKENDS = ("auto", "blocked", "ragged", "dense")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_no_scores")
@@ -46,6 +49,12 @@ DEFAULT_AXIS_RULES = (
     ("norm", None),
     ("layers", None),
 )
+
+
+def _layer_list(v) -> str | None:
+    if isinstance(v, (list, tuple)) and all(is_int(i) for i in v):
+        return None
+    return f"must be a list of ints, got {v!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,25 +127,27 @@ class ModelConfig:
       axis_rules: logical axis name -> mesh axis rules, see DEFAULT_AXIS_RULES.
     """
 
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    d_ff: int
-    moe_d_ff: int = 0
-    num_experts: int = 0
-    top_k: int = 0
-    moe_every: int = 1
-    first_dense_layers: int = 0
-    dense_layers: tuple[int, ...] = ()
-    renormalize_topk: bool = True
-    qk_norm: bool = True
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-6
+    vocab_size: int = setting(low=0, doc="V (in config.model.fields, 0 = the tokenizer's)")
+    d_model: int = setting(low=1, doc="D, the residual stream width")
+    num_layers: int = setting(low=1, doc="decoder layers")
+    num_heads: int = setting(low=1, doc="query heads")
+    num_kv_heads: int = setting(low=1, doc="KV heads; divides num_heads")
+    head_dim: int = setting(low=1, doc="per-head width; even (rotary embedding)")
+    d_ff: int = setting(low=1, doc="hidden width of the dense SwiGLU MLPs")
+    moe_d_ff: int = setting(0, low=0, doc="hidden width of each expert; >= 1 with experts")
+    num_experts: int = setting(0, low=0, doc="E (0 = a dense model)")
+    top_k: int = setting(0, low=0, doc="experts per token, in [1, num_experts] with experts")
+    moe_every: int = setting(1, low=1, doc="layer i is MoE only if (i + 1) % moe_every == 0")
+    first_dense_layers: int = setting(0, low=0, doc="the first k layers are dense")
+    dense_layers: tuple[int, ...] = setting(
+        (), check=_layer_list, doc="dense layer indices in [0, num_layers)"
+    )
+    renormalize_topk: bool = setting(True, doc="divide the K gate weights by their sum")
+    qk_norm: bool = setting(True, doc="RMSNorm on queries and keys before RoPE")
+    qkv_bias: bool = setting(False, doc="biases on the q, k and v projections")
+    tie_embeddings: bool = setting(False, doc="the output projection is the embedding's")
+    rope_theta: float = setting(10_000.0, low=0, low_open=True, doc="RoPE base")
+    norm_eps: float = setting(1e-6, low=0, low_open=True, doc="RMSNorm epsilon")
     param_dtype: str = "float32"
     dtype: str = "float32"
     scan_layers: bool = True
@@ -145,12 +156,12 @@ class ModelConfig:
     moe_backend: str = "blocked"
     moe_block_size: int = 64
     moe_groups: int = 1
-    aux_loss_coef: float = 0.0
-    z_loss_coef: float = 0.0
-    value_head: bool = False
+    aux_loss_coef: float = setting(0.0, low=0, doc="weight of RouterAux.aux_loss")
+    z_loss_coef: float = setting(0.0, low=0, doc="weight of RouterAux.z_loss")
+    value_head: bool = setting(False, doc="a scalar value head (PPO critic)")
     logits_chunk_size: Optional[int] = None
     num_valid_tokens: int = 0
-    init_std: float = 0.02
+    init_std: float = setting(0.02, low=0, low_open=True, doc="stddev of the initialiser")
     axis_rules: tuple[tuple[str, object], ...] = DEFAULT_AXIS_RULES
 
     def __post_init__(self):
@@ -309,3 +320,95 @@ class ModelConfig:
         )
         base.update(overrides)
         return cls(**base)
+
+
+# --------------------------------------------------------------------------
+# config.model: the model of an experiment.
+
+
+def _tiny_moe() -> dict:
+    """config.model.fields' default: a tiny MoE for CPU runs."""
+    return dict(
+        vocab_size=0,
+        d_model=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        d_ff=256,
+        moe_d_ff=128,
+        num_experts=8,
+        top_k=2,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """``config.model``: a checkpoint to load, or the architecture to initialise
+    (``fields``), and the runtime settings of either."""
+
+    pretrained: str = setting("", doc='a Hugging Face checkpoint directory ("" = initialise)')
+    dtype: str = setting("float32", choices=DTYPES, doc="compute dtype")
+    param_dtype: str = setting("float32", choices=DTYPES, doc="storage dtype of parameters")
+    moe_backend: str = setting(
+        "auto",
+        choices=MOE_BACKENDS,
+        resume=True,
+        doc="auto: blocked on CPU, ragged on GPU/TPU (docs/moe.md)",
+    )
+    # Each block gathers its expert's weights, so larger blocks copy less.
+    moe_block_size: int = setting(
+        64,
+        low=1,
+        resume=True,
+        doc="rows per block of the 'blocked' dispatch (an upper bound; 512 on a GPU or TPU: "
+        "docs/memory.md)",
+    )
+    scan_layers: bool = setting(True, doc="lax.scan over repeated layer groups")
+    remat_policy: str = setting(
+        "none",
+        choices=REMAT_POLICIES,
+        resume=True,
+        doc="rematerialisation of each layer group's activations (docs/memory.md)",
+    )
+    attention_impl: str = setting(
+        "auto",
+        choices=ATTENTION_IMPLS,
+        resume=True,
+        doc="auto: cuDNN flash on an NVIDIA GPU where it applies, else XLA; cudnn needs a "
+        "bf16/f16 dtype (a kernel changes rounding only)",
+    )
+    logits_chunk_size: int = setting(
+        0,
+        low=0,
+        why=" (0 = off)",
+        resume=True,
+        doc="token log-probs take the f32 logits this many positions at a time (0 = all at "
+        "once): a 152k vocabulary needs it (docs/memory.md); changes no number",
+    )
+    fields: dict = setting(
+        factory=_tiny_moe,
+        open_group=True,
+        domain="ModelConfig's fields and checks (vocab_size 0 = the tokenizer's)",
+        doc="the architecture of an initialised model",
+    )
+
+
+# Set on config.model, not config.model.fields (`model_config` copies them over).
+RUNTIME_FIELDS = tuple(
+    f.name for f in dataclasses.fields(ModelSection) if f.name not in ("pretrained", "fields")
+)
+# ModelConfig fields the trainer sets, and from what.
+DERIVED_FIELDS = {
+    "num_valid_tokens": "derived from the tokenizer's vocabulary",
+    "moe_groups": "set by the trainer to the mesh's batch shards",
+}
+
+
+def field_problem(key: str, value) -> str | None:
+    """What is wrong with ``value`` of ModelConfig field ``key`` on its own (its
+    declared type and range), or None; the cross-field checks are ModelConfig's."""
+    f = {f.name: f for f in dataclasses.fields(ModelConfig)}[key]
+    if "doc" not in f.metadata:
+        return None
+    return problem(value, typing.get_type_hints(ModelConfig)[key], f.metadata)

@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from gspo_jax.fields import setting
 from gspo_jax.metrics import Max, Mean, MetricDict
 from gspo_jax.objectives import common
 from gspo_jax.objectives.common import sg
@@ -51,11 +52,24 @@ class RolloutCorrection:
     """
 
     name: ClassVar[str] = "rollout_correction"  # used in error messages
-    mode: str = "none"
-    cap: float = 2.0
-    c_low: float = 2.0
-    c_high: float = 2.0
-    seq_ratio: str = "geometric"
+    mode: str = setting(
+        "none",
+        domain=", ".join(MODES),
+        doc="importance weights pi_old / pi_sampler on the per-token loss "
+        '(docs/objectives.md, "Rollout correction")',
+    )
+    cap: float = setting(2.0, domain="finite float >= 1", doc="C, the truncation of the tis modes")
+    c_low: float = setting(
+        2.0, domain="finite float >= 1", doc="the mask modes keep ratios >= 1/c_low"
+    )
+    c_high: float = setting(
+        2.0, domain="finite float >= 1", doc="the mask modes keep ratios <= c_high"
+    )
+    seq_ratio: str = setting(
+        "geometric",
+        domain=", ".join(SEQ_RATIOS),
+        doc="the seq_* modes' sequence ratio: exp(mean_t log r_t) or exp(sum_t log r_t)",
+    )
 
     def __post_init__(self):
         check_choice(self, "mode", MODES)

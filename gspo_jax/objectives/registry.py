@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+from gspo_jax.fields import setting
 from gspo_jax.metrics import MetricDict, compute_all
 from gspo_jax.objectives import cispo, clipped, geometric, gspo, sapo
 from gspo_jax.objectives.hparams import Hparams
@@ -163,3 +164,27 @@ def names() -> tuple[str, ...]:
 def describe(name: str) -> str:
     """One line on what the objective is."""
     return get(name).description
+
+
+DEFAULT = "gspo"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """``config.objective``: the objective and its hyperparameters (written by
+    `gspo_jax.config.set_objective`, checked by its hyperparameter dataclass)."""
+
+    name: str = setting(DEFAULT, choices=names, doc="a registered objective")
+    hparams: dict = setting(
+        factory=lambda: get(DEFAULT).defaults,
+        open_group=True,
+        domain="the objective's hyperparameter dataclass (docs/objectives.md)",
+        doc="every hyperparameter the objective takes",
+    )
+    hparams_of: str = setting(
+        DEFAULT, doc="the objective whose hyperparameters `hparams` holds (set_objective's)"
+    )
+
+    def typed_hparams(self) -> Hparams:
+        """The objective's frozen hyperparameter dataclass."""
+        return get(self.name).hparams(**self.hparams)

@@ -1,8 +1,10 @@
-"""MoE stability study: every variant of configs/stability.py from one shared warm start.
+"""Superseded and not maintained (experiments/archive/README.md).
 
-    PYTHONPATH=. python experiments/stability_pilot.py --workdir runs/stab
-    PYTHONPATH=. python experiments/stability_pilot.py --workdir runs/stab --variants grpo,grpo_r3,gspo --steps 20
-    PYTHONPATH=. python experiments/stability_pilot.py --workdir /tmp/stab --smoke      # seconds
+MoE stability study: every variant of configs/stability.py from one shared warm start.
+
+    python -m experiments.archive.stability_pilot --workdir runs/stab
+    python -m experiments.archive.stability_pilot --workdir runs/stab --variants grpo,grpo_r3,gspo --steps 20
+    python -m experiments.archive.stability_pilot --workdir /tmp/stab --smoke      # seconds
 
 1. ``<workdir>/warm_start``: the supervised warm start alone (RL steps = 0).
 2. For each variant, ``<workdir>/<variant>`` starts as a copy of the warm start's
@@ -19,7 +21,7 @@ With ``--seeds 0,1,2`` the whole study runs once per seed (warm start included) 
 held-out reward per seed with their mean and range, and ``<workdir>/seeds.png``
 plots the held-out reward of every seed with the mean over seeds.
 
-    PYTHONPATH=. python experiments/stability_pilot.py --workdir runs/stab_seeds --seeds 0,1,2 --lr 1e-3 --minibatches 16
+    python -m experiments.archive.stability_pilot --workdir runs/stab_seeds --seeds 0,1,2 --lr 1e-3 --minibatches 16
 """
 
 from __future__ import annotations
@@ -28,13 +30,10 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import stability as stability_config  # noqa: E402
-from gspo_jax import config as config_lib  # noqa: E402
-from gspo_jax.metrics_log import read_metrics  # noqa: E402
+from configs import stability as stability_config
+from gspo_jax import config as config_lib
+from gspo_jax.metrics_log import read_metrics
 
 PLOT_METRICS = (
     "eval_reward_mean",

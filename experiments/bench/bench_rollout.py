@@ -20,8 +20,8 @@ ratio of the bests.  transformers is timed with 1 torch thread and with
 torch's default, and the faster is kept (on a shared CPU its OpenMP threads
 can be 10x slower than one thread).
 
-    PYTHONPATH=. python experiments/bench_rollout.py            # batch 1, 16, 64; 5 rounds
-    PYTHONPATH=. python experiments/bench_rollout.py --batch-sizes=64 --repeats=5
+    python -m experiments.bench.bench_rollout            # batch 1, 16, 64; 5 rounds
+    python -m experiments.bench.bench_rollout --batch-sizes=64 --repeats=5
 """
 
 from __future__ import annotations

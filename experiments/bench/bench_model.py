@@ -3,8 +3,8 @@ machine's dense f32 matmul FLOP/s (measured in the same run), and step time as
 the expert count grows at fixed top-K and fixed active parameters.
 
     cd /work/main && . .venv/bin/activate
-    python experiments/bench_model.py                 # full run (README figures)
-    python experiments/bench_model.py --quick         # a few-second smoke run
+    python -m experiments.bench.bench_model                 # full run (README figures)
+    python -m experiments.bench.bench_model --quick         # a few-second smoke run
 
 One "step" is jit(value_and_grad) of the policy loss -mean(token_logprobs) +
 router losses over a [B, T] batch (no optimizer update).  Model FLOPs count

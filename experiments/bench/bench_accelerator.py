@@ -2,8 +2,8 @@
 rate against the HBM roofline, the old-log-prob pass, and peak device memory, each as a
 ratio to what the hardware allows, in one run.
 
-    python experiments/bench_accelerator.py --size h200 --json out.json   # one H200
-    python experiments/bench_accelerator.py --size tiny                   # any CPU, seconds
+    python -m experiments.bench.bench_accelerator --size h200 --json out.json   # one H200
+    python -m experiments.bench.bench_accelerator --size tiny                   # any CPU, seconds
 
 The model (``--size h200``) is Qwen3-MoE-shaped and trains on one H200 from random
 initialisation: 12 layers by default (``--layers``), d_model 2048, 32 query / 4 KV heads
@@ -12,7 +12,7 @@ of 128 with q/k norm, 64 experts of width 768, top-8, Qwen3's 151,936-entry voca
 `experiments/programs.py`, which `experiments/compile_report.py` compiles for a device
 the machine does not have: a device run and a compile report describe one program.
 The benchmark sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` unless it is set
-(`gspo_jax.train.claim_device_memory`; JAX's default 0.75 would leave 35 GiB of an H200
+(`gspo_jax.multihost.claim_device_memory`; JAX's default 0.75 would leave 35 GiB of an H200
 unused).
 
 What each figure is:
@@ -42,7 +42,7 @@ import argparse
 import json
 import time
 
-from gspo_jax.train import claim_device_memory
+from gspo_jax.multihost import claim_device_memory
 
 claim_device_memory()  # before JAX touches a device: 95% of each GPU, not JAX's 75%
 

@@ -12,8 +12,8 @@ A decode step must cost the attention over S slots (O(B S) reads of K and V)
 plus the fixed per-token work; anything that copies the cache per layer shows
 up as a much steeper growth in S.
 
-    PYTHONPATH=. python experiments/bench_decode_step.py                # S = 80, 1024
-    PYTHONPATH=. python experiments/bench_decode_step.py --slots=80,256,1024 --batch=64
+    python -m experiments.bench.bench_decode_step                # S = 80, 1024
+    python -m experiments.bench.bench_decode_step --slots=80,256,1024 --batch=64
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -30,10 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_rollout import make_checkpoint  # noqa: E402  (the same weights)
-
-from gspo_jax.models import from_pretrained  # noqa: E402
+from experiments.bench.bench_rollout import make_checkpoint  # the same weights
+from gspo_jax.models import from_pretrained
 
 
 def main():

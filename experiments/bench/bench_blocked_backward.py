@@ -2,7 +2,7 @@
 scatter-add against `moe.take_expert_blocks`'s one-hot matmul, interleaved in one
 process (jit(grad) of one layer, medians of 15 calls each).
 
-    PYTHONPATH=. python experiments/bench_blocked_backward.py
+    python -m experiments.bench.bench_blocked_backward
 """
 
 from __future__ import annotations

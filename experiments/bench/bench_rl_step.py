@@ -1,8 +1,8 @@
 """Benchmark of a full RL step (rollout, old log-probs, update) at a config (the default's).
 
-    python experiments/bench_rl_step.py                 # default config, 5 timed steps
-    python experiments/bench_rl_step.py --steps 10 --arg objective=grpo
-    python experiments/bench_rl_step.py --config configs/bench_rl_h200.py --steps 3  # one GPU
+    python -m experiments.bench.bench_rl_step                 # default config, 5 timed steps
+    python -m experiments.bench.bench_rl_step --steps 10 --arg objective=grpo
+    python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py --steps 3  # one GPU
 
 Reports the share of step time in rollout (sampling, rewards, advantages),
 old log-probs and the update, and the update's achieved FLOP/s against this
@@ -21,31 +21,27 @@ bound for the config.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import default as default_config  # noqa: E402
-from experiments.bench_model import matmul_peak  # noqa: E402
-from gspo_jax import objectives, train  # noqa: E402
+from configs import default as default_config
+from experiments.bench.bench_model import matmul_peak
+from gspo_jax import objectives, sweep
+from gspo_jax.rl import RLPhase
+from gspo_jax.trainer import Trainer
 
 
 def load_config(spec: str):
     """``path[:argument]`` -> the config file's ``get_config(argument)``."""
-    path, _, arg = spec.partition(":")
+    path, _, _ = spec.partition(":")
     if not os.path.exists(path):
         raise SystemExit(f"--config: no file {path}")
-    module_spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+    return sweep.load_config(spec)
 
 
 def time_fn(fn, args, warmup: int, runs: int) -> float:
@@ -110,14 +106,14 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="bench_rl_")
     if args.data_dir:
         c.task.data_dir = args.data_dir
-    trainer = train.Trainer(c, work)
-    rl = train.RLPhase(trainer, trainer.init_params)
+    trainer = Trainer(c, work)
+    rl = RLPhase(trainer, trainer.init_params)
 
     rl.step(0)  # compiles everything
     ms = [rl.step(s)[0] for s in range(1, args.steps + 1)]
 
     # FLOPs of one update (one mini-batch) from XLA's cost analysis.
-    host, _ = trainer.collect(rl.state.params, 0, jax.random.key(0))
+    host, _ = rl.collect(rl.state.params, 0, jax.random.key(0))
     batch, _ = rl.prepare(host)
     mb = batch["tokens"].shape[0] // int(c.updates.num_minibatches)
     mini = {k: v[:mb] for k, v in batch.items()}
@@ -126,7 +122,7 @@ def main(argv=None):
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops_per_update = float(cost["flops"])
     peak = matmul_peak()
-    obj_ms = objective_ms(trainer.step_cfg, mini)
+    obj_ms = objective_ms(rl.step_cfg, mini)
 
     def mean(k):
         return float(np.mean([m[k] for m in ms]))
@@ -172,7 +168,7 @@ def main(argv=None):
     )
     upd_ms = upd_t / updates * 1e3
     print(
-        f"objective {trainer.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
+        f"objective {rl.step_cfg.objective} alone (value and gradient with metrics, {tuple(mini['mask'].shape)} "
         f"tokens): {obj_ms:.3f} ms median, {obj_ms / upd_ms:.3%} of one update ({upd_ms:.0f} ms)"
     )
 

@@ -1,0 +1,509 @@
+"""One RL step: sample, score, shape and filter, the old (and reference, value) passes,
+advantages, the rollout correction, the updates and the step's summary.
+
+    RLPhase.step(s)
+      collect        1. sample     G responses to each of the step's prompts (Trainer.rollout)
+                     2. score      the task's verifier (Trainer.score)
+                     3. filter     DAPO's overlong shaping and dynamic sampling; the batch
+                                   assembled on the devices from the kept rows
+      prepare        4. old pass   pi_old's log-probs and routing (R2), pi_ref's, the critic's
+                     5. advantages group (vmap over groups) or GAE, all here
+                     6. correction the rollout correction's weights
+      updates        7. num_epochs x num_minibatches calls of gspo_jax.step.train_step
+      summary        8. the updates' metrics merged by their kind (gspo_jax.metrics)
+
+Host traffic: the rollout stays on the devices. Only the response token ids, lengths
+and truncation flags come to the host (to decode and score them, and for the step's
+metrics); the batch is assembled on the devices from row indices (dynamic sampling's
+selection, the fill), and the mini-batches are gathered there too. One prompt length
+(``rollout.max_prompt_len``) and one batch shape serve the whole run: the sampler, the
+log-prob passes and the train step compile once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax import advantages as adv_lib
+from gspo_jax import metrics as metrics_lib
+from gspo_jax import shaping, step
+from gspo_jax.models.sharding import BATCH_AXES, on_mesh
+from gspo_jax.models.transformer import inference_params
+from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
+from gspo_jax.rollout import replay_r3
+from gspo_jax.trainer import Trainer
+
+# Metrics whose value after the first update (k = 0) and after the last update of a
+# rollout the RL-step record keeps besides their mean: how far the policy and its
+# router drift from pi_old within one rollout.
+DRIFT_METRICS = (
+    "flip_frac",
+    "flip_frac_vs_sampler",
+    "token_flip_rate",
+    "router_shift_raw",
+    "gamma_raw_mean",
+    "ppo_kl",
+    "logratio_abs_max",
+    "frac_ratio_gt_2",
+    "clip_frac",
+)
+
+
+def summarize_updates(ms: list[metrics_lib.MetricDict]) -> tuple[dict, list[dict]]:
+    """One RL step's summary of its updates' metrics, and each update's numbers (the
+    records of ``updates.jsonl``).
+
+    Every figure of the summary is its updates' metrics merged by their kind
+    (`gspo_jax.metrics.merge_all`): fractions and means over all the step's tokens,
+    pooled standard deviations, maxima of maxima, the learning rate of the last
+    update, the count of mini-batches with no signal (``no_signal_minibatches``). For
+    `DRIFT_METRICS` the values of the first (``<name>_k0``), second (``<name>_k1``)
+    and last (``<name>_klast``) update are kept as well. An update's metrics are
+    measured in its forward pass, at the parameters before it: k = 0 is at pi_old
+    (nothing has drifted yet), k = 1 after one update.
+    """
+    ms = jax.device_get(ms)
+    per_update = [jax.device_get(metrics_lib.compute_all(m)) for m in ms]
+    out = jax.device_get(metrics_lib.compute_all(metrics_lib.merge_all(ms)))
+    out["no_signal_minibatches"] = out.pop("no_signal")
+    for k in DRIFT_METRICS:
+        if k in out:
+            out[f"{k}_k0"], out[f"{k}_klast"] = per_update[0][k], per_update[-1][k]
+            if len(ms) > 1:  # measured after one update (k = 0 is at pi_old itself)
+                out[f"{k}_k1"] = per_update[1][k]
+    return out, per_update
+
+
+@dataclasses.dataclass
+class _Round:
+    """One sampling round of :meth:`Trainer.collect`."""
+
+    rollout: Any  # the Rollout, on the devices
+    host: dict[str, np.ndarray]  # lengths and truncation flags of every row (Trainer.score)
+    rewards: np.ndarray  # [n * G], shaped (Trainer.shape_and_filter)
+    components: dict[str, np.ndarray]  # the reward's components (rewards.score)
+    fails: dict[str, int]  # verifier failure counts
+    rows: np.ndarray  # int[kept * G]: the rollout rows of the kept groups
+    groups_kept: int
+    prompts_truncated: int
+    sample_time: float
+
+
+# The Rollout's arrays the training batch is assembled from (`_assemble`); the
+# routing record only where the sampler kept it.
+_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp")
+_ROUTING_FIELDS = {"all": ("experts", "prompt_experts"), "response": ("experts",), "none": ()}
+
+
+def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
+    """The training batch, on the devices, from the rollouts of a step's sampling
+    rounds: row i is row ``src_row[i]`` of round ``src_round[i]``; ``valid`` 0 marks
+    padding rows (their mask is 0: dynamic sampling fell short).
+
+    ``parts``: per round, a dict of the Rollout's arrays (`_BATCH_FIELDS`, plus
+    ``experts`` and ``prompt_experts`` where the sampler kept them); a fixed number of
+    them (`Trainer.fill_batch` repeats round 0 for rounds not sampled), so that one
+    program serves every step. Returns the batch layout of :mod:`gspo_jax.step`:
+    ``prompt_tokens``, ``prompt_mask`` (f32), ``tokens``, ``mask`` (overlong
+    filtering applied), ``rollout_logp`` (the sampler's log-probs of the
+    distribution that drew the tokens), ``sampler_topk`` (the sampler's routing at
+    the response positions) and ``replay_r3`` (R3: the sampler's routing at every
+    input position [0, P+T-1)), the last two where the record is there.
+    """
+
+    def take(key):
+        out = jnp.take(parts[0][key], src_row, axis=0)
+        for r in range(1, len(parts)):
+            sel = (src_round == r).reshape((-1,) + (1,) * (out.ndim - 1))
+            out = jnp.where(sel, jnp.take(parts[r][key], src_row, axis=0), out)
+        return out
+
+    mask = take("mask").astype(jnp.float32)
+    if overlong_filter:
+        mask = shaping.overlong_mask(take("truncated"), mask)
+    batch = {
+        "prompt_tokens": take("prompt_tokens"),
+        "prompt_mask": take("prompt_mask").astype(jnp.float32),
+        "tokens": take("tokens"),
+        "mask": mask * valid[:, None],
+        "rollout_logp": take("logp"),
+    }
+    if "experts" in parts[0]:
+        # The sampler's routing of the position that produced each response token.
+        batch["sampler_topk"] = take("experts")
+    if "prompt_experts" in parts[0]:
+        batch["replay_r3"] = replay_r3(take("prompt_experts"), batch["sampler_topk"])
+    return batch
+
+
+def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
+    """GAE over response tokens with the sequence reward on its last token."""
+    mask = mask.astype(jnp.float32)
+    last = jnp.sum(mask, axis=1).astype(jnp.int32) - 1  # -1 for an empty response: no reward
+    t = jnp.arange(mask.shape[1])[None, :]
+    token_rewards = jnp.where(t == last[:, None], seq_rewards[:, None], 0.0) * mask
+    return adv_lib.gae(token_rewards, values, mask, gamma=gamma, lam=lam)
+
+
+def _permutations(key, *, n: int, epochs: int) -> jax.Array:
+    """int32[epochs, n]: the mini-batch order of each epoch of one rollout's updates
+    (epoch e: ``permutation(fold_in(key, e), n)``)."""
+    perm = lambda e: jax.random.permutation(jax.random.fold_in(key, e), n)
+    return jnp.stack([perm(e) for e in range(epochs)]).astype(jnp.int32)
+
+
+def _minibatch(batch: dict[str, jax.Array], perm, epoch, j, *, size: int) -> dict[str, jax.Array]:
+    """Mini-batch ``j`` of epoch ``epoch``: the rows ``perm[epoch, j*size : (j+1)*size]``
+    of every array of the batch, gathered on the devices (``epoch``, ``j`` traced)."""
+    idx = jax.lax.dynamic_slice_in_dim(perm[epoch], j * size, size)
+    return {k: jnp.take(v, idx, axis=0) for k, v in batch.items()}
+
+
+def shape_and_filter(
+    c: ml_collections.ConfigDict, host, r: np.ndarray, correct: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Stage 3, shape and filter (DAPO, ``config.dapo``), on one round (``host``: the row lengths
+    `score` returns): the soft overlong punishment added to the rewards ``r``; dynamic
+    sampling keeps only the groups whose correctness differs (``correct``, the
+    verifier's 0/1 per response: DAPO filters on accuracy, not on the shaped
+    reward, so a length penalty or a format reward cannot keep a group whose
+    answers are all right or all wrong). Overlong filtering (the mask of truncated
+    responses zeroed) happens on the devices, in `_assemble`. Returns (the shaped
+    rewards of every response, the rows of the kept groups, the number of groups
+    kept)."""
+    g, T = int(c.rollout.group_size), int(c.rollout.max_new_tokens)
+    if c.dapo.soft_overlong:
+        length = np.asarray(host["lengths"], np.float32)
+        r = r + jax.device_get(
+            shaping.soft_overlong_penalty(
+                jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)
+            )
+        )
+    keep = (
+        jax.device_get(shaping.dynamic_sampling_keep(jnp.asarray(correct).reshape(-1, g)))
+        if c.dapo.dynamic_sampling
+        else np.ones(len(r) // g, bool)
+    )
+    rows = np.flatnonzero(np.repeat(keep, g))
+    return r, rows, int(keep.sum())
+
+
+def rl_optimizer(c: ml_collections.ConfigDict):
+    """The RL phase's optimizer and schedule (``config.optimizer``), over every update of
+    the run (``total_rl_steps x num_minibatches x num_epochs``)."""
+    updates_per_step = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
+    return step.make_optimizer(
+        lr=c.optimizer.lr,
+        schedule=c.optimizer.schedule,
+        total_steps=int(c.total_rl_steps) * updates_per_step,
+        warmup_steps=c.optimizer.warmup_steps,
+        end_lr_ratio=c.optimizer.end_lr_ratio,
+        weight_decay=c.optimizer.weight_decay,
+        b1=c.optimizer.b1,
+        b2=c.optimizer.b2,
+        grad_clip=c.optimizer.grad_clip,
+        mu_dtype=c.optimizer.mu_dtype,
+    )
+
+
+class RLPhase:
+    """The RL phase of a run: its state, its compiled functions and one step
+    (`RLPhase.step`). ``trainer``: the run's parts; ``params``: where RL starts (the
+    warm start's parameters), which are also the reference policy of a KL term."""
+
+    def __init__(self, trainer: Trainer, params):
+        self.t, self.c = trainer, trainer.c
+        c = trainer.c
+        self.updates_per_step = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
+        self.optimizer, self.sched = rl_optimizer(c)
+        self.step_cfg = step.StepConfig(
+            objective=c.objective.name,
+            hparams=tuple(sorted(dict(c.objective.hparams).items())),
+            micro_batches=int(c.updates.micro_batches),
+            gamma_min=float(c.updates.gamma_min),
+            aux_loss_coef=float(c.updates.aux_loss_coef),
+            z_loss_coef=float(c.updates.z_loss_coef),
+            entropy_coef=float(c.entropy_coef),
+            value_coef=float(c.gae.value_coef) if c.advantage == "gae" else 0.0,
+            value_clip=float(c.gae.value_clip),
+            temperature=float(c.rollout.temperature),
+            update_without_signal=bool(c.updates.update_without_signal),
+        )
+        self.rollout_correction = RolloutCorrection(**dict(c.rollout_correction))
+        # The routing record the training rollouts keep: R3 replays all of it; an MoE
+        # model's mismatch metrics compare the response tokens' with the trainer's.
+        if c.updates.routing_replay == "R3":
+            self.routing = "all"
+        else:
+            self.routing = "response" if trainer.model_cfg.num_moe_layers > 0 else "none"
+        self.assemble_fn = jax.jit(
+            functools.partial(_assemble, overlong_filter=bool(c.dapo.overlong_filter)),
+            out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+        )
+        # The reference policy is where RL starts; copied, as the state is donated, and
+        # held in the compute dtype (the same logits; docs/memory.md).
+        self.ref_params = inference_params(params, trainer.model_cfg) if trainer.kl_coef else None
+        self.state = trainer.new_state(params, self.optimizer)
+        self.train_fn = trainer.jit_step(
+            step.train_step,
+            self.state,
+            optimizer=self.optimizer,
+            schedule=self.sched,
+            cfg=self.step_cfg,
+        )
+        replay = c.updates.routing_replay
+        self.critic = c.advantage == "gae"
+        self.moe = trainer.model_cfg.num_moe_layers > 0
+        logp_pass = functools.partial(
+            step.logprob_pass,
+            graphdef=trainer.graphdef,
+            values=self.critic,
+            temperature=float(c.rollout.temperature),
+            micro_batches=int(c.updates.logprob_micro_batches),
+        )
+        # The old policy's pass replays the sampler's routing under R3; the reference
+        # policy's always routes freely (it is pi_ref, not pi_ref under pi's routing).
+        self.logp_fn = on_mesh(
+            jax.jit(
+                functools.partial(logp_pass, replay_key="replay_r3" if replay == "R3" else None)
+            ),
+            trainer.mesh,
+        )
+        self.ref_logp_fn = on_mesh(
+            jax.jit(functools.partial(logp_pass, replay_key=None)), trainer.mesh
+        )
+        self.gae_fn = jax.jit(
+            functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam))
+        )
+        self.correction_fn = jax.jit(
+            functools.partial(rollout_correction, rc=self.rollout_correction)
+        )
+        self.mismatch_fn = jax.jit(step.mismatch_metrics)
+        # The mini-batches: the permutation and the gather on the devices.
+        n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+        self.perm_fn = jax.jit(
+            functools.partial(_permutations, n=n, epochs=int(c.updates.num_epochs))
+        )
+        self.minibatch_fn = jax.jit(
+            functools.partial(_minibatch, size=n // int(c.updates.num_minibatches)),
+            out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+        )
+
+    def prepare(self, collected: dict[str, Any]) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        """Stages 4-6: the device batch with old (and reference) log-probs, routing
+        records, advantages and the rollout correction; and the step's train-inference
+        mismatch metrics. ``collected``: `collect`'s batch (on the devices, but for the
+        host ``rewards`` of its rows)."""
+        c = self.c
+        rewards = collected["rewards"]
+        dev = self.t.put_batch({k: v for k, v in collected.items() if k != "rewards"})
+        old = self.logp_fn(self.state.params, dev)
+        batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")}
+        batch.update(self.advantages(rewards, old.get("values"), dev["mask"]))
+        batch.update(
+            old_logp=old["logp"],
+            old_topk=old["topk_resp"],
+            old_free_topk=old["free_topk_resp"],
+            old_router_logp=old["router_logp"],
+        )
+        if self.moe:  # the sampler's routing at the response positions
+            if "sampler_topk" in dev:
+                batch["sampler_topk"] = dev["sampler_topk"]
+            else:
+                p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
+                batch["sampler_topk"] = step.response_slice(dev["replay_r3"], p, t)
+        if c.updates.routing_replay == "R2":
+            batch["replay"] = old["topk"]
+        elif c.updates.routing_replay == "R3":
+            batch["replay"] = dev["replay_r3"]
+        if self.ref_params is not None:
+            batch["ref_logp"] = self.ref_logp_fn(self.ref_params, dev)["logp"]
+        info = self.mismatch_fn(
+            dev["rollout_logp"],
+            old["logp"],
+            dev["mask"],
+            batch.get("sampler_topk"),
+            old["free_topk_resp"] if self.moe else None,
+        )
+        if self.rollout_correction.mode != "none":
+            weight, rc_metrics = self.correction_fn(old["logp"], dev["rollout_logp"], dev["mask"])
+            batch["rc_weight"] = weight
+            info.update(metrics_lib.compute_all(rc_metrics))
+        return batch, info
+
+    def step(self, s: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One RL step: collect, prepare, update. Returns the step's summary metrics
+        and one record per optimizer update (``k``: its index within the rollout)."""
+        c = self.c
+        rng = jax.random.fold_in(jax.random.key(c.seed + 1), s)
+        t0 = time.perf_counter()
+        collected, info = self.collect(self.state.params, s, rng)
+        t1 = time.perf_counter()
+        batch, pinfo = self.prepare(collected)
+        jax.block_until_ready(batch)
+        t2 = time.perf_counter()
+        perm = self.perm_fn(jax.random.fold_in(rng, 1_000_003))
+        ms, where = [], []
+        for epoch in range(int(c.updates.num_epochs)):
+            for j in range(int(c.updates.num_minibatches)):
+                mini = self.minibatch_fn(batch, perm, np.int32(epoch), np.int32(j))
+                self.state, m = self.train_fn(
+                    self.state, mini, jax.random.fold_in(rng, 7 + len(ms))
+                )
+                ms.append(m)
+                where.append({"k": len(where), "epoch": epoch, "minibatch": j})
+        ms, pinfo, mask_sum = jax.device_get((ms, pinfo, jnp.sum(batch["mask"])))
+        t3 = time.perf_counter()
+        m, per_update = summarize_updates(ms)
+        updates = [dict(w, **u) for w, u in zip(where, per_update)]
+        m.update(info)
+        m.update(pinfo)
+        step_time = t3 - t0
+        trained_tokens = float(mask_sum) * int(c.updates.num_epochs)
+        m.update(
+            step_time=step_time,
+            rollout_time=t1 - t0,
+            old_logp_time=t2 - t1,
+            update_time=t3 - t2,
+            tokens_per_s=(info["gen_tokens"] + trained_tokens) / step_time,
+        )
+        return m, updates
+
+    def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Stages 1-3: rollouts, rewards and DAPO's filters for one RL step.
+
+        Rounds of sample -> score -> shape and filter, until the kept groups fill
+        the batch (one round without dynamic sampling); then the batch is filled
+        and given its advantages. Returns the batch (without old log-probs), on the
+        devices, and host metrics. Of the rollouts only the response token ids,
+        lengths and truncation flags came to the host (`score`).
+        """
+        c = self.c
+        n_prompts = int(c.rollout.prompts_per_step)
+        max_rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        rounds: list[_Round] = []
+        for rnd in range(max_rounds):
+            # Round r of step s reads prompts at position (s * max_rounds + r) * n_prompts,
+            # a pure function of the step: resume needs no extra data state.
+            pos = (step_idx * max_rounds + rnd) * n_prompts
+            examples, ro, cut, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
+            r, components, fails, host = self.t.score(examples, ro)
+            shaped, rows, groups_kept = shape_and_filter(self.c, host, r, components["correct"])
+            rounds.append(
+                _Round(ro, host, shaped, components, fails, rows, groups_kept, cut, seconds)
+            )
+            if sum(r.groups_kept for r in rounds) >= n_prompts:
+                break
+        return self.fill_batch(rounds), self._collect_metrics(rounds)
+
+    def sample(self, params, pos: int, rng):
+        """Stage 1, sample: the ``prompts_per_step`` prompts at data position ``pos``
+        and ``group_size`` responses to each. Returns (examples, the rollout on the
+        devices, the number of prompts truncated, seconds spent sampling)."""
+        n = int(self.c.rollout.prompts_per_step)
+        examples = self.t.train_data.batch(pos, n)
+        t0 = time.perf_counter()
+        # Keyed by data stream id, not split index: a batch across an epoch boundary
+        # may hold one example twice, and the sampler needs distinct ids.
+        ro, cut = self.t.rollout(
+            params,
+            examples,
+            rng,
+            prompt_ids=self.t.train_data.stream_ids(pos, n).tolist(),
+            router_noise=True,
+            routing=self.routing,
+        )
+        jax.block_until_ready(ro)
+        return examples, ro, cut, time.perf_counter() - t0
+
+    def fill_batch(self, rounds: list[_Round]) -> dict[str, Any]:
+        """Stage 3, the batch: exactly ``prompts_per_step`` groups from the rounds'
+        kept rows, assembled on the devices (`_assemble`; only row indices go there
+        from the host). If dynamic sampling fell short, the missing groups are copies
+        of the first kept one (of row 0 if none was kept) whose mask is 0 (they add
+        nothing). ``rewards`` (host, shaped) are the batch rows' rewards, for
+        `advantages`."""
+        c = self.c
+        n_rows = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+        src_round = np.concatenate([np.full(len(r.rows), i) for i, r in enumerate(rounds)])
+        src_row = np.concatenate([r.rows for r in rounds])
+        reward = np.concatenate([r.rewards[r.rows] for r in rounds])
+        src_round, src_row, reward = src_round[:n_rows], src_row[:n_rows], reward[:n_rows]
+        valid = (np.arange(n_rows) < len(src_row)).astype(np.float32)
+        if not len(src_row):  # nothing kept: the padding copies row 0 of round 0
+            src_round, src_row, reward = np.zeros(1, int), np.zeros(1, int), rounds[0].rewards[:1]
+        short = n_rows - len(src_row)
+        src_round = np.concatenate([src_round, np.repeat(src_round[:1], short)])
+        src_row = np.concatenate([src_row, np.repeat(src_row[:1], short)])
+        reward = np.concatenate([reward, np.repeat(reward[:1], short)])
+        # Every round's arrays, the same number of rounds each step (round 0 repeated
+        # for the rounds not sampled): one program for every step.
+        max_rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        fields = _BATCH_FIELDS + _ROUTING_FIELDS[self.routing]
+        parts = [{k: getattr(r.rollout, k) for k in fields} for r in rounds]
+        parts += [parts[0]] * (max_rounds - len(parts))
+        batch = self.assemble_fn(
+            tuple(parts), src_round.astype(np.int32), src_row.astype(np.int32), valid
+        )
+        batch["rewards"] = reward
+        return batch
+
+    def advantages(self, rewards: np.ndarray, values, mask) -> dict[str, jax.Array]:
+        """Stage 5, advantages (``config.advantage``), on the devices: per response over
+        each group of the rows' shaped ``rewards`` (host), or GAE per token from the
+        critic's ``values`` of the old pass (the sequence reward on the last token).
+        Returns ``advantages`` (and for GAE ``returns`` and ``old_values``)."""
+        c = self.c
+        rg = np.asarray(rewards).reshape(-1, int(c.rollout.group_size))
+        if c.advantage == "gae":
+            seq_rewards = self.t.put_rows(rg.reshape(-1).astype(np.float32))
+            a, returns = self.gae_fn(seq_rewards, values, mask)
+            return {"advantages": a, "returns": returns, "old_values": values}
+        group = {"group": adv_lib.group, "group_no_std": adv_lib.group_no_std, "rloo": adv_lib.rloo}
+        a = group[c.advantage](jnp.asarray(rg))
+        return {"advantages": self.t.put_rows(np.asarray(a, np.float32).reshape(-1))}
+
+    def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
+        """Host metrics of one step's rounds (every sampled response, kept or not)."""
+        c = self.c
+        n_prompts, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
+        r_all = np.concatenate([r.rewards for r in rounds])
+        rg_all = r_all.reshape(-1, g)
+        lengths = [np.asarray(r.host["lengths"], np.float32) for r in rounds]
+        length = np.concatenate(lengths)
+        fail_counts: dict[str, int] = {}
+        for r in rounds:
+            for k, v in r.fails.items():
+                fail_counts[k] = fail_counts.get(k, 0) + v
+        info = {
+            "reward_mean": float(r_all.mean()),
+            "reward_std": float(r_all.std()),
+            "reward_correct": float(
+                np.concatenate([r.components["correct"] for r in rounds]).mean()
+            ),
+            "reward_format": float(np.concatenate([r.components["format"] for r in rounds]).mean()),
+            "zero_std_group_frac": float(np.mean(rg_all.std(axis=1) == 0)),
+            "response_len": float(length.mean()),
+            "truncation_rate": float(
+                np.concatenate([np.asarray(r.host["truncated"]) for r in rounds]).mean()
+            ),
+            "prompts_truncated": sum(r.prompts_truncated for r in rounds),
+            "sampling_rounds": len(rounds),
+            "dynamic_sampling_bound_hit": float(
+                c.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts
+            ),
+            "sample_time": sum(r.sample_time for r in rounds),
+            "gen_tokens": sum(int(x.sum()) for x in lengths),
+        }
+        info.update({f"verifier_{k}": v for k, v in fail_counts.items()})
+        return info

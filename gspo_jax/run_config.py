@@ -1,0 +1,256 @@
+"""The experiment config's declaration: `RunConfig`, the tree of every section.
+
+Each section is a frozen dataclass declared by the module that uses it (`gspo_jax.fields`
+says how); the sections whose users are the trainer's (the task, the optimizer, the
+warm start, and the run's own settings) are declared here. `gspo_jax.config` derives
+the defaults, the checks, docs/config.md and the resume rule from `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from gspo_jax.advantages import GaeConfig
+from gspo_jax.fields import err, is_int, section, setting
+from gspo_jax.metrics_log import WandbConfig
+from gspo_jax.models.config import ModelSection
+from gspo_jax.models.sharding import MeshConfig
+from gspo_jax.multihost import DistributedConfig
+from gspo_jax.objectives.correction import RolloutCorrection
+from gspo_jax.objectives.registry import ObjectiveConfig
+from gspo_jax.rollout import RolloutConfig
+from gspo_jax.shaping import DapoConfig
+from gspo_jax.step import UpdatesConfig
+
+GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
+ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
+FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
+
+
+def _task_names() -> tuple[str, ...]:
+    from gspo_jax.data.source import TASKS  # local: the data builders import TFDS
+
+    return TASKS
+
+
+def _pass_k(v) -> str | None:
+    if isinstance(v, (list, tuple)) and v and all(is_int(k) for k in v):
+        return None
+    return f"must be a non-empty tuple of ints, got {v!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """``config.task``: the prompts, their answers and how they are scored."""
+
+    name: str = setting("countdown", choices=_task_names, doc="the task")
+    difficulty: str = setting(
+        "small",
+        doc="the task's level (countdown small: 3 numbers in 1..9, target 1..30); '' "
+        "for gsm8k and file",
+    )
+    data_dir: str = setting("", resume=True, doc='where the datasets live ("" = <workdir>/data)')
+    style: str = setting(
+        "compact",
+        choices=("compact", "instruct"),
+        doc="prompt style: compact (character models) or instruct (chat models)",
+    )
+    gsm8k_files: str = setting(
+        "", resume=True, doc="folder with GSM8K's jsonl files where TFDS cannot download them"
+    )
+    eval_size: int = setting(
+        128, low=1, resume=True, doc="held-out prompts scored every eval_every steps"
+    )
+    eval_samples: int = setting(
+        4, low=1, resume=True, doc="samples per held-out prompt (plus one greedy)"
+    )
+    eval_pass_k: tuple[int, ...] = setting(
+        (1, 4),
+        check=_pass_k,
+        resume=True,
+        domain="non-empty tuple of ints in [1, task.eval_samples]",
+        doc="the k of eval/pass@k and eval/maj@k",
+    )
+    format_reward: float = setting(0.0, low=0, doc="weight of the optional format reward")
+    # Task "file": a user's prompts and answers (gspo_jax/data/user_file.py; configs/file_task.py).
+    file: str = setting("", doc="task 'file': the train rows, a .jsonl or .parquet file")
+    test_file: str = setting("", doc='the test rows ("" = hold out test_fraction of task.file)')
+    test_fraction: float = setting(
+        0.1,
+        low=0,
+        high=1,
+        high_open=True,
+        doc="held-out fraction of task.file's valid rows without test_file (> 0 then)",
+    )
+    prompt_column: str = setting("prompt", doc="the prompt's column")
+    answer_column: str = setting(
+        "answer", doc="the reference answer's column (countdown: the target integer)"
+    )
+    messages_column: str = setting(
+        "", doc='"" = off; else a list of {role, content} in place of the prompt'
+    )
+    solution_column: str = setting(
+        "", doc='"" = none (no warm start); else the SFT completion, verbatim'
+    )
+    verifier: str = setting(
+        "numeric",
+        nonempty=True,
+        domain=", ".join(FILE_VERIFIERS) + " or an importable 'module:function'",
+        doc="task 'file': how a response is scored",
+    )
+    bad_rows: str = setting(
+        "skip",
+        choices=("skip", "refuse"),
+        doc="an unusable row of task.file: skipped (each logged once) or refused",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """``config.optimizer``: AdamW of the RL updates."""
+
+    lr: float = setting(2e-4, low=0, low_open=True, doc="peak learning rate")
+    schedule: str = setting("constant", choices=("constant", "cosine", "linear"), doc="decay")
+    warmup_steps: int = setting(5, low=0, doc="linear warmup, in optimizer updates")
+    end_lr_ratio: float = setting(0.1, low=0, high=1, doc="the final lr / lr of a decay")
+    weight_decay: float = setting(0.0, low=0, doc="AdamW's decoupled weight decay")
+    b1: float = setting(0.9, low=0, high=1, high_open=True, doc="Adam's beta1")
+    b2: float = setting(0.99, low=0, high=1, high_open=True, doc="Adam's beta2")
+    grad_clip: float = setting(
+        1.0,
+        low=0,
+        low_open=True,
+        why=" (clipping is always on)",
+        doc="global-norm gradient clip (always on; a large value makes it a no-op)",
+    )
+    mu_dtype: str = setting(
+        "float32",
+        choices=("float32", "bfloat16"),
+        doc="Adam's first moment (bfloat16 halves it; the second moment and the master "
+        "parameters stay float32; docs/memory.md)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig:
+    """``config.sft``: the supervised warm start on generated solutions."""
+
+    steps: int = setting(300, low=0, doc="warm-start steps (0 = skip)")
+    batch_size: int = setting(64, low=1, doc="sequences per step; divisible by the batch shards")
+    lr: float = setting(3e-3, low=0, low_open=True, doc="learning rate")
+    warmup_steps: int = setting(20, low=0, doc="linear warmup, in steps")
+    aux_loss_coef: float = setting(0.01, low=0, doc="the warm start's load-balancing loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The whole experiment config (`gspo_jax.config.base_config`'s defaults)."""
+
+    seed: int = setting(
+        0, low=0, high=2**32 - 1, why=" (it seeds numpy's RandomState)", doc="the run's seed"
+    )
+    total_rl_steps: int = setting(60, low=0, resume=True, doc="RL steps of the run")
+    task: TaskConfig = section(TaskConfig)
+    tokenizer: str = setting(
+        "char", nonempty=True, doc='"char" or a checkpoint directory holding tokenizer.json'
+    )
+    model: ModelSection = section(ModelSection)
+    mesh: MeshConfig = section(MeshConfig, resume=True)
+    rollout: RolloutConfig = section(RolloutConfig)
+    rollout_correction: RolloutCorrection = section(RolloutCorrection, own_checks=True)
+    objective: ObjectiveConfig = section(ObjectiveConfig)
+    advantage: str = setting(
+        "group", choices=ADVANTAGES, doc="the advantage estimator; 'gae' with objective 'ppo'"
+    )
+    gae: GaeConfig = section(GaeConfig)
+    entropy_coef: float = setting(0.0, low=0, doc="weight of the entropy bonus")
+    dapo: DapoConfig = section(DapoConfig)
+    updates: UpdatesConfig = section(UpdatesConfig)
+    optimizer: OptimizerConfig = section(OptimizerConfig)
+    sft: SftConfig = section(SftConfig)
+    eval_every: int = setting(10, low=1, resume=True, doc="RL steps between evaluations")
+    log_every: int = setting(1, low=1, resume=True, doc="RL steps between log lines")
+    checkpoint_every: int = setting(20, low=1, resume=True, doc="RL steps between checkpoints")
+    keep_checkpoints: int = setting(3, low=1, resume=True, doc="checkpoints kept per phase")
+    progress_bar: bool = setting(True, resume=True, doc="a progress bar on the terminal")
+    compilation_cache_dir: str = setting(
+        "~/.cache/gspo_jax/xla",
+        resume=True,
+        doc='persistent XLA compilation cache ("" = off; JAX_COMPILATION_CACHE_DIR wins): a '
+        "restarted job loads its executables instead of compiling them",
+    )
+    wandb: WandbConfig = section(WandbConfig, resume=True)
+    distributed: DistributedConfig = section(DistributedConfig, resume=True)
+
+
+# --------------------------------------------------------------------------
+# The task's checks across fields.
+
+
+def check_pass_k(c: ml_collections.ConfigDict) -> None:
+    """``task.eval_pass_k``: each k in [1, task.eval_samples]."""
+    ks, n = c.task.eval_pass_k, c.task.eval_samples
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise err(
+            "task.eval_pass_k",
+            f"{bad} not in [1, task.eval_samples={n}] (pass@k and maj@k need k <= the samples)",
+        )
+
+
+def check_task(c: ml_collections.ConfigDict) -> None:
+    """The task's difficulty against its levels, and task 'file''s fields."""
+    if c.task.name in ("gsm8k", "file"):
+        if c.task.difficulty:
+            raise err(
+                "task.difficulty",
+                f"{c.task.name} has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
+            )
+        if c.task.name == "file":
+            check_file_task(c)
+        return
+    from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
+
+    builder = countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
+    levels = [b.name for b in builder.BUILDER_CONFIGS]
+    if c.task.difficulty not in levels:
+        raise err(
+            "task.difficulty",
+            f"{c.task.name} has no level {c.task.difficulty!r}; known: {levels}",
+        )
+
+
+def check_file_task(c: ml_collections.ConfigDict) -> None:
+    """Task "file": the fields that make a user's file usable (the file is read later)."""
+    t = c.task
+    if not t.file:
+        raise err("task.file", "task 'file' needs the path of a .jsonl or .parquet file")
+    for path in ("file", "test_file"):
+        if t[path] and not t[path].endswith((".jsonl", ".parquet")):
+            raise err(f"task.{path}", f"must end in .jsonl or .parquet, got {t[path]!r}")
+    if not t.test_file and not t.test_fraction > 0:
+        raise err("task.test_fraction", "must be > 0 without task.test_file (the test split)")
+    if not t.messages_column and not t.prompt_column:
+        raise err("task.prompt_column", "must name a column (or set task.messages_column)")
+    if not t.answer_column:
+        raise err("task.answer_column", "must name a column")
+    if int(c.sft.steps) > 0 and not t.solution_column:
+        raise err(
+            "task.solution_column",
+            f"the warm start (sft.steps={c.sft.steps}) trains on reference solutions: "
+            "name the column holding them, or set sft.steps=0",
+        )
+    if ":" in t.verifier:
+        from gspo_jax import rewards  # local: keeps config import light
+
+        try:
+            rewards.load_reward_fn(t.verifier)
+        except ValueError as e:
+            raise err("task.verifier", " ".join(str(e).split())) from None
+    elif t.verifier not in FILE_VERIFIERS:
+        raise err(
+            "task.verifier",
+            f"unknown verifier {t.verifier!r}; known: {FILE_VERIFIERS} or 'module:function'",
+        )

@@ -1,0 +1,246 @@
+"""The run's parts: tokenizer, mesh, data, model and sampler, and what every phase does
+with them (place batches on the mesh, compile a donated step, sample and score).
+
+:class:`Trainer` holds them; the phases use them: the warm start (:mod:`gspo_jax.sft`),
+one RL step (:mod:`gspo_jax.rl`) and evaluation (:func:`gspo_jax.evaluation.evaluate`).
+The run itself, its loop over phases, logs, checkpoints and resume, is
+:mod:`gspo_jax.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax import config as config_lib
+from gspo_jax import evaluation, multihost, objectives, rewards, step
+from gspo_jax.data import PromptSource
+from gspo_jax.data.encoding import encode_prompt, fit_prompts
+from gspo_jax.data.user_file import FileTask
+from gspo_jax.models import from_pretrained, init_sharded
+from gspo_jax.models.sharding import BATCH_AXES, make_mesh, on_mesh
+from gspo_jax.rollout import Sampler
+from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
+
+
+def make_tokenizer(c: ml_collections.ConfigDict):
+    if c.tokenizer == "char":
+        return CharTokenizer(words=(rewards.ANSWER_OPEN, rewards.ANSWER_CLOSE))
+    path = c.tokenizer
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
+    return HFTokenizer.from_dir(path)
+
+
+class Trainer:
+    """The run's parts (tokenizer, mesh, data, model, sampler); the math lives in
+    :mod:`gspo_jax.step`, the phases in :mod:`gspo_jax.sft` and :mod:`gspo_jax.rl`."""
+
+    def __init__(self, c: ml_collections.ConfigDict, workdir: str):
+        self.c = c
+        self.workdir = workdir
+        self.tokenizer = make_tokenizer(c)
+        mesh_shape = config_lib.validate(
+            c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
+        )
+        self.mesh = make_mesh(mesh_shape)
+        os.makedirs(workdir, exist_ok=True)
+        data_dir = c.task.data_dir or os.path.join(workdir, "data")
+        difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
+        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
+        if c.task.name == "gsm8k":
+            kw["gsm8k_files"] = c.task.gsm8k_files or None
+        if c.task.name == "file":
+            kw["file_task"] = FileTask.from_config(c.task)
+        # One process prepares a data set that is not on disk yet; the others then read it.
+        if not multihost.is_primary():
+            multihost.barrier("data prepared")
+        self.train_data = PromptSource(c.task.name, "train", **kw)
+        self.eval_data = PromptSource(c.task.name, "test", shuffle=False, **kw)
+        if multihost.is_primary():
+            multihost.barrier("data prepared")
+
+        # The policy, created already sharded. Each batch shard dispatches its own
+        # tokens to the experts (ModelConfig.moe_groups).
+        moe_groups = int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
+        if c.model.pretrained:
+            model = from_pretrained(
+                c.model.pretrained,
+                mesh=self.mesh,
+                value_head=c.advantage == "gae",
+                # Embedding rows past the tokenizer's vocabulary are padding: never sampled.
+                num_valid_tokens=self.tokenizer.vocab_size,
+                moe_groups=moe_groups,
+                **{k: c.model[k] for k in config_lib.MODEL_RUNTIME_FIELDS},
+            )
+            self.model_cfg = model.cfg
+            graphdef, params = nnx.split(model)
+        else:
+            self.model_cfg = dataclasses.replace(
+                config_lib.model_config(c, self.tokenizer.vocab_size), moe_groups=moe_groups
+            )
+            model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
+            graphdef, params = nnx.split(model)
+        non_params = nnx.split(model, nnx.Param, ...)[2]
+        if jax.tree.leaves(non_params):
+            raise ValueError(
+                "the model holds non-Param variables; the trainer expects parameters only"
+            )
+        if c.updates.routing_replay != "none" and self.model_cfg.num_moe_layers == 0:
+            raise ValueError(
+                f"updates.routing_replay={c.updates.routing_replay!r} needs MoE layers; "
+                "the model is dense (num_experts=0): use 'none'"
+            )
+        self.graphdef = graphdef
+        # One prompt length for the whole run: one program per batch size.
+        self.max_prompt_len = int(c.rollout.max_prompt_len)
+        self.sampler = Sampler(
+            graphdef,
+            params,
+            vocab_size=self.model_cfg.vocab_size,
+            mesh=self.mesh,
+            prompt_len=self.max_prompt_len,
+        )
+        self.init_params = params  # where the warm start (or RL, without one) starts
+        # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
+        self.kl_coef = float(
+            objectives.get(c.objective.name)
+            .validate_hyperparameters(dict(c.objective.hparams))
+            .get("kl_coef", 0.0)
+        )
+
+    # ---- device placement and compiled steps --------------------------------
+
+    def _batch_sharding(self, x) -> NamedSharding:
+        return NamedSharding(self.mesh, P(BATCH_AXES, *([None] * (np.ndim(x) - 1))))
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """The batch on the mesh, every array sharded over its first (row) axis."""
+        return {k: jax.device_put(v, self._batch_sharding(v)) for k, v in batch.items()}
+
+    def _state_shardings(self, state):
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def new_state(self, params, optimizer) -> step.TrainState:
+        """A fresh state whose every leaf lives on the mesh: parameters (and the
+        optimizer moments that follow them) sharded, scalars replicated."""
+        state = step.TrainState.create(params, jax.jit(optimizer.init)(params))
+        replicated = NamedSharding(self.mesh, P())
+
+        def on_mesh(x):
+            sh = x.sharding
+            if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
+                return x
+            return jax.device_put(x, replicated)
+
+        return jax.tree.map(on_mesh, state)
+
+    def jit_step(self, fn, state, **static):
+        """``fn(state, batch, rng, graphdef=..., **static)`` jit-compiled with the
+        state's shardings kept and the state donated (:func:`gspo_jax.step.train_step`,
+        :func:`gspo_jax.step.sft_step`)."""
+        shardings = self._state_shardings(state)
+        jitted = jax.jit(
+            functools.partial(fn, graphdef=self.graphdef, **static),
+            in_shardings=(shardings, None, None),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+        return on_mesh(jitted, self.mesh)
+
+    def put_rows(self, x: np.ndarray) -> jax.Array:
+        """A host [rows, ...] array (the same on every process) on the mesh, sharded over
+        its rows as `put_batch` does."""
+        return jax.device_put(x, self._batch_sharding(x))
+
+    # ---- sampling and scoring (the RL step and evaluation) -----------------
+
+    def fit_prompts(self, prompts, where: str = "a prompt") -> tuple[list[list[int]], int]:
+        """`fit_prompts` with this run's ``rollout.max_prompt_len`` and ``long_prompts``."""
+        c = self.c
+        return fit_prompts(prompts, self.max_prompt_len, str(c.rollout.long_prompts), where)
+
+    def rollout(
+        self,
+        params,
+        examples,
+        rng,
+        *,
+        greedy: bool = False,
+        num_samples: int | None = None,
+        prompt_ids=None,
+        router_noise: bool = False,
+        routing: str = "none",
+    ):
+        """Samples ``num_samples`` (default: the group size) per example. ``prompt_ids``
+        (distinct, one per example) key each prompt's samples; default: the examples'
+        split indices. ``router_noise``: add ``rollout.router_noise_std`` to the
+        sampler's router logits (training rollouts; evaluation measures the policy
+        itself). ``routing``: the routing record to keep (`gspo_jax.rollout.ROUTING`).
+        Returns (the Rollout, on the devices; the number of prompts truncated)."""
+        c, tok = self.c, self.tokenizer
+        ids, cut = self.fit_prompts([encode_prompt(tok, ex.prompt, ex.messages) for ex in examples])
+        g = num_samples or int(c.rollout.group_size)
+        ro = self.sampler(
+            ids,
+            num_samples=g,
+            max_new_tokens=int(c.rollout.max_new_tokens),
+            rng=rng,
+            temperature=0.0 if greedy else float(c.rollout.temperature),
+            eos_id=list(tok.stop_ids),
+            pad_id=tok.pad_id,
+            prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
+            state=params,
+            router_noise_std=float(c.rollout.router_noise_std) if router_noise else 0.0,
+            routing=routing,
+        )
+        return ro, cut
+
+    def texts(self, host: dict[str, np.ndarray]) -> list[str]:
+        toks, lengths = host["tokens"], host["lengths"]
+        return [self.tokenizer.decode(toks[i, : lengths[i]].tolist()) for i in range(len(toks))]
+
+    def score(
+        self, examples, ro, *, num_samples: int | None = None, answers: str | None = None
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int], dict[str, np.ndarray]]:
+        """Stage 2, score: the task's verifier on the decoded responses of rollout ``ro``
+        (``num_samples`` per example; default: the group size).
+
+        What of a rollout comes to the host is the response token ids, lengths and
+        truncation flags; the rest stays on the devices. Each process decodes and
+        verifies only the rows on its own devices; their per-row results are then
+        gathered to every process (`gspo_jax.multihost`; in one process there is
+        nothing to gather). ``answers``: also the final answers as `evaluation` reads
+        them for this verifier kind, as codes (``components["answer_code"]``).
+
+        Returns (rewards [n * G], their components, verifier failure counts, and
+        ``{"lengths", "truncated"}`` of every row), the same on every process.
+        """
+        c = self.c
+        g = num_samples or int(c.rollout.group_size)
+        rows, host = multihost.local_rows(
+            {"tokens": ro.tokens, "lengths": ro.lengths, "truncated": ro.truncated}
+        )
+        texts = self.texts(host)
+        metas = [ex.meta for ex in examples for _ in range(g)][rows]
+        r, components, fails = rewards.score(
+            c.task.name, texts, metas, format_weight=float(c.task.format_reward)
+        )
+        per_row = dict(components, reward=r, lengths=host["lengths"], truncated=host["truncated"])
+        if answers is not None:
+            per_row["answer_code"] = multihost.answer_codes(
+                evaluation.final_answers(answers, texts)
+            )
+        per_row = {k: multihost.gather_rows(v, ro.tokens) for k, v in per_row.items()}
+        fails = multihost.sum_counts(fails, ro.tokens)
+        r = per_row.pop("reward")
+        host = {k: per_row.pop(k) for k in ("lengths", "truncated")}
+        return r, per_row, fails, host
