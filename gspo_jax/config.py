@@ -41,7 +41,6 @@ _EXPORTS = {
     "MESH_AXES": ("gspo_jax.models.config", "MESH_AXES"),
     "ADVANTAGES": ("gspo_jax.run_config", "ADVANTAGES"),
     "GROUP_ADVANTAGES": ("gspo_jax.run_config", "GROUP_ADVANTAGES"),
-    "FILE_VERIFIERS": ("gspo_jax.run_config", "FILE_VERIFIERS"),
     "REPLAY_MODES": ("gspo_jax.step", "REPLAY_MODES"),
 }
 

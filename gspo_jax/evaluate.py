@@ -65,7 +65,7 @@ def restore_params(trainer) -> tuple[Any, str]:
     try:
         if rl_ckpt.latest_step() is not None:
             # The state train.py saves: parameters and the RL optimizer's moments.
-            target = trainer.new_state(trainer.init_params, rl.rl_optimizer(c)[0])
+            target = trainer.new_state(trainer.init_params, rl.rl_optimizer(trainer.cfg)[0])
             state, _, step = rl_ckpt.restore(target)
             return state.params, f"rl/{step}"
     finally:

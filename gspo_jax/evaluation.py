@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from gspo_jax import multihost, rewards
+from gspo_jax import multihost, tasks
+from gspo_jax.answers import extract_answer, read_final_answer
 
 
 def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
@@ -108,32 +109,34 @@ def maj_at_k(answers: Sequence[Sequence[str | None]], correct, k: int) -> np.nda
     return out
 
 
-# Tasks (and user-file verifiers) whose answers are numbers, compared as values.
-NUMERIC_ANSWERS = ("arithmetic", "gsm8k", "numeric")
+# How final answers are compared, by a task's `answer_kind` (gspo_jax.tasks.Task).
+ANSWER_KINDS = ("numeric", "tag")
 
 
-def final_answer(task: str, text: str) -> str | None:
+def final_answer(kind: str, text: str) -> str | None:
     """One response's final answer as a comparable string, or None when it states none.
 
-    ``task``: a task name, or a user-file task's verifier name. Numeric ones
-    (`NUMERIC_ANSWERS`): the number :func:`gspo_jax.rewards.read_final_answer` reads, as
-    an exact rational (``"72"``, ``"1/2"``). Countdown and any other: the content of the
-    last answer tag (:func:`gspo_jax.rewards.extract_answer`) with all whitespace removed
-    (None when empty).
+    ``kind`` (`ANSWER_KINDS`; the task's ``answer_kind``): "numeric", the number
+    :func:`gspo_jax.answers.read_final_answer` reads, as an exact rational (``"72"``,
+    ``"1/2"``); "tag", the content of the last answer tag
+    (:func:`gspo_jax.answers.extract_answer`) with all whitespace removed (None when
+    empty).
     """
-    if task in NUMERIC_ANSWERS:
-        value = rewards.read_final_answer(text).value
+    if kind not in ANSWER_KINDS:
+        raise ValueError(f"kind must be one of {ANSWER_KINDS}, got {kind!r}")
+    if kind == "numeric":
+        value = read_final_answer(text).value
         return None if value is None else str(value)
-    content = rewards.extract_answer(text)
+    content = extract_answer(text)
     if content is None:
         return None
     content = "".join(content.split())
     return content or None
 
 
-def final_answers(task: str, texts: Sequence[str]) -> list[str | None]:
+def final_answers(kind: str, texts: Sequence[str]) -> list[str | None]:
     """:func:`final_answer` of each response."""
-    return [final_answer(task, t) for t in texts]
+    return [final_answer(kind, t) for t in texts]
 
 
 def eval_metrics(
@@ -193,12 +196,13 @@ def evaluate(trainer, params, examples=None) -> dict[str, float]:
     per prompt) and ``eval/greedy``.
     """
     c = trainer.c
+    cfg = trainer.cfg
     if examples is None:
-        examples = trainer.eval_data.first(int(c.task.eval_size))
-    k = int(c.task.eval_samples)
+        examples = trainer.eval_data.first(cfg.task.eval_size)
+    k = cfg.task.eval_samples
     ro, cut = trainer.rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
-    # A user-file task's answers are read as its verifier reads them (numeric: values).
-    kind = c.task.get("verifier", "") if c.task.name == "file" else c.task.name
+    # Final answers are read as the task compares them (numeric: values; else the tag).
+    kind = tasks.get(c.task.name).answer_kind(c.task)
     _, sampled, _, _ = trainer.score(examples, ro, num_samples=k, answers=kind)
     answers = multihost.codes_to_answers(sampled["answer_code"])
     ro, _ = trainer.rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)
@@ -212,7 +216,7 @@ def evaluate(trainer, params, examples=None) -> dict[str, float]:
         eval_metrics(
             np.asarray(sampled["correct"]).reshape(len(examples), k),
             [answers[i * k : (i + 1) * k] for i in range(len(examples))],
-            ks=[int(x) for x in c.task.eval_pass_k],
+            ks=list(cfg.task.eval_pass_k),
             greedy_correct=greedy["correct"],
         )
     )

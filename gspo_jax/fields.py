@@ -230,7 +230,7 @@ def check(cls: type, node: Any, prefix: str = "") -> None:
 
 def build(cls: type, node: Any) -> Any:
     """The frozen ``cls`` instance of a validated ConfigDict (lists become tuples,
-    open groups dicts)."""
+    open groups dicts, an int where a float is declared a float)."""
     hints = _hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
@@ -243,6 +243,8 @@ def build(cls: type, node: Any) -> Any:
             value = value.to_dict()
         elif isinstance(value, list):
             value = tuple(value)
+        elif hints[f.name] is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         values[f.name] = value
     return cls(**values)
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,6 +40,7 @@ from gspo_jax.models.sharding import BATCH_AXES, on_mesh
 from gspo_jax.models.transformer import inference_params
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.rollout import replay_r3
+from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
 
 # Metrics whose value after the first update (k = 0) and after the last update of a
@@ -170,7 +170,7 @@ def _minibatch(batch: dict[str, jax.Array], perm, epoch, j, *, size: int) -> dic
 
 
 def shape_and_filter(
-    c: ml_collections.ConfigDict, host, r: np.ndarray, correct: np.ndarray
+    cfg: RunConfig, host, r: np.ndarray, correct: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Stage 3, shape and filter (DAPO, ``config.dapo``), on one round (``host``: the row lengths
     `score` returns): the soft overlong punishment added to the rewards ``r``; dynamic
@@ -181,38 +181,38 @@ def shape_and_filter(
     responses zeroed) happens on the devices, in `_assemble`. Returns (the shaped
     rewards of every response, the rows of the kept groups, the number of groups
     kept)."""
-    g, T = int(c.rollout.group_size), int(c.rollout.max_new_tokens)
-    if c.dapo.soft_overlong:
+    g, T = cfg.rollout.group_size, cfg.rollout.max_new_tokens
+    if cfg.dapo.soft_overlong:
         length = np.asarray(host["lengths"], np.float32)
         r = r + jax.device_get(
             shaping.soft_overlong_penalty(
-                jnp.asarray(length), max_len=T, cache_len=int(c.dapo.overlong_cache_len)
+                jnp.asarray(length), max_len=T, cache_len=cfg.dapo.overlong_cache_len
             )
         )
     keep = (
         jax.device_get(shaping.dynamic_sampling_keep(jnp.asarray(correct).reshape(-1, g)))
-        if c.dapo.dynamic_sampling
+        if cfg.dapo.dynamic_sampling
         else np.ones(len(r) // g, bool)
     )
     rows = np.flatnonzero(np.repeat(keep, g))
     return r, rows, int(keep.sum())
 
 
-def rl_optimizer(c: ml_collections.ConfigDict):
+def rl_optimizer(cfg: RunConfig):
     """The RL phase's optimizer and schedule (``config.optimizer``), over every update of
     the run (``total_rl_steps x num_minibatches x num_epochs``)."""
-    updates_per_step = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
+    updates_per_step = cfg.updates.num_minibatches * cfg.updates.num_epochs
     return step.make_optimizer(
-        lr=c.optimizer.lr,
-        schedule=c.optimizer.schedule,
-        total_steps=int(c.total_rl_steps) * updates_per_step,
-        warmup_steps=c.optimizer.warmup_steps,
-        end_lr_ratio=c.optimizer.end_lr_ratio,
-        weight_decay=c.optimizer.weight_decay,
-        b1=c.optimizer.b1,
-        b2=c.optimizer.b2,
-        grad_clip=c.optimizer.grad_clip,
-        mu_dtype=c.optimizer.mu_dtype,
+        lr=cfg.optimizer.lr,
+        schedule=cfg.optimizer.schedule,
+        total_steps=cfg.total_rl_steps * updates_per_step,
+        warmup_steps=cfg.optimizer.warmup_steps,
+        end_lr_ratio=cfg.optimizer.end_lr_ratio,
+        weight_decay=cfg.optimizer.weight_decay,
+        b1=cfg.optimizer.b1,
+        b2=cfg.optimizer.b2,
+        grad_clip=cfg.optimizer.grad_clip,
+        mu_dtype=cfg.optimizer.mu_dtype,
     )
 
 
@@ -222,22 +222,23 @@ class RLPhase:
     warm start's parameters), which are also the reference policy of a KL term."""
 
     def __init__(self, trainer: Trainer, params):
-        self.t, self.c = trainer, trainer.c
+        self.t, self.c, self.cfg = trainer, trainer.c, trainer.cfg
         c = trainer.c
-        self.updates_per_step = int(c.updates.num_minibatches) * int(c.updates.num_epochs)
-        self.optimizer, self.sched = rl_optimizer(c)
+        cfg = trainer.cfg
+        self.updates_per_step = cfg.updates.num_minibatches * cfg.updates.num_epochs
+        self.optimizer, self.sched = rl_optimizer(trainer.cfg)
         self.step_cfg = step.StepConfig(
             objective=c.objective.name,
             hparams=tuple(sorted(dict(c.objective.hparams).items())),
-            micro_batches=int(c.updates.micro_batches),
-            gamma_min=float(c.updates.gamma_min),
-            aux_loss_coef=float(c.updates.aux_loss_coef),
-            z_loss_coef=float(c.updates.z_loss_coef),
-            entropy_coef=float(c.entropy_coef),
-            value_coef=float(c.gae.value_coef) if c.advantage == "gae" else 0.0,
-            value_clip=float(c.gae.value_clip),
-            temperature=float(c.rollout.temperature),
-            update_without_signal=bool(c.updates.update_without_signal),
+            micro_batches=cfg.updates.micro_batches,
+            gamma_min=cfg.updates.gamma_min,
+            aux_loss_coef=cfg.updates.aux_loss_coef,
+            z_loss_coef=cfg.updates.z_loss_coef,
+            entropy_coef=cfg.entropy_coef,
+            value_coef=cfg.gae.value_coef if c.advantage == "gae" else 0.0,
+            value_clip=cfg.gae.value_clip,
+            temperature=cfg.rollout.temperature,
+            update_without_signal=cfg.updates.update_without_signal,
         )
         self.rollout_correction = RolloutCorrection(**dict(c.rollout_correction))
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
@@ -247,7 +248,7 @@ class RLPhase:
         else:
             self.routing = "response" if trainer.model_cfg.num_moe_layers > 0 else "none"
         self.assemble_fn = jax.jit(
-            functools.partial(_assemble, overlong_filter=bool(c.dapo.overlong_filter)),
+            functools.partial(_assemble, overlong_filter=cfg.dapo.overlong_filter),
             out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
         )
         # The reference policy is where RL starts; copied, as the state is donated, and
@@ -268,8 +269,8 @@ class RLPhase:
             step.logprob_pass,
             graphdef=trainer.graphdef,
             values=self.critic,
-            temperature=float(c.rollout.temperature),
-            micro_batches=int(c.updates.logprob_micro_batches),
+            temperature=cfg.rollout.temperature,
+            micro_batches=cfg.updates.logprob_micro_batches,
         )
         # The old policy's pass replays the sampler's routing under R3; the reference
         # policy's always routes freely (it is pi_ref, not pi_ref under pi's routing).
@@ -282,20 +283,16 @@ class RLPhase:
         self.ref_logp_fn = on_mesh(
             jax.jit(functools.partial(logp_pass, replay_key=None)), trainer.mesh
         )
-        self.gae_fn = jax.jit(
-            functools.partial(_gae_batch, gamma=float(c.gae.gamma), lam=float(c.gae.lam))
-        )
+        self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
         self.correction_fn = jax.jit(
             functools.partial(rollout_correction, rc=self.rollout_correction)
         )
         self.mismatch_fn = jax.jit(step.mismatch_metrics)
         # The mini-batches: the permutation and the gather on the devices.
-        n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
-        self.perm_fn = jax.jit(
-            functools.partial(_permutations, n=n, epochs=int(c.updates.num_epochs))
-        )
+        n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        self.perm_fn = jax.jit(functools.partial(_permutations, n=n, epochs=cfg.updates.num_epochs))
         self.minibatch_fn = jax.jit(
-            functools.partial(_minibatch, size=n // int(c.updates.num_minibatches)),
+            functools.partial(_minibatch, size=n // cfg.updates.num_minibatches),
             out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
         )
 
@@ -345,6 +342,7 @@ class RLPhase:
         """One RL step: collect, prepare, update. Returns the step's summary metrics
         and one record per optimizer update (``k``: its index within the rollout)."""
         c = self.c
+        cfg = self.cfg
         rng = jax.random.fold_in(jax.random.key(c.seed + 1), s)
         t0 = time.perf_counter()
         collected, info = self.collect(self.state.params, s, rng)
@@ -354,8 +352,8 @@ class RLPhase:
         t2 = time.perf_counter()
         perm = self.perm_fn(jax.random.fold_in(rng, 1_000_003))
         ms, where = [], []
-        for epoch in range(int(c.updates.num_epochs)):
-            for j in range(int(c.updates.num_minibatches)):
+        for epoch in range(cfg.updates.num_epochs):
+            for j in range(cfg.updates.num_minibatches):
                 mini = self.minibatch_fn(batch, perm, np.int32(epoch), np.int32(j))
                 self.state, m = self.train_fn(
                     self.state, mini, jax.random.fold_in(rng, 7 + len(ms))
@@ -369,7 +367,7 @@ class RLPhase:
         m.update(info)
         m.update(pinfo)
         step_time = t3 - t0
-        trained_tokens = float(mask_sum) * int(c.updates.num_epochs)
+        trained_tokens = float(mask_sum) * cfg.updates.num_epochs
         m.update(
             step_time=step_time,
             rollout_time=t1 - t0,
@@ -389,8 +387,9 @@ class RLPhase:
         lengths and truncation flags came to the host (`score`).
         """
         c = self.c
-        n_prompts = int(c.rollout.prompts_per_step)
-        max_rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        cfg = self.cfg
+        n_prompts = cfg.rollout.prompts_per_step
+        max_rounds = cfg.dapo.max_sampling_rounds if c.dapo.dynamic_sampling else 1
         rounds: list[_Round] = []
         for rnd in range(max_rounds):
             # Round r of step s reads prompts at position (s * max_rounds + r) * n_prompts,
@@ -398,7 +397,7 @@ class RLPhase:
             pos = (step_idx * max_rounds + rnd) * n_prompts
             examples, ro, cut, seconds = self.sample(params, pos, jax.random.fold_in(rng, rnd))
             r, components, fails, host = self.t.score(examples, ro)
-            shaped, rows, groups_kept = shape_and_filter(self.c, host, r, components["correct"])
+            shaped, rows, groups_kept = shape_and_filter(self.cfg, host, r, components["correct"])
             rounds.append(
                 _Round(ro, host, shaped, components, fails, rows, groups_kept, cut, seconds)
             )
@@ -410,7 +409,7 @@ class RLPhase:
         """Stage 1, sample: the ``prompts_per_step`` prompts at data position ``pos``
         and ``group_size`` responses to each. Returns (examples, the rollout on the
         devices, the number of prompts truncated, seconds spent sampling)."""
-        n = int(self.c.rollout.prompts_per_step)
+        n = self.cfg.rollout.prompts_per_step
         examples = self.t.train_data.batch(pos, n)
         t0 = time.perf_counter()
         # Keyed by data stream id, not split index: a batch across an epoch boundary
@@ -434,7 +433,8 @@ class RLPhase:
         nothing). ``rewards`` (host, shaped) are the batch rows' rewards, for
         `advantages`."""
         c = self.c
-        n_rows = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+        cfg = self.cfg
+        n_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         src_round = np.concatenate([np.full(len(r.rows), i) for i, r in enumerate(rounds)])
         src_row = np.concatenate([r.rows for r in rounds])
         reward = np.concatenate([r.rewards[r.rows] for r in rounds])
@@ -448,7 +448,7 @@ class RLPhase:
         reward = np.concatenate([reward, np.repeat(reward[:1], short)])
         # Every round's arrays, the same number of rounds each step (round 0 repeated
         # for the rounds not sampled): one program for every step.
-        max_rounds = int(c.dapo.max_sampling_rounds) if c.dapo.dynamic_sampling else 1
+        max_rounds = cfg.dapo.max_sampling_rounds if c.dapo.dynamic_sampling else 1
         fields = _BATCH_FIELDS + _ROUTING_FIELDS[self.routing]
         parts = [{k: getattr(r.rollout, k) for k in fields} for r in rounds]
         parts += [parts[0]] * (max_rounds - len(parts))
@@ -464,7 +464,8 @@ class RLPhase:
         critic's ``values`` of the old pass (the sequence reward on the last token).
         Returns ``advantages`` (and for GAE ``returns`` and ``old_values``)."""
         c = self.c
-        rg = np.asarray(rewards).reshape(-1, int(c.rollout.group_size))
+        cfg = self.cfg
+        rg = np.asarray(rewards).reshape(-1, cfg.rollout.group_size)
         if c.advantage == "gae":
             seq_rewards = self.t.put_rows(rg.reshape(-1).astype(np.float32))
             a, returns = self.gae_fn(seq_rewards, values, mask)
@@ -476,7 +477,8 @@ class RLPhase:
     def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
         """Host metrics of one step's rounds (every sampled response, kept or not)."""
         c = self.c
-        n_prompts, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
+        cfg = self.cfg
+        n_prompts, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         r_all = np.concatenate([r.rewards for r in rounds])
         rg_all = r_all.reshape(-1, g)
         lengths = [np.asarray(r.host["lengths"], np.float32) for r in rounds]

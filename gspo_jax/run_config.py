@@ -26,13 +26,12 @@ from gspo_jax.step import UpdatesConfig
 
 GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
 ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
-FILE_VERIFIERS = ("numeric", "countdown", "exact_match", "boxed_math")
 
 
 def _task_names() -> tuple[str, ...]:
-    from gspo_jax.data.source import TASKS  # local: the data builders import TFDS
+    from gspo_jax import tasks  # local: the tasks import their data builders (TFDS)
 
-    return TASKS
+    return tasks.names()
 
 
 def _pass_k(v) -> str | None:
@@ -97,7 +96,7 @@ class TaskConfig:
     verifier: str = setting(
         "numeric",
         nonempty=True,
-        domain=", ".join(FILE_VERIFIERS) + " or an importable 'module:function'",
+        domain="a gspo_jax.verifiers name or an importable 'module:function'",
         doc="task 'file': how a response is scored",
     )
     bad_rows: str = setting(
@@ -201,56 +200,11 @@ def check_pass_k(c: ml_collections.ConfigDict) -> None:
 
 
 def check_task(c: ml_collections.ConfigDict) -> None:
-    """The task's difficulty against its levels, and task 'file''s fields."""
-    if c.task.name in ("gsm8k", "file"):
-        if c.task.difficulty:
-            raise err(
-                "task.difficulty",
-                f"{c.task.name} has no difficulty levels; set it to '' (got {c.task.difficulty!r})",
-            )
-        if c.task.name == "file":
-            check_file_task(c)
-        return
-    from gspo_jax.data import arithmetic, countdown  # local: TFDS is heavy
+    """The task's difficulty against its levels, and the task's own checks
+    (`gspo_jax.tasks.check_config`)."""
+    from gspo_jax import tasks  # local: the tasks import their data builders (TFDS)
 
-    builder = countdown.GspoCountdown if c.task.name == "countdown" else arithmetic.GspoArithmetic
-    levels = [b.name for b in builder.BUILDER_CONFIGS]
-    if c.task.difficulty not in levels:
-        raise err(
-            "task.difficulty",
-            f"{c.task.name} has no level {c.task.difficulty!r}; known: {levels}",
-        )
-
-
-def check_file_task(c: ml_collections.ConfigDict) -> None:
-    """Task "file": the fields that make a user's file usable (the file is read later)."""
-    t = c.task
-    if not t.file:
-        raise err("task.file", "task 'file' needs the path of a .jsonl or .parquet file")
-    for path in ("file", "test_file"):
-        if t[path] and not t[path].endswith((".jsonl", ".parquet")):
-            raise err(f"task.{path}", f"must end in .jsonl or .parquet, got {t[path]!r}")
-    if not t.test_file and not t.test_fraction > 0:
-        raise err("task.test_fraction", "must be > 0 without task.test_file (the test split)")
-    if not t.messages_column and not t.prompt_column:
-        raise err("task.prompt_column", "must name a column (or set task.messages_column)")
-    if not t.answer_column:
-        raise err("task.answer_column", "must name a column")
-    if int(c.sft.steps) > 0 and not t.solution_column:
-        raise err(
-            "task.solution_column",
-            f"the warm start (sft.steps={c.sft.steps}) trains on reference solutions: "
-            "name the column holding them, or set sft.steps=0",
-        )
-    if ":" in t.verifier:
-        from gspo_jax import rewards  # local: keeps config import light
-
-        try:
-            rewards.load_reward_fn(t.verifier)
-        except ValueError as e:
-            raise err("task.verifier", " ".join(str(e).split())) from None
-    elif t.verifier not in FILE_VERIFIERS:
-        raise err(
-            "task.verifier",
-            f"unknown verifier {t.verifier!r}; known: {FILE_VERIFIERS} or 'module:function'",
-        )
+    try:
+        tasks.check_config(c)
+    except tasks.TaskConfigError as e:
+        raise err(e.path, e.message) from None

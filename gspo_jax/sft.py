@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from gspo_jax import config as config_lib
@@ -23,6 +22,7 @@ from gspo_jax import safety, step
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
 from gspo_jax.metrics_log import progress_bar
+from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
 
 
@@ -30,11 +30,12 @@ def sft_batch(t: Trainer, position: int) -> tuple[dict[str, np.ndarray], int]:
     """The warm start's batch at data position ``position`` and the number of its
     prompts truncated (`fit_prompts`)."""
     c, tok = t.c, t.tokenizer
-    examples = t.train_data.batch(position, int(c.sft.batch_size))
+    cfg = t.cfg
+    examples = t.train_data.batch(position, cfg.sft.batch_size)
     prompts, cut = t.fit_prompts(
         [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples], "a warm-start prompt"
     )
-    T = int(c.rollout.max_new_tokens)
+    T = cfg.rollout.max_new_tokens
     responses = []
     for ex in examples:
         if ex.reference is None:
@@ -52,13 +53,13 @@ def sft_batch(t: Trainer, position: int) -> tuple[dict[str, np.ndarray], int]:
     return {"prompt_tokens": pt, "prompt_mask": pm, "tokens": rt, "mask": rm}, cut
 
 
-def sft_optimizer(c: ml_collections.ConfigDict):
+def sft_optimizer(cfg: RunConfig):
     """The warm start's optimizer and schedule (cosine, from ``config.sft``)."""
     return step.make_optimizer(
-        lr=c.sft.lr,
+        lr=cfg.sft.lr,
         schedule="cosine",
-        total_steps=int(c.sft.steps),
-        warmup_steps=c.sft.warmup_steps,
+        total_steps=cfg.sft.steps,
+        warmup_steps=cfg.sft.warmup_steps,
         end_lr_ratio=0.1,
         weight_decay=0.0,
         b1=0.9,
@@ -71,10 +72,9 @@ def restore_state(t: Trainer):
     """(checkpointer, optimizer, schedule, state, step) of the warm start, resumed
     from its newest checkpoint that restores (step 0: none)."""
     c = t.c
-    ckpt = PhaseCheckpointer(
-        t.workdir, "sft", every=int(c.checkpoint_every), keep=c.keep_checkpoints
-    )
-    optimizer, sched = sft_optimizer(t.c)
+    cfg = t.cfg
+    ckpt = PhaseCheckpointer(t.workdir, "sft", every=cfg.checkpoint_every, keep=c.keep_checkpoints)
+    optimizer, sched = sft_optimizer(t.cfg)
     state = t.new_state(t.init_params, optimizer)
     start = 0
     if ckpt.latest_step() is not None:
@@ -87,7 +87,7 @@ def final_params(t: Trainer):
     checkpoint is gone or does not restore (RL, once begun, never repeats it)."""
     ckpt, _, _, state, start = restore_state(t)
     ckpt.close()
-    return state.params if start >= int(t.c.sft.steps) else None
+    return state.params if start >= t.cfg.sft.steps else None
 
 
 def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
@@ -95,7 +95,8 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
     (its final parameters, the metrics writer it logged to, or None when it had
     nothing left to do). ``open_log(phase, step)`` opens the log cut back to a step."""
     c = t.c
-    steps = int(c.sft.steps)
+    cfg = t.cfg
+    steps = cfg.sft.steps
     ckpt, optimizer, sched, state, start = restore_state(t)
     if start >= steps:
         ckpt.close()
@@ -107,13 +108,13 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
         optimizer=optimizer,
         schedule=sched,
         micro_batches=1,
-        aux_loss_coef=float(c.sft.aux_loss_coef),
+        aux_loss_coef=cfg.sft.aux_loss_coef,
     )
     bar = progress_bar(c, steps, start, "sft")
     base = jax.random.key(c.seed)
     for i in range(start, steps):
         t0 = time.perf_counter()
-        host_batch, cut = sft_batch(t, i * int(c.sft.batch_size))
+        host_batch, cut = sft_batch(t, i * cfg.sft.batch_size)
         state, m = fn(state, t.put_batch(host_batch), jax.random.fold_in(base, i))
         health = {k: m[k].compute() for k in ("params_finite", "skipped_in_a_row")}
         safety.check_health(jax.device_get(health), c, f"sft step {i + 1}")
@@ -147,8 +148,7 @@ def reference_for_resume(trainer: Trainer):
     """
     params = final_params(trainer)
     if params is None:
-        c = trainer.c
-        path = os.path.join(trainer.workdir, "checkpoints", "sft", str(c.sft.steps))
+        path = os.path.join(trainer.workdir, "checkpoints", "sft", str(trainer.cfg.sft.steps))
         raise FileNotFoundError(
             f"RL resumes from its checkpoint, but the warm start's last checkpoint ({path}) "
             f"is gone or does not restore, and the KL term (kl_coef={trainer.kl_coef}) needs "

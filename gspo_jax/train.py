@@ -88,9 +88,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
 
 
 def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
-    c, workdir = trainer.c, trainer.workdir
+    c, cfg, workdir = trainer.c, trainer.cfg, trainer.workdir
     rl_ckpt = PhaseCheckpointer(
-        workdir, "rl", every=int(c.checkpoint_every), keep=int(c.keep_checkpoints)
+        workdir, "rl", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
     )
     resuming_rl = rl_ckpt.latest_step() is not None
     primary = multihost.is_primary()  # the one process that writes the logs
@@ -102,9 +102,9 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         )
 
     writer = None
-    if int(c.sft.steps) > 0 and not resuming_rl:
+    if cfg.sft.steps > 0 and not resuming_rl:
         params, writer = sft.run(trainer, open_log, guard)
-    elif int(c.sft.steps) > 0 and trainer.kl_coef:  # RL resumes; its KL term needs pi_ref
+    elif cfg.sft.steps > 0 and trainer.kl_coef:  # RL resumes; its KL term needs pi_ref
         params = sft.reference_for_resume(trainer)
     else:  # no warm start, or RL resumes from its own checkpoint and needs nothing else
         params = trainer.init_params
@@ -126,7 +126,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         enabled=primary,
     )
     records = []
-    steps = int(c.total_rl_steps)
+    steps = cfg.total_rl_steps
     if rl_start == 0:
         rec = writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params))
         records.append(rec)
@@ -136,9 +136,9 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         for u in updates:
             update_writer.write(s + 1, "rl", u, tb_step=s * rl.updates_per_step + u["k"])
         safety.check_health(m, c, f"rl step {s + 1}")
-        if (s + 1) % int(c.eval_every) == 0 or s + 1 == steps:
+        if (s + 1) % cfg.eval_every == 0 or s + 1 == steps:
             m.update(evaluation.evaluate(trainer, rl.state.params))
-        if (s + 1) % int(c.log_every) == 0 or "eval_reward_mean" in m or s + 1 == steps:
+        if (s + 1) % cfg.log_every == 0 or "eval_reward_mean" in m or s + 1 == steps:
             records.append(writer.write(s + 1, "rl", m))
         bar.set_postfix(
             reward=f"{m['reward_mean']:.3f}",

@@ -21,10 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, objectives, rewards, step
+from gspo_jax import evaluation, multihost, objectives, rewards, step, tasks
+from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import encode_prompt, fit_prompts
-from gspo_jax.data.user_file import FileTask
 from gspo_jax.models import from_pretrained, init_sharded
 from gspo_jax.models.sharding import BATCH_AXES, make_mesh, on_mesh
 from gspo_jax.rollout import Sampler
@@ -33,7 +33,7 @@ from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
 def make_tokenizer(c: ml_collections.ConfigDict):
     if c.tokenizer == "char":
-        return CharTokenizer(words=(rewards.ANSWER_OPEN, rewards.ANSWER_CLOSE))
+        return CharTokenizer(words=(ANSWER_OPEN, ANSWER_CLOSE))
     path = c.tokenizer
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
@@ -51,15 +51,12 @@ class Trainer:
         mesh_shape = config_lib.validate(
             c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
         )
+        self.cfg = cfg = config_lib.typed(c)  # the config's values, typed (gspo_jax.run_config)
         self.mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
-        difficulty = None if c.task.name in ("gsm8k", "file") else c.task.difficulty
-        kw = dict(data_dir=data_dir, config=difficulty, seed=c.seed, style=c.task.style)
-        if c.task.name == "gsm8k":
-            kw["gsm8k_files"] = c.task.gsm8k_files or None
-        if c.task.name == "file":
-            kw["file_task"] = FileTask.from_config(c.task)
+        options = tasks.get(c.task.name).options(c.task)  # the task's own PromptSource options
+        kw = dict(data_dir=data_dir, seed=c.seed, style=c.task.style, **options)
         # One process prepares a data set that is not on disk yet; the others then read it.
         if not multihost.is_primary():
             multihost.barrier("data prepared")
@@ -101,7 +98,7 @@ class Trainer:
             )
         self.graphdef = graphdef
         # One prompt length for the whole run: one program per batch size.
-        self.max_prompt_len = int(c.rollout.max_prompt_len)
+        self.max_prompt_len = cfg.rollout.max_prompt_len
         self.sampler = Sampler(
             graphdef,
             params,
@@ -165,8 +162,8 @@ class Trainer:
 
     def fit_prompts(self, prompts, where: str = "a prompt") -> tuple[list[list[int]], int]:
         """`fit_prompts` with this run's ``rollout.max_prompt_len`` and ``long_prompts``."""
-        c = self.c
-        return fit_prompts(prompts, self.max_prompt_len, str(c.rollout.long_prompts), where)
+        cfg = self.cfg
+        return fit_prompts(prompts, self.max_prompt_len, cfg.rollout.long_prompts, where)
 
     def rollout(
         self,
@@ -186,20 +183,21 @@ class Trainer:
         sampler's router logits (training rollouts; evaluation measures the policy
         itself). ``routing``: the routing record to keep (`gspo_jax.rollout.ROUTING`).
         Returns (the Rollout, on the devices; the number of prompts truncated)."""
-        c, tok = self.c, self.tokenizer
+        _c, tok = self.c, self.tokenizer
+        cfg = self.cfg
         ids, cut = self.fit_prompts([encode_prompt(tok, ex.prompt, ex.messages) for ex in examples])
-        g = num_samples or int(c.rollout.group_size)
+        g = num_samples or cfg.rollout.group_size
         ro = self.sampler(
             ids,
             num_samples=g,
-            max_new_tokens=int(c.rollout.max_new_tokens),
+            max_new_tokens=cfg.rollout.max_new_tokens,
             rng=rng,
-            temperature=0.0 if greedy else float(c.rollout.temperature),
+            temperature=0.0 if greedy else cfg.rollout.temperature,
             eos_id=list(tok.stop_ids),
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
             state=params,
-            router_noise_std=float(c.rollout.router_noise_std) if router_noise else 0.0,
+            router_noise_std=cfg.rollout.router_noise_std if router_noise else 0.0,
             routing=routing,
         )
         return ro, cut
@@ -225,14 +223,15 @@ class Trainer:
         ``{"lengths", "truncated"}`` of every row), the same on every process.
         """
         c = self.c
-        g = num_samples or int(c.rollout.group_size)
+        cfg = self.cfg
+        g = num_samples or cfg.rollout.group_size
         rows, host = multihost.local_rows(
             {"tokens": ro.tokens, "lengths": ro.lengths, "truncated": ro.truncated}
         )
         texts = self.texts(host)
         metas = [ex.meta for ex in examples for _ in range(g)][rows]
         r, components, fails = rewards.score(
-            c.task.name, texts, metas, format_weight=float(c.task.format_reward)
+            c.task.name, texts, metas, format_weight=cfg.task.format_reward
         )
         per_row = dict(components, reward=r, lengths=host["lengths"], truncated=host["truncated"])
         if answers is not None:

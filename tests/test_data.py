@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from gspo_jax import rewards
+from gspo_jax import answers, rewards
 from gspo_jax.data import arithmetic, countdown, prompts
 from gspo_jax.data import gsm8k as gsm8k_lib
 from gspo_jax.data.source import PromptSource
+from gspo_jax.tasks import countdown as countdown_task
 
 tfds.disable_progress_bar()
 
@@ -38,8 +39,8 @@ def test_countdown_configs_solvable(name):
     assert all(cfg.min_number <= n <= cfg.max_number for n in p.numbers)
     assert cfg.min_target <= p.target <= cfg.max_target
     # The reference passes the verifier (an independent parser, exact rationals).
-    v = rewards.verify_countdown(prompts.answer_span(p.solution), p.numbers, p.target)
-    assert v.status == rewards.Status.CORRECT, p
+    v = countdown_task.verify_countdown(prompts.answer_span(p.solution), p.numbers, p.target)
+    assert v.status == answers.Status.CORRECT, p
 
 
 def test_countdown_deterministic_and_disjoint():
@@ -93,8 +94,8 @@ def test_arithmetic_answers_and_precedence():
                                          max_operands=4, test_size=300, train_size=10)
   for p in arithmetic.generate_split(cfg, "test"):
     # The Countdown parser is an independent evaluator of the same grammar.
-    assert rewards._evaluate(p.question, rewards.Limits(max_answer_chars=1000))[0] == int(p.answer)
-    assert rewards.verify_numeric(prompts.answer_span(p.answer), p.answer).correct
+    assert countdown_task._evaluate(p.question, answers.Limits(max_answer_chars=1000))[0] == int(p.answer)
+    assert answers.verify_numeric(prompts.answer_span(p.answer), p.answer).correct
     for operand in p.question.replace("*", " ").replace("+", " ").replace("-", " ").split():
       assert 1 <= len(operand) <= 6 and (len(operand) == 1 or operand[0] != "0")
 
@@ -117,7 +118,7 @@ def test_arithmetic_splits_and_errors():
     arithmetic.ArithmeticConfig.make(min_digits=13, max_digits=13, operators="*")
   widest = arithmetic.ArithmeticConfig.make(min_digits=12, max_digits=12, operators="*", test_size=20)
   for p in arithmetic.generate_split(widest, "test"):
-    assert rewards.verify_numeric(f"<answer>{p.answer}</answer>", p.answer).correct
+    assert answers.verify_numeric(f"<answer>{p.answer}</answer>", p.answer).correct
 
 
 # ---------------------------------------------------------------------------

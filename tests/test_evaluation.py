@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation
+from gspo_jax import evaluation, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configs import default as default_config  # noqa: E402
@@ -101,16 +101,31 @@ def test_maj_at_k_hand_cases():
         evaluation.maj_at_k(answers, correct, 5)
 
 
+def _answer_kind(task, **fields):
+    c = config_lib.base_config()
+    c.task.name = task
+    c.task.update(fields)
+    return tasks.get(task).answer_kind(c.task)
+
+
 def test_final_answers():
-    assert evaluation.final_answer("countdown", "x <answer>(1 + 2) * 3</answer>") == "(1+2)*3"
-    assert evaluation.final_answer("countdown", "<answer> </answer>") is None
-    assert evaluation.final_answer("countdown", "no tag") is None
+    # Each task says how its answers compare: Countdown by the tag's text, numeric ones by value.
+    kinds = {t: _answer_kind(t) for t in ("countdown", "gsm8k", "arithmetic")}
+    assert kinds == {"countdown": "tag", "gsm8k": "numeric", "arithmetic": "numeric"}
+    assert _answer_kind("file", verifier="numeric") == "numeric"  # a user-file verifier
+    assert _answer_kind("file", verifier="exact_match") == "tag"
+    assert _answer_kind("file", verifier="math:isclose") == "tag"  # a plug-in reward
+    assert evaluation.final_answer(kinds["countdown"], "x <answer>(1 + 2) * 3</answer>") == "(1+2)*3"
+    assert evaluation.final_answer(kinds["countdown"], "<answer> </answer>") is None
+    assert evaluation.final_answer(kinds["countdown"], "no tag") is None
     # Numeric tasks compare values: 72, 72.0 and $72 are one answer.
-    a = evaluation.final_answers("gsm8k", ["#### 72", "<answer>72.0</answer>", "The answer is $72."])
+    a = evaluation.final_answers(kinds["gsm8k"], ["#### 72", "<answer>72.0</answer>", "The answer is $72."])
     assert a == ["72", "72", "72"]
-    assert evaluation.final_answer("arithmetic", "<answer>0.5</answer>") == "1/2"
-    assert evaluation.final_answer("arithmetic", "<answer>72 or 73</answer>") is None
-    assert evaluation.final_answer("numeric", "#### 1,000") == "1000"  # a user-file verifier
+    assert evaluation.final_answer(kinds["arithmetic"], "<answer>0.5</answer>") == "1/2"
+    assert evaluation.final_answer(kinds["arithmetic"], "<answer>72 or 73</answer>") is None
+    assert evaluation.final_answer(_answer_kind("file", verifier="numeric"), "#### 1,000") == "1000"
+    with pytest.raises(ValueError, match="kind must be one of"):
+        evaluation.final_answer("countdown", "<answer>1</answer>")
 
 
 def test_eval_metrics_dict():

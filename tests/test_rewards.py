@@ -8,12 +8,14 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from gspo_jax import rewards
-from gspo_jax.rewards import Status
+from gspo_jax import answers, rewards
+from gspo_jax.answers import Status
+from gspo_jax.data import gsm8k as gsm8k_data
+from gspo_jax.tasks import countdown as countdown_task
 
 
 def cd(text, numbers=(3, 5, 2), target=16):
-  return rewards.verify_countdown(text, numbers, target)
+  return countdown_task.verify_countdown(text, numbers, target)
 
 
 @pytest.mark.parametrize("text", [
@@ -25,7 +27,7 @@ def cd(text, numbers=(3, 5, 2), target=16):
     "thinking <answer>3</answer> more <answer>(5+3)*2</answer>",  # last span counts
 ])
 def test_countdown_correct(text):
-  assert cd(text) == rewards.Verdict(True, True, Status.CORRECT)
+  assert cd(text) == answers.Verdict(True, True, Status.CORRECT)
 
 
 @pytest.mark.parametrize("text, status", [
@@ -55,8 +57,8 @@ def test_countdown_failures(text, status):
 
 def test_countdown_exact_fractions():
   # 8 / (3 - 8/3) = 24 needs exact rationals: floats give 23.999999999999993.
-  assert rewards.verify_countdown("<answer>8/(3-8/3)</answer>", (8, 3, 8, 3), 24).correct
-  evaluate = functools.partial(rewards._evaluate, limits=rewards.DEFAULT_LIMITS)
+  assert countdown_task.verify_countdown("<answer>8/(3-8/3)</answer>", (8, 3, 8, 3), 24).correct
+  evaluate = functools.partial(countdown_task._evaluate, limits=answers.DEFAULT_LIMITS)
   assert evaluate("1/3+1/3+1/3")[0] == 1
   # Left associativity: 8-3-2 = 3 (a right-associative bug gives 7); 8/4/2 = 1 (not 4).
   assert evaluate("8-3-2") == (Fraction(3), [8, 3, 2])
@@ -70,7 +72,7 @@ def test_countdown_exact_fractions():
     ("$1,234,567.50", Fraction(123456750, 100)), ("18.0", 18), ("18.000", 18),
 ])
 def test_parse_number(content, value):
-  assert rewards.parse_number(content) == value
+  assert answers.parse_number(content) == value
 
 
 @pytest.mark.parametrize("content", [
@@ -79,11 +81,11 @@ def test_parse_number(content, value):
     "1_000", "7\u00b2", "\uff17\uff12",
 ])
 def test_parse_number_rejects(content):
-  assert rewards.parse_number(content) is None
+  assert answers.parse_number(content) is None
 
 
 def num(text, answer="72"):
-  return rewards.verify_numeric(text, answer)
+  return answers.verify_numeric(text, answer)
 
 
 # The wrong forms named in the verifier's history: each was once read as the answer.
@@ -144,7 +146,7 @@ def num(text, answer="72"):
     ("The answer is 72 or 73.", "72", Status.AMBIGUOUS),
 ])
 def test_numeric_refused(text, answer, status):
-  assert num(text, answer) == rewards.Verdict(False, False, status)
+  assert num(text, answer) == answers.Verdict(False, False, status)
 
 
 @pytest.mark.parametrize("text", [
@@ -159,7 +161,7 @@ def test_numeric_refused(text, answer, status):
     "The answer is 73. \\boxed{72}", "#### 73 <answer>72</answer>", "<answer>72",
 ])
 def test_numeric_right(text):
-  assert num(text).correct, rewards.read_final_answer(text)
+  assert num(text).correct, answers.read_final_answer(text)
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -171,7 +173,7 @@ def test_numeric_right(text):
     ("#### 7.25", "7.25"), ("\\boxed{7.250}", "7.25"), ("\\boxed{0.5}", "0.5"),
 ])
 def test_numeric_right_forms(text, answer):
-  assert num(text, answer).correct, rewards.read_final_answer(text)
+  assert num(text, answer).correct, answers.read_final_answer(text)
 
 
 def test_numeric_exact_comparison():
@@ -183,12 +185,12 @@ def test_numeric_exact_comparison():
 
 
 def test_read_final_answer_rules():
-  read = rewards.read_final_answer
+  read = answers.read_final_answer
   assert read("so 5\n#### 72 \n\\boxed{6} the answer is 7").rule == "####"
-  assert read("#### Step 2: think\nthe answer is 7 \\boxed{72}") == rewards.Reading(72, Status.CORRECT, "boxed", False)
-  assert read("the answer is 72. Next, 5 more") == rewards.Reading(72, Status.CORRECT, "answer is", False)
+  assert read("#### Step 2: think\nthe answer is 7 \\boxed{72}") == answers.Reading(72, Status.CORRECT, "boxed", False)
+  assert read("the answer is 72. Next, 5 more") == answers.Reading(72, Status.CORRECT, "answer is", False)
   assert read("The answer is below.\n72").rule == "last number"  # no number in the sentence
-  assert read("<answer>72</answer> #### 5") == rewards.Reading(72, Status.CORRECT, "tag", True)
+  assert read("<answer>72</answer> #### 5") == answers.Reading(72, Status.CORRECT, "tag", True)
   assert read("<answer>Answer: 72</answer>").rule == "answer is"
   # A rule that finds its marker decides, even when it refuses the span.
   assert read("\\boxed{100-28} so 28").status == Status.NOT_PLAIN
@@ -197,12 +199,12 @@ def test_read_final_answer_rules():
 
 
 def test_numeric_statuses_and_format():
-  assert num("many apples") == rewards.Verdict(False, False, Status.NO_ANSWER)
-  assert num("<answer>many</answer>") == rewards.Verdict(False, False, Status.PARSE_ERROR)
-  assert num("<answer>73</answer>") == rewards.Verdict(False, True, Status.WRONG_ANSWER)
-  assert num("73") == rewards.Verdict(False, False, Status.WRONG_ANSWER)
-  assert num("<answer>72</answer>") == rewards.Verdict(True, True, Status.CORRECT)
-  assert num("so 72") == rewards.Verdict(True, False, Status.CORRECT)  # right, but no answer tag
+  assert num("many apples") == answers.Verdict(False, False, Status.NO_ANSWER)
+  assert num("<answer>many</answer>") == answers.Verdict(False, False, Status.PARSE_ERROR)
+  assert num("<answer>73</answer>") == answers.Verdict(False, True, Status.WRONG_ANSWER)
+  assert num("73") == answers.Verdict(False, False, Status.WRONG_ANSWER)
+  assert num("<answer>72</answer>") == answers.Verdict(True, True, Status.CORRECT)
+  assert num("so 72") == answers.Verdict(True, False, Status.CORRECT)  # right, but no answer tag
   assert num("<answer>-3</answer>", "-3").correct
   assert num("<answer>" + "9" * 40 + "</answer>", "1").status == Status.NUMBER_TOO_LARGE
   assert num("<answer>" + "1 " * 200 + "</answer>").status == Status.TOO_LONG
@@ -213,14 +215,14 @@ def test_numeric_statuses_and_format():
 
 
 def test_gsm8k_final_answer():
-  assert rewards.gsm8k_final_answer("She has 3+4=<<3+4=7>>7 apples.\n#### 7") == "7"
-  assert rewards.gsm8k_final_answer("...\n#### 1,000") == "1000"
-  assert rewards.gsm8k_final_answer("...\n#### $-2.50") == "-2.50"
+  assert gsm8k_data.gsm8k_final_answer("She has 3+4=<<3+4=7>>7 apples.\n#### 7") == "7"
+  assert gsm8k_data.gsm8k_final_answer("...\n#### 1,000") == "1000"
+  assert gsm8k_data.gsm8k_final_answer("...\n#### $-2.50") == "-2.50"
   with pytest.raises(ValueError, match="####"):
-    rewards.gsm8k_final_answer("no final line")
+    gsm8k_data.gsm8k_final_answer("no final line")
   for bad in ("seven", "5 apples", "1,00", "3/4", "1e3", "072", "7 or 8"):
     with pytest.raises(ValueError, match="not a plain number"):
-      rewards.gsm8k_final_answer(f"#### {bad}")
+      gsm8k_data.gsm8k_final_answer(f"#### {bad}")
 
 
 def test_score_batch():
@@ -308,7 +310,7 @@ def test_deep_nesting_within_limit_is_parsed():
   assert cd(f"<answer>{ok}</answer>").correct
   deep = "(" * 40 + "3+5" + ")" * 40 + "*2"
   assert cd(f"<answer>{deep}</answer>").status == Status.TOO_DEEP
-  assert rewards.verify_countdown(f"<answer>{deep}</answer>", (3, 5, 2), 16,
-                                  rewards.Limits(max_depth=64)).correct
+  assert countdown_task.verify_countdown(f"<answer>{deep}</answer>", (3, 5, 2), 16,
+                                  answers.Limits(max_depth=64)).correct
   assert cd("<answer>" + "9" * 30 + "</answer>").status == Status.NUMBER_TOO_LARGE
   assert cd("<answer>" + "1+" * 200 + "1</answer>").status == Status.TOO_LONG

@@ -11,10 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from gspo_jax import rewards
+from gspo_jax import reward_plugins, rewards, verifiers
 from gspo_jax import tokenizers as gtok
+from gspo_jax.answers import Status
 from gspo_jax.data import PromptSource, user_file
-from gspo_jax.rewards import Status
+from gspo_jax.tasks import countdown as countdown_task
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -172,7 +173,7 @@ def test_numeric_and_countdown_by_name():
     assert _file("<answer>72</answer>", "72", "numeric").correct
     assert _file("<answer>73</answer>", "72", "numeric").status == Status.WRONG_ANSWER
     v = _file("<answer>(3+5)*2</answer>", "16", "countdown", numbers=(3, 5, 2), target=16)
-    assert v == rewards.verify_countdown("<answer>(3+5)*2</answer>", (3, 5, 2), 16)
+    assert v == countdown_task.verify_countdown("<answer>(3+5)*2</answer>", (3, 5, 2), 16)
     assert v.correct
 
 
@@ -203,7 +204,7 @@ def test_exact_match():
 )
 def test_boxed_math_equivalences(got, ref):
     assert _file(f"So the answer is \\boxed{{{got}}}.", ref, "boxed_math").correct
-    assert rewards.verify_boxed_math(f"\\boxed{{{ref}}}", got).correct  # symmetric
+    assert verifiers.verify_boxed_math(f"\\boxed{{{ref}}}", got).correct  # symmetric
 
 
 def test_boxed_math_failures():
@@ -250,8 +251,8 @@ def plugin(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_reward_mod"
     sys.modules.pop("my_reward_mod", None)
-    for key in [k for k in rewards._REWARD_FNS if k.startswith("my_reward_mod:")]:
-        del rewards._REWARD_FNS[key]
+    for key in [k for k in reward_plugins._REWARD_FNS if k.startswith("my_reward_mod:")]:
+        del reward_plugins._REWARD_FNS[key]
 
 
 def test_plugin_reward(plugin, tmp_path):
@@ -273,7 +274,7 @@ def test_plugin_reward(plugin, tmp_path):
 @pytest.mark.parametrize("fn", ["boom", "nan", "text"])
 def test_plugin_failure_is_counted_not_raised(plugin, fn, caplog):
     metas = [{"verifier": f"{plugin}:{fn}", "answer": "1", "row": {}}]
-    with caplog.at_level(logging.ERROR, logger="gspo_jax.rewards"):
+    with caplog.at_level(logging.ERROR, logger="gspo_jax.reward_plugins"):
         r, comp, counts = rewards.score("file", ["<answer>1</answer>"], metas)
     assert r.tolist() == [0.0] and counts["reward_fn_error"] == 1
     assert any(fn in rec.getMessage() for rec in caplog.records)
@@ -281,11 +282,11 @@ def test_plugin_failure_is_counted_not_raised(plugin, fn, caplog):
 
 def test_plugin_load_errors():
     with pytest.raises(ValueError, match="module:function"):
-        rewards.load_reward_fn("no_colon")
+        reward_plugins.load_reward_fn("no_colon")
     with pytest.raises(ValueError, match="cannot import"):
-        rewards.load_reward_fn("surely_not_a_module_xyz:f")
+        reward_plugins.load_reward_fn("surely_not_a_module_xyz:f")
     with pytest.raises(ValueError, match="no function"):
-        rewards.load_reward_fn("math:not_there")
+        reward_plugins.load_reward_fn("math:not_there")
 
 
 # --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from gspo_jax import rewards
+from gspo_jax import answers, rewards
 
 SEED = 20240611
 N_ANSWERS = 250
@@ -132,10 +132,10 @@ def test_right_forms_score_one_wrong_forms_zero(i):
   for d, right, wrong in CASES[i : i + 25]:
     for truth in (_text(d), format(d, ",f")):  # the reference as GSM8K writes it, commas or not
       r, comps, counts = rewards.score("gsm8k", right, [{"answer": truth}] * len(right))
-      bad = [(t, rewards.read_final_answer(t)) for t, ok in zip(right, r) if ok != 1]
+      bad = [(t, answers.read_final_answer(t)) for t, ok in zip(right, r) if ok != 1]
       assert not bad, (truth, bad)
       r, comps, counts = rewards.score("gsm8k", wrong, [{"answer": truth}] * len(wrong))
-      bad = [(t, rewards.read_final_answer(t)) for t, ok in zip(wrong, r) if ok != 0]
+      bad = [(t, answers.read_final_answer(t)) for t, ok in zip(wrong, r) if ok != 0]
       assert not bad, (truth, bad)
       assert counts["verifier_error"] == 0
 

@@ -22,6 +22,7 @@ checkpoints in ``<root>/stage4/<name>``; its compact summary goes to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -102,7 +103,8 @@ def calibrate(sc, root: str, out: str, log=print) -> dict:
         (the rollouts of its RL steps 1.. at the warm start: the same keys the trainer
         uses, so every σ sees the same prompts and sampling noise)."""
         if sigma not in evaluations:
-            trainer.c.rollout.router_noise_std = float(sigma)
+            rollout = dataclasses.replace(trainer.cfg.rollout, router_noise_std=float(sigma))
+            trainer.cfg = dataclasses.replace(trainer.cfg, rollout=rollout)
             per = []
             for b in range(int(sc.calib_batches)):
                 rng = jax.random.fold_in(jax.random.key(c.seed + 1), b)

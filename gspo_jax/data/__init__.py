@@ -7,7 +7,8 @@
   or from supplied files.
 * :mod:`~gspo_jax.data.user_file`: task "file", a user's prompts and answers from a
   JSONL or Parquet file, checked row by row and prepared as a TFDS dataset.
-* :mod:`~gspo_jax.data.prompts`: prompt text and the ``<answer>`` format.
+* :mod:`~gspo_jax.data.prompts`: :class:`Example` (a prompt with its verifier's meta)
+  and the prompt styles; each task words its prompts (:mod:`gspo_jax.tasks`).
 * :mod:`~gspo_jax.data.source`: :class:`PromptSource` (batches as a pure
   function of the data position).
 """
@@ -17,7 +18,7 @@ from gspo_jax.data.arithmetic import ArithmeticConfig, GspoArithmetic
 from gspo_jax.data.countdown import CountdownConfig, GspoCountdown
 from gspo_jax.data.gsm8k import prepare_gsm8k, supply_gsm8k_files
 from gspo_jax.data.prompts import Example, answer_span
-from gspo_jax.data.source import PromptSource, make_builder
+from gspo_jax.data.source import PromptSource
 
 __all__ = [
     "ArithmeticConfig",
@@ -27,7 +28,6 @@ __all__ = [
     "GspoCountdown",
     "PromptSource",
     "answer_span",
-    "make_builder",
     "prepare_gsm8k",
     "supply_gsm8k_files",
 ]

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from gspo_jax import rewards
+from gspo_jax import answers
 
 _MAX_DIGITS = 18  # numpy int64 draws.
 
@@ -115,13 +115,13 @@ class ArithmeticConfig(tfds.core.BuilderConfig):
             answer_digits = self.max_operands * self.max_digits
         else:
             answer_digits = self.max_digits + len(str(self.max_operands))
-        limit = rewards.DEFAULT_LIMITS.max_digits
+        limit = answers.DEFAULT_LIMITS.max_digits
         if answer_digits > limit:
             raise ValueError(
                 f"ArithmeticConfig: answers can reach {answer_digits} digits "
                 f"(max_digits={self.max_digits}, max_operands={self.max_operands}, "
                 f"operators={self.operators!r}), over the verifier's {limit} "
-                f"(rewards.Limits.max_digits)"
+                f"(answers.Limits.max_digits)"
             )
 
     @classmethod

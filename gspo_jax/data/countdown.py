@@ -7,7 +7,7 @@ target.
 Rule (the one TinyZero's verifier applies): **every given number is used
 exactly once**, with the binary operators ``+ - * /`` and parentheses. There
 is no unary minus and no concatenation of digits. The verifier in
-:mod:`gspo_jax.rewards` evaluates with exact rational arithmetic, so
+:mod:`gspo_jax.tasks.countdown` evaluates with exact rational arithmetic, so
 intermediate fractions are allowed in a model's answer.
 
 Generation is forward and therefore every example is solvable: numbers are

@@ -35,7 +35,7 @@ from tensorflow_datasets.core.download import resource as tfds_resource
 # (tfds.list_builders() needs TensorFlow; this does not).
 from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
 
-from gspo_jax import rewards
+from gspo_jax.answers import REFERENCE_LIMITS, parse_number
 
 SPLITS = ("train", "test", "train_socratic", "test_socratic")
 
@@ -50,7 +50,7 @@ def read_gsm8k_file(path: os.PathLike | str) -> list[dict[str, str]]:
 
     A UTF-8 BOM is stripped and blank lines are skipped. Each other line must be
     a JSON object with a non-empty string ``question`` and a string ``answer``
-    holding one ``#### N`` mark, N a plain number (:func:`gspo_jax.rewards.parse_number`;
+    holding one ``#### N`` mark, N a plain number (:func:`gspo_jax.answers.parse_number`;
     ``#### 5 apples`` is not). Other fields are dropped.
 
     Raises:
@@ -168,10 +168,27 @@ def _check_example(example, where: str) -> dict[str, str]:
             f"{where}: 'answer' needs a space after '####' ('#### 72'): {answer[-80:]!r}"
         )
     try:
-        rewards.gsm8k_final_answer(answer)
+        gsm8k_final_answer(answer)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return {"question": question, "answer": answer}
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """The ground-truth number of a GSM8K solution: the text after its last
+    ``####``, which must be a plain number (:func:`parse_number`; ``#### 5 apples``
+    is not), with ``$`` and thousands commas removed.
+
+    Raises:
+      ValueError: if the solution has no ``#### N`` line or N is not a plain number.
+    """
+    head, sep, tail = solution.rpartition("####")
+    if not sep:
+        raise ValueError(f"GSM8K answer has no '#### N' line: {solution[-80:]!r}")
+    tail = tail.strip()
+    if parse_number(tail, REFERENCE_LIMITS) is None:
+        raise ValueError(f"GSM8K final answer is not a plain number: {tail!r}")
+    return tail.replace(",", "").replace("$", "")
 
 
 def gsm8k_builder(data_dir: os.PathLike | str) -> tfds.core.DatasetBuilder:

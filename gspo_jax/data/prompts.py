@@ -1,6 +1,6 @@
-"""Prompt text and reference answers, shared by the SFT warm start and RL.
+"""What a prompt is (:class:`Example`), and its styles, shared by the SFT warm start and RL.
 
-Two styles:
+Each task words its prompts (:mod:`gspo_jax.tasks`), in two styles:
 
 * ``"compact"``: one short line per task, for the character-level tiny
   models trained from scratch (every character is a token there).
@@ -8,17 +8,16 @@ Two styles:
   wraps it in the checkpoint's chat template.
 
 Both ask for the final answer inside ``<answer>...</answer>``, the span the
-verifiers in :mod:`gspo_jax.rewards` read. The reference answer is the exact
+verifiers read (:mod:`gspo_jax.answers`). The reference answer is the exact
 completion the SFT warm start trains on, e.g. ``<answer>(3+5)*2</answer>``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping
 
-from gspo_jax.rewards import ANSWER_CLOSE, ANSWER_OPEN
+from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 
 STYLES = ("compact", "instruct")
 
@@ -28,10 +27,10 @@ class Example:
     """One prompt with what the verifier and the warm start need.
 
     Attributes:
-      task: "countdown", "arithmetic", "gsm8k" or "file".
+      task: the task's name (:mod:`gspo_jax.tasks`).
       prompt: the prompt text (not yet chat-templated or tokenized).
       meta: the verifier's metadata: Countdown ``{"numbers": tuple[int],
-        "target": int}``, arithmetic/GSM8K ``{"answer": str}``.
+        "target": int}``, arithmetic/GSM8K ``{"answer": str}`` (each task's own).
       reference: the completion for supervised warm start (the answer in the
         answer format), or None where the dataset has none.
       index: the example's index in its split (stable across runs).
@@ -48,56 +47,18 @@ class Example:
     messages: tuple[Mapping[str, str], ...] | None = None
 
 
+def in_style(style: str, *, compact: str, instruct: str) -> str:
+    """The prompt of ``style``: ``compact`` or ``instruct``."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    return compact if style == "compact" else instruct
+
+
 def answer_span(content: str) -> str:
     """``<answer>content</answer>``."""
     return f"{ANSWER_OPEN}{content}{ANSWER_CLOSE}"
 
 
-def countdown_prompt(numbers, target: int, style: str = "compact") -> str:
-    """Prompt for a Countdown problem."""
-    nums = " ".join(str(int(n)) for n in numbers)
-    if style == "compact":
-        return f"Make {int(target)} from {nums} with + - * /, each once.\n"
-    if style == "instruct":
-        return (
-            f"Using the numbers {nums}, write an expression that equals {int(target)}. "
-            "You may use + - * / and parentheses, and must use each number exactly once. "
-            f"Give only the final expression inside {ANSWER_OPEN}{ANSWER_CLOSE}, "
-            f"for example {answer_span('(1+2)*3')}."
-        )
-    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-
-
-def arithmetic_prompt(question: str, style: str = "compact") -> str:
-    """Prompt for an arithmetic question like ``"12*34"``."""
-    if style == "compact":
-        return f"Compute {question}.\n"
-    if style == "instruct":
-        return (
-            f"Compute {question}. Give only the final integer inside "
-            f"{ANSWER_OPEN}{ANSWER_CLOSE}, for example {answer_span('42')}."
-        )
-    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-
-
-def gsm8k_prompt(question: str, style: str = "compact") -> str:
-    """Prompt for a GSM8K word problem."""
-    question = question.strip()
-    if style == "compact":
-        return f"{question}\n"
-    if style == "instruct":
-        return (
-            f"{question}\nSolve the problem step by step, then give the final number "
-            f"inside {ANSWER_OPEN}{ANSWER_CLOSE}, for example {answer_span('42')}."
-        )
-    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-
-
-_CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
-
-
-def gsm8k_reference(annotation: str, answer: str) -> str:
-    """Warm-start completion for GSM8K: the worked solution without its
-    ``<<48/2=24>>`` calculator annotations, then the answer span."""
-    steps = _CALCULATOR_RE.sub("", annotation).strip()
-    return f"{steps}\n{answer_span(answer)}"
+def as_text(x) -> str:
+    """A stored string field (bytes from TFDS) as str."""
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)

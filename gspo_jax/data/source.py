@@ -11,89 +11,59 @@ so a resumed run draws exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
 import numpy as np
 
-from gspo_jax import rewards
-from gspo_jax.data import arithmetic, countdown, prompts, user_file
-from gspo_jax.data import gsm8k as gsm8k_lib
-
-TASKS = ("countdown", "arithmetic", "gsm8k", "file")
+from gspo_jax import tasks
+from gspo_jax.data import prompts
 
 
-def _text(x) -> str:
-    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+def prepared(builder):
+    """``builder`` prepared as array_record: generated on first use, reused after."""
+    builder.download_and_prepare(file_format="array_record")
+    return builder
 
 
-def make_builder(task: str, data_dir: os.PathLike | str, config=None):
-    """The TFDS builder of a task. ``config``: a config name, a config object, or None (default)."""
-    data_dir = os.fspath(data_dir)
-    if task == "countdown":
-        return countdown.GspoCountdown(data_dir=data_dir, config=config)
-    if task == "arithmetic":
-        return arithmetic.GspoArithmetic(data_dir=data_dir, config=config)
-    if task == "gsm8k":
-        if config is not None:
-            raise ValueError(f"gsm8k has no configs, got config={config!r}")
-        return gsm8k_lib.gsm8k_builder(data_dir)
-    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+def _prepare(task: tasks.Task, data_dir, options: dict[str, Any]):
+    """``task.prepare(data_dir, **options)``, with a ValueError naming an option the
+    task does not take (and the tasks that take it) or a required one not given."""
+    params = list(inspect.signature(task.prepare).parameters.values())[1:]
+    for key in options:
+        if key not in [p.name for p in params]:
+            takers = [n for n in tasks.names() if key in _option_names(tasks.get(n))]
+            raise ValueError(f"{key} is only for task {takers}, got task {task.name!r}")
+    for p in params:
+        if p.default is inspect.Parameter.empty and p.name not in options:
+            raise ValueError(f"task {task.name!r} needs the option {p.name}")
+    return task.prepare(data_dir, **options)
 
 
-def to_example(task: str, record: dict[str, Any], index: int, style: str) -> prompts.Example:
-    """A decoded TFDS record as an :class:`Example`."""
-    if task == "countdown":
-        numbers = tuple(int(n) for n in np.asarray(record["numbers"]))
-        target = int(record["target"])
-        return prompts.Example(
-            task,
-            prompts.countdown_prompt(numbers, target, style),
-            {"numbers": numbers, "target": target},
-            prompts.answer_span(_text(record["solution"])),
-            index,
-        )
-    if task == "arithmetic":
-        question, answer = _text(record["question"]), _text(record["answer"])
-        return prompts.Example(
-            task,
-            prompts.arithmetic_prompt(question, style),
-            {"answer": answer},
-            prompts.answer_span(answer),
-            index,
-        )
-    if task == "gsm8k":
-        full = _text(record["answer"])
-        answer = rewards.gsm8k_final_answer(full)
-        return prompts.Example(
-            task,
-            prompts.gsm8k_prompt(_text(record["question"]), style),
-            {"answer": answer},
-            prompts.gsm8k_reference(_text(record["annotation"]), answer),
-            index,
-        )
-    if task == "file":
-        return user_file.from_record(record, index)
-    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+def _option_names(task: tasks.Task) -> list[str]:
+    return list(inspect.signature(task.prepare).parameters)[1:]
 
 
 class PromptSource:
     """Random-access prompts of one task and split, in a seeded order per epoch.
 
     Args:
-      task: "countdown", "arithmetic", "gsm8k" or "file" (a user's JSONL/Parquet
-        file, :mod:`~gspo_jax.data.user_file`; ``file_task``).
+      task: a task name (:mod:`gspo_jax.tasks`): "countdown", "arithmetic", "gsm8k",
+        "file" (a user's JSONL/Parquet file, :mod:`~gspo_jax.data.user_file`) or one
+        registered since.
       split: "train" or "test" (GSM8K also "train_socratic", "test_socratic").
       data_dir: TFDS data dir; synthetic tasks and a user's file are prepared there on
         first use.
-      config: synthetic difficulty: a config name (``"easy"``, ``"digits3"``
-        ...) or a ``CountdownConfig.make(...)`` / ``ArithmeticConfig.make(...)``.
-      style: prompt style, "compact" or "instruct".
+      style: prompt style, "compact" or "instruct" (a user's file has its own prompts).
       seed: seed of the epoch orders.
       shuffle: False keeps the stored order in every epoch (for evaluation).
-      gsm8k_files: folder with the GSM8K jsonl files when there is no network.
-      file_task: the :class:`~gspo_jax.data.user_file.FileTask` of task "file"
-        (``config`` and ``style`` are then unused).
+      **options: the task's own (its ``prepare``'s keywords; `Task.options` reads them
+        from the config). Countdown and arithmetic: ``config``, the difficulty: a
+        config name (``"easy"``, ``"digits3"`` ...) or a ``CountdownConfig.make(...)`` /
+        ``ArithmeticConfig.make(...)``. GSM8K: ``gsm8k_files``, a folder with the
+        GSM8K jsonl files when there is no network. "file": ``file_task``, its
+        :class:`~gspo_jax.data.user_file.FileTask`.
     """
 
     def __init__(
@@ -102,28 +72,15 @@ class PromptSource:
         split: str = "train",
         *,
         data_dir: os.PathLike | str,
-        config=None,
         style: str = "compact",
         seed: int = 0,
         shuffle: bool = True,
-        gsm8k_files: os.PathLike | str | None = None,
-        file_task: user_file.FileTask | None = None,
+        **options,
     ):
         if style not in prompts.STYLES:
             raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
-        if (task == "file") != (file_task is not None):
-            raise ValueError(f"file_task is for task 'file' (and needed there), got task {task!r}")
-        if task == "file":
-            builder = user_file.prepare(file_task, data_dir)
-        elif task == "gsm8k":
-            if config is not None:
-                raise ValueError(f"gsm8k has no configs, got config={config!r}")
-            builder = gsm8k_lib.prepare_gsm8k(data_dir, files_dir=gsm8k_files)
-        else:
-            if gsm8k_files is not None:
-                raise ValueError(f"gsm8k_files is only for task 'gsm8k', got task {task!r}")
-            builder = make_builder(task, data_dir, config)
-            builder.download_and_prepare(file_format="array_record")
+        self._task = tasks.get(task)
+        builder = _prepare(self._task, data_dir, options)
         if split not in builder.info.splits:
             raise ValueError(f"split {split!r} not in {task}: {sorted(builder.info.splits)}")
         self.task, self.split, self.style = task, split, style
@@ -142,7 +99,7 @@ class PromptSource:
         """Example ``index`` of the split, in stored order."""
         if not 0 <= index < self._size:
             raise ValueError(f"index must be in [0, {self._size}), got {index}")
-        return to_example(self.task, self._ds[int(index)], int(index), self.style)
+        return self._task.example(self._ds[int(index)], int(index), self.style)
 
     def order(self, epoch: int) -> np.ndarray:
         """int64[n]: the split indices in the order of ``epoch``."""

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from gspo_jax import rewards
+from gspo_jax import verifiers
 from gspo_jax.data import prompts
 
 BAD_ROWS = ("skip", "refuse")
@@ -181,7 +181,7 @@ def to_example(row: Any, spec: FileTask, index: int) -> prompts.Example:
     if spec.verifier == "countdown":
         meta["target"] = answer
         meta["numbers"] = row.get("numbers")
-    problem = rewards.reference_problem(spec.verifier, meta)  # None for a plug-in
+    problem = verifiers.get(spec.verifier).reference_problem(meta)  # None for a plug-in
     if problem:
         raise BadRow(problem)
     if spec.verifier == "countdown":

@@ -1,0 +1,155 @@
+"""Tasks by name: each one's data, prompt format, verifier and answer comparison.
+
+A task is one :class:`Task` record, registered under its name and found with
+:func:`get`, as objectives are (:mod:`gspo_jax.objectives`). The built-in tasks live
+one per module of this package and register themselves when it is first asked for a
+task:
+
+  countdown.py   Countdown: make a target from given numbers (its expression verifier)
+  arithmetic.py  integer arithmetic: compute an expression (numeric answers)
+  gsm8k.py       GSM8K word problems (numeric answers, worked solutions for the warm start)
+  user_file.py   "file": a user's prompts and answers, one of `gspo_jax.verifiers` by name
+
+Their TFDS data builders are in :mod:`gspo_jax.data`; the answer format and the shared
+answer reading in :mod:`gspo_jax.answers`; the batch scoring in :mod:`gspo_jax.rewards`.
+
+A new task is one module that calls :func:`register` (a new file in this package, or
+any module a config file imports); docs/tasks.md walks through one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import pkgutil
+from typing import Any, Callable, Mapping
+
+from gspo_jax import answers
+from gspo_jax.answers import Limits, Verdict
+
+
+class TaskConfigError(ValueError):
+    """A task's setting that cannot work; ``path`` is its place under ``config.``."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"config.{path}: {message}")
+        self.path, self.message = path, message
+
+
+def _no_options(task_config) -> dict[str, Any]:
+    return {}
+
+
+def _no_check(config) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A registered task.
+
+    Attributes:
+      name: the ``config.task.name`` that selects it.
+      prepare: ``prepare(data_dir, **options)`` -> a prepared TFDS builder
+        (``builder.as_data_source(split)``, ``builder.info.splits``); ``options`` are
+        the task's own keywords of :class:`~gspo_jax.data.PromptSource`.
+      example: ``example(record, index, style)`` -> a :class:`~gspo_jax.data.Example`:
+        the prompt format (``style``: "compact" or "instruct"), the verifier's
+        ``meta`` and the warm start's reference completion of one stored record.
+      check_meta: ``check_meta(meta)`` raises ValueError naming what an example's
+        ``meta`` lacks (a caller's bug, never the model's).
+      verify: ``verify(text, meta, limits)`` -> :class:`~gspo_jax.answers.Verdict` of
+        one response; never raises for any ``text``.
+      levels: the names of the difficulty levels (``config.task.difficulty``), or
+        None when the task has none (then the difficulty must be "").
+      options: ``options(config.task)`` -> ``prepare``'s keywords from the config.
+      check_config: ``check_config(config)`` raises :class:`TaskConfigError` for a
+        setting of this task that cannot work (run by `gspo_jax.config.validate`).
+      answer_kind: ``answer_kind(config.task)`` -> how evaluation compares final
+        answers for maj@k (`gspo_jax.evaluation.ANSWER_KINDS`): "numeric" (the
+        values read) or "tag" (the answer tag's content).
+    """
+
+    name: str
+    prepare: Callable[..., Any]
+    example: Callable[[Mapping[str, Any], int, str], Any]
+    check_meta: Callable[[Mapping[str, Any]], None]
+    verify: Callable[[str, Mapping[str, Any], Limits], Verdict]
+    levels: Callable[[], list[str]] | None = None
+    options: Callable[[Any], dict[str, Any]] = _no_options
+    check_config: Callable[[Any], None] = _no_check
+    answer_kind: Callable[[Any], str] = lambda task_config: "tag"
+
+
+def numeric_task(name: str, **fields) -> Task:
+    """A task whose answer is one number: its examples' ``meta`` is ``{"answer"}``, the
+    verifier :func:`~gspo_jax.answers.verify_numeric`, answers compared by value."""
+    return Task(
+        name=name,
+        check_meta=functools.partial(answers.check_numeric_meta, name),
+        verify=answers.verify_numeric_meta,
+        answer_kind=lambda task_config: "numeric",
+        **fields,
+    )
+
+
+_REGISTRY: dict[str, Task] = {}
+_discovered = False
+
+
+def register(task: Task) -> Task:
+    """Add ``task`` under its name (once; a second task of the same name is refused)."""
+    if task.name in _REGISTRY and _REGISTRY[task.name] is not task:
+        raise ValueError(f"a task named {task.name!r} is already registered")
+    _REGISTRY[task.name] = task
+    return task
+
+
+def unregister(name: str) -> None:
+    """Remove the task registered as ``name`` (for tests)."""
+    _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+    """Import every module of this package once: the built-in tasks register themselves."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        for module in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+def names() -> tuple[str, ...]:
+    """Every registered task name."""
+    _discover()
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Task:
+    """The task registered as ``name`` (see `names`)."""
+    _discover()
+    if name not in _REGISTRY:
+        raise ValueError(f"task must be one of {names()}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def check_config(config) -> None:
+    """The task's part of config validation: its difficulty level, then its own checks.
+    Raises TaskConfigError (an unknown ``config.task.name`` included)."""
+    name = config.task.name
+    if name not in names():
+        raise TaskConfigError("task.name", f"unknown task {name!r}; known: {names()}")
+    task = get(name)
+    difficulty = config.task.difficulty
+    if task.levels is None:
+        if difficulty:
+            raise TaskConfigError(
+                "task.difficulty",
+                f"{name} has no difficulty levels; set it to '' (got {difficulty!r})",
+            )
+    elif difficulty not in task.levels():
+        raise TaskConfigError(
+            "task.difficulty", f"{name} has no level {difficulty!r}; known: {task.levels()}"
+        )
+    task.check_config(config)

@@ -1,0 +1,180 @@
+r"""Verifiers by name, for a user's own data (task "file", ``config.task.verifier``).
+
+Each is a :class:`Verifier`: how a response is checked against a row's reference
+answer, what a reference must look like, and how evaluation compares its answers.
+
+  numeric      the final number equals the reference exactly
+               (:func:`gspo_jax.answers.verify_numeric`)
+  countdown    an expression that makes the target from the row's numbers
+               (:func:`gspo_jax.tasks.countdown.verify_countdown`)
+  exact_match  the answer-tag content, else the whole response, equals the reference
+               after whitespace normalisation
+  boxed_math   the last ``\\boxed{...}``, else the answer tag, equals the reference after
+               :func:`~gspo_jax.answers.normalize_math`, as strings or as the same
+               exact number
+
+Any other name with a ``:`` is a plug-in reward ``module:function``
+(:mod:`gspo_jax.reward_plugins`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+from typing import Any, Callable, Mapping
+
+from gspo_jax import answers, reward_plugins
+from gspo_jax.answers import (
+    DEFAULT_LIMITS,
+    REFERENCE_LIMITS,
+    Limits,
+    Status,
+    Verdict,
+    boxed_answer,
+    extract_answer,
+    normalize_math,
+    normalize_text,
+    parse_number,
+)
+from gspo_jax.tasks import countdown
+
+
+def verify_exact_match(text: str, answer: str, limits: Limits = DEFAULT_LIMITS) -> Verdict:
+    """The answer (the last ``<answer>`` span's content, else the whole response)
+    equals ``answer`` after :func:`normalize_text`. ``formatted``: the span exists."""
+    content = extract_answer(text)
+    tagged = content is not None
+    got = normalize_text(content if tagged else text)
+    if not got:
+        return Verdict(False, False, Status.NO_ANSWER)
+    if got != normalize_text(str(answer)):
+        return Verdict(False, tagged, Status.WRONG_ANSWER)
+    return Verdict(True, tagged, Status.CORRECT)
+
+
+_MATH_NUMBER_RE = re.compile(r"(-?)(\d+(?:\.\d+)?)(?:/(-?)(\d+(?:\.\d+)?))?", re.ASCII)
+
+
+def _math_number(s: str, limits: Limits) -> Fraction | None:
+    """The exact value of a normalised answer that is one number or a ratio of two."""
+    m = _MATH_NUMBER_RE.fullmatch(s)
+    if m is None or sum(map(str.isdigit, s)) > limits.max_digits:
+        return None
+    value = Fraction(m.group(2))
+    if m.group(4) is not None:
+        den = Fraction(m.group(4))
+        if den == 0:
+            return None
+        value /= den
+    return -value if (m.group(1) == "-") != (m.group(3) == "-") else value
+
+
+def verify_boxed_math(text: str, answer: str, limits: Limits = DEFAULT_LIMITS) -> Verdict:
+    r"""The answer of :func:`boxed_answer` equals ``answer`` (itself read from its last
+    ``\boxed{}`` if it has one) after :func:`normalize_math`, as strings or as the
+    same exact number (``\frac{1}{2}`` = ``1/2`` = ``0.5``). ``formatted``: an
+    answer was found."""
+    got = boxed_answer(text, limits)
+    if isinstance(got, Status):
+        return Verdict(False, False, got)
+    got = normalize_math(got)
+    if not got:
+        return Verdict(False, False, Status.NO_ANSWER)
+    truth = _math_reference(str(answer))
+    if got == truth:
+        return Verdict(True, True, Status.CORRECT)
+    a, b = _math_number(got, limits), _math_number(truth, REFERENCE_LIMITS)
+    if a is not None and a == b:
+        return Verdict(True, True, Status.CORRECT)
+    return Verdict(False, True, Status.WRONG_ANSWER)
+
+
+def _math_reference(answer: str) -> str:
+    ref = boxed_answer(answer, REFERENCE_LIMITS) if "\\boxed" in answer else answer
+    return normalize_math(ref) if isinstance(ref, str) else ""
+
+
+def _numeric_problem(meta: Mapping[str, Any]) -> str | None:
+    if parse_number(str(meta["answer"]), REFERENCE_LIMITS) is None:
+        return f"answer {meta['answer']!r} is not a plain number (verifier 'numeric')"
+    return None
+
+
+def _countdown_problem(meta: Mapping[str, Any]) -> str | None:
+    nums, target = meta.get("numbers"), meta.get("target")
+    if not isinstance(target, int) or isinstance(target, bool):
+        return f"countdown target must be an integer, got {target!r}"
+    if (
+        not isinstance(nums, (list, tuple))
+        or not nums
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in nums)
+    ):
+        return f"countdown 'numbers' must be a non-empty list of positive integers, got {nums!r}"
+    return None
+
+
+def _exact_match_problem(meta: Mapping[str, Any]) -> str | None:
+    return None if normalize_text(str(meta["answer"])) else "answer is empty"
+
+
+def _boxed_math_problem(meta: Mapping[str, Any]) -> str | None:
+    if not _math_reference(str(meta["answer"])):
+        return f"answer {meta['answer']!r} is empty after normalisation"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier:
+    """A verifier by name.
+
+    Attributes:
+      verify: ``verify(text, meta, limits)`` -> Verdict; ``meta`` holds ``"answer"``
+        (countdown: ``"numbers"`` and ``"target"``) and the file's ``"row"``.
+      reference_problem: ``reference_problem(meta)`` -> why a row's reference cannot
+        be verified, or None.
+      answer_kind: how evaluation compares final answers: "numeric" or "tag"
+        (`gspo_jax.evaluation.ANSWER_KINDS`).
+    """
+
+    verify: Callable[[str, Mapping[str, Any], Limits], Verdict]
+    reference_problem: Callable[[Mapping[str, Any]], str | None]
+    answer_kind: str = "tag"
+
+
+def _exact_match(text: str, meta: Mapping[str, Any], limits: Limits) -> Verdict:
+    return verify_exact_match(text, meta["answer"], limits)
+
+
+def _boxed_math(text: str, meta: Mapping[str, Any], limits: Limits) -> Verdict:
+    return verify_boxed_math(text, meta["answer"], limits)
+
+
+VERIFIERS = {
+    "numeric": Verifier(answers.verify_numeric_meta, _numeric_problem, "numeric"),
+    "countdown": Verifier(countdown.verify, _countdown_problem),
+    "exact_match": Verifier(_exact_match, _exact_match_problem),
+    "boxed_math": Verifier(_boxed_math, _boxed_math_problem),
+}
+
+
+def names() -> tuple[str, ...]:
+    """Every verifier name (a plug-in ``module:function`` besides)."""
+    return tuple(VERIFIERS)
+
+
+def _plugin(spec: str) -> Verifier:
+    return Verifier(
+        lambda text, meta, limits: reward_plugins.plugin_verdict(spec, text, meta),
+        lambda meta: None,  # a plug-in reward function takes any reference
+    )
+
+
+def get(name: str) -> Verifier:
+    """The verifier ``name``, or the plug-in ``module:function`` it names (imported on
+    the first call of its ``verify``)."""
+    if reward_plugins.is_reward_fn(name):
+        return _plugin(name)
+    if name not in VERIFIERS:
+        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {name!r}")
+    return VERIFIERS[name]
