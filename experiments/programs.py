@@ -448,7 +448,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
     """The sampler's compiled function for ``batch`` prompts of ``prompt_len`` tokens,
     one sample each, ``new_tokens`` new tokens, temperature 1, no stop token, no
     routing record (what the benchmark times). ``platform``: the sampling formulations
-    of that backend (`gspo_jax.rollout._use_cpu_sampling`)."""
+    of that backend (`gspo_jax.generate.use_cpu_sampling`)."""
     from gspo_jax import rollout
 
     graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
@@ -456,7 +456,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
         graphdef,
         params,
         vocab_size=sh.cfg.vocab_size,
-        prompt_buckets=(sh.prompt_len,),
+        prompt_len=sh.prompt_len,
     )
     prompts = np.random.RandomState(0).randint(1, sh.cfg.vocab_size, (batch, sh.prompt_len))
     args, spec, _ = sampler._prepare(
@@ -469,7 +469,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
         routing="none",
     )
     platform = platform or jax.default_backend()
-    spec = spec._replace(mode=spec.mode._replace(cpu=platform == "cpu"))
+    spec = spec._replace(cpu=platform == "cpu")
     if mesh.size > 1:  # rows sharded over the data axes, as a Sampler with a mesh does
         spec = spec._replace(batch_sharding=NamedSharding(mesh, P(batch_axes(mesh))))
     if abstract:
@@ -492,14 +492,14 @@ class _SamplerJit:
         self.spec = spec
 
     def lower(self, *args):
-        from gspo_jax import rollout
+        from gspo_jax import generate
 
-        return rollout._generate_jit.lower(*args, spec=self.spec)
+        return generate.generate_jit.lower(*args, spec=self.spec)
 
     def __call__(self, *args):
-        from gspo_jax import rollout
+        from gspo_jax import generate
 
-        return rollout._generate_jit(*args, spec=self.spec)
+        return generate.generate_jit(*args, spec=self.spec)
 
 
 def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):

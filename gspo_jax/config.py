@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 from typing import Any
 
 import ml_collections
@@ -260,11 +261,34 @@ def closest_key(path: str, c: ml_collections.ConfigDict) -> str | None:
     return "config." + best
 
 
+# Keys that are gone, with the one value they ever accepted and why: a config that
+# still sets that value is run with a one-line notice, any other value is refused.
+REMOVED_KEYS = {
+    "rollout.top_p": (1.0, "RL samples the whole softmax(logits / temperature)"),
+    "rollout.top_k": (0, "RL samples the whole softmax(logits / temperature)"),
+}
+
+
+def _removed_key(path: str, value: Any) -> None:
+    """A removed key (`REMOVED_KEYS`) of a config: a notice at its one accepted value,
+    else ConfigError naming it."""
+    only, why = REMOVED_KEYS[path]
+    if isinstance(value, bool) or value != only:
+        raise _err(
+            path,
+            f"removed ({why}; a truncated distribution would bias the gradient); it only "
+            f"ever accepted {only!r}, got {value!r}",
+        )
+    print(f"config.{path}: removed ({why}); ignored, delete it", file=sys.stderr)
+
+
 def unknown_key_message(path: str, c: ml_collections.ConfigDict) -> str:
     """One line for a key that ``c`` does not have, e.g.
     ``config.optimizer.lrr: unknown config key; did you mean config.optimizer.lr?``,
     or, with nothing close, the keys its group does have."""
     key = path.removeprefix("config.")
+    if key in REMOVED_KEYS:
+        return f"config.{key}: removed ({REMOVED_KEYS[key][1]}); drop it"
     suggestion = closest_key(key, c)
     if suggestion:
         return f"config.{key}: unknown config key; did you mean {suggestion}?"
@@ -285,7 +309,9 @@ def _check_keys(
     root = c if root is None else root
     open_groups = fields.open_groups(_declaration())
     for key in c.keys():
-        if key not in base:
+        if key not in base and prefix + key in REMOVED_KEYS:
+            _removed_key(prefix + key, c[key])
+        elif key not in base:
             raise ConfigError(unknown_key_message(prefix + key, root))
     for key, default in base.items():
         path = prefix + key
@@ -468,15 +494,6 @@ def validate(
     if c.dapo.dynamic_sampling and g < 2:
         raise _err("rollout.group_size", "dynamic sampling needs a group of at least 2")
 
-    # Sampling: RL trains on the log-probs of softmax(logits / temperature).
-    for key, neutral in (("top_p", 1), ("top_k", 0)):
-        if c.rollout[key] != neutral:
-            raise _err(
-                f"rollout.{key}",
-                f"{c.rollout[key]} truncates the sampling distribution, whose log-probs "
-                "the trainer does not compute (the gradient would be biased); RL needs "
-                f'{key} = {neutral} (docs/objectives.md, "Conventions")',
-            )
     rc = dict(c.rollout_correction)
     try:
         RolloutCorrection(**rc)

@@ -39,6 +39,7 @@ from gspo_jax import shaping, step
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
+from gspo_jax.rollout import replay_r3
 from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
 
@@ -100,7 +101,7 @@ class _Round:
 
 # The Rollout's arrays the training batch is assembled from (`_assemble`); the
 # routing record only where the sampler kept it.
-_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp_sampling")
+_BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp")
 _ROUTING_FIELDS = {"all": ("experts", "prompt_experts"), "response": ("experts",), "none": ()}
 
 
@@ -135,17 +136,13 @@ def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
         "prompt_mask": take("prompt_mask").astype(jnp.float32),
         "tokens": take("tokens"),
         "mask": mask * valid[:, None],
-        "rollout_logp": take("logp_sampling"),
+        "rollout_logp": take("logp"),
     }
     if "experts" in parts[0]:
-        # The sampler's routing of the position that produced each response token:
-        # positions P-1 ... P+T-2 of the replay array (prompt_experts[:, P-1] equals
-        # experts[:, 0]).
+        # The sampler's routing of the position that produced each response token.
         batch["sampler_topk"] = take("experts")
     if "prompt_experts" in parts[0]:
-        batch["replay_r3"] = jnp.concatenate(
-            [take("prompt_experts"), batch["sampler_topk"][:, 1:]], axis=1
-        )
+        batch["replay_r3"] = replay_r3(take("prompt_experts"), batch["sampler_topk"])
     return batch
 
 

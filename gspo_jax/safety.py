@@ -52,12 +52,15 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     """``config.<field>: <saved> -> <current>`` for every field whose value differs (or
     exists on one side only), but those declared ``resume=True``: the run's length, how
     it is logged, evaluated and checkpointed, where its data lives, how it is laid out
-    on devices, and safety limits (`gspo_jax.config.resumable_fields`)."""
+    on devices, and safety limits (`gspo_jax.config.resumable_fields`); and the
+    removed keys (`gspo_jax.config.REMOVED_KEYS`)."""
     resumable = config_lib.resumable_fields()
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if any(fnmatch.fnmatchcase(key, pattern) for pattern in resumable):
+        if key in config_lib.REMOVED_KEYS or any(
+            fnmatch.fnmatchcase(key, pattern) for pattern in resumable
+        ):
             continue
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
         if va != vb:

@@ -104,7 +104,7 @@ class Trainer:
             params,
             vocab_size=self.model_cfg.vocab_size,
             mesh=self.mesh,
-            prompt_buckets=(self.max_prompt_len,),
+            prompt_len=self.max_prompt_len,
         )
         self.init_params = params  # where the warm start (or RL, without one) starts
         # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
@@ -193,8 +193,6 @@ class Trainer:
             max_new_tokens=cfg.rollout.max_new_tokens,
             rng=rng,
             temperature=0.0 if greedy else cfg.rollout.temperature,
-            top_p=1.0 if greedy else cfg.rollout.top_p,
-            top_k=0 if greedy else cfg.rollout.top_k,
             eos_id=list(tok.stop_ids),
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,

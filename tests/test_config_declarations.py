@@ -13,7 +13,8 @@ from gspo_jax.run_config import RunConfig, TaskConfig
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # base_config().to_dict() as the hand-written base_config made it (before the sections
-# were declared): the same keys, defaults and types.
+# were declared): the same keys, defaults and types; less rollout.top_p (1.0) and
+# rollout.top_k (0), removed since (`config.REMOVED_KEYS`).
 BASE_CONFIG = {'advantage': 'group',
  'checkpoint_every': 20,
  'compilation_cache_dir': '~/.cache/gspo_jax/xla',
@@ -73,9 +74,7 @@ BASE_CONFIG = {'advantage': 'group',
              'max_prompt_len': 64,
              'prompts_per_step': 64,
              'router_noise_std': 0.0,
-             'temperature': 1.0,
-             'top_k': 0,
-             'top_p': 1.0},
+             'temperature': 1.0},
  'rollout_correction': {'c_high': 2.0,
                         'c_low': 2.0,
                         'cap': 2.0,
@@ -146,6 +145,8 @@ def _leaves(d, prefix=""):
 def test_base_config_is_the_hand_written_one():
     got = config_lib.base_config().to_dict()
     assert got == BASE_CONFIG
+    removed = {path: only for path, (only, _) in config_lib.REMOVED_KEYS.items()}
+    assert removed == {"rollout.top_p": 1.0, "rollout.top_k": 0}  # their hand-written defaults
     typed_leaves = lambda d: {k: (type(v), repr(v)) for k, v in _leaves(d)}  # noqa: E731
     assert typed_leaves(got) == typed_leaves(BASE_CONFIG)
 

@@ -498,6 +498,28 @@ def test_unknown_and_missing_keys_are_refused():
     assert "eps_high" in _raises(c, "objective.hparams.eps_hi")
 
 
+@pytest.mark.parametrize("path, old", [("rollout.top_p", 1.0), ("rollout.top_k", 0)])
+def test_removed_keys_run_at_their_old_value_with_a_notice(path, old, capsys):
+    """rollout.top_p / top_k are gone (the sampler draws from the whole tempered
+    distribution): a config file that still sets the one value RL accepted runs, with a
+    one-line notice; any other value is refused naming the key; a resumed run whose
+    config.json holds the key is not a config change; a command-line override of it
+    gets one line."""
+    assert path.split(".")[1] not in config_lib.base_config().rollout
+    c = _set(_smoke(), path, old)
+    config_lib.validate(c, 8)
+    err = capsys.readouterr().err
+    assert err.startswith(f"config.{path}: removed") and err.count("\n") == 1, err
+    for bad in ({1.0: 0.9, 0: 5}[old], NAN, True):
+        assert "removed" in _raises(_set(_smoke(), path, bad), path)
+    from gspo_jax import safety
+
+    saved = safety.config_record(_set(_smoke(), path, old))
+    assert safety.config_differences(saved, safety.config_record(_smoke())) == []
+    msg = config_lib.unknown_key_message(path, _smoke())
+    assert msg.startswith(f"config.{path}: removed") and "\n" not in msg
+
+
 # --------------------------------------------------------------------------
 # Every config file, with its documented arguments.
 

@@ -60,9 +60,9 @@ def _vary_prompt_lengths(trainer, length_of):
 
 
 def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_path, compile_counts):
-    """Four RL steps whose prompts would fall in the power-of-two buckets 64, 16, 32
-    and 128 (the last truncated to 64): the sampler, the log-prob passes and the train
-    step compile in step 1 and never again."""
+    """Four RL steps whose longest prompts differ (about 40, 8, 24 and 100 tokens, the
+    last truncated to 64): every prompt is padded to rollout.max_prompt_len, so the
+    sampler, the log-prob passes and the train step compile in step 1 and never again."""
     c = _config(data_dir, **{"rollout.long_prompts": "truncate", "dapo.dynamic_sampling": True,
                              "dapo.max_sampling_rounds": 2, "dapo.overlong_filter": True})
     trainer = trainer_lib.Trainer(c, str(tmp_path))

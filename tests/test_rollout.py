@@ -1,8 +1,8 @@
 """Tests of gspo_jax.rollout: the sampler against the full teacher-forced forward.
 
 The reference for every recorded quantity is the model's plain full forward
-(no KV cache) over the sampled sequence: KV-cache decoding, left padding,
-bucketing and batch composition must not change a log-prob or a routing choice.
+(no KV cache) over the sampled sequence: KV-cache decoding, left padding and
+batch composition must not change a log-prob or a routing choice.
 Expected values never come from JAX's RNG: distributions are checked with a
 chi-square test (fixed significance), sets and log-probs against numpy.
 """
@@ -18,10 +18,10 @@ import scipy.stats
 from flax import nnx
 from jax.sharding import Mesh
 
-from gspo_jax import rollout
+from gspo_jax import generate, rollout
 from gspo_jax.models import ModelConfig, Transformer, layers
 
-T = 8  # max_new_tokens shared by most tests (one compile per bucket)
+T = 8  # max_new_tokens shared by most tests (one compile per shape)
 GENERATE = "jit(_generate)"  # the sampler's compiled function, in compile_counts
 PROMPTS = [[1, 2, 3], list(range(4, 21)), [7, 8, 9, 10, 11, 12, 13, 14, 15]]  # 3, 17, 9 tokens
 
@@ -76,11 +76,16 @@ def _teacher_forced(sampler, r, **kw):
     return logp_all[:, P - 1:P - 1 + T_], topk[:, P - 1:P - 1 + T_], topk[:, :P]
 
 
-def _check_record(sampler, r):
-    """The recorded logp / experts equal the teacher-forced forward's."""
+def _check_record(sampler, r, temperature=1.0):
+    """The recorded logp (of softmax(logits / temperature); 0 for greedy) and experts
+    equal the teacher-forced forward's."""
     lp_all, topk, ptopk = _teacher_forced(sampler, r)
     tokens, mask = np.asarray(r.tokens), np.asarray(r.mask)
     lp = np.take_along_axis(lp_all, tokens[..., None], -1)[..., 0]
+    if temperature == 0:
+        lp = np.zeros_like(lp)
+    else:
+        lp = np.take_along_axis(_np_log_softmax(lp_all / temperature), tokens[..., None], -1)[..., 0]
     diff = np.where(mask > 0, np.abs(lp - np.asarray(r.logp)), 0.0)
     assert diff.max() <= 1e-5, diff.max()
     m4 = (mask > 0)[..., None, None]
@@ -95,17 +100,14 @@ def _check_record(sampler, r):
 
 # ---------------------------------------------------------------------------
 # Token sampling on hand-made logits: uniforms from numpy, sets from numpy.
-# Both formulations (`rollout._use_cpu_sampling`) on CPU: cpu=True is what the
+# Both formulations (`generate.use_cpu_sampling`) on CPU: cpu=True is what the
 # sampler runs here, cpu=False what it runs on accelerators.
 
 
-def _sample_token(logits, u, *, temperature, top_p, top_k=0, greedy=False, cpu=True):
+def _sample_token(logits, u, *, temperature, greedy=False, cpu=True):
     """The decode loop's sampling step with the sampler's static mode."""
-    vocab = logits.shape[-1]
-    mode = rollout._Mode(greedy=greedy, top_k=top_k if 0 < top_k < vocab else 0,
-                         use_top_p=top_p < 1.0, cpu=cpu)
-    return rollout._sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
-                                 jnp.float32(top_p), mode)
+    return generate.sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
+                                 greedy=greedy, cpu=cpu)
 
 
 def _np_log_softmax(x):
@@ -116,8 +118,8 @@ def _np_log_softmax(x):
 def _draw(logits_row, n, seed, **kw):
     u = np.random.RandomState(seed).uniform(size=n).astype(np.float32)
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
-    tok, lp, lps = _sample_token(logits, jnp.asarray(u), **kw)
-    return np.asarray(tok), np.asarray(lp), np.asarray(lps)
+    tok, lp = _sample_token(logits, jnp.asarray(u), **kw)
+    return np.asarray(tok), np.asarray(lp)
 
 
 def _chi2_pvalue(tokens, probs):
@@ -133,51 +135,16 @@ LOGITS = np.array([2.0, -1.0, 0.5, 1.5, -3.0, 0.0, 1.0, -0.5, 2.5, -2.0])
 @pytest.mark.parametrize("cpu", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_sample_token_matches_tempered_distribution(temperature, cpu):
-    tok, lp, lps = _draw(LOGITS, 20000, seed=0, temperature=temperature, top_p=1.0, cpu=cpu)
+    tok, lp = _draw(LOGITS, 20000, seed=0, temperature=temperature, cpu=cpu)
     q = np.exp(_np_log_softmax(LOGITS / temperature))
     assert _chi2_pvalue(tok, q) > 1e-3
-    np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[tok], atol=1e-6)
-    np.testing.assert_allclose(lps, np.log(q)[tok], atol=1e-5)
+    np.testing.assert_allclose(lp, np.log(q)[tok], atol=1e-5)
 
 
 @pytest.mark.parametrize("cpu", [True, False])
-def test_sample_token_top_k_never_leaves_its_set(cpu):
-    tok, lp, lps = _draw(LOGITS, 5000, seed=1, temperature=1.0, top_p=1.0, top_k=3, cpu=cpu)
-    keep = np.argsort(-LOGITS)[:3]  # tokens 8, 0, 3
-    assert set(tok.tolist()) == set(keep.tolist())  # all of the set, nothing else
-    q = np.zeros_like(LOGITS)
-    q[keep] = np.exp(_np_log_softmax(LOGITS[keep]))
-    assert _chi2_pvalue(tok, q) > 1e-3
-    np.testing.assert_allclose(lps, np.log(q[tok]), atol=1e-5)
-    np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[tok], atol=1e-6)  # unmodified
-
-
-@pytest.mark.parametrize("cpu", [True, False])
-@pytest.mark.parametrize("top_p", [0.5, 0.8, 0.95])
-def test_sample_token_top_p_never_leaves_its_set(top_p, cpu):
-    tok, _, lps = _draw(LOGITS, 5000, seed=2, temperature=1.0, top_p=top_p, cpu=cpu)
-    p = np.exp(_np_log_softmax(LOGITS))
-    order = np.argsort(-p)
-    before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
-    keep = order[before < top_p]  # smallest prefix with mass >= top_p
-    assert p[keep].sum() >= top_p and p[keep].sum() - p[keep[-1]] < top_p
-    assert set(tok.tolist()) == set(keep.tolist())
-    q = np.zeros_like(p)
-    q[keep] = p[keep] / p[keep].sum()
-    assert _chi2_pvalue(tok, q) > 1e-3
-    np.testing.assert_allclose(lps, np.log(q[tok]), atol=1e-5)
-
-
-@pytest.mark.parametrize("cpu", [True, False])
-def test_sample_token_top_k_then_top_p_and_greedy(cpu):
-    # top_k=4 keeps {8, 0, 3, 6}; renormalised, top_p=0.6 keeps {8, 0}.
-    tok, _, _ = _draw(LOGITS, 2000, seed=3, temperature=1.0, top_p=0.6, top_k=4, cpu=cpu)
-    q = np.exp(_np_log_softmax(LOGITS[[8, 0, 3, 6]]))
-    assert q[0] < 0.6 <= q[0] + q[1]
-    assert set(tok.tolist()) == {8, 0}
-    tok, lp, lps = _draw(LOGITS, 4, seed=4, temperature=1.0, top_p=1.0, greedy=True, cpu=cpu)
-    assert np.all(tok == 8) and np.all(lps == 0)
-    np.testing.assert_allclose(lp, _np_log_softmax(LOGITS)[8], atol=1e-6)
+def test_sample_token_greedy(cpu):
+    tok, lp = _draw(LOGITS, 4, seed=4, temperature=1.0, greedy=True, cpu=cpu)
+    assert np.all(tok == 8) and np.all(lp == 0)
 
 
 @pytest.mark.parametrize("cpu", [True, False])
@@ -185,14 +152,12 @@ def test_sample_token_masked_logits_never_sampled(cpu):
     # A -inf logit (probability 0) is never drawn, even with u at the ends of [0, 1).
     logits = np.array([-np.inf, 0.0, -np.inf, 1.0, -np.inf], np.float32)
     u = np.array([0.0, 1e-9, 0.5, 1 - 2**-24, 0.999999], np.float32)
-    for top_p in (1.0, 0.99):
-        tok, _, _ = _sample_token(jnp.broadcast_to(jnp.asarray(logits), (5, 5)), jnp.asarray(u),
-                                  temperature=1.0, top_p=top_p, cpu=cpu)
-        assert set(np.asarray(tok).tolist()) <= {1, 3}
+    tok, _ = _sample_token(jnp.broadcast_to(jnp.asarray(logits), (5, 5)), jnp.asarray(u),
+                           temperature=1.0, cpu=cpu)
+    assert set(np.asarray(tok).tolist()) <= {1, 3}
 
 
-@pytest.mark.parametrize("kw", [dict(top_p=1.0), dict(top_p=0.9), dict(top_p=1.0, top_k=50),
-                                dict(top_p=0.8, top_k=300), dict(top_p=1.0, greedy=True)])
+@pytest.mark.parametrize("kw", [dict(), dict(greedy=True)])
 def test_cpu_and_plain_sampling_draw_the_same_tokens(kw):
     # The same logits and uniforms: the same token, except where the uniform
     # falls within f32 rounding of a boundary of the cumulative sum (none here);
@@ -205,8 +170,7 @@ def test_cpu_and_plain_sampling_draw_the_same_tokens(kw):
     a = _sample_token(logits, u, temperature=0.8, cpu=True, **kw)
     b = _sample_token(logits, u, temperature=0.8, cpu=False, **kw)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
-    np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(a[2]), np.asarray(b[2]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -222,18 +186,22 @@ def test_logp_and_experts_match_teacher_forced_forward(model, sampler, compile_c
     assert compile_counts[GENERATE] == 0
     np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r.tokens))
     assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
-    assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 32, 2, 2)
+    assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 17, 2, 2)
     assert r.experts.dtype == jnp.int32 and r.truncated.shape == (9,) and r.truncated.dtype == bool
-    for x in (r.mask, r.logp, r.logp_sampling):
+    for x in (r.mask, r.logp):
         assert x.shape == (9, T) and x.dtype == jnp.float32
-    assert r.prompt_tokens.shape == (9, 32)  # longest prompt 17 -> bucket 32
+    assert r.prompt_tokens.shape == (9, 17)  # padded to the longest prompt
     _check_record(sampler, r)
     # Layout: prompt-major rows, left-padded prompts.
     for i, p in enumerate(PROMPTS):
         for g in range(3):
             np.testing.assert_array_equal(np.asarray(r.prompt_tokens[3 * i + g, -len(p):]), p)
             assert int(r.prompt_mask[3 * i + g].sum()) == len(p)
-    # The R3 replay array reproduces the same log-probs when forced.
+    # The R3 replay array reproduces the same log-probs when forced: `replay_r3` (what
+    # the trainer's batch holds) at the P+T-1 input positions, -1 (free) at the last.
+    np.testing.assert_array_equal(np.asarray(r.replay()[:, :-1]),
+                                  np.asarray(rollout.replay_r3(r.prompt_experts, r.experts)))
+    assert np.all(np.asarray(r.replay()[:, -1]) == -1)
     tokens, positions, mask = _sequence(r)
     lp, _, aux = nnx.merge(sampler.graphdef, sampler.state).token_logprobs(
         tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask,
@@ -243,26 +211,6 @@ def test_logp_and_experts_match_teacher_forced_forward(model, sampler, compile_c
     assert float(jnp.max(aux.replay_mismatch)) == 0.0
 
 
-def test_truncated_sampling_records_unmodified_and_sampling_logp(sampler):
-    temperature, top_p, top_k = 0.7, 0.9, 20
-    r = sampler(PROMPTS, num_samples=2, max_new_tokens=T, rng=jax.random.key(1),
-                temperature=temperature, top_p=top_p, top_k=top_k)
-    lp_all = _check_record(sampler, r)  # logp is the unmodified policy's
-    tokens = np.asarray(r.tokens)
-    # Recompute the kept set and sampling log-prob in numpy (float64).
-    x = lp_all / temperature
-    order = np.argsort(-x, axis=-1, kind="stable")[..., :top_k]
-    xs = np.take_along_axis(x, order, -1)
-    q = np.exp(_np_log_softmax(xs))
-    before = np.concatenate([np.zeros_like(q[..., :1]), np.cumsum(q, -1)[..., :-1]], -1)
-    kept = before < top_p
-    pos = np.argmax(order == tokens[..., None], -1)
-    assert np.all((order == tokens[..., None]).any(-1) & np.take_along_axis(kept, pos[..., None], -1)[..., 0])
-    ls = _np_log_softmax(np.where(kept, xs, -np.inf))
-    want = np.take_along_axis(ls, pos[..., None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(r.logp_sampling), want, atol=1e-5)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _jit_token_logprobs(graphdef, state, tokens, positions, mask, temperature):
   return nnx.merge(graphdef, state).token_logprobs(
@@ -270,35 +218,36 @@ def _jit_token_logprobs(graphdef, state, tokens, positions, mask, temperature):
       temperature=temperature)[0]
 
 
-def test_training_forward_at_the_sampling_temperature_gives_logp_sampling(sampler):
-  # No top-k / top-p: the sampler draws from softmax(logits / 0.7), so the
-  # training forward at temperature 0.7 gives logp_sampling, at 1.0 logp.
+def test_training_forward_at_the_sampling_temperature_gives_logp(sampler):
+  # The sampler draws from softmax(logits / 0.7): the training forward at temperature
+  # 0.7 gives its logp; at 1.0 it would not.
   r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7,
               eos_id=5)
   tokens, positions, mask = _sequence(r)
   P = r.prompt_tokens.shape[1]
-  assert float(jnp.max(jnp.abs(r.logp_sampling - r.logp))) > 0.1
-  for temperature, want in ((0.7, r.logp_sampling), (1.0, r.logp)):
+  _check_record(sampler, r, temperature=0.7)
+  got = {}
+  for temperature in (0.7, 1.0):
     lp = _jit_token_logprobs(sampler.graphdef, sampler.state, tokens, positions, mask, temperature)
-    got = np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0.0)
-    np.testing.assert_allclose(got, np.asarray(want), atol=1e-5, rtol=0)
+    got[temperature] = np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0.0)
+  np.testing.assert_allclose(got[0.7], np.asarray(r.logp), atol=1e-5, rtol=0)
+  assert np.max(np.abs(got[1.0] - np.asarray(r.logp))) > 0.1
 
 
 def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, compile_counts):
-    # What the sampler runs off CPU (`rollout._use_cpu_sampling()` False: sort,
-    # jnp.cumsum, argmax), here on CPU: a program of its own, the same rollout.
-    if not rollout._use_cpu_sampling():
+    # What the sampler runs off CPU (`generate.use_cpu_sampling()` False: argmax,
+    # jnp.cumsum), here on CPU: a program of its own, the same rollout.
+    if not generate.use_cpu_sampling():
         pytest.skip("off CPU the sampler runs the plain method already (seen on an H200)")
-    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7, top_p=0.9)
+    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7)
     cpu = sampler(PROMPTS, **kw)
-    monkeypatch.setattr(rollout, "_use_cpu_sampling", lambda: False)
+    monkeypatch.setattr(rollout, "use_cpu_sampling", lambda: False)
     compile_counts.clear()
     plain = sampler(PROMPTS, **kw)
     assert compile_counts[GENERATE] == 1
     for name in ("tokens", "mask", "experts"):
         np.testing.assert_array_equal(np.asarray(getattr(plain, name)), np.asarray(getattr(cpu, name)))
-    np.testing.assert_allclose(np.asarray(plain.logp), np.asarray(cpu.logp), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(plain.logp_sampling), np.asarray(cpu.logp_sampling), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(plain.logp), np.asarray(cpu.logp), atol=1e-5)
 
 
 def test_fused_cached_attention_gives_the_same_rollout(sampler, monkeypatch):
@@ -316,23 +265,21 @@ def test_fused_cached_attention_gives_the_same_rollout(sampler, monkeypatch):
 
     monkeypatch.setattr(layers, "fused_cached_attention", lambda cfg: True)
     monkeypatch.setattr(layers, "_attention_with_lse", counted)
-    rollout._generate_jit.clear_cache()  # the layout is chosen while tracing
+    generate.generate_jit.clear_cache()  # the layout is chosen while tracing
     try:
         r = sampler(PROMPTS, **kw)
     finally:
-        rollout._generate_jit.clear_cache()
+        generate.generate_jit.clear_cache()
     assert calls["fused"] > 0
     for name in ("tokens", "mask", "experts"):
         np.testing.assert_array_equal(np.asarray(getattr(r, name)), np.asarray(getattr(einsums, name)))
     np.testing.assert_allclose(np.asarray(r.logp), np.asarray(einsums.logp), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(r.logp_sampling), np.asarray(einsums.logp_sampling),
-                               atol=1e-5)
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
     r = sampler(PROMPTS, num_samples=1, max_new_tokens=T, rng=jax.random.key(0), temperature=0.0)
-    assert np.all(np.asarray(r.logp_sampling) == 0) and np.all(np.asarray(r.truncated))
-    _check_record(sampler, r)
+    assert np.all(np.asarray(r.logp) == 0) and np.all(np.asarray(r.truncated))
+    _check_record(sampler, r, temperature=0.0)
     # Reference: grow each sequence one token at a time with the full forward
     # (fixed length buffer, right-padded, so it compiles once).
     for i, p in enumerate(PROMPTS):
@@ -352,7 +299,7 @@ def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
     kw = dict(num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
     mixed = sampler(PROMPTS, **kw)
     for i, p in enumerate(PROMPTS):
-        alone = sampler([p], prompt_ids=[i], **kw)  # bucket P = 16 or 32, B = 4
+        alone = sampler([p], prompt_ids=[i], **kw)  # P = len(p), B = 4
         rows = slice(3 * i, 3 * i + 3)
         np.testing.assert_array_equal(np.asarray(alone.tokens), np.asarray(mixed.tokens[rows]))
         np.testing.assert_array_equal(np.asarray(alone.mask), np.asarray(mixed.mask[rows]))
@@ -370,28 +317,16 @@ def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
     assert np.any(np.asarray(other.tokens) != np.asarray(mixed.tokens))
 
 
-def _first_stop(row, stops):
-    """Reference stop rule: the response length of `row` under `stops` (token
-    sequences matched inside the response), or None if none completes."""
-    for t in range(len(row)):
-        for s in stops:
-            if t + 1 >= len(s) and list(row[t + 1 - len(s):t + 1]) == list(s):
-                return t + 1
-    return None
-
-
-def test_stop_on_eos_and_stop_sequences(sampler):
+def test_stop_on_any_eos(sampler):
     kw = dict(num_samples=1, max_new_tokens=T, rng=jax.random.key(0), temperature=0.0)
     free = np.asarray(sampler(PROMPTS, **kw).tokens)  # greedy: the same prefix with stops
-    # EOS = prompt 0's greedy token at step 3; a two-token stop sequence from
-    # prompt 1's steps 4-5; a three-token one that never completes early.
-    eos = int(free[0, 3])
-    seq = [int(free[1, 4]), int(free[1, 5])]
-    never = [int(free[2, 1]), int(free[2, 0]), int(free[2, 1])]
-    r = sampler(PROMPTS, eos_id=eos, stop_sequences=[seq, never], **kw)
+    # EOS ids: prompt 0's greedy token at step 3 and prompt 1's at step 5.
+    eos = [int(free[0, 3]), int(free[1, 5])]
+    r = sampler(PROMPTS, eos_id=eos, **kw)
     stopped = 0
     for i in range(len(PROMPTS)):
-        n = _first_stop(free[i], [[eos], seq, never])
+        hits = np.flatnonzero(np.isin(free[i], eos))  # reference: the first EOS token
+        n = int(hits[0]) + 1 if hits.size else None
         stopped += n is not None
         assert bool(r.truncated[i]) == (n is None)
         n = T if n is None else n
@@ -400,24 +335,24 @@ def test_stop_on_eos_and_stop_sequences(sampler):
         assert np.all(np.asarray(r.tokens[i, n:]) == 0)  # pad_id after the stop
         np.testing.assert_array_equal(np.asarray(r.mask[i]), np.arange(T) < n)
     assert stopped >= 2 and int(r.lengths[0]) <= 4 and int(r.lengths[1]) <= 6
-    _check_record(sampler, r)
+    _check_record(sampler, r, temperature=0.0)
 
 
 @pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
-def test_compile_count_is_one_per_bucket(sampler, compile_counts):
-    kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh buckets
-    # Different prompts, lengths, temperatures, top_p values, EOS ids and keys in
-    # one bucket (B = 2, P = 16; top-p on): one compile.
-    for i, (prompts, temperature, top_p) in enumerate((([[1, 2]], 1.0, 0.9), ([[7] * 16], 0.5, 0.5),
-                                                       ([[9]], 0.8, 0.95))):
-        sampler(prompts, temperature=temperature, top_p=top_p, eos_id=5 + i,
-                **{**kw, "rng": jax.random.key(i)})
+def test_compile_count_is_one_per_batch_bucket(model, compile_counts):
+    # One prompt length for every call (the trainer's ``rollout.max_prompt_len``).
+    sampler = rollout.Sampler.from_model(model, prompt_len=32)
+    kw = dict(num_samples=2, max_new_tokens=5, rng=jax.random.key(0))  # T=5: fresh programs
+    # Different prompts, lengths, temperatures, EOS ids and keys in one batch
+    # bucket (B = 2, P = 32): one compile.
+    for i, (prompts, temperature) in enumerate((([[1, 2]], 1.0), ([[7] * 16], 0.5), ([[9]], 0.8))):
+        sampler(prompts, temperature=temperature, eos_id=5 + i, **{**kw, "rng": jax.random.key(i)})
         assert compile_counts[GENERATE] == 1, i
-    # P = 32 and 3 or 4 prompts: one new bucket (b = 4 prompts, B = 8 rows).
+    # 3 or 4 prompts: one new batch bucket (b = 4 prompts, B = 8 rows).
     compile_counts.clear()
-    sampler([[1] * 20, [2] * 3, [3]], temperature=0.7, top_p=0.8, eos_id=5, **kw)
+    sampler([[1] * 20, [2] * 3, [3]], temperature=0.7, eos_id=5, **kw)
     assert compile_counts[GENERATE] == 1
-    sampler([[2] * 30, [4], [5] * 17, [6] * 2], temperature=0.9, top_p=0.5, eos_id=9, **kw)
+    sampler([[2] * 30, [4], [5] * 17, [6] * 2], temperature=0.9, eos_id=9, **kw)
     assert compile_counts[GENERATE] == 1
 
 
@@ -427,8 +362,8 @@ def test_decode_loop_is_one_device_program(sampler):
     # callback inside.
     def ops(steps):
         args, spec, _ = sampler._prepare(PROMPTS, num_samples=2, max_new_tokens=steps,
-                                         rng=jax.random.key(0), eos_id=5, top_p=0.9)
-        text = rollout._generate_jit.lower(*args, spec=spec).as_text()
+                                         rng=jax.random.key(0), eos_id=5)
+        text = generate.generate_jit.lower(*args, spec=spec).as_text()
         assert "callback" not in text and "custom_call" not in text
         return collections.Counter(re.findall(r"stablehlo\.\w+|call @\w+", text))
 
@@ -498,24 +433,26 @@ def test_bad_arguments_raise(sampler):
                        (dict(prompts=[[1, V]]), "prompts\\[0\\]"),
                        (dict(prompts=["abc"]), "prompts\\[0\\]"),
                        (dict(num_samples=0), "num_samples"), (dict(max_new_tokens=0), "max_new_tokens"),
-                       (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-                       (dict(top_k=-1), "top_k"), (dict(eos_id=V), "eos_id"),
-                       (dict(stop_sequences=[[]]), "stop_sequences\\[0\\]"),
+                       (dict(temperature=-1.0), "temperature"), (dict(eos_id=V), "eos_id"),
+                       (dict(eos_id=[5, -1]), "eos_id"),
                        (dict(pad_id=-1), "pad_id"), (dict(prompt_ids=[0, 0]), "prompt_ids"),
                        (dict(rng=jnp.zeros((3,), jnp.int32)), "rng")]:
         args = {**kw, "prompts": [[1, 2], [3]], **bad}
         with pytest.raises(ValueError, match=field):
             sampler(args.pop("prompts"), **args)
-    with pytest.raises(ValueError, match="prompt bucket"):
+    with pytest.raises(ValueError, match="prompt_len=8"):
         rollout.Sampler(sampler.graphdef, sampler.state, vocab_size=V,
-                        prompt_buckets=(4, 8))([[1] * 9], **kw)
+                        prompt_len=8)([[1] * 9], **kw)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="prompt_len"):
+            rollout.Sampler(sampler.graphdef, sampler.state, vocab_size=V, prompt_len=bad)
 
 
 def test_cumsum_by_matmuls_equals_cumsum():
     rs = np.random.RandomState(0)
     for c in (7, 32, 33, 512, 1000):  # below, at and above one block; ragged last block
         w = jnp.asarray(rs.exponential(1.0, (3, c)).astype(np.float32))
-        got, want = rollout._cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
+        got, want = generate._cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(want[:, -1].max()))
 
@@ -528,8 +465,8 @@ def test_first_true_and_argmax_equal_jnp_argmax():
     x = jnp.asarray(x)
     m = x > 2
     for cpu in (True, False):
-        np.testing.assert_array_equal(rollout._argmax(x, cpu), jnp.argmax(x, axis=-1))
-        np.testing.assert_array_equal(rollout._first_true(m, cpu), jnp.argmax(m, axis=-1))
+        np.testing.assert_array_equal(generate._argmax(x, cpu), jnp.argmax(x, axis=-1))
+        np.testing.assert_array_equal(generate._first_true(m, cpu), jnp.argmax(m, axis=-1))
 
 
 def test_routing_record_can_be_left_out(sampler, compile_counts):
@@ -544,7 +481,7 @@ def test_routing_record_can_be_left_out(sampler, compile_counts):
     assert resp.prompt_experts is None and none.experts is None and none.prompt_experts is None
     np.testing.assert_array_equal(np.asarray(resp.experts), np.asarray(full.experts))
     for r in (resp, none):
-        for name in ("tokens", "mask", "logp", "logp_sampling"):
+        for name in ("tokens", "mask", "logp"):
             np.testing.assert_array_equal(np.asarray(getattr(r, name)), np.asarray(getattr(full, name)))
     with pytest.raises(ValueError, match="routing='all'"):
         resp.replay()

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import rollout
+from gspo_jax import generate, rollout
 from gspo_jax.models import ModelConfig, Transformer
 
 T = 8
 GENERATE = "jit(_generate)"  # the sampler's compiled function, in compile_counts
-PROMPTS = [[1, 2, 3], list(range(4, 15)), [7, 8, 9, 10, 11], [20, 30, 40, 50]]  # P = 16
+PROMPTS = [[1, 2, 3], list(range(4, 15)), [7, 8, 9, 10, 11], [20, 30, 40, 50]]  # P = 11
 KW = dict(num_samples=4, max_new_tokens=T, eos_id=5)  # B = 16 rows
 
 
@@ -93,7 +93,7 @@ def test_same_rng_and_noise_give_the_same_rollout_and_noise_does_not_recompile(
   a = sampler(PROMPTS, **kw)  # compiles the noisy program (once)
   compile_counts.clear()
   b = sampler(PROMPTS, **kw)
-  for name in ("tokens", "mask", "logp", "logp_sampling", "experts", "prompt_experts"):
+  for name in ("tokens", "mask", "logp", "experts", "prompt_experts"):
     np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
   c = sampler(PROMPTS, **{**kw, "router_noise_std": 0.7})  # another σ: a traced value
   d = sampler(PROMPTS, **{**kw, "rng": jax.random.key(4)})  # another key: other noise
@@ -105,7 +105,7 @@ def test_same_rng_and_noise_give_the_same_rollout_and_noise_does_not_recompile(
 def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
   # Rebuild the noise from the documented keys (rollout module docstring) and
   # run the whole sequence through `decode` with it: its top-K is the record,
-  # its log-probs are logp and (at the sampling temperature) logp_sampling.
+  # its log-probs at the sampling temperature are logp.
   sigma, temperature, prompt_ids = 0.5, 0.8, [11, 3, 7, 2]
   rng = jax.random.key(5)
   r = sampler(PROMPTS, rng=rng, router_noise_std=sigma, temperature=temperature,
@@ -114,7 +114,7 @@ def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
   n, P = r.prompt_tokens.shape
   G = KW["num_samples"]
   cfg = nnx.merge(sampler.graphdef, sampler.state).cfg
-  root = jax.random.fold_in(rng, rollout.NOISE_STREAM)
+  root = jax.random.fold_in(rng, generate.NOISE_STREAM)
   pid = jnp.repeat(jnp.asarray(prompt_ids), G)
   g = jnp.tile(jnp.arange(G), len(PROMPTS))
   row_key = lambda i, s: jax.random.fold_in(jax.random.fold_in(root, i), s)
@@ -144,15 +144,14 @@ def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
   np.testing.assert_array_equal(np.asarray(r.experts), np.where(m4, topk[:, P - 1:P - 1 + T], -1))
   pm4 = np.asarray(r.prompt_mask)[..., None, None]
   np.testing.assert_array_equal(np.asarray(r.prompt_experts), np.where(pm4, topk[:, :P], -1))
-  for scale, got in ((1.0, r.logp), (temperature, r.logp_sampling)):
-    want = jnp.take_along_axis(jax.nn.log_softmax(logits / scale), r.tokens[..., None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(got), np.where(valid, want, 0.0), atol=1e-5, rtol=0)
+  want = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature), r.tokens[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(r.logp), np.where(valid, want, 0.0), atol=1e-5, rtol=0)
   # ... and not the trainer's: the noise moved some choices.
   _, free_topk, _ = _trainer(sampler, r)
   assert _disagreement(r, free_topk) > 0.1
 
 
-@pytest.mark.slow  # a compile for another bucket
+@pytest.mark.slow  # a compile for another batch bucket
 def test_a_rows_noise_does_not_depend_on_the_batch(sampler):
   kw = dict(rng=jax.random.key(6), router_noise_std=0.5, **KW)
   full = sampler(PROMPTS, **kw)

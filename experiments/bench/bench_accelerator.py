@@ -229,7 +229,7 @@ def bench_sampler(size: str, backend: str, args) -> list[dict]:
     # One bf16 copy of the weights, as a rollout holds them (the f32 ones are freed).
     graphdef, params = programs._sampler_params(sh, mesh, abstract=False)
     p = sh.prompt_len
-    sampler = Sampler(graphdef, params, vocab_size=cfg.vocab_size, prompt_buckets=(p,))
+    sampler = Sampler(graphdef, params, vocab_size=cfg.vocab_size, prompt_len=p)
     rs = np.random.RandomState(0)
     rows = []
     batches = [int(x) for x in args.sampler_batches.split(",") if x] or sh.sampler_batches
