@@ -82,7 +82,8 @@ def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_pat
     assert counts[1:] == [dict.fromkeys(counts[0], 0)] * 3, (counts, dict(compile_counts))
 
     # Refuse: the same long prompts stop the step, naming the field and the length.
-    trainer.c.rollout.long_prompts = "refuse"
+    rollout = dataclasses.replace(trainer.cfg.rollout, long_prompts="refuse")
+    trainer.cfg = dataclasses.replace(trainer.cfg, rollout=rollout)  # the values the phases read
     with pytest.raises(config_lib.ConfigError, match=r"rollout\.max_prompt_len: .* of 101 tokens"):
         rl.step(4)
 
