@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import sys
 from typing import Any
 
 import ml_collections
@@ -170,7 +171,9 @@ def base_config() -> ml_collections.ConfigDict:
     # rollout rows / logprob_micro_batches at a time (docs/memory.md).
     c.updates.logprob_micro_batches = 1
     c.updates.routing_replay = "none"
-    c.updates.gamma_min = 0.5  # RSPO's floor on the router-shift weight
+    # Deprecated: RSPO's floor is objective.hparams.gamma_min. A value set here is moved
+    # there, with a notice (`move_deprecated`).
+    c.updates.gamma_min = ml_collections.config_dict.placeholder(float)
     # Router losses in RL: off by default (the warm start keeps its own, sft.*). When
     # on, the load-balancing loss's expert load is the free router's, even under replay.
     c.updates.aux_loss_coef = 0.0
@@ -270,6 +273,40 @@ def set_objective(
     c.objective.hparams = fields
     c.objective.hparams_of = name
     return c
+
+
+def move_deprecated(c: ml_collections.ConfigDict) -> None:
+    """Moves a value set at a deprecated path to its new one, with a one-line notice on
+    stderr; the old path is then None (so a config reads the same either way):
+
+      updates.gamma_min -> objective.hparams.gamma_min (RSPO's floor; under another
+                           objective, which takes no floor, the value is dropped)
+
+    Called by `validate`, and before a resume compares a config with the saved one."""
+    old = c.updates.gamma_min
+    if old is None:
+        return
+    _finite(c, "updates.gamma_min", low=0, high=1, low_open=True)
+    if "gamma_min" in c.objective.hparams:
+        from gspo_jax import objectives  # local: keeps config import light
+
+        new = c.objective.hparams.gamma_min
+        if new not in (old, objectives.get("rspo").defaults["gamma_min"]):
+            raise _err(
+                "updates.gamma_min",
+                f"{old!r} conflicts with config.objective.hparams.gamma_min={new!r}; "
+                "set only the latter (updates.gamma_min is deprecated)",
+            )
+        c.objective.hparams.gamma_min = float(old)
+        where = f"now config.objective.hparams.gamma_min={float(old)!r}"
+    else:
+        where = f"dropped: objective {c.objective.name!r} takes no floor (RSPO's hyperparameter)"
+    print(
+        "gspo_jax: config.updates.gamma_min is deprecated; use "
+        f"config.objective.hparams.gamma_min ({where})",
+        file=sys.stderr,
+    )
+    c.updates.gamma_min = None
 
 
 def _check_objective_name(name: str) -> None:
@@ -582,7 +619,6 @@ def _check_domains(c: ml_collections.ConfigDict) -> None:
     for path in ("num_minibatches", "num_epochs", "micro_batches", "logprob_micro_batches"):
         _int(c, "updates." + path, low=1)
     _str(c, "updates.routing_replay")
-    _finite(c, "updates.gamma_min", low=0, high=1, low_open=True)
     _finite(c, "updates.aux_loss_coef", low=0)
     _finite(c, "updates.z_loss_coef", low=0)
     _bool(c, "updates.update_without_signal")
@@ -955,7 +991,9 @@ def validate(
                                                            over the batch shards
     updates.num_epochs                                     int >= 1
     updates.routing_replay                                 none, R2, R3 (R2/R3: MoE only)
-    updates.gamma_min                                      finite in (0, 1]
+    updates.gamma_min                                      deprecated: None, or finite in
+                                                           (0, 1], moved to objective.
+                                                           hparams.gamma_min (RSPO's floor)
     updates.aux_loss_coef, z_loss_coef, sft.aux_loss_coef  finite >= 0
     updates.update_without_signal                          bool
     updates.max_consecutive_skips                          int >= 0
@@ -973,6 +1011,7 @@ def validate(
     from gspo_jax import objectives  # local: keeps config import light
 
     _check_keys(c, base_config())
+    move_deprecated(c)
     _check_domains(c)
 
     # The objective and its hyperparameters.

@@ -68,7 +68,6 @@ class StepConfig:
     objective: str
     hparams: tuple[tuple[str, Any], ...] = ()
     micro_batches: int = 1
-    gamma_min: float = 0.5
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -396,13 +395,13 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     mask = batch["mask"].astype(jnp.float32)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
 
-    # RSPO's gamma: the current router's log-probs at the experts pi_old used.
+    # The router shift gamma (RSPO's, which floors it at its gamma_min): the current
+    # router's log-probs at the experts pi_old used.
     new_router_lp = routing.topk_router_logp(
         response_slice(aux.router_logits, p, t), batch["old_topk"]
     )
     shift = routing.router_logp_shift(batch["old_router_logp"], new_router_lp)  # [N,T,L]
     gamma_raw = routing.gamma_of_shift(shift)
-    gamma = jnp.maximum(cfg.gamma_min, gamma_raw)  # the floored weight the loss uses
     fn = objectives.get(cfg.objective)
     loss, metrics = fn.apply(
         logp,
@@ -410,7 +409,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         batch["advantages"],
         mask,
         ref_logp=batch.get("ref_logp"),
-        router_shift=gamma if fn.needs_router_shift else None,
+        router_shift=gamma_raw if fn.needs_router_shift else None,
         normalizer=norm,
         weight=batch.get("rc_weight"),  # rollout correction (None: off)
         **cfg.hparam_dict,
@@ -444,8 +443,17 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     metrics.update(
         aux_loss=Mean.of(aux.aux_loss), z_loss=Mean.of(aux.z_loss, weight=router_positions)
     )
+    gamma = jnp.maximum(gamma_floor(cfg), gamma_raw)
     metrics.update(routing_metrics(batch, aux, mask, shift, gamma_raw, gamma))
     return loss, metrics
+
+
+def gamma_floor(cfg: StepConfig) -> float:
+    """The floor of the ``router_shift_mean`` / ``router_shift_min`` diagnostics: RSPO's
+    ``gamma_min`` under RSPO (the gamma its loss uses), RSPO's default floor under every
+    other objective (the gamma RSPO would use at its defaults)."""
+    hp = objectives.get(cfg.objective).hparams(**cfg.hparam_dict)
+    return getattr(hp, "gamma_min", objectives.get("rspo").defaults["gamma_min"])
 
 
 def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
@@ -455,7 +463,7 @@ def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
     replay forces) with pi_old's free top-K (``old_free_topk``) and with the
     sampler's routing (``sampler_topk``, when given), so they read the same under no
     replay, R2 and R3. The router shift is reported raw (mean |delta log p| at pi_old's
-    experts, and gamma before the floor) besides the floored gamma of RSPO's loss.
+    experts, and gamma before the floor) besides the floored ``gamma`` (`gamma_floor`).
     """
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
     num_tokens = jnp.sum(mask)

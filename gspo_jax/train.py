@@ -438,7 +438,6 @@ class Trainer:
             objective=c.objective.name,
             hparams=tuple(sorted(dict(c.objective.hparams).items())),
             micro_batches=int(c.updates.micro_batches),
-            gamma_min=float(c.updates.gamma_min),
             aux_loss_coef=float(c.updates.aux_loss_coef),
             z_loss_coef=float(c.updates.z_loss_coef),
             entropy_coef=float(c.entropy_coef),
@@ -1138,6 +1137,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     primary = multihost.is_primary()
     with safety.RunGuard(workdir, lock=primary) as guard:
+        config_lib.move_deprecated(c)  # before the comparison with the saved config
         safety.check_resume_config(c, workdir)
         trainer = Trainer(c, workdir)  # validates the config
         multihost.barrier("resume config checked")  # by every process, before it is replaced

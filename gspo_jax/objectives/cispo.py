@@ -58,18 +58,27 @@ def cispo(
       the shares of tokens (A != 0) whose w is capped; ``clip_frac`` is 0: no
       gradient is removed.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
     )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     ratio = sg(jnp.exp(delta))
     low_bound = -jnp.inf if hp.eps_low is None else 1.0 - hp.eps_low
     is_weight = jnp.clip(ratio, low_bound, 1.0 + hp.eps_high)
 
-    loss_t = -is_weight * adv * jnp.where(mask > 0, logp, 0.0)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss_t = -is_weight * adv * jnp.where(mask > 0, x.logp, 0.0)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     signal = adv != 0  # a zero advantage is never counted as clipped
     metrics = {

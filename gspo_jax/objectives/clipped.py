@@ -89,19 +89,28 @@ def clipped_surrogate(
     Returns:
       (loss, metrics): the scalar to minimise and mergeable metrics.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
     )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     ratio = jnp.exp(delta)
 
     clipped_ratio = jnp.clip(ratio, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
     loss_t = common.clipped_max(-adv * ratio, -adv * clipped_ratio)
     if hp.dual_clip is not None:
         loss_t = jnp.where((adv < 0) & (ratio > hp.dual_clip), -adv * hp.dual_clip, loss_t)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     ratio = sg(ratio)
     low, high = (adv < 0) & (ratio < 1.0 - hp.eps_low), (adv > 0) & (ratio > 1.0 + hp.eps_high)

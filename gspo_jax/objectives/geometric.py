@@ -37,10 +37,17 @@ class GMPOHparams(Hparams):
 
 @dataclasses.dataclass(frozen=True)
 class RSPOHparams(GMPOHparams):
-    """As GMPO. The router-shift floor gamma_min belongs to `gspo_jax.routing`."""
+    """As GMPO, and gamma_min: the floor in (0, 1] on each token's router-shift weight,
+    gamma = max(gamma_min, gamma_raw). The paper uses a floor without fixing it; 0.5 is
+    this project's default, to be swept (experiments/stability)."""
 
     name = "rspo"
     needs_router_shift = True
+    gamma_min: float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_number(self, "gamma_min", low=0.0, low_open=True, high=1.0)
 
 
 def gmpo(
@@ -71,7 +78,18 @@ def gmpo(
     Returns:
       (loss, metrics).
     """
-    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, None, normalizer, weight)
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
+    )
+    return _geometric(x, hp)
 
 
 def rspo(
@@ -86,40 +104,51 @@ def rspo(
     normalizer=None,
     weight=None,
 ):
-    r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i).
+    r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i),
 
-    GMPO's ratio times the geometric mean of the router shift gamma in (0, 1], a
-    constant. gamma stands outside the sgn(A) power, so routing drift damps the update
-    for either sign of A (docs/objectives.md, "RSPO").
+    gamma_t = max(hp.gamma_min, router_shift_t): GMPO's ratio times the geometric mean
+    of the floored router shift, a constant. gamma stands outside the sgn(A) power, so
+    routing drift damps the update for either sign of A (docs/objectives.md, "RSPO").
 
     Args:
-      router_shift: f32[N,T] gamma (`gspo_jax.routing.router_shift`); > 0 on valid
-        tokens, anything >= 0 on padding.
-      The others: as for `gmpo`.
+      router_shift: f32[N,T] the raw gamma in (0, 1] (`gspo_jax.routing.router_shift`
+        with gamma_min=None); anything >= 0 on padding.
+      hp: `RSPOHparams`. The others: as for `gmpo`.
 
     Returns:
-      (loss, metrics) with ``gamma_mean`` and ``gamma_min``.
+      (loss, metrics) with ``gamma_mean`` and ``gamma_min``, the token mean and min of
+      the floored gamma.
     """
-    return _geometric(
-        logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer, weight
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
     )
+    # The floor: a token's gamma never falls below gamma_min (a constant, as gamma).
+    return _geometric(x, hp, gamma=jnp.maximum(hp.gamma_min, x.router_shift))
 
 
-def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer, weight):
-    """GMPO (router_shift None) and RSPO: the two differ only in the gamma factor."""
-    logp, old_logp, advantages, mask, ref_logp, gamma, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.seq_advantages(advantages, mask)[:, None]  # f[N,1]
-    delta = common.log_ratio(logp, old_logp, mask)
+def _geometric(x: common.Inputs, hp, gamma=None):
+    """GMPO (gamma None) and RSPO: the two differ only in the gamma factor, f[N,T]."""
+    mask, norm = x.mask, x.norm
+    adv = common.seq_advantages(x.advantages, mask)[:, None]  # f[N,1]
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     high, low = (adv >= 0) & (delta > hp.eps_high), (adv < 0) & (delta < -hp.eps_low)
     delta_star = jnp.where(high, hp.eps_high, jnp.where(low, -hp.eps_low, delta))
     log_ratio_i = common.seq_mean(delta_star, mask)
     if gamma is not None:
         log_ratio_i += common.seq_mean(jnp.log(jnp.where(mask > 0, sg(gamma), 1.0)), mask)
 
-    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
+    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(
+        x.logp, x.ref_logp, mask, hp, norm, "seq-mean-token-mean"
+    )
 
     metrics = {
         **common.log_ratio_metrics(delta, mask),

@@ -74,16 +74,27 @@ def gspo(
       (loss, metrics); ``seq_clip_frac*`` are shares of sequences, ``clip_frac*``
       the shares of tokens in clipped sequences.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
     )
-    adv = common.seq_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.seq_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     s = jnp.exp(common.seq_mean(delta, mask))  # f[N]
 
     loss_i = common.clipped_max(-adv * s, -adv * jnp.clip(s, 1.0 - hp.eps_low, 1.0 + hp.eps_high))
-    loss = common.mean_over_sequences(loss_i, mask, norm, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
+    loss = common.mean_over_sequences(loss_i, mask, norm, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(
+        x.logp, x.ref_logp, mask, hp, norm, "seq-mean-token-mean"
+    )
 
     s, has_tokens = sg(s), jnp.any(mask > 0, axis=-1)
     low, high = (adv < 0) & (s < 1.0 - hp.eps_low), (adv > 0) & (s > 1.0 + hp.eps_high)
@@ -128,18 +139,27 @@ def gspo_token(
     Returns:
       (loss, metrics).
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
     )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     s = sg(jnp.exp(common.seq_mean(delta, mask)))  # f[N]
     s_hat = s[:, None] * jnp.exp(delta - sg(delta))
 
     clipped = jnp.clip(s_hat, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
     loss_t = common.clipped_max(-adv * s_hat, -adv * clipped)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     s_tok = s[:, None]
     metrics = {

@@ -58,18 +58,27 @@ def sapo(
       (loss, metrics); ``sapo_gate_mean/min`` describe the gate g; ``clip_frac`` is 0
       (no hard clip).
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
+    x = common.check_inputs(
+        hp,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp=ref_logp,
+        router_shift=router_shift,
+        norm=normalizer,
+        weight=weight,
     )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     ratio = jnp.exp(delta)
     tau = jnp.where(adv > 0, hp.tau_pos, hp.tau_neg)
 
     p = jax.nn.sigmoid(tau * (ratio - 1.0))
     loss_t = -adv * (4.0 / tau) * p
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     gate = sg(4.0 * p * (1.0 - p))
     metrics = {
