@@ -61,18 +61,7 @@ class DAPOHparams(PPOHparams):
     eps_high: float = 0.28
 
 
-def clipped_surrogate(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def clipped_surrogate(x: common.Inputs, hp: PPOHparams):
     r"""l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), aggregated by ``hp.agg``;
     with a dual clip c, l_t = -A c where A < 0 and r > c; then + kl_coef * agg(k).
 
@@ -80,26 +69,15 @@ def clipped_surrogate(
     A < 0 and r < 1 - eps_low; A < 0 and r > c), and -A r grad logp elsewhere.
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
+      x: the checked inputs (`common.Inputs`): logp, old_logp, mask f[N,T];
+        advantages f[N] or f[N,T]; ref_logp f[N,T] log pi_ref when hp.kl_coef > 0;
+        router_shift unused; norm the mini-batch's `common.Normalizer`; weight the
+        rollout-correction weight w_t on l_t (None: 1; not on the KL).
       hp: `PPOHparams`, `GRPOHparams`, `DrGRPOHparams` or `DAPOHparams`.
-      ref_logp: f32[N,T] log pi_ref when hp.kl_coef > 0. router_shift: unused.
-      normalizer: the mini-batch's `common.Normalizer` (None: this batch's).
-      weight: f32[N,T] rollout-correction weight w_t on l_t (None: 1; not on the KL).
 
     Returns:
       (loss, metrics): the scalar to minimise and mergeable metrics.
     """
-    x = common.check_inputs(
-        hp,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp=ref_logp,
-        router_shift=router_shift,
-        norm=normalizer,
-        weight=weight,
-    )
     mask, norm = x.mask, x.norm
     adv = common.token_advantages(x.advantages, mask)
     delta = common.log_ratio(x.logp, x.old_logp, mask)

@@ -50,18 +50,7 @@ class RSPOHparams(GMPOHparams):
         check_number(self, "gamma_min", low=0.0, low_open=True, high=1.0)
 
 
-def gmpo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def gmpo(x: common.Inputs, hp: GMPOHparams):
     r"""GMPO: l_i = -A_i exp(sum_t mask delta*_t / n_i), mean over sequences,
 
       delta*_t = min(delta_t, eps_high) if A_i >= 0,  max(delta_t, -eps_low) if A_i < 0,
@@ -69,41 +58,16 @@ def gmpo(
     so a token past its bound has no gradient (+ the KL term, seq-mean-token-mean).
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N].
-      hp: `GMPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
-      router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
-      weight: f32[N,T] rollout-correction weight; l_i is multiplied by its mean over
-        the sequence's valid tokens (None: 1; not on the KL).
+      x: the checked inputs, as for `gspo.gspo` (advantages f[N]).
+      hp: `GMPOHparams`.
 
     Returns:
       (loss, metrics).
     """
-    x = common.check_inputs(
-        hp,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp=ref_logp,
-        router_shift=router_shift,
-        norm=normalizer,
-        weight=weight,
-    )
     return _geometric(x, hp)
 
 
-def rspo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def rspo(x: common.Inputs, hp: RSPOHparams):
     r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i),
 
     gamma_t = max(hp.gamma_min, router_shift_t): GMPO's ratio times the geometric mean
@@ -111,25 +75,14 @@ def rspo(
     routing drift damps the update for either sign of A (docs/objectives.md, "RSPO").
 
     Args:
-      router_shift: f32[N,T] the raw gamma in (0, 1] (`gspo_jax.routing.router_shift`
-        with gamma_min=None); anything >= 0 on padding.
-      hp: `RSPOHparams`. The others: as for `gmpo`.
+      x: as for `gmpo`, with x.router_shift f[N,T] the raw gamma in (0, 1]
+        (`gspo_jax.routing.router_shift` with gamma_min=None); anything >= 0 on padding.
+      hp: `RSPOHparams`.
 
     Returns:
       (loss, metrics) with ``gamma_mean`` and ``gamma_min``, the token mean and min of
       the floored gamma.
     """
-    x = common.check_inputs(
-        hp,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp=ref_logp,
-        router_shift=router_shift,
-        norm=normalizer,
-        weight=weight,
-    )
     # The floor: a token's gamma never falls below gamma_min (a constant, as gamma).
     return _geometric(x, hp, gamma=jnp.maximum(hp.gamma_min, x.router_shift))
 
