@@ -269,6 +269,41 @@ REMOVED_KEYS = {
 }
 
 
+def move_deprecated(c: ml_collections.ConfigDict) -> None:
+    """Moves a value set at a deprecated path to its new one, with a one-line notice on
+    stderr; the old path is then None (so a config reads the same either way):
+
+      updates.gamma_min -> objective.hparams.gamma_min (RSPO's floor; under another
+                           objective, which takes no floor, the value is dropped)
+
+    Called by `validate`, and before a resume compares a config with the saved one."""
+    old = c.updates.gamma_min
+    if old is None:
+        return
+    if not (fields.is_real(old) and 0 < old <= 1):
+        raise _err("updates.gamma_min", f"must be finite and in (0, 1], got {old!r}")
+    if "gamma_min" in c.objective.hparams:
+        from gspo_jax import objectives  # local: keeps config import light
+
+        new = c.objective.hparams.gamma_min
+        if new not in (old, objectives.get("rspo").defaults["gamma_min"]):
+            raise _err(
+                "updates.gamma_min",
+                f"{old!r} conflicts with config.objective.hparams.gamma_min={new!r}; "
+                "set only the latter (updates.gamma_min is deprecated)",
+            )
+        c.objective.hparams.gamma_min = float(old)
+        where = f"now config.objective.hparams.gamma_min={float(old)!r}"
+    else:
+        where = f"dropped: objective {c.objective.name!r} takes no floor (RSPO's hyperparameter)"
+    print(
+        "gspo_jax: config.updates.gamma_min is deprecated; use "
+        f"config.objective.hparams.gamma_min ({where})",
+        file=sys.stderr,
+    )
+    c.updates.gamma_min = None
+
+
 def _removed_key(path: str, value: Any) -> None:
     """A removed key (`REMOVED_KEYS`) of a config: a notice at its one accepted value,
     else ConfigError naming it."""
@@ -446,6 +481,7 @@ def validate(
     from gspo_jax.objectives.correction import RolloutCorrection
 
     _check_keys(c, base_config())
+    move_deprecated(c)
     fields.check(_declaration(), c)
     run_config.check_pass_k(c)
     _check_model_fields(c)

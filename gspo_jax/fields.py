@@ -128,6 +128,9 @@ def defaults(cls: type) -> ml_collections.ConfigDict:
             c[f.name] = defaults(hints[f.name])
         elif "doc" in f.metadata:
             value = _default(f)
+            if value is None:  # Optional[X]: a placeholder that takes an X (or None)
+                kind = next(a for a in typing.get_args(hints[f.name]) if a is not type(None))
+                value = ml_collections.config_dict.placeholder(kind)
             c[f.name] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
     return c
 

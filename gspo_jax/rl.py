@@ -231,7 +231,6 @@ class RLPhase:
             objective=c.objective.name,
             hparams=tuple(sorted(dict(c.objective.hparams).items())),
             micro_batches=cfg.updates.micro_batches,
-            gamma_min=cfg.updates.gamma_min,
             aux_loss_coef=cfg.updates.aux_loss_coef,
             z_loss_coef=cfg.updates.z_loss_coef,
             entropy_coef=cfg.entropy_coef,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Optional
 
 import flax
 import jax
@@ -28,7 +28,7 @@ from flax import nnx
 
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
-from gspo_jax.fields import setting
+from gspo_jax.fields import is_real, setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
 from gspo_jax.objectives.critic import value_loss_mergeable
 
@@ -59,8 +59,13 @@ class UpdatesConfig:
     routing_replay: str = setting(
         "none", choices=REPLAY_MODES, doc="routing replay: none, R2 or R3 (R2/R3: MoE only)"
     )
-    gamma_min: float = setting(
-        0.5, low=0, high=1, low_open=True, doc="RSPO's floor on the router-shift weight"
+    # Deprecated: RSPO's floor is its own hyperparameter, objective.hparams.gamma_min
+    # (`gspo_jax.config.move_deprecated` moves a value set here, with a notice).
+    gamma_min: Optional[float] = setting(
+        None,
+        check=lambda v: None if v is None or is_real(v) else f"must be a number, got {v!r}",
+        domain="deprecated",
+        doc="deprecated: RSPO's floor is config.objective.hparams.gamma_min",
     )
     # Router losses in RL: off by default (the warm start keeps its own, sft.*).
     aux_loss_coef: float = setting(
@@ -118,7 +123,6 @@ class StepConfig:
     objective: str
     hparams: tuple[tuple[str, Any], ...] = ()
     micro_batches: int = 1
-    gamma_min: float = 0.5
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -449,13 +453,13 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     mask = batch["mask"].astype(jnp.float32)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
 
-    # RSPO's gamma: the current router's log-probs at the experts pi_old used.
+    # The router shift gamma (RSPO's, which floors it at its gamma_min): the current
+    # router's log-probs at the experts pi_old used.
     new_router_lp = routing.topk_router_logp(
         response_slice(aux.router_logits, p, t), batch["old_topk"]
     )
     shift = routing.router_logp_shift(batch["old_router_logp"], new_router_lp)  # [N,T,L]
     gamma_raw = routing.gamma_of_shift(shift)
-    gamma = jnp.maximum(cfg.gamma_min, gamma_raw)  # the floored weight the loss uses
     fn = objectives.get(cfg.objective)
     loss, metrics = fn.apply(
         logp,
@@ -463,7 +467,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         batch["advantages"],
         mask,
         ref_logp=batch.get("ref_logp"),
-        router_shift=gamma if fn.needs_router_shift else None,
+        router_shift=gamma_raw if fn.needs_router_shift else None,
         normalizer=norm,
         weight=batch.get("rc_weight"),  # rollout correction (None: off)
         **cfg.hparam_dict,
@@ -497,8 +501,17 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     metrics.update(
         aux_loss=Mean.of(aux.aux_loss), z_loss=Mean.of(aux.z_loss, weight=router_positions)
     )
+    gamma = jnp.maximum(gamma_floor(cfg), gamma_raw)
     metrics.update(routing_metrics(batch, aux, mask, shift, gamma_raw, gamma))
     return loss, metrics
+
+
+def gamma_floor(cfg: StepConfig) -> float:
+    """The floor of the ``router_shift_mean`` / ``router_shift_min`` diagnostics: RSPO's
+    ``gamma_min`` under RSPO (the gamma its loss uses), RSPO's default floor under every
+    other objective (the gamma RSPO would use at its defaults)."""
+    hp = objectives.get(cfg.objective).hparams(**cfg.hparam_dict)
+    return getattr(hp, "gamma_min", objectives.get("rspo").defaults["gamma_min"])
 
 
 def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
@@ -508,7 +521,7 @@ def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
     replay forces) with pi_old's free top-K (``old_free_topk``) and with the
     sampler's routing (``sampler_topk``, when given), so they read the same under no
     replay, R2 and R3. The router shift is reported raw (mean |delta log p| at pi_old's
-    experts, and gamma before the floor) besides the floored gamma of RSPO's loss.
+    experts, and gamma before the floor) besides the floored ``gamma`` (`gamma_floor`).
     """
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
     num_tokens = jnp.sum(mask)

@@ -77,6 +77,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     primary = multihost.is_primary()
     with safety.RunGuard(workdir, lock=primary) as guard:
+        config_lib.move_deprecated(c)  # before the comparison with the saved config
         safety.check_resume_config(c, workdir)
         trainer = Trainer(c, workdir)  # validates the config
         multihost.barrier("resume config checked")  # by every process, before it is replaced

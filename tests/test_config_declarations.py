@@ -107,7 +107,7 @@ BASE_CONFIG = {'advantage': 'group',
  'tokenizer': 'char',
  'total_rl_steps': 60,
  'updates': {'aux_loss_coef': 0.0,
-             'gamma_min': 0.5,
+             'gamma_min': None,  # deprecated: objective.hparams.gamma_min (RSPO's floor)
              'logprob_micro_batches': 1,
              'max_consecutive_skips': 8,
              'micro_batches': 1,

@@ -184,6 +184,40 @@ def test_the_edges_of_each_range_are_accepted():
     assert config_lib.validate(c, 8)["data"] == 8
 
 
+def test_rspo_floor_is_an_objective_hyperparameter():
+    c = _smoke("rspo")
+    assert c.objective.hparams.gamma_min == 0.5 and c.updates.gamma_min is None
+    config_lib.validate(_set(_smoke("rspo"), "objective.hparams.gamma_min", 1.0), 8)
+    for bad in (0.0, 1.5, -0.1):
+        _raises(_set(_smoke("rspo"), "objective.hparams.gamma_min", bad), "objective.hparams.gamma_min")
+    msg = _raises(_set(_smoke("gspo"), "objective.hparams.gamma_min", 0.3), "objective.hparams.gamma_min")
+    assert "gspo takes no such hyperparameter" in msg
+
+
+def test_deprecated_updates_gamma_min_moves_to_the_objective(capsys):
+    """The old path is accepted with a one-line notice naming the new one, and the
+    config then reads as if the new one had been set."""
+    c = _set(_smoke("rspo"), "updates.gamma_min", 0.3)
+    config_lib.validate(c, 8)
+    assert c.objective.hparams.gamma_min == 0.3 and c.updates.gamma_min is None
+    notice = capsys.readouterr().err
+    assert notice.count("\n") == 1 and "config.updates.gamma_min is deprecated" in notice
+    assert "config.objective.hparams.gamma_min" in notice
+    new = _set(_smoke("rspo"), "objective.hparams.gamma_min", 0.3)
+    config_lib.validate(new, 8)
+    assert c.to_dict() == new.to_dict()  # a resumed run compares them alike
+    # Under an objective without a floor the value only floored a diagnostic: dropped.
+    c = _set(_smoke("gspo"), "updates.gamma_min", 0.3)
+    config_lib.validate(c, 8)
+    assert c.updates.gamma_min is None and "gamma_min" not in c.objective.hparams
+    assert "dropped" in capsys.readouterr().err
+    # Both paths set to different values: refused, naming both.
+    c = _set(_set(_smoke("rspo"), "updates.gamma_min", 0.3), "objective.hparams.gamma_min", 0.2)
+    msg = _raises(c, "updates.gamma_min")
+    assert "config.objective.hparams.gamma_min=0.2" in msg
+    _raises(_set(_smoke("rspo"), "updates.gamma_min", 1.5), "updates.gamma_min")
+
+
 # --------------------------------------------------------------------------
 # Sweeps: every numeric field of the config, and of every objective's
 # hyperparameters, refuses nan, +inf and -inf naming exactly that field. No

@@ -6,6 +6,7 @@ for log / exp / sqrt); no expectation is drawn from a JAX RNG.
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -612,9 +613,7 @@ def test_micro_batches_sum_to_whole(name, hp):
     per = [part_metrics(s) for s in parts]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *per)
     combined = compute_all(reduce_all(stacked))
-    assert set(combined) == set(full_m)
-    for k in full_m:
-        np.testing.assert_allclose(combined[k], full_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    chex.assert_trees_all_close(combined, full_m, rtol=1e-5, atol=1e-6)
 
 
 def test_normalizer_values():
@@ -684,8 +683,7 @@ def test_jit_equals_eager(name):
     fn = O.get(name)
     eager = fn(lp, old, adv, mask, **kw)
     jitted = jax.jit(lambda *a: fn(*a, **kw))(lp, old, adv, mask)
-    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(eager, jitted, rtol=1e-6, atol=1e-7)
     ge = jax.grad(loss_fn(name, old, adv, mask, **kw))(lp)
     gj = jax.jit(jax.grad(loss_fn(name, old, adv, mask, **kw)))(lp)
     np.testing.assert_allclose(ge, gj, rtol=1e-6, atol=1e-8)
@@ -723,8 +721,7 @@ def test_advantage_where_nothing_is_valid_is_ignored(name, bad):
         assert float(loss_b) == pytest.approx(float(loss), rel=1e-6)
         np.testing.assert_allclose(grad_of(name, lp, old, a, mask, **kw), grad,
                                    rtol=1e-6, atol=1e-9)
-        for key, value in metrics.items():
-            np.testing.assert_allclose(metrics_b[key], value, rtol=1e-6, err_msg=key)
+        chex.assert_trees_all_close(metrics_b, metrics, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", O.names())

@@ -80,11 +80,18 @@ def test_rspo_is_gmpo_scaled_by_geometric_mean_of_gamma(shape, seed, scale):
     np.testing.assert_allclose(O.get("rspo")(lp, old, adv, mask, router_shift=ones)[0],
                                O.get("gmpo")(lp, old, adv, mask)[0], rtol=1e-6, atol=1e-8)
     m = np.asarray(mask)
-    geo = np.exp((m * np.log(np.asarray(gamma))).sum(-1) / np.maximum(m.sum(-1), 1))[:, None]
-    gr = grad("rspo", lp, old, adv, mask, router_shift=gamma)
+
+    def geo(g):
+        return np.exp((m * np.log(g)).sum(-1) / np.maximum(m.sum(-1), 1))[:, None]
+
+    # gamma_min 0.3, the draw's lower end: the floor binds nowhere.
+    gr = grad("rspo", lp, old, adv, mask, router_shift=gamma, gamma_min=0.3)
     gg = grad("gmpo", lp, old, adv, mask)
-    np.testing.assert_allclose(gr, gg * geo, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(gr, gg * geo(np.asarray(gamma)), rtol=1e-5, atol=1e-9)
     assert np.all(np.abs(gr) <= np.abs(gg) + 1e-9)  # gamma <= 1 never amplifies
+    # The default floor, 0.5: the geometric mean of max(0.5, gamma).
+    gr = grad("rspo", lp, old, adv, mask, router_shift=gamma)
+    np.testing.assert_allclose(gr, gg * geo(np.maximum(0.5, np.asarray(gamma))), rtol=1e-5, atol=1e-9)
 
 
 @SETTINGS

@@ -196,8 +196,9 @@ def reference_loss(name, hp, logp, old, adv, mask, ref=None, gamma=None, logp_sg
         delta_star = np.where(valid, np.where(pos, np.minimum(delta, eh), np.maximum(delta, -el)), 0.0)
         g = np.exp(delta_star.sum(1) / safe_n)
         if name == "rspo":
-            # gamma outside the sgn(A) power (docs/objectives.md, "RSPO"); gamma may
-            # be 0 on padding.
+            # gamma outside the sgn(A) power (docs/objectives.md, "RSPO"), floored at
+            # gamma_min; gamma may be 0 on padding.
+            gamma = np.maximum(hp["gamma_min"], gamma)
             log_gamma = np.where(valid, np.log(np.where(valid, gamma, 1.0)), 0.0)
             g = g * np.exp(log_gamma.sum(1) / safe_n)
         loss = seq_mean(-adv * g)
@@ -290,6 +291,7 @@ def reference_metrics(name, hp, logp, old, adv, mask, gamma=None, ref=None):
         delta_star = np.where(pos, np.minimum(delta, eh), np.maximum(delta, -el))
         g = np.exp(np.where(valid, delta_star, 0.0).sum(1) / safe_n)
         if name == "rspo":
+            gamma = np.maximum(hp["gamma_min"], gamma)
             g = g * np.exp(np.where(valid, np.log(np.where(valid, gamma, 1.0)), 0.0).sum(1) / safe_n)
             m["gamma_mean"] = tok_mean(gamma)
             m["gamma_min"] = gamma[valid].min()
@@ -514,6 +516,7 @@ def _cases():
         ("rspo", "seq", dict(kl_coef=0.0), False),
         ("rspo", "seq", dict(kl_coef=0.05, kl_estimator="k3"), True),
         ("rspo", "seq", dict(eps_low=0.2, eps_high=0.3, kl_coef=0.1, kl_estimator="k1"), True),
+        ("rspo", "seq", dict(gamma_min=0.8), False),  # the floor binds on some tokens
     ]
     return cases
 

@@ -10,6 +10,7 @@ test says float32.
 
 import zlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -231,8 +232,7 @@ def test_metrics_merge_across_micro_batches(mode):
     np.testing.assert_array_equal(np.concatenate([np.asarray(w) for w, _ in per]), whole_w)
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *[m for _, m in per])
     merged, whole = compute_all(reduce_all(stacked)), compute_all(whole_m)
-    for k in whole:
-        np.testing.assert_allclose(merged[k], whole[k], rtol=1e-6, err_msg=k)
+    chex.assert_trees_all_close(merged, whole, rtol=1e-6)
 
 
 def test_weight_is_a_constant():
@@ -249,8 +249,7 @@ def test_jit_equals_eager():
     args = tuple(jnp.asarray(x) for x in (old, sampler, mask))
     eager = rollout_correction(*args, rc)
     jitted = jax.jit(lambda *a: rollout_correction(*a, rc))(*args)
-    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(eager, jitted)
 
 
 # ------------------------------------------------------------------------------------
@@ -295,9 +294,7 @@ def test_identical_log_probs_change_nothing(name, mode):
     loss, grad, m = value_and_grad(name, logp, old, adv, mask, weight=jnp.asarray(weight), **kw)
     np.testing.assert_allclose(loss, base_loss, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(grad, base_grad, rtol=1e-13, atol=1e-15)
-    assert set(m) == set(base_m)
-    for key in m:
-        np.testing.assert_array_equal(m[key], base_m[key], err_msg=key)
+    chex.assert_trees_all_equal(m, base_m)
 
 
 def _clipped_loss_numpy(logp, old, adv, mask, weight, ref, eps, beta):

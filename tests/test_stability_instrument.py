@@ -61,7 +61,7 @@ def _move_router(params, scale, seed=1):
 
 
 def _metrics(graphdef, params, batch, **cfg_kw):
-    cfg = step.StepConfig(objective="gspo", **cfg_kw)
+    cfg = step.StepConfig(**{"objective": "gspo", **cfg_kw})
     loss_fn = functools.partial(step.policy_loss, graphdef=graphdef, cfg=cfg, norm=step.objectives.normalizer(
         batch["mask"]), num_router_tokens=step.router_tokens(batch))
     _, m = jax.jit(loss_fn)(params, batch)
@@ -176,11 +176,11 @@ def test_free_router_flips_are_the_same_under_every_replay_mode(setup):
 
 
 def test_raw_router_shift_below_the_floor_is_reported_as_is(setup):
-    """A router moved far: the loss's gamma sits on the floor (0.9) while the raw gamma
-    and the raw shift, computed here by hand in NumPy, are reported below it."""
+    """A router moved far: RSPO's gamma sits on its floor (gamma_min 0.9) while the raw
+    gamma and the raw shift, computed here by hand in NumPy, are reported below it."""
     graphdef, params, batch, old = setup
     moved = _move_router(params, 2.0)
-    m = _metrics(graphdef, moved, batch, gamma_min=0.9)
+    m = _metrics(graphdef, moved, batch, objective="rspo", hparams=(("gamma_min", 0.9),))
     model = nnx.merge(graphdef, moved)
     inputs, targets, positions, attn = step.sequence_inputs(batch)
     *_, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn)
@@ -198,6 +198,13 @@ def test_raw_router_shift_below_the_floor_is_reported_as_is(setup):
     np.testing.assert_allclose(m["router_shift_raw_layer"], shift[mask].mean(0), rtol=1e-5)
     assert float(m["router_shift_min"]) == pytest.approx(0.9)
     np.testing.assert_allclose(m["router_shift_mean"], np.maximum(gamma, 0.9)[mask].mean(), rtol=1e-5)
+    # The diagnostic is the gamma RSPO's loss uses: its own metrics agree.
+    assert float(m["gamma_min"]) == float(m["router_shift_min"])
+    np.testing.assert_allclose(m["gamma_mean"], m["router_shift_mean"], rtol=1e-6)
+    # Under any other objective the diagnostic floors at RSPO's default, 0.5.
+    m = _metrics(graphdef, moved, batch)
+    np.testing.assert_allclose(m["router_shift_mean"], np.maximum(gamma, 0.5)[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["router_shift_min"], max(gamma[mask].min(), 0.5), rtol=1e-6)
 
 
 def test_mismatch_metrics_hand_values():

@@ -261,8 +261,10 @@ def test_stage3_config_refuses_without_stage1s_calibration(tmp_path, monkeypatch
     assert o["grpo"]["objective"] == ("grpo", {"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.0})
     assert o["grpo_r2"]["updates.routing_replay"] == "R2"
     assert o["grpo_r3"]["updates.routing_replay"] == "R3"
-    assert o["rspo_g0.1"]["updates.gamma_min"] == 0.1 and o["rspo_g0.5"]["updates.gamma_min"] == 0.5
-    assert "updates.gamma_min" not in o["gmpo"]
+    assert o["rspo_g0.1"]["objective"] == ("rspo", {"gamma_min": 0.1})
+    assert o["rspo_g0.5"]["objective"] == ("rspo", {"gamma_min": 0.5})
+    assert o["gmpo"]["objective"] == ("gmpo", {})
+    assert not any("gamma_min" in key for x in o.values() for key in x)
     assert all(x["updates.num_minibatches"] == 32 and x["optimizer.lr"] == 3e-3 for x in o.values())
     # Every arm's overrides make a config the trainer accepts.
     from gspo_jax import config as config_lib

@@ -4,6 +4,7 @@ skipping non-finite updates."""
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,8 +75,7 @@ def test_micro_batches_equal_whole_mini_batch(setup, objective):
         s2, m2 = _run(setup, objective, micro, router_coefs=(0.0, 0.01))
         np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-7)
         assert set(m1) == set(m2)
         for key in sorted(set(m1) - {"aux_loss"}):
             np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-7, err_msg=key)
@@ -168,11 +168,10 @@ def test_bfloat16_first_moment(setup):
         assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(mu)}
         assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype("float32")}
         out[mu] = state.params
-    for a, c in zip(jax.tree.leaves(out["float32"]), jax.tree.leaves(out["bfloat16"])):
-        assert a.dtype == c.dtype == jnp.float32
-        # Two steps of lr 1e-2 move a weight by at most 2e-2; bf16's rounding of m
-        # (2^-8 relative) changes that by at most 2e-2 * 2^-8.
-        np.testing.assert_allclose(np.asarray(c), np.asarray(a), atol=2e-2 * 2**-8, rtol=0)
+    chex.assert_type(jax.tree.leaves(out), jnp.float32)
+    # Two steps of lr 1e-2 move a weight by at most 2e-2; bf16's rounding of m
+    # (2^-8 relative) changes that by at most 2e-2 * 2^-8.
+    chex.assert_trees_all_close(out["bfloat16"], out["float32"], atol=2e-2 * 2**-8, rtol=0)
 
 
 def test_non_finite_loss_skips_update(setup):
@@ -181,8 +180,7 @@ def test_non_finite_loss_skips_update(setup):
     state, m = _run(setup, "grpo", 1, batch=bad, router_coefs=(0.01, 0.001))
     assert not np.isfinite(m["loss"])
     assert int(state.skipped) == 1 and float(m["skipped_update"]) == 1.0 and float(m["update_norm"]) == 0.0
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(state.params, params)
     # The optimizer moments are untouched too, so the next good step is unaffected.
     s_good, _ = _run(setup, "grpo", 1)
     assert int(s_good.skipped) == 0

@@ -99,11 +99,14 @@ def _config_from_command_line(*argv):
     (["--config=configs/cispo.py", "--config.objective.hparams.eps_low=0.2"], "eps_low", 0.2),
     (["--config=configs/default.py:objective=dr_grpo", "--config.objective.hparams.norm_len=16"], "norm_len", 16),
     (["--config=configs/sapo.py", "--config.objective.hparams.tau_neg=1.5"], "tau_neg", 1.5),
+    (["--config=configs/gmpo_rspo.py", "--config.objective.hparams.gamma_min=0.3"], "gamma_min", 0.3),
+    # The deprecated path, moved there by validate (with a notice).
+    (["--config=configs/gmpo_rspo.py", "--config.updates.gamma_min=0.3"], "gamma_min", 0.3),
 ])
 def test_every_hyperparameter_can_be_set_from_the_command_line(argv, key, value):
     c = _config_from_command_line(*argv)
-    assert c.objective.hparams[key] == value
     config_lib.validate(c, num_devices=8)
+    assert c.objective.hparams[key] == value
     hp = objectives.get(c.objective.name).validate_hyperparameters(dict(c.objective.hparams))
     assert hp[key] == value
 

@@ -83,6 +83,8 @@ def overrides(sc, name: str, lr: float | None = None) -> dict:
     if name not in rows:
         raise ValueError(f"arm {name!r}: expected one of {sorted(rows)}")
     _, objective, hparams, replay, gamma_min = rows[name]
+    if gamma_min is not None:  # RSPO's floor
+        hparams = (*hparams, ("gamma_min", float(gamma_min)))
     o = {
         "objective": (objective, dict(hparams)),
         "model.dtype": sc.dtype,
@@ -90,8 +92,6 @@ def overrides(sc, name: str, lr: float | None = None) -> dict:
         "updates.num_minibatches": int(sc.updates),
         "updates.routing_replay": replay,
     }
-    if gamma_min is not None:
-        o["updates.gamma_min"] = float(gamma_min)
     return o
 
 

@@ -8,10 +8,12 @@ name::
     loss, metrics = fn(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4)
     grads = jax.grad(lambda lp: fn(lp, old_logp, advantages, mask)[0])(logp)
 
-or directly, with its hyperparameter dataclass::
+The registry checks the inputs (`common.check_inputs`: shapes and dtypes, chex at
+trace time) and calls the plain function with them and its hyperparameter dataclass::
 
     from gspo_jax.objectives.gspo import gspo, GSPOHparams
-    loss, metrics = gspo(logp, old_logp, advantages, mask, GSPOHparams(eps_high=1e-3))
+    hp = GSPOHparams(eps_high=1e-3)
+    loss, metrics = gspo(common.check_inputs(hp, logp, old_logp, advantages, mask), hp)
 
 Where each one lives (one module per family):
 
@@ -22,7 +24,7 @@ Where each one lives (one module per family):
   sapo.py       SAPO                       (soft gate)
   critic.py     PPO's value loss, entropy bonus
   correction.py rollout correction: weights pi_old / pi_sampler for ``weight=``
-  common.py     masking, the log-ratio, aggregation, the normaliser, KL estimators
+  common.py     input checks, masking, the log-ratio, aggregation, the normaliser, KL
   hparams.py    the hyperparameter base classes and their checks
   registry.py   names -> objectives
 

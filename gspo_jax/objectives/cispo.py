@@ -31,45 +31,30 @@ class CISPOHparams(TokenHparams):
         check_ratio_eps(self, low_optional=True)
 
 
-def cispo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def cispo(x: common.Inputs, hp: CISPOHparams):
     r"""CISPO: l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t, by ``hp.agg``.
 
     Every valid token keeps the gradient -w_t A_t grad logp_t, w_t the clipped weight.
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
-      hp: `CISPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
-      router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
-      weight: f32[N,T] rollout-correction weight on l_t (None: 1; not on the KL).
+      x: the checked inputs, as for `clipped.clipped_surrogate`.
+      hp: `CISPOHparams`.
 
     Returns:
       (loss, metrics); ``is_weight_mean/max`` describe w, ``is_weight_clip_frac_low/high``
       the shares of tokens (A != 0) whose w is capped; ``clip_frac`` is 0: no
       gradient is removed.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     ratio = sg(jnp.exp(delta))
     low_bound = -jnp.inf if hp.eps_low is None else 1.0 - hp.eps_low
     is_weight = jnp.clip(ratio, low_bound, 1.0 + hp.eps_high)
 
-    loss_t = -is_weight * adv * jnp.where(mask > 0, logp, 0.0)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss_t = -is_weight * adv * jnp.where(mask > 0, x.logp, 0.0)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     signal = adv != 0  # a zero advantage is never counted as clipped
     metrics = {

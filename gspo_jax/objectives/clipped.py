@@ -61,18 +61,7 @@ class DAPOHparams(PPOHparams):
     eps_high: float = 0.28
 
 
-def clipped_surrogate(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def clipped_surrogate(x: common.Inputs, hp: PPOHparams):
     r"""l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), aggregated by ``hp.agg``;
     with a dual clip c, l_t = -A c where A < 0 and r > c; then + kl_coef * agg(k).
 
@@ -80,28 +69,26 @@ def clipped_surrogate(
     A < 0 and r < 1 - eps_low; A < 0 and r > c), and -A r grad logp elsewhere.
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
+      x: the checked inputs (`common.Inputs`): logp, old_logp, mask f[N,T];
+        advantages f[N] or f[N,T]; ref_logp f[N,T] log pi_ref when hp.kl_coef > 0;
+        router_shift unused; norm the mini-batch's `common.Normalizer`; weight the
+        rollout-correction weight w_t on l_t (None: 1; not on the KL).
       hp: `PPOHparams`, `GRPOHparams`, `DrGRPOHparams` or `DAPOHparams`.
-      ref_logp: f32[N,T] log pi_ref when hp.kl_coef > 0. router_shift: unused.
-      normalizer: the mini-batch's `common.Normalizer` (None: this batch's).
-      weight: f32[N,T] rollout-correction weight w_t on l_t (None: 1; not on the KL).
 
     Returns:
       (loss, metrics): the scalar to minimise and mergeable metrics.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     ratio = jnp.exp(delta)
 
     clipped_ratio = jnp.clip(ratio, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
     loss_t = common.clipped_max(-adv * ratio, -adv * clipped_ratio)
     if hp.dual_clip is not None:
         loss_t = jnp.where((adv < 0) & (ratio > hp.dual_clip), -adv * hp.dual_clip, loss_t)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     ratio = sg(ratio)
     low, high = (adv < 0) & (ratio < 1.0 - hp.eps_low), (adv > 0) & (ratio > 1.0 + hp.eps_high)

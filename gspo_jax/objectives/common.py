@@ -6,9 +6,11 @@ Every formula here is in ``docs/objectives.md`` under the section named beside i
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -252,37 +254,72 @@ def no_clip_fraction(mask: Array) -> MetricDict:
 # ----------------------------------------------------------------------------------
 
 
+class Inputs(NamedTuple):
+    """An objective's inputs after `check_inputs`, in the compute dtype.
+
+    Attributes:
+      logp, old_logp: f[N,T].
+      advantages: f[N] or f[N,T].
+      mask: [N,T] as given (valid where > 0).
+      ref_logp: f[N,T], or None.
+      router_shift: f[N,T] (RSPO's raw gamma), or None.
+      norm: the mini-batch's `Normalizer` (this batch's when none was given).
+      weight: f[N,T] constant, 0 where mask = 0, or None.
+    """
+
+    logp: Array
+    old_logp: Array
+    advantages: Array
+    mask: Array
+    ref_logp: Array | None
+    router_shift: Array | None
+    norm: Normalizer
+    weight: Array | None
+
+
 def check_inputs(
     hp,
     logp,
     old_logp,
     advantages,
     mask,
+    *,
     ref_logp=None,
     router_shift=None,
     norm=None,
     weight=None,
-):
-    """Checks shapes and dtypes and returns the arrays in the compute dtype.
+) -> Inputs:
+    """Checks shapes and dtypes (chex, at trace time: they fire under ``jax.jit`` too)
+    and returns the `Inputs` in the compute dtype.
 
     ``hp`` (the objective's `Hparams`) gives the name used in messages, whether the
     objective is sequence-level and whether it needs the router shift. Raises
-    ValueError naming the argument. Shapes are static, so the checks fire
-    under ``jax.jit`` too. Returns (logp, old_logp, advantages, mask, ref_logp,
-    router_shift, normalizer, weight); ``normalizer`` is the batch's own when None;
-    ``weight`` (None stays None) is a constant, 0 where mask = 0.
+    ValueError naming the argument (and, from chex, the shapes or dtypes). ``norm``:
+    the mini-batch's `Normalizer` (None: this batch's).
     """
     name = hp.name
-    logp = _as_array(logp, "logp", name)
-    if logp.ndim != 2:
-        raise ValueError(f"{name}: logp must be f32[N,T], got shape {logp.shape}")
+    check = functools.partial(expect, name)
+    given = {
+        arg: _as_array(x, arg, name)
+        for arg, x in (
+            ("logp", logp),
+            ("old_logp", old_logp),
+            ("mask", mask),
+            ("advantages", advantages),
+            ("ref_logp", ref_logp),
+            ("router_shift", router_shift),
+            ("weight", weight),
+        )
+        if x is not None
+    }
+    logp, mask, advantages = given["logp"], given["mask"], given["advantages"]
+    check(chex.assert_rank, logp, 2, says="logp must be f32[N,T]")
+    for arg, x in given.items():
+        if arg != "mask":
+            check(chex.assert_type, x, float, says=f"{arg} must be floating point")
+        if arg not in ("logp", "advantages"):
+            check(chex.assert_equal_shape, [logp, x], says=f"{arg} must have logp's shape [N,T]")
     shape, dtype = logp.shape, compute_dtype(logp)
-    old_logp = _as_array(old_logp, "old_logp", name)
-    mask = _as_array(mask, "mask", name, floating=False)
-    advantages = _as_array(advantages, "advantages", name)
-    for arg, x in (("old_logp", old_logp), ("mask", mask)):
-        if x.shape != shape:
-            raise ValueError(f"{name}: {arg} shape {x.shape} != logp shape {shape}")
     if hp.sequence_level and advantages.shape != shape[:1]:
         raise ValueError(
             f"{name}: advantages must be f32[N] = {shape[:1]} for a sequence-level "
@@ -293,59 +330,47 @@ def check_inputs(
             f"{name}: advantages must be f32[N] or f32[N,T] with (N, T) = {shape}, "
             f"got shape {advantages.shape}"
         )
-    if ref_logp is not None:
-        ref_logp = _as_array(ref_logp, "ref_logp", name)
-        if ref_logp.shape != shape:
-            raise ValueError(f"{name}: ref_logp shape {ref_logp.shape} != logp shape {shape}")
-        ref_logp = ref_logp.astype(dtype)
-    elif hp.kl_coef > 0:
+    if ref_logp is None and hp.kl_coef > 0:
         raise ValueError(
             f"{name}: kl_coef={hp.kl_coef} > 0 needs ref_logp (pass ref_logp, or kl_coef=0.0)"
         )
-    if router_shift is not None:
-        router_shift = _as_array(router_shift, "router_shift", name)
-        if router_shift.shape != shape:
-            raise ValueError(
-                f"{name}: router_shift shape {router_shift.shape} != logp shape {shape}"
-            )
-        router_shift = router_shift.astype(dtype)
-    elif hp.needs_router_shift:
+    if router_shift is None and hp.needs_router_shift:
         raise ValueError(
             f"{name}: router_shift (f32[N,T], gspo_jax.routing.router_shift) is required"
         )
-    if weight is not None:
-        weight = _as_array(weight, "weight", name)
-        if weight.shape != shape:
-            raise ValueError(f"{name}: weight shape {weight.shape} != logp shape {shape}")
-        weight = jnp.where(mask > 0, sg(weight.astype(dtype)), 0.0)
-    if norm is None:
-        norm = normalizer(mask)
-    elif not isinstance(norm, Normalizer):
+    norm = normalizer(mask) if norm is None else norm
+    if not isinstance(norm, Normalizer):
         raise ValueError(
             f"{name}: normalizer must be objectives.Normalizer, got {type(norm).__name__}"
         )
     for field, x in zip(norm._fields, norm):
-        if jnp.shape(x) != ():
-            raise ValueError(
-                f"{name}: normalizer.{field} must be a scalar, got shape {jnp.shape(x)}"
-            )
-    return (
-        logp.astype(dtype),
-        old_logp.astype(dtype),
-        advantages.astype(dtype),
-        mask,
-        ref_logp,
-        router_shift,
-        norm,
-        weight,
+        check(chex.assert_rank, x, 0, says=f"normalizer.{field} must be a scalar")
+
+    def in_dtype(arg):
+        return given[arg].astype(dtype) if arg in given else None
+
+    if weight is not None:
+        weight = jnp.where(mask > 0, sg(in_dtype("weight")), 0.0)
+    return Inputs(
+        logp=in_dtype("logp"),
+        old_logp=in_dtype("old_logp"),
+        advantages=in_dtype("advantages"),
+        mask=mask,
+        ref_logp=in_dtype("ref_logp"),
+        router_shift=in_dtype("router_shift"),
+        norm=norm,
+        weight=weight,
     )
 
 
-def _as_array(x, arg: str, name: str, floating: bool = True) -> Array:
+def expect(name: str, assertion, *args, says: str) -> None:
+    """Runs the chex ``assertion`` on ``args``; when it fails, a ValueError with chex's
+    message (the shapes or dtypes) followed by ``[<name>: <says>]``, naming the argument."""
+    assertion(*args, custom_message=f"{name}: {says}", exception_type=ValueError)
+
+
+def _as_array(x, arg: str, name: str) -> Array:
     try:
-        x = jnp.asarray(x)
+        return jnp.asarray(x)
     except TypeError as e:
         raise ValueError(f"{name}: {arg} is not an array: {e}") from None
-    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name}: {arg} must be floating point, got dtype {x.dtype}")
-    return x

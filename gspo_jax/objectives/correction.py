@@ -25,9 +25,11 @@ overflows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
+import chex
 import jax.numpy as jnp
 
 from gspo_jax.fields import setting
@@ -133,12 +135,14 @@ def _check(old_logp, sampler_logp, mask, rc):
     if not isinstance(rc, RolloutCorrection):
         raise ValueError(f"{name}: rc must be a RolloutCorrection, got {type(rc).__name__}")
     old_logp = common._as_array(old_logp, "old_logp", name)
-    if old_logp.ndim != 2:
-        raise ValueError(f"{name}: old_logp must be f32[N,T], got shape {old_logp.shape}")
     sampler_logp = common._as_array(sampler_logp, "sampler_logp", name)
-    mask = common._as_array(mask, "mask", name, floating=False)
+    mask = common._as_array(mask, "mask", name)
+    check = functools.partial(common.expect, name)
+
+    check(chex.assert_rank, old_logp, 2, says="old_logp must be f32[N,T]")
+    for arg, x in (("old_logp", old_logp), ("sampler_logp", sampler_logp)):
+        check(chex.assert_type, x, float, says=f"{arg} must be floating point")
     for arg, x in (("sampler_logp", sampler_logp), ("mask", mask)):
-        if x.shape != old_logp.shape:
-            raise ValueError(f"{name}: {arg} shape {x.shape} != old_logp shape {old_logp.shape}")
+        check(chex.assert_equal_shape, [old_logp, x], says=f"{arg} must have old_logp's shape")
     dtype = jnp.promote_types(common.compute_dtype(old_logp), common.compute_dtype(sampler_logp))
     return old_logp.astype(dtype), sampler_logp.astype(dtype), mask

@@ -37,24 +37,20 @@ class GMPOHparams(Hparams):
 
 @dataclasses.dataclass(frozen=True)
 class RSPOHparams(GMPOHparams):
-    """As GMPO. The router-shift floor gamma_min belongs to `gspo_jax.routing`."""
+    """As GMPO, and gamma_min: the floor in (0, 1] on each token's router-shift weight,
+    gamma = max(gamma_min, gamma_raw). The paper uses a floor without fixing it; 0.5 is
+    this project's default, to be swept (experiments/stability)."""
 
     name = "rspo"
     needs_router_shift = True
+    gamma_min: float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_number(self, "gamma_min", low=0.0, low_open=True, high=1.0)
 
 
-def gmpo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def gmpo(x: common.Inputs, hp: GMPOHparams):
     r"""GMPO: l_i = -A_i exp(sum_t mask delta*_t / n_i), mean over sequences,
 
       delta*_t = min(delta_t, eps_high) if A_i >= 0,  max(delta_t, -eps_low) if A_i < 0,
@@ -62,64 +58,50 @@ def gmpo(
     so a token past its bound has no gradient (+ the KL term, seq-mean-token-mean).
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N].
-      hp: `GMPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
-      router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
-      weight: f32[N,T] rollout-correction weight; l_i is multiplied by its mean over
-        the sequence's valid tokens (None: 1; not on the KL).
+      x: the checked inputs, as for `gspo.gspo` (advantages f[N]).
+      hp: `GMPOHparams`.
 
     Returns:
       (loss, metrics).
     """
-    return _geometric(logp, old_logp, advantages, mask, hp, ref_logp, None, normalizer, weight)
+    return _geometric(x, hp)
 
 
-def rspo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
-    r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i).
+def rspo(x: common.Inputs, hp: RSPOHparams):
+    r"""RSPO: l_i = -A_i exp(sum_t mask delta*_t / n_i) exp(sum_t mask log gamma_t / n_i),
 
-    GMPO's ratio times the geometric mean of the router shift gamma in (0, 1], a
-    constant. gamma stands outside the sgn(A) power, so routing drift damps the update
-    for either sign of A (docs/objectives.md, "RSPO").
+    gamma_t = max(hp.gamma_min, router_shift_t): GMPO's ratio times the geometric mean
+    of the floored router shift, a constant. gamma stands outside the sgn(A) power, so
+    routing drift damps the update for either sign of A (docs/objectives.md, "RSPO").
 
     Args:
-      router_shift: f32[N,T] gamma (`gspo_jax.routing.router_shift`); > 0 on valid
-        tokens, anything >= 0 on padding.
-      The others: as for `gmpo`.
+      x: as for `gmpo`, with x.router_shift f[N,T] the raw gamma in (0, 1]
+        (`gspo_jax.routing.router_shift` with gamma_min=None); anything >= 0 on padding.
+      hp: `RSPOHparams`.
 
     Returns:
-      (loss, metrics) with ``gamma_mean`` and ``gamma_min``.
+      (loss, metrics) with ``gamma_mean`` and ``gamma_min``, the token mean and min of
+      the floored gamma.
     """
-    return _geometric(
-        logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer, weight
-    )
+    # The floor: a token's gamma never falls below gamma_min (a constant, as gamma).
+    return _geometric(x, hp, gamma=jnp.maximum(hp.gamma_min, x.router_shift))
 
 
-def _geometric(logp, old_logp, advantages, mask, hp, ref_logp, router_shift, normalizer, weight):
-    """GMPO (router_shift None) and RSPO: the two differ only in the gamma factor."""
-    logp, old_logp, advantages, mask, ref_logp, gamma, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.seq_advantages(advantages, mask)[:, None]  # f[N,1]
-    delta = common.log_ratio(logp, old_logp, mask)
+def _geometric(x: common.Inputs, hp, gamma=None):
+    """GMPO (gamma None) and RSPO: the two differ only in the gamma factor, f[N,T]."""
+    mask, norm = x.mask, x.norm
+    adv = common.seq_advantages(x.advantages, mask)[:, None]  # f[N,1]
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     high, low = (adv >= 0) & (delta > hp.eps_high), (adv < 0) & (delta < -hp.eps_low)
     delta_star = jnp.where(high, hp.eps_high, jnp.where(low, -hp.eps_low, delta))
     log_ratio_i = common.seq_mean(delta_star, mask)
     if gamma is not None:
         log_ratio_i += common.seq_mean(jnp.log(jnp.where(mask > 0, sg(gamma), 1.0)), mask)
 
-    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
+    loss = common.mean_over_sequences(-adv[:, 0] * jnp.exp(log_ratio_i), mask, norm, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(
+        x.logp, x.ref_logp, mask, hp, norm, "seq-mean-token-mean"
+    )
 
     metrics = {
         **common.log_ratio_metrics(delta, mask),

@@ -44,18 +44,7 @@ class GSPOTokenHparams(TokenHparams):
         check_ratio_eps(self)
 
 
-def gspo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def gspo(x: common.Inputs, hp: GSPOHparams):
     r"""GSPO: l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),
 
     s_i = exp(sum_t mask delta_t / n_i), the geometric mean of the token ratios, and
@@ -64,26 +53,27 @@ def gspo(
     weight A_i s_i / n_i; a clipped sequence gets none.
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N] (one per sequence).
-      hp: `GSPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
-      router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
-      weight: f32[N,T] rollout-correction weight; l_i is multiplied by its mean over
-        the sequence's valid tokens (None: 1; not on the KL).
+      x: the checked inputs (`common.Inputs`): logp, old_logp, mask f[N,T];
+        advantages f[N] (one per sequence); ref_logp f[N,T] when hp.kl_coef > 0;
+        router_shift unused; norm the mini-batch's `common.Normalizer`; weight the
+        rollout-correction weight, l_i multiplied by its mean over the sequence's
+        valid tokens (None: 1; not on the KL).
+      hp: `GSPOHparams`.
 
     Returns:
       (loss, metrics); ``seq_clip_frac*`` are shares of sequences, ``clip_frac*``
       the shares of tokens in clipped sequences.
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.seq_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.seq_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     s = jnp.exp(common.seq_mean(delta, mask))  # f[N]
 
     loss_i = common.clipped_max(-adv * s, -adv * jnp.clip(s, 1.0 - hp.eps_low, 1.0 + hp.eps_high))
-    loss = common.mean_over_sequences(loss_i, mask, norm, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, "seq-mean-token-mean")
+    loss = common.mean_over_sequences(loss_i, mask, norm, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(
+        x.logp, x.ref_logp, mask, hp, norm, "seq-mean-token-mean"
+    )
 
     s, has_tokens = sg(s), jnp.any(mask > 0, axis=-1)
     low, high = (adv < 0) & (s < 1.0 - hp.eps_low), (adv > 0) & (s > 1.0 + hp.eps_high)
@@ -99,18 +89,7 @@ def gspo(
     return loss + kl_loss, metrics
 
 
-def gspo_token(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def gspo_token(x: common.Inputs, hp: GSPOTokenHparams):
     r"""GSPO-token: the sequence ratio with a per-token gradient path,
 
       s_hat_{i,t} = sg(s_i) * exp(delta_t - sg(delta_t))   (value s_i, d/dlogp_t = s_i),
@@ -121,25 +100,22 @@ def gspo_token(
     a token outside it has no gradient, as in GSPO's mean.
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
-      hp: `GSPOTokenHparams`. ref_logp, router_shift, normalizer: as for `gspo`.
-      weight: f32[N,T] rollout-correction weight w_t on l_t (None: 1; not on the KL).
+      x: as for `gspo`, but advantages f[N] or f[N,T], and the weight w_t on l_t.
+      hp: `GSPOTokenHparams`.
 
     Returns:
       (loss, metrics).
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     s = sg(jnp.exp(common.seq_mean(delta, mask)))  # f[N]
     s_hat = s[:, None] * jnp.exp(delta - sg(delta))
 
     clipped = jnp.clip(s_hat, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
     loss_t = common.clipped_max(-adv * s_hat, -adv * clipped)
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     s_tok = s[:, None]
     metrics = {

@@ -27,8 +27,11 @@ def fail(hp, key: str, what: str) -> None:
     raise ValueError(f"{hp.name}: {key} {what}, got {getattr(hp, key)!r}")
 
 
-def check_number(hp, key: str, *, low=None, low_open=False, high_open=None, optional=False) -> None:
-    """``hp.key`` is a static finite number in the range (or None if ``optional``)."""
+def check_number(
+    hp, key: str, *, low=None, low_open=False, high=None, high_open=None, optional=False
+) -> None:
+    """``hp.key`` is a static finite number in the range (or None if ``optional``):
+    >= low (> low if ``low_open``), <= high, < high_open."""
     v = getattr(hp, key)
     if v is None and optional:
         return
@@ -36,6 +39,8 @@ def check_number(hp, key: str, *, low=None, low_open=False, high_open=None, opti
         fail(hp, key, "must be a static finite Python number" + (" or None" if optional else ""))
     if low is not None and (v <= low if low_open else v < low):
         fail(hp, key, f"must be {'>' if low_open else '>='} {low}")
+    if high is not None and v > high:
+        fail(hp, key, f"must be <= {high}")
     if high_open is not None and v >= high_open:
         fail(hp, key, f"must be < {high_open}")
 

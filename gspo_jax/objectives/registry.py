@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 from gspo_jax.fields import setting
 from gspo_jax.metrics import MetricDict, compute_all
-from gspo_jax.objectives import cispo, clipped, geometric, gspo, sapo
+from gspo_jax.objectives import cispo, clipped, common, geometric, gspo, sapo
 from gspo_jax.objectives.hparams import Hparams
 
 
@@ -21,8 +21,8 @@ class Objective:
     Its name, input contract and defaults are those of ``hparams_class``.
 
     Attributes:
-      fn: the plain function, fn(logp, old_logp, advantages, mask, hp, *, ref_logp,
-        router_shift, normalizer, weight) -> (loss, metrics).
+      fn: the plain function of the checked inputs, fn(x: `common.Inputs`, hp) ->
+        (loss, metrics).
       hparams_class: its frozen hyperparameter dataclass.
       description: one line on what it is.
     """
@@ -82,8 +82,18 @@ class Objective:
         `correction.rollout_correction`'s (docs/objectives.md, "Rollout correction").
         """
         hp = self.hparams(**hyperparameters)
-        kw = dict(ref_logp=ref_logp, router_shift=router_shift, normalizer=normalizer)
-        return self.fn(logp, old_logp, advantages, mask, hp, weight=weight, **kw)
+        x = common.check_inputs(
+            hp,
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            ref_logp=ref_logp,
+            router_shift=router_shift,
+            norm=normalizer,
+            weight=weight,
+        )
+        return self.fn(x, hp)
 
     def __call__(self, logp, old_logp, advantages, mask, **kwargs):
         """As `apply` (same arguments), with the metrics computed to f32 numbers."""

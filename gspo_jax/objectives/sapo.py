@@ -30,18 +30,7 @@ class SAPOHparams(TokenHparams):
         check_number(self, "tau_neg", low=0.0, low_open=True)
 
 
-def sapo(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    hp,
-    *,
-    ref_logp=None,
-    router_shift=None,
-    normalizer=None,
-    weight=None,
-):
+def sapo(x: common.Inputs, hp: SAPOHparams):
     r"""SAPO: l_t = -A_t (4 / tau) sigmoid(tau (r_t - 1)), tau = tau_pos if A_t > 0 else
     tau_neg, aggregated by ``hp.agg`` (+ the KL term).
 
@@ -49,27 +38,23 @@ def sapo(
     p = sigmoid(tau (r - 1)): exactly 1 at r = 1, decaying smoothly on both sides.
 
     Args:
-      logp, old_logp, mask: f32[N,T]; advantages: f32[N] or f32[N,T].
-      hp: `SAPOHparams`. ref_logp: f32[N,T] when hp.kl_coef > 0.
-      router_shift: unused. normalizer: the mini-batch's `common.Normalizer`.
-      weight: f32[N,T] rollout-correction weight on l_t (None: 1; not on the KL).
+      x: the checked inputs, as for `clipped.clipped_surrogate`.
+      hp: `SAPOHparams`.
 
     Returns:
       (loss, metrics); ``sapo_gate_mean/min`` describe the gate g; ``clip_frac`` is 0
       (no hard clip).
     """
-    logp, old_logp, advantages, mask, ref_logp, _, norm, weight = common.check_inputs(
-        hp, logp, old_logp, advantages, mask, ref_logp, router_shift, normalizer, weight
-    )
-    adv = common.token_advantages(advantages, mask)
-    delta = common.log_ratio(logp, old_logp, mask)
+    mask, norm = x.mask, x.norm
+    adv = common.token_advantages(x.advantages, mask)
+    delta = common.log_ratio(x.logp, x.old_logp, mask)
     ratio = jnp.exp(delta)
     tau = jnp.where(adv > 0, hp.tau_pos, hp.tau_neg)
 
     p = jax.nn.sigmoid(tau * (ratio - 1.0))
     loss_t = -adv * (4.0 / tau) * p
-    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, weight)
-    kl_loss, kl_metrics = common.kl_penalty(logp, ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
+    loss = common.aggregate(loss_t, mask, hp.agg, norm, hp.norm_len, x.weight)
+    kl_loss, kl_metrics = common.kl_penalty(x.logp, x.ref_logp, mask, hp, norm, hp.agg, hp.norm_len)
 
     gate = sg(4.0 * p * (1.0 - p))
     metrics = {
