@@ -50,7 +50,7 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from experiments import hlo, programs, targets  # noqa: E402
-from gspo_jax.models import moe  # noqa: E402
+from gspo_jax.models import dispatch  # noqa: E402
 
 GIB = 2**30
 
@@ -102,7 +102,7 @@ def recompute_flops(sh: programs.Shape, part: str, platform: str) -> float:
     head = cfg.vocab_size * cfg.d_model
     n = 2.0 * head * tokens
     policy = cfg.remat_policy
-    backend = moe.backend_for(cfg.moe_backend, platform)
+    backend = dispatch.backend_for(cfg.moe_backend, platform)
     experts = sum(cfg.top_k * 3 * cfg.d_model * cfg.moe_d_ff for moe in cfg.layer_kinds if moe)
     if policy == "full":
         n += 2.0 * (programs.matmul_params(cfg, active=True) - head) * tokens

@@ -129,7 +129,7 @@ def test_tiny_train_step_report_adds_up(h200):
     heap = sum(b["bytes"] for b in r["largest_buffers"] if b["name"].startswith("heap slot"))
     assert heap >= 0.9 * mem["temporaries_gib"] * 2**30
     # The blocked dispatch gathers expert weights per block; their gradient is a matmul
-    # with the blocks' one-hot experts, not a scatter (moe.take_expert_blocks).
+    # with the blocks' one-hot experts, not a scatter (dispatch.take_expert_blocks).
     ops = {w["opcode"] for w in r["inventory"]["expert_weight_copies"]}
     assert ops == {"gather"}
     assert r["inventory"]["f32_vocab_matmuls"] == []  # the head's backward runs in bf16
@@ -159,12 +159,12 @@ def test_grouped_matmul_compiles_for_the_gpu_at_any_row_count(h200, rows):
     """The GPU kernels tile rows (by 8, and by 64 in the weight gradient): a row
     count that is a multiple of neither compiles, forward and backward, with the
     three products as kernel calls and their FLOPs counted."""
-    from gspo_jax.models import moe
+    from gspo_jax.models import dispatch
 
     d, f, e = 256, 128, 8
 
     def loss(x, w, sizes):
-        return jnp.sum(moe.grouped_matmul(x, w, sizes).astype(jnp.float32) ** 2)
+        return jnp.sum(dispatch.grouped_matmul(x, w, sizes).astype(jnp.float32) ** 2)
 
     with targets.compiling_for(h200):
         c, comps, counts, _ = _compile(
@@ -176,7 +176,7 @@ def test_grouped_matmul_compiles_for_the_gpu_at_any_row_count(h200, rows):
         )
     grouped = [m for m in hlo.matmuls(comps, counts) if m.kind == "grouped"]
     assert len(grouped) == 3
-    padded = -(-rows // moe.GROUPED_ROW_TILE) * moe.GROUPED_ROW_TILE
+    padded = -(-rows // dispatch.GROUPED_ROW_TILE) * dispatch.GROUPED_ROW_TILE
     assert all(m.flops == 2 * padded * d * f for m in grouped)
 
 

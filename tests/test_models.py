@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from gspo_jax.models import ModelConfig, Transformer
-from gspo_jax.models import moe as moe_lib
+from gspo_jax.models import dispatch
 from gspo_jax.models.blocks import plan_segments
 
 V = 97
@@ -69,35 +69,35 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
     y = fn(x, idx, gates, *ws)
     return jnp.sum(jnp.sin(y)), y
 
-  ref_g, ref_y = jax.jit(jax.grad(lambda *a: loss(moe_lib.dispatch_dense, *a), (0, 1, 2), has_aux=True))(
+  ref_g, ref_y = jax.jit(jax.grad(lambda *a: loss(dispatch.dispatch_dense, *a), (0, 1, 2), has_aux=True))(
       x, gates, ws)
-  for fn in [moe_lib.dispatch_ragged,
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64),  # small-batch rule
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4),
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=16),
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=64),
+  for fn in [dispatch.dispatch_ragged,
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64),  # small-batch rule
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=16),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=64),
              # both ways of ordering assignments within an expert
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare"),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare"),
              # both backwards of the per-block weight gather (CPU's default: scatter)
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, block_size=4, weight_grad="matmul"),
-             lambda *a: moe_lib.dispatch_blocked(*a, max_block=64, weight_grad="matmul")]:
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, weight_grad="matmul"),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, weight_grad="matmul")]:
     g, y = jax.jit(jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True))(x, gates, ws)
     np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
     assert _max_tree_diff(g, ref_g) < 1e-5
 
 
 def test_block_size_shrinks_for_few_rows():
-  assert moe_lib.block_size_for(16384 * 2, 8, 64) == 64
-  assert moe_lib.block_size_for(8192, 64, 64) == 64  # padding 64 * 63 <= 8192 / 2
-  assert moe_lib.block_size_for(4096, 64, 64) == 32
-  assert moe_lib.block_size_for(128, 64, 64) == 2  # decode step: padding 64 <= 128 / 2
-  assert moe_lib.block_size_for(3, 64, 64) == 1
+  assert dispatch.block_size_for(16384 * 2, 8, 64) == 64
+  assert dispatch.block_size_for(8192, 64, 64) == 64  # padding 64 * 63 <= 8192 / 2
+  assert dispatch.block_size_for(4096, 64, 64) == 32
+  assert dispatch.block_size_for(128, 64, 64) == 2  # decode step: padding 64 <= 128 / 2
+  assert dispatch.block_size_for(3, 64, 64) == 1
   # A decode step at batch 64, 8 experts top-2: padding 8 * 7 <= 128 / 2, and
   # with the small-batch bound 8 * 15 <= 128.
-  assert moe_lib.block_size_for(128, 8, 64) == 8
-  assert moe_lib.block_size_for(128, 8, 64, moe_lib.SMALL_BATCH_MAX_PADDING) == 16
-  assert moe_lib.block_size_for(128, 8, 8, moe_lib.SMALL_BATCH_MAX_PADDING) == 8  # max_block
+  assert dispatch.block_size_for(128, 8, 64) == 8
+  assert dispatch.block_size_for(128, 8, 64, dispatch.SMALL_BATCH_MAX_PADDING) == 16
+  assert dispatch.block_size_for(128, 8, 8, dispatch.SMALL_BATCH_MAX_PADDING) == 8  # max_block
 
 
 @functools.lru_cache(maxsize=None)

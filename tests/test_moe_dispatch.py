@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax.models import ModelConfig
-from gspo_jax.models import moe as moe_lib
+from gspo_jax.models import dispatch
 from gspo_jax.models.moe import MoE
 from gspo_jax.models.sharding import param_shardings
 
@@ -32,7 +32,7 @@ def test_take_expert_blocks_backward_is_the_gathers_gradient():
     w = jnp.asarray(rs.randn(6, 5, 4), jnp.float32)
     block_e = jnp.asarray([0, 0, 3, 3, 3, 5, 1], jnp.int32)  # experts 2 and 4: none
     dy = jnp.asarray(rs.randn(7, 5, 4), jnp.float32)
-    ours = jax.vjp(lambda w: moe_lib.take_expert_blocks(w, block_e), w)[1](dy)[0]
+    ours = jax.vjp(lambda w: dispatch.take_expert_blocks(w, block_e), w)[1](dy)[0]
     plain = jax.vjp(lambda w: w[block_e], w)[1](dy)[0]
     np.testing.assert_allclose(ours, plain, rtol=1e-6, atol=1e-6)
     assert float(jnp.max(jnp.abs(ours[2]))) == 0.0 and float(jnp.max(jnp.abs(ours[4]))) == 0.0
@@ -172,7 +172,7 @@ def test_expert_parallel_program_exchanges_token_rows():
 
 def test_auto_is_blocked_on_cpu():
     assert jax.default_backend() == "cpu"
-    assert moe_lib.resolve_backend("auto") == "blocked"
-    assert moe_lib.resolve_backend("dense") == "dense"
+    assert dispatch.resolve_backend("auto") == "blocked"
+    assert dispatch.resolve_backend("dense") == "dense"
     with pytest.raises(ValueError, match="moe_backend"):
         ModelConfig.tiny(moe_backend="grouped")

@@ -1,5 +1,5 @@
 """The blocked MoE dispatch's weight-gather backward on this machine: autodiff's
-scatter-add against `moe.take_expert_blocks`'s one-hot matmul, interleaved in one
+scatter-add against `dispatch.take_expert_blocks`'s one-hot matmul, interleaved in one
 process (jit(grad) of one layer, medians of 15 calls each).
 
     python -m experiments.bench.bench_blocked_backward
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspo_jax.models import moe
+from gspo_jax.models import dispatch
 
 # (tokens, d_model, expert width, experts, top-k)
 SHAPES = [(1024, 512, 1024, 8, 2), (1024, 512, 256, 64, 2), (2048, 128, 256, 8, 2)]
@@ -23,7 +23,7 @@ def layer_grad(weight_grad, x, idx, gates, ws):
     """jit(grad) of one blocked layer with the weight gather's backward ``weight_grad``."""
 
     def loss(x, ws):
-        y = moe.dispatch_blocked(x, idx, gates, *ws, max_block=64, weight_grad=weight_grad)
+        y = dispatch.dispatch_blocked(x, idx, gates, *ws, max_block=64, weight_grad=weight_grad)
         return jnp.sum(y**2)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))

@@ -8,12 +8,14 @@
     logits, aux, cache = model.decode(tokens, cache, positions=positions, attn_mask=mask)
 
 Modules: config (ModelConfig), layers (norm, RoPE, attention, MLP), moe (router,
-replay, dispatch backends), blocks (the decoder layer, segments of stacked
-repeats, remat policies), precision (f32 parameters, the output head, the
-inference copy), transformer (Transformer, RouterAux, KVCache, sharded init), sharding
-(logical axis rules -> mesh, the run's mesh), the Hugging Face checkpoints in hf_layout
-(config.json and tensor names <-> ours), hf_load (from_pretrained) and hf_export
-(export_pretrained), safetensors_io (pickle-free tensor files).
+replay, the MoE layer and its routing record), dispatch (the MoE dispatch backends:
+dense, ragged, blocked), expert_parallel (the ragged dispatch on a mesh), blocks
+(the decoder layer, segments of stacked repeats, remat policies), precision (f32
+parameters, the output head, the inference copy), transformer (Transformer,
+RouterAux, KVCache, sharded init), sharding (logical axis rules -> mesh, the run's
+mesh), the Hugging Face checkpoints in hf_layout (config.json and tensor names <->
+ours), hf_load (from_pretrained) and hf_export (export_pretrained), safetensors_io
+(pickle-free tensor files).
 """
 
 from gspo_jax.models.config import ModelConfig

@@ -11,7 +11,7 @@ Inside one `jax.shard_map` over every mesh axis, a device holds
   'expert' and 'mlp' rules; the FSDP-sharded model dimension is gathered, as
   FSDP gathers every weight before it is used).
 
-Without an expert axis (ep = 1) a device runs `moe.dispatch_ragged` on its rows.
+Without an expert axis (ep = 1) a device runs `dispatch.dispatch_ragged` on its rows.
 With one, a device takes m rows: its own, or, where the ep devices of the
 expert axis share the same rows, rows [r*m, (r+1)*m) of them on device r; then
 
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.models import moe
+from gspo_jax.models import dispatch
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.sharding import logical_to_mesh_spec
 
@@ -115,15 +115,15 @@ def _expert_parallel_local(x, idx, gates, wg, wu, wd, *, ep_axis, ep: int, rows_
     local_e = local_e.reshape(-1).astype(jnp.int32)  # [ep*slot], in 0..e_loc
     order2 = jnp.argsort(local_e, stable=True)
     sizes = jnp.sum(mine, axis=0).astype(jnp.int32)  # [E/ep]
-    y2 = moe.grouped_swiglu(buf.reshape(ep * slot, -1)[order2], sizes, wg, wu, wd)
+    y2 = dispatch.grouped_swiglu(buf.reshape(ep * slot, -1)[order2], sizes, wg, wu, wd)
     valid = (local_e < e_loc)[:, None]
-    ybuf = jnp.where(valid, y2[moe.inverse_permutation(order2)], jnp.zeros((), y2.dtype))
+    ybuf = jnp.where(valid, y2[dispatch.inverse_permutation(order2)], jnp.zeros((), y2.dtype))
     ybuf = ybuf.reshape(ep, slot, -1)
 
     # 4. outputs back to their senders, unsorted, combined, gathered.
     back = jax.lax.all_to_all(ybuf, ep_axis, 0, 0, tiled=False)  # slot s: my rows from s
     ys = _slots_to_sorted(back, send, send_off, ep)  # [m*K, D], sorted order
-    ym = moe._combine(ys[moe.inverse_permutation(order)], gm, m, k)  # [m, D]
+    ym = dispatch.combine(ys[dispatch.inverse_permutation(order)], gm, m, k)  # [m, D]
     if rows_split:
         return ym
     y = jax.lax.all_gather(ym, ep_axis, tiled=True, to="invarying")  # [m*ep, D]
@@ -165,13 +165,13 @@ def ragged_ffn(cfg: ModelConfig, xf, idx, gates, wg, wu, wd):
     n = xf.shape[0]
     g = cfg.moe_groups if n % cfg.moe_groups == 0 else 1
     if g == 1:
-        return moe.dispatch_ragged(xf, idx, gates, wg, wu, wd)
+        return dispatch.dispatch_ragged(xf, idx, gates, wg, wu, wd)
 
     def grouped(a):
         return a.reshape((g, n // g) + a.shape[1:])
 
     def one(args):
-        return moe.dispatch_ragged(*args, wg, wu, wd)
+        return dispatch.dispatch_ragged(*args, wg, wu, wd)
 
     y = jax.lax.map(one, (grouped(xf), grouped(idx), grouped(gates)))
     return y.reshape(n, -1)
@@ -186,7 +186,7 @@ def _on_mesh(mesh, rows, up, down, ep_axis, tp_axis, xf, idx, gates, wg, wu, wd)
                 x, i, gt, a, b, c, ep_axis=ep_axis, ep=ep, rows_split=ep_axis in _axes(rows[0])
             )
         else:
-            y = moe.dispatch_ragged(x, i, gt, a, b, c)
+            y = dispatch.dispatch_ragged(x, i, gt, a, b, c)
         if tp_axis is not None:
             y = jax.lax.psum(y, tp_axis)
         return y
