@@ -17,7 +17,7 @@ Three phases of an RL step hold different arrays; the peak of a run is the large
 * rollout: the resident state and the sampler's KV cache;
 * log-prob passes (the old policy, and the reference under KL): forwards over the
   rollout batch in `logprob_micro_batches` pieces, one after another
-  (`gspo_jax.step.logprob_pass`);
+  (`gspo_jax.passes.logprob_pass`);
 * train step: value-and-grad of one micro-batch under the remat policy, then the
   optimizer update.
 """
@@ -171,7 +171,7 @@ class Run:
     @property
     def seq(self) -> int:
         """Model input length of the train and log-prob passes, P + T - 1
-        (`step.sequence_inputs` drops the last token)."""
+        (`passes.sequence_inputs` drops the last token)."""
         return self.prompt_len + self.max_new_tokens - 1
 
 
@@ -594,7 +594,7 @@ def _saved_bytes(fn, *args) -> tuple[float, float]:
 
 
 def validate(quick: bool = False) -> str:
-    """Compile the train path's value-and-grad (token_logprobs, as `step._forward`) of a
+    """Compile the train path's value-and-grad (token_logprobs, as `passes.forward`) of a
     small MoE model on CPU; compare (1) the saved residuals with saved_per_token and
     top_saved_per_token, (2) the compiled temp memory's differences between policies
     with the formula's, (3) the argument bytes with N * pb."""

@@ -12,7 +12,7 @@ The programs:
 
 * ``train``: `gspo_jax.step.train_step` (GRPO's loss without its KL term, micro-batched,
   AdamW, the state donated) on a mini-batch of rollout-shaped rows.
-* ``logprob``: `gspo_jax.step.logprob_pass` (the old-policy and reference passes) over
+* ``logprob``: `gspo_jax.passes.logprob_pass` (the old-policy and reference passes) over
   the same mini-batch.
 * ``prefill``: the sampler's prompt pass, `Transformer.decode` over [B, P] prompts into
   a fresh KV cache of P + new_tokens - 1 slots, logits of the last position only.
@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import step
+from gspo_jax import passes, step
 from gspo_jax.models import ModelConfig
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
@@ -283,7 +283,7 @@ def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0, rows:
 def _logprob_fn(sh: Shape, graphdef):
     return jax.jit(
         functools.partial(
-            step.logprob_pass,
+            passes.logprob_pass,
             graphdef=graphdef,
             values=False,
             temperature=1.0,

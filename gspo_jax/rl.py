@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import shaping, step
+from gspo_jax import passes, shaping, step
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
@@ -265,7 +265,7 @@ class RLPhase:
         self.critic = c.advantage == "gae"
         self.moe = trainer.model_cfg.num_moe_layers > 0
         logp_pass = functools.partial(
-            step.logprob_pass,
+            passes.logprob_pass,
             graphdef=trainer.graphdef,
             values=self.critic,
             temperature=cfg.rollout.temperature,
@@ -286,7 +286,7 @@ class RLPhase:
         self.correction_fn = jax.jit(
             functools.partial(rollout_correction, rc=self.rollout_correction)
         )
-        self.mismatch_fn = jax.jit(step.mismatch_metrics)
+        self.mismatch_fn = jax.jit(passes.mismatch_metrics)
         # The mini-batches: the permutation and the gather on the devices.
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         self.perm_fn = jax.jit(functools.partial(_permutations, n=n, epochs=cfg.updates.num_epochs))
@@ -317,7 +317,7 @@ class RLPhase:
                 batch["sampler_topk"] = dev["sampler_topk"]
             else:
                 p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
-                batch["sampler_topk"] = step.response_slice(dev["replay_r3"], p, t)
+                batch["sampler_topk"] = passes.response_slice(dev["replay_r3"], p, t)
         if c.updates.routing_replay == "R2":
             batch["replay"] = old["topk"]
         elif c.updates.routing_replay == "R3":

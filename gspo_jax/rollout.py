@@ -10,7 +10,7 @@ that holds, per response token:
   the batch's ``rollout_logp``: the sampler's side of the train-inference
   mismatch metrics and of the rollout correction.  The objectives' old log-probs
   π_old are not these: the trainer recomputes them with its own forward at the
-  same temperature (the old-log-prob pass, `gspo_jax.step.logprob_pass`);
+  same temperature (the old-log-prob pass, `gspo_jax.passes.logprob_pass`);
 * the MoE routing record (R3): the top-K experts every MoE layer chose at the
   forward position that produced the token, and those of the prompt prefill
   (`replay_r3` aligns them with the trainer's forward).

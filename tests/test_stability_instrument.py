@@ -17,6 +17,7 @@ from flax import nnx
 from gspo_jax import config as config_lib
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import routing, step
+from gspo_jax import passes
 from gspo_jax.metrics import compute_all
 from gspo_jax.metrics_log import MetricsWriter, read_metrics
 from gspo_jax.models import ModelConfig, Transformer
@@ -42,7 +43,7 @@ def setup():
         "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
         "mask": jnp.asarray(mask),
     }
-    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    old = passes.logprob_pass(params, batch, graphdef=graphdef)
     batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_free_topk=old["free_topk_resp"],
                  old_router_logp=old["router_logp"], advantages=jnp.asarray(rs.normal(size=N), jnp.float32))
     return graphdef, params, batch, old
@@ -147,16 +148,16 @@ def test_free_router_flips_are_the_same_under_every_replay_mode(setup):
     graphdef, params, batch, old = setup
     moved = _move_router(params, 0.5)
     model = nnx.merge(graphdef, moved)
-    inputs, targets, positions, attn = step.sequence_inputs(batch)
+    inputs, targets, positions, attn = passes.sequence_inputs(batch)
     *_, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn)
-    free_now = step.response_slice(aux.free_topk_indices, P, T)
+    free_now = passes.response_slice(aux.free_topk_indices, P, T)
     expected = np.asarray(routing.expert_flip_fraction(old["free_topk_resp"], free_now, batch["mask"]))
     assert expected.mean() > 0.05
 
     rs = np.random.RandomState(3)
     r3 = np.stack([rs.permutation(CFG.num_experts)[:CFG.top_k] for _ in range(N * (P + T - 1) * 2)])
     r3 = jnp.asarray(r3.reshape(N, P + T - 1, 2, CFG.top_k), jnp.int32)
-    sampler_topk = step.response_slice(r3, P, T)
+    sampler_topk = passes.response_slice(r3, P, T)
     results = {}
     for name, replay in (("none", None), ("R2", old["topk"]), ("R3", r3)):
         b = dict(batch, sampler_topk=sampler_topk)
@@ -169,7 +170,7 @@ def test_free_router_flips_are_the_same_under_every_replay_mode(setup):
         for key in ("token_flip_rate", "flip_frac_vs_sampler"):
             np.testing.assert_allclose(m[key], results["none"][key], rtol=1e-6, err_msg=f"{name} {key}")
     assert float(results["R3"]["flip_frac_vs_sampler"]) > 0.2
-    used = routing.expert_flip_fraction(old["topk_resp"], step.response_slice(
+    used = routing.expert_flip_fraction(old["topk_resp"], passes.response_slice(
         nnx.merge(graphdef, moved).token_logprobs(inputs, targets, positions=positions, attn_mask=attn,
                                                   replay=old["topk"])[2].topk_indices, P, T), batch["mask"])
     assert float(jnp.max(used)) == 0.0  # what the old diagnostic reported under R2
@@ -182,9 +183,9 @@ def test_raw_router_shift_below_the_floor_is_reported_as_is(setup):
     moved = _move_router(params, 2.0)
     m = _metrics(graphdef, moved, batch, objective="rspo", hparams=(("gamma_min", 0.9),))
     model = nnx.merge(graphdef, moved)
-    inputs, targets, positions, attn = step.sequence_inputs(batch)
+    inputs, targets, positions, attn = passes.sequence_inputs(batch)
     *_, aux = model.token_logprobs(inputs, targets, positions=positions, attn_mask=attn)
-    logits = np.asarray(step.response_slice(aux.router_logits, P, T), np.float64)  # [N,T,L,E]
+    logits = np.asarray(passes.response_slice(aux.router_logits, P, T), np.float64)  # [N,T,L,E]
     logp_new = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     at_old = np.take_along_axis(logp_new, np.asarray(old["topk_resp"]), axis=-1)
@@ -212,13 +213,13 @@ def test_mismatch_metrics_hand_values():
     old = jnp.log(jnp.asarray([[0.5, 0.5, 0.9], [0.1, 0.3, 0.3]]))
     mask = jnp.asarray([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     r = np.array([1.0, 2.5, 1 / 3, 1.0, 1.0])  # valid tokens only
-    m = step.mismatch_metrics(sampler, old, mask)
+    m = passes.mismatch_metrics(sampler, old, mask)
     np.testing.assert_allclose(m["mismatch_kl"], np.mean(r - 1 - np.log(r)), rtol=1e-5)
     np.testing.assert_allclose(m["mismatch_f2"], 2 / 5)
     np.testing.assert_allclose(m["mismatch_logp_abs"], np.mean(np.abs(np.log(r))), rtol=1e-5)
     s_topk = jnp.asarray([[[[0, 1]], [[2, 3]], [[0, 1]]], [[[0, 1]], [[0, 1]], [[0, 1]]]], jnp.int32)
     o_topk = jnp.asarray([[[[1, 0]], [[2, 0]], [[3, 2]]], [[[0, 1]], [[0, 1]], [[0, 2]]]], jnp.int32)
-    m = step.mismatch_metrics(sampler, old, mask, s_topk, o_topk)
+    m = passes.mismatch_metrics(sampler, old, mask, s_topk, o_topk)
     np.testing.assert_allclose(m["mismatch_route_layer"], [(0 + 0.5 + 0 + 0 + 0.5) / 5])
     np.testing.assert_allclose(m["mismatch_route_token"], 2 / 5)
 
@@ -260,8 +261,8 @@ def test_reference_pass_routes_freely_under_r3(data_dir, tmp_path):
     c = _config(data_dir, **{"updates.routing_replay": "R3", "rollout.router_noise_std": 1.0})
     trainer, rl, host, batch, info = _prepared(c, tmp_path)
     dev = trainer.put_batch(host)
-    free = step.logprob_pass(rl.ref_params, dev, graphdef=trainer.graphdef)["logp"]
-    replayed = step.logprob_pass(rl.ref_params, dev, graphdef=trainer.graphdef, replay_key="replay_r3")["logp"]
+    free = passes.logprob_pass(rl.ref_params, dev, graphdef=trainer.graphdef)["logp"]
+    replayed = passes.logprob_pass(rl.ref_params, dev, graphdef=trainer.graphdef, replay_key="replay_r3")["logp"]
     m = np.asarray(host["mask"]) > 0
     np.testing.assert_allclose(np.asarray(batch["ref_logp"])[m], np.asarray(free)[m], rtol=1e-5, atol=1e-6)
     assert np.max(np.abs(np.asarray(replayed) - np.asarray(free))[m]) > 1e-3
@@ -290,7 +291,7 @@ def test_training_log_probs_are_at_the_sampling_temperature(data_dir, tmp_path):
     m = np.asarray(host["mask"]) > 0
     np.testing.assert_allclose(np.asarray(batch["old_logp"])[m], host["rollout_logp"][m], atol=1e-4)
     assert info["mismatch_logp_abs"] < 1e-5
-    at_one = step.logprob_pass(rl.state.params, trainer.put_batch(host), graphdef=trainer.graphdef)["logp"]
+    at_one = passes.logprob_pass(rl.state.params, trainer.put_batch(host), graphdef=trainer.graphdef)["logp"]
     assert np.mean(np.abs(np.asarray(at_one)[m] - host["rollout_logp"][m])) > 1e-2
 
 

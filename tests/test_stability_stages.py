@@ -222,6 +222,8 @@ def _probe_batch(cfg, seed=0, n=6, p=5, t=7):
 
     from gspo_jax import step
 
+    from gspo_jax import passes
+
     rng = np.random.default_rng(seed)
     prompt = rng.integers(1, cfg.vocab_size, (n, p))
     pmask = np.ones((n, p), np.int32)
@@ -251,7 +253,7 @@ def test_drift_metrics_match_numpy():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     batch, step, _ = _probe_batch(cfg)
-    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    old = passes.logprob_pass(params, batch, graphdef=graphdef)
     batch.update(
         old_logp=old["logp"],
         old_topk=old["topk_resp"],
@@ -309,10 +311,10 @@ def test_drift_metrics_match_numpy():
         if length[sel].sum():
             assert got["clip_grpo_bucket"][b] == pytest.approx(grpo[sel].sum() / length[sel].sum())
     # Flips: the free router's top-K against pi_old's, per layer.
-    inputs, _, positions, attn = step.sequence_inputs(batch)
+    inputs, _, positions, attn = passes.sequence_inputs(batch)
     _, aux = nnx.merge(graphdef, new)(inputs, positions=positions, attn_mask=attn)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    free = np.asarray(step.response_slice(aux.free_topk_indices, p, t))
+    free = np.asarray(passes.response_slice(aux.free_topk_indices, p, t))
     old_free = np.asarray(batch["old_free_topk"])
     for layer in range(2):
         miss = [

@@ -13,6 +13,8 @@ import pytest
 from flax import nnx
 
 from gspo_jax import objectives, step
+
+from gspo_jax import passes
 from gspo_jax.metrics import compute_all
 from gspo_jax.models import ModelConfig, Transformer
 
@@ -37,7 +39,7 @@ def setup():
         "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
         "mask": jnp.asarray(mask),
     }
-    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    old = passes.logprob_pass(params, batch, graphdef=graphdef)
     batch.update(
         old_logp=old["logp"] + jnp.asarray(rs.normal(0, 0.05, (N, T)), jnp.float32),  # slightly off-policy
         old_topk=old["topk_resp"],
@@ -88,7 +90,7 @@ def _on_policy_batch(cfg, n, *, seed, mask):
     rs = np.random.RandomState(seed)
     batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (n, P)), jnp.int32), "prompt_mask": jnp.ones((n, P)),
              "tokens": jnp.asarray(rs.randint(3, 24, (n, T)), jnp.int32), "mask": mask}
-    old = step.logprob_pass(params, batch, graphdef=graphdef)
+    old = passes.logprob_pass(params, batch, graphdef=graphdef)
     batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
                  old_free_topk=old["free_topk_resp"], advantages=jnp.asarray(rs.normal(size=n), jnp.float32))
     return graphdef, params, batch
@@ -136,7 +138,7 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     graphdef, params, batch = setup
     adv = np.full(N, -1.0 / (N - 1), np.float32)
     adv[0] = 1.0
-    b = dict(batch, advantages=jnp.asarray(adv), old_logp=step.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    b = dict(batch, advantages=jnp.asarray(adv), old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
     opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
                                      weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0)
     cfg = step.StepConfig(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
@@ -144,7 +146,7 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     state = step.TrainState.create(params, opt.init(params))
     for _ in range(3):
         state, _ = fn(state, b, jax.random.key(0))
-    new = step.logprob_pass(state.params, b, graphdef=graphdef)["logp"]
+    new = passes.logprob_pass(state.params, b, graphdef=graphdef)["logp"]
     d = np.sum((np.asarray(new) - np.asarray(b["old_logp"])) * np.asarray(b["mask"]), axis=1)
     assert d[0] > 0.1 and np.all(d[1:] < 0), d
 
@@ -153,7 +155,7 @@ def test_bfloat16_first_moment(setup):
     """optimizer.mu_dtype: Adam's first moment stored in bf16 (the parameters and the second
     moment stay f32); the update is the f32-moment one to bf16's rounding."""
     graphdef, params, batch = setup
-    b = dict(batch, old_logp=step.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    b = dict(batch, old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
     cfg = step.StepConfig(objective="grpo", hparams=(("kl_coef", 0.0),))
     out = {}
     for mu in ("float32", "bfloat16"):
@@ -207,10 +209,10 @@ def test_logprob_pass_in_pieces_is_the_whole_pass(setup, values):
     graphdef, params, batch = setup
     if values:
         graphdef, params = nnx.split(Transformer(dataclasses.replace(CFG, value_head=True), rngs=nnx.Rngs(1)))
-    first = step.logprob_pass(params, batch, graphdef=graphdef)
+    first = passes.logprob_pass(params, batch, graphdef=graphdef)
     # A replay record unlike the free routing: R3's experts shifted by one.
     b = dict(batch, replay_r3=(first["topk"] + 1) % CFG.num_experts)
-    run = functools.partial(step.logprob_pass, graphdef=graphdef, replay_key="replay_r3", values=values)
+    run = functools.partial(passes.logprob_pass, graphdef=graphdef, replay_key="replay_r3", values=values)
     whole = jax.jit(run)(params, b)
     pieces = jax.jit(functools.partial(run, micro_batches=4))(params, b)
     assert set(pieces) == set(whole) and ("values" in whole) == values
@@ -222,7 +224,7 @@ def test_logprob_pass_in_pieces_is_the_whole_pass(setup, values):
         else:
             np.testing.assert_allclose(pieces[key], whole[key], rtol=1e-5, atol=1e-6, err_msg=key)
     with pytest.raises(ValueError, match="micro_batches=3 does not divide 8 rows"):
-        step.logprob_pass(params, b, graphdef=graphdef, micro_batches=3)
+        passes.logprob_pass(params, b, graphdef=graphdef, micro_batches=3)
 
 
 def test_logprob_pass_in_pieces_keeps_the_work_on_every_batch_device():
@@ -232,7 +234,7 @@ def test_logprob_pass_in_pieces_keeps_the_work_on_every_batch_device():
     cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
     graphdef, params, batch = _on_policy_batch(cfg, 128, seed=3, mask=jnp.ones((128, T)))
     for micro in (1, 4):
-        fn = jax.jit(functools.partial(step.logprob_pass, graphdef=graphdef, micro_batches=micro))
+        fn = jax.jit(functools.partial(passes.logprob_pass, graphdef=graphdef, micro_batches=micro))
         ratio = _flops_per_device(fn, params, jax.device_put(batch, rows)) / _flops_per_device(fn, params, batch)
         assert ratio == pytest.approx(0.25, rel=0.1), (micro, ratio)
 

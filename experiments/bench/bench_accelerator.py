@@ -23,7 +23,7 @@ What each figure is:
   6 x L x H x head_dim x T. Rematerialisation is not counted. MFU = model FLOP/s over
   the bf16 dense peak (``--peak-tflops``; 790 measured on the H200 of this project).
   One row per MoE dispatch path (``--backends``).
-* Old log-probs: `gspo_jax.step.logprob_pass` over the same mini-batch (forward only:
+* Old log-probs: `gspo_jax.passes.logprob_pass` over the same mini-batch (forward only:
   2 x FLOPs).
 * Sampler: `gspo_jax.rollout.Sampler`, prompts of ``prompt_len`` tokens, responses of
   exactly ``--new-tokens`` tokens (no stop token). The roofline counts the bytes one

@@ -41,7 +41,7 @@ from flax import nnx
 from experiments.stability import common, stage1_report
 from experiments.stability.stage1_config import gspo_grid
 from gspo_jax import config as config_lib
-from gspo_jax import routing, step
+from gspo_jax import passes, routing
 
 OUT = os.path.join(common.RESULTS, "stage1")
 
@@ -76,10 +76,10 @@ def drift_metrics(
     sequence-range grid f32[G] / f32[G, B].
     """
     model = nnx.merge(graphdef, params)
-    inputs, _, positions, attn = step.sequence_inputs(batch)
+    inputs, _, positions, attn = passes.sequence_inputs(batch)
     h, aux = model.hidden(inputs, positions=positions, attn_mask=attn)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    z = model.logits(step.response_slice(h, p, t)) / temperature
+    z = model.logits(passes.response_slice(h, p, t)) / temperature
     lp = jax.nn.log_softmax(z, axis=-1)  # f32[N, T, V]
     m = batch["mask"].astype(jnp.float32)
     n = jnp.maximum(jnp.sum(m), 1.0)
@@ -132,10 +132,10 @@ def drift_metrics(
         bucket_tokens=bucket_tokens,
     )
     if moe:
-        free = step.response_slice(aux.free_topk_indices, p, t)
+        free = passes.response_slice(aux.free_topk_indices, p, t)
         layer_flips = routing.expert_flip_fraction(batch["old_free_topk"], free, m)
         new_router_lp = routing.topk_router_logp(
-            step.response_slice(aux.router_logits, p, t), batch["old_topk"]
+            passes.response_slice(aux.router_logits, p, t), batch["old_topk"]
         )
         shift = routing.router_logp_shift(batch["old_router_logp"], new_router_lp)  # [N,T,L]
         layer_shift = jnp.einsum("ntl,nt->l", shift, m) / n
@@ -153,10 +153,10 @@ def drift_metrics(
 def full_logprobs(params, batch, *, graphdef, temperature):
     """pi's full log-probs f32[N, T, V] at the response positions of ``batch``."""
     model = nnx.merge(graphdef, params)
-    inputs, _, positions, attn = step.sequence_inputs(batch)
+    inputs, _, positions, attn = passes.sequence_inputs(batch)
     h, _ = model.hidden(inputs, positions=positions, attn_mask=attn)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-    return jax.nn.log_softmax(model.logits(step.response_slice(h, p, t)) / temperature, axis=-1)
+    return jax.nn.log_softmax(model.logits(passes.response_slice(h, p, t)) / temperature, axis=-1)
 
 
 def _round(x, digits: int = 6):
