@@ -206,6 +206,12 @@ def compute_all(metrics: MetricDict) -> dict[str, Array]:
     return {k: v.compute() for k, v in metrics.items()}
 
 
+# `compute_all` compiled: the numbers are computed as the train step computed them in
+# its own program (with the same fusion, so with the same rounding: a pooled std
+# computed op by op differs in its last bit), and only numbers leave the devices.
+compute_jit = jax.jit(compute_all)
+
+
 def merge_all(records: list[MetricDict]) -> MetricDict:
     """Several records (one per update, in order) merged key by key, each by its kind."""
     return {

@@ -72,9 +72,8 @@ def summarize_updates(ms: list[metrics_lib.MetricDict]) -> tuple[dict, list[dict
     measured in its forward pass, at the parameters before it: k = 0 is at pi_old
     (nothing has drifted yet), k = 1 after one update.
     """
-    ms = jax.device_get(ms)
-    per_update = [jax.device_get(metrics_lib.compute_all(m)) for m in ms]
-    out = jax.device_get(metrics_lib.compute_all(metrics_lib.merge_all(ms)))
+    per_update = jax.device_get([metrics_lib.compute_jit(m) for m in ms])
+    out = jax.device_get(metrics_lib.compute_jit(metrics_lib.merge_all(ms)))
     out["no_signal_minibatches"] = out.pop("no_signal")
     for k in DRIFT_METRICS:
         if k in out:
@@ -359,9 +358,9 @@ class RLPhase:
                 )
                 ms.append(m)
                 where.append({"k": len(where), "epoch": epoch, "minibatch": j})
-        ms, pinfo, mask_sum = jax.device_get((ms, pinfo, jnp.sum(batch["mask"])))
+        m, per_update = summarize_updates(ms)  # fetches the numbers: the updates are done
+        pinfo, mask_sum = jax.device_get((pinfo, jnp.sum(batch["mask"])))
         t3 = time.perf_counter()
-        m, per_update = summarize_updates(ms)
         updates = [dict(w, **u) for w, u in zip(where, per_update)]
         m.update(info)
         m.update(pinfo)

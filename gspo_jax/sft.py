@@ -119,7 +119,7 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
         health = {k: m[k].compute() for k in ("params_finite", "skipped_in_a_row")}
         safety.check_health(jax.device_get(health), c, f"sft step {i + 1}")
         if (i + 1) % c.log_every == 0 or i + 1 == steps:
-            m = jax.device_get(metrics_lib.compute_all(m))
+            m = jax.device_get(metrics_lib.compute_jit(m))
             dt = time.perf_counter() - t0
             m["step_time"] = dt
             m["tokens_per_s"] = float(np.sum(host_batch["mask"])) / dt
