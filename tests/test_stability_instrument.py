@@ -364,7 +364,8 @@ def test_consecutive_skip_limit_stops_a_run(data_dir, tmp_path):
 @pytest.mark.slow
 def test_updates_jsonl_one_record_per_update_and_cut_back_on_resume(data_dir, tmp_path):
     """Two RL steps of two epochs x two mini-batches: four records per step, k = 0..3;
-    the step record keeps k = 0 and last-k drift values equal to those records."""
+    the step record keeps k = 0 and last-k drift values equal to those records, and its
+    token metrics are pooled over the four updates' tokens."""
     from gspo_jax import train
 
     c = _config(data_dir, **{"updates.num_epochs": 2, "total_rl_steps": 2, "checkpoint_every": 1})
@@ -374,10 +375,14 @@ def test_updates_jsonl_one_record_per_update_and_cut_back_on_resume(data_dir, tm
         (s, k, k // 2, k % 2) for s in (1, 2) for k in range(4)]
     for rec in (r for r in records if r["step"] > 0):
         mine = [u for u in ups if u["step"] == rec["step"]]
+        tokens = np.array([u["num_tokens"] for u in mine])
+        assert rec["num_tokens"] == tokens.sum()
         for key in ("flip_frac", "clip_frac", "ppo_kl"):
             assert rec[f"{key}_k0"] == pytest.approx(mine[0][key])
             assert rec[f"{key}_klast"] == pytest.approx(mine[-1][key])
-            assert rec[key] == pytest.approx(np.mean([u[key] for u in mine]))
+            # The step's value is the pooled one: over all its updates' tokens.
+            pooled = np.sum(tokens * np.array([u[key] for u in mine])) / tokens.sum()
+            assert rec[key] == pytest.approx(pooled)
         assert {"mismatch_kl", "mismatch_f2", "mismatch_route", "no_signal_minibatches"} <= set(rec)
     # A resume from step 1 cuts step 2's records, as for metrics.jsonl.
     w = MetricsWriter(str(tmp_path), resume_step=1, resume_phase="rl", filename="updates.jsonl",

@@ -13,7 +13,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments.stability import common, stats
-from gspo_jax import sweep
+from gspo_jax import passes, sweep
 
 # --------------------------------------------------------------------------
 # The collapse detector.
@@ -221,8 +221,6 @@ def _probe_batch(cfg, seed=0, n=6, p=5, t=7):
     import jax.numpy as jnp
 
     from gspo_jax import step
-
-    from gspo_jax import passes
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(1, cfg.vocab_size, (n, p))

@@ -211,7 +211,7 @@ def bench_train(size: str, backend: str, args) -> dict:
         tokens_per_s=round(tokens / sec, 1),
         model_tflops=round(flops / sec / 1e12, 2),
         mfu=_sig(flops / sec / peak),
-        loss_finite=bool(np.isfinite(float(m["loss"]))),
+        loss_finite=bool(np.isfinite(float(m["loss"].compute()))),
         old_logp_s=round(old_s, 4),
         old_logp_first_call_s=round(old_first, 2),
         old_logp_mfu=_sig(flops / 3 / old_s / peak),

@@ -121,9 +121,9 @@ def _discover() -> None:
 
 
 def names() -> tuple[str, ...]:
-    """Every registered task name."""
+    """Every registered task name, sorted (the same whatever imported a task first)."""
     _discover()
-    return tuple(_REGISTRY)
+    return tuple(sorted(_REGISTRY))
 
 
 def get(name: str) -> Task:
