@@ -11,6 +11,11 @@
   in two different all-reduces at once, waiting for each other, until XLA aborts
   the process after 40 s (seen on 2 cores in the stage-1 probe's update: 6 threads
   in one all-reduce, 2 in another). `docs/distributed.md` says the same to users.
+* XLA's CPU code generation at LLVM optimisation level 0 (``xla_backend_optimization_level``;
+  XLA's own HLO passes, fusion included, run as always). The suite compiles hundreds of
+  small programs and runs each a few times, so compile time is most of its time: on two
+  cores tests/test_step.py's fast tests took 108 s at the default level and 72 s at 0,
+  from an empty compilation cache. Only the tests are compiled this way.
 * One persistent XLA compilation cache for the session, its xdist workers and
   the trainer subprocesses they start: the trainer tests run the same programs
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
@@ -28,7 +33,8 @@ import tempfile
 
 os.environ.setdefault(
     "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false",
+    "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    " --xla_backend_optimization_level=0",
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
