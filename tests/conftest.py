@@ -21,6 +21,10 @@
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
   Only compile time changes: an executable loaded from the cache is the one the
   compiler produced for the same program.
+* ``slow``: a test that took `SLOW_SECONDS` or more in the last measurement of the whole
+  suite (tests/durations.json, from an empty compilation cache on two cores) is marked
+  ``slow``; ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
+  ``--record-durations=tests/durations.json`` (it writes every test of 1 s or more).
 * ``compile_counts``: the compilations during a test, from JAX's own monitoring
   events.
 * ``fake_stage_runs``: the stability study's RL runs replaced by a record of their
@@ -28,6 +32,7 @@
 """
 
 import collections
+import json
 import os
 import tempfile
 
@@ -50,6 +55,45 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+# A test this slow or slower (seconds, tests/durations.json) is marked `slow`.
+SLOW_SECONDS = 3.0
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        metavar="PATH",
+        default=None,
+        help="write each test's seconds (setup + call + teardown, 1 s or more) to PATH",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    with open(DURATIONS) as f:
+        seconds = json.load(f)["seconds"]
+    for item in items:
+        if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
+
+
+_durations = collections.Counter()
+
+
+def pytest_runtest_logreport(report):  # in the controlling process under xdist too
+    _durations[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--record-durations")
+    if path and not hasattr(session.config, "workerinput"):  # the controller writes
+        seconds = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 1.0}
+        with open(path, "w") as f:
+            about = "seconds per test, setup + call + teardown (tests/conftest.py)"
+            json.dump({"_about": about, "seconds": seconds}, f, indent=1)
+            f.write("\n")
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ def test_flop_and_byte_counts_follow_the_shape():
     assert math.isclose(many - one, 8 * expert * (64 - 8), rel_tol=1e-6)
 
 
-@pytest.mark.slow
 def test_tiny_run_reports_every_figure(tmp_path):
     out = bench.main(
         [

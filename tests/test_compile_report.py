@@ -219,7 +219,6 @@ def test_missing_plugin_is_said(monkeypatch, capsys):
     assert e.value.code == 2 and "CUDA plugin is not installed" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_benchmark_train_step_fits_an_h200(h200):
     """The 16-layer, 5.8B-parameter benchmark model's train step within 90% of what JAX
     may use of an H200 at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (issue's budget)."""

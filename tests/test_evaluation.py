@@ -214,7 +214,6 @@ def test_evaluate_a_workdir(smoke_workdir, tmp_path):
         evaluate_checkpoint(c, str(tmp_path / "nothing"))
 
 
-@pytest.mark.slow
 def test_evaluate_command_line(smoke_workdir, data_dir, tmp_path):
     workdir, _ = smoke_workdir
     out_file = tmp_path / "m.json"

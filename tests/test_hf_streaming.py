@@ -195,7 +195,6 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_one_gb_checkpoint_streams_onto_an_fsdp_expert_mesh(tmp_path):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices")

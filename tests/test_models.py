@@ -114,7 +114,6 @@ def _backend_loss_and_grad(backend):
   return _value_and_grad(_model(moe_backend=backend), loss, has_aux=True)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ragged", "blocked"])
 def test_model_backends_equal_dense(backend):
   (l_ref, aux_ref), g_ref = _backend_loss_and_grad("dense")
@@ -173,7 +172,7 @@ def test_padding_tokens_do_not_change_real_tokens():
   np.testing.assert_allclose(a1.expert_load, a2.expert_load, rtol=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [None, pytest.param(5, marks=pytest.mark.slow), 64])
+@pytest.mark.parametrize("chunk", [None, 5, 64])
 def test_token_logprobs_match_full_logits(chunk):
   model = _model(tie_embeddings=True)
   tokens = _tokens()
@@ -265,7 +264,6 @@ def test_replay_own_choices_equals_free_forward():
   np.testing.assert_allclose(logits3, logits, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_replay_other_experts_changes_output_and_router_gets_gradient():
   model = _model()
   tokens = _tokens()
@@ -328,7 +326,6 @@ def test_moe_layer_spec_matches_qwen_rules():
   assert cfg.layer_kinds == (False, True, False, False, False, True)
 
 
-@pytest.mark.slow
 def test_scan_unrolled_and_remat_agree():
   tokens = _tokens()
   kw = dict(num_layers=4, first_dense_layers=0, moe_every=2)  # plan: (D, M) x 2

@@ -37,7 +37,6 @@ def test_logical_to_mesh_spec_rules():
   assert logical_to_mesh_spec(("embed", "mlp"), (32, 64), rules2, mesh) == P("tensor", None)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(1, 2, 2, 2), (2, 1, 2, 2)])
 def test_sharded_forward_and_grads_match_single_device(mesh_shape):
   mesh = _mesh(mesh_shape)

@@ -183,7 +183,6 @@ def _saved_rl_steps(workdir) -> list[int]:
     ]
 
 
-@pytest.mark.slow
 def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path):
     data_dir = str(tmp_path / "data")
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
@@ -252,7 +251,6 @@ def test_a_process_stopped_for_another_says_so(capsys):
     assert "another process of the run was asked to stop after rl step 3" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_hf_export_and_load_across_two_processes_match_one(tmp_path):
     """Parameters spread over two processes export to the files one process writes
     (every gather collective, process 0 writing), and load back onto the mesh of both

@@ -35,7 +35,6 @@ def grad(name, lp, old, adv, mask, **kw):
     return np.asarray(jax.grad(lambda x: O.get(name)(x, old, adv, mask, **kw)[0])(lp))
 
 
-@pytest.mark.slow
 @SETTINGS
 @given(shapes, seeds, scales, st.sampled_from([(3e-4, 4e-4), (0.05, 0.1)]))
 def test_gspo_token_equals_gspo(shape, seed, scale, eps):
@@ -52,7 +51,6 @@ def test_gspo_token_equals_gspo(shape, seed, scale, eps):
                                grad("gspo", lp, old, adv, mask, **hp), rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.slow
 @SETTINGS
 @given(shapes, seeds, scales)
 def test_ppo_clip_zeroes_exactly_the_clipped_tokens(shape, seed, scale):
@@ -104,7 +102,6 @@ def test_gmpo_magnitude_below_grpo_per_sequence(t, seed, scale):
     assert abs(float(lg)) <= abs(float(lr)) * (1 + 1e-5) + 1e-7
 
 
-@pytest.mark.slow
 @SETTINGS
 @given(st.tuples(st.integers(2, 6), st.integers(1, 6)), seeds, scales,
        st.sampled_from(O.names()), st.sampled_from(O.AGG_MODES), st.integers(1, 5))

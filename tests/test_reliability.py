@@ -139,7 +139,6 @@ def test_second_signal_exits_at_once():
     assert "SIGTERM again: exiting now" in proc.stderr
 
 
-@pytest.mark.slow
 def test_sigterm_finishes_the_step_checkpoints_and_resumes(data_dir, tmp_path):
     """SIGTERM during the warm start: the trainer finishes its step, saves a checkpoint
     of it, says so and exits with 128 + 15; the same command then resumes after that
@@ -172,7 +171,6 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(data_dir, tmp_path):
 # Deleted warm-start checkpoints, non-finite parameters.
 
 
-@pytest.mark.slow
 def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path):
     """RL has begun; the warm start's checkpoints are deleted. Without a KL term RL
     resumes from its own checkpoint and the warm start is not repeated (its records
@@ -296,7 +294,6 @@ def _corrupt(step_dir, rs):
     return path
 
 
-@pytest.mark.slow
 def test_kills_and_corrupted_checkpoints_resume_to_the_uninterrupted_metrics(data_dir, tmp_path):
     """Five times: start the run, SIGKILL it at a random point after it makes progress,
     and flip 64 bytes in its newest checkpoint. Then let it finish. Every resume skips

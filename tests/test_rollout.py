@@ -294,7 +294,6 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
         np.testing.assert_array_equal(np.asarray(r.tokens[i]), seq[0, len(p):])
 
 
-@pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
     kw = dict(num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
     mixed = sampler(PROMPTS, **kw)
@@ -338,7 +337,6 @@ def test_stop_on_any_eos(sampler):
     _check_record(sampler, r, temperature=0.0)
 
 
-@pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 def test_compile_count_is_one_per_batch_bucket(model, compile_counts):
     # One prompt length for every call (the trainer's ``rollout.max_prompt_len``).
     sampler = rollout.Sampler.from_model(model, prompt_len=32)
@@ -371,7 +369,6 @@ def test_decode_loop_is_one_device_program(sampler):
     assert short == long and short["stablehlo.while"] >= 1
 
 
-@pytest.mark.slow  # several compiles of the sampler (~10 s each on 2 loaded cores)
 @pytest.mark.parametrize("axes,shape,shards,buckets", [
     (("data", "tensor"), (4, 2), 4, [4, 2, 4, 8]),
     (("data", "fsdp", "expert"), (2, 2, 2), 8, [8, 4, 8, 8]),
@@ -406,7 +403,6 @@ def test_sharded_batch_equals_single_device(model, sampler, axes, shape, shards,
         np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
 
 
-@pytest.mark.slow
 def test_sampling_matches_model_distribution_chi_square():
     # Tiny vocabulary; 4096 first tokens of one prompt against the model's
     # softmax; then the second token's conditional given the most common first.

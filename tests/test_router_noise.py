@@ -151,7 +151,6 @@ def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
   assert _disagreement(r, free_topk) > 0.1
 
 
-@pytest.mark.slow  # a compile for another batch bucket
 def test_a_rows_noise_does_not_depend_on_the_batch(sampler):
   kw = dict(rng=jax.random.key(6), router_noise_std=0.5, **KW)
   full = sampler(PROMPTS, **kw)

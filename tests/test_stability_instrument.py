@@ -361,7 +361,6 @@ def test_consecutive_skip_limit_stops_a_run(data_dir, tmp_path):
     assert not os.path.isdir(tmp_path / "checkpoints" / "rl" / "1")
 
 
-@pytest.mark.slow
 def test_updates_jsonl_one_record_per_update_and_cut_back_on_resume(data_dir, tmp_path):
     """Two RL steps of two epochs x two mini-batches: four records per step, k = 0..3;
     the step record keeps k = 0 and last-k drift values equal to those records, and its

@@ -510,7 +510,6 @@ def _groups(out) -> dict[str, list[dict]]:
 # End to end on the smoke settings.
 
 
-@pytest.mark.slow
 def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     stage3_replay.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"])
@@ -538,7 +537,6 @@ def test_stage3_runs_end_to_end_on_smoke(tmp_path):
     assert all(r["steps"] == [1] and stage3_rules.first_step(r, stage3_rules.KL_KEY) is not None for r in grid)
 
 
-@pytest.mark.slow
 def test_the_gpu_replication_runs_end_to_end_on_smoke(tmp_path):
     """scale=gpu: the MoE and its dense twin in bf16 on the hard task, runs under
     <root>/stage3_gpu, warm starts under <root>/warm/hard (smoke: a 2-layer model)."""
@@ -555,7 +553,6 @@ def test_the_gpu_replication_runs_end_to_end_on_smoke(tmp_path):
     assert "task hard, bfloat16 compute" in (out / "table.md").read_text()
 
 
-@pytest.mark.slow
 def test_stage4_calibrates_runs_and_reports_on_smoke(tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     cfg = CFG4 + ":smoke"

@@ -329,7 +329,6 @@ def test_drift_metrics_match_numpy():
 # Stages 1 and 2 end to end on their smoke settings.
 
 
-@pytest.mark.slow
 def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
     from experiments.stability import stage1_probes, stage2_frontier
 

@@ -62,7 +62,6 @@ def test_summarize_means_over_seeds(tmp_path):
     assert not sweep.finished(os.path.join(w, "eps_high=0.28__seed=1"), 1)
 
 
-@pytest.mark.slow
 def test_sweep_interrupted_then_resumed(tmp_path, tmp_path_factory, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")

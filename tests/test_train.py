@@ -210,7 +210,6 @@ REQUIRED = {"step", "phase", "reward_mean", "entropy", "grad_norm", "clip_frac",
 # gradient accumulation over a mesh, DAPO's data shaping, R2 and R3 replay, RSPO's
 # router shift (PPO's critic has its own test below). Every objective's train
 # step is exercised in tests/test_step.py; the loop around it is the same.
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "objective, replay",
     [("gspo", "none"), ("grpo", "none"), ("dapo", "none"), ("gspo", "R2"), ("rspo", "R3")],
@@ -291,7 +290,6 @@ def test_routing_replay_on_a_dense_model_is_refused():
         config_lib.validate(c, 1)
 
 
-@pytest.mark.slow
 def test_smoke_dense_model(data_dir, tmp_path):
     """A dense policy (model.fields.num_experts=0) through the whole loop with RSPO:
     no router, so gamma = 1 and nothing flips.
@@ -371,7 +369,6 @@ def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_
     assert np.isfinite(batch["advantages"]).all()
 
 
-@pytest.mark.slow
 def test_smoke_ppo_with_critic(data_dir, tmp_path):
     """PPO with a value head and GAE advantages through the whole loop."""
     from configs import ppo
@@ -388,7 +385,6 @@ def test_smoke_ppo_with_critic(data_dir, tmp_path):
     assert last["value_loss"] > 0
 
 
-@pytest.mark.slow
 def test_sharded_run_matches_single_device(data_dir, tmp_path):
     """(data=2, fsdp=2, expert=2) on 8 fake devices == one device, per metric."""
     cfg = "--config=configs/default.py:smoke"
@@ -403,7 +399,6 @@ def test_sharded_run_matches_single_device(data_dir, tmp_path):
     _assert_same_metrics(a, b, rtol=2e-3, atol=2e-4, steps=[1, 2])
 
 
-@pytest.mark.slow
 def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path):
     args = ["--config=configs/default.py:smoke", "--config.total_rl_steps=6", "--config.checkpoint_every=1"]
     full, cut = tmp_path / "full", tmp_path / "cut"

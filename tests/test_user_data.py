@@ -351,7 +351,6 @@ def test_messages_column(tmp_path):
 # End to end: the entry point on a user's file with one bad row.
 
 
-@pytest.mark.slow
 def test_train_on_a_users_file(tmp_path):
     rng = random.Random(0)
     rows = []
