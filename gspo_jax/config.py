@@ -304,6 +304,21 @@ def move_deprecated(c: ml_collections.ConfigDict) -> None:
     c.updates.gamma_min = None
 
 
+def move_deprecated_record(record: dict) -> dict:
+    """A saved config record (a workdir's config.json) with `move_deprecated`'s moves
+    made, silently: a workdir written before a move resumes under the new path."""
+    updates = record.get("updates", {})
+    old = updates.get("gamma_min")
+    if old is None:
+        return record
+    record = {**record, "updates": {**updates, "gamma_min": None}}
+    objective = record.get("objective", {})
+    if "gamma_min" in objective.get("hparams", {}) or objective.get("name") == "rspo":
+        hparams = {**objective.get("hparams", {}), "gamma_min": float(old)}
+        record["objective"] = {**objective, "hparams": hparams}
+    return record
+
+
 def _removed_key(path: str, value: Any) -> None:
     """A removed key (`REMOVED_KEYS`) of a config: a notice at its one accepted value,
     else ConfigError naming it."""

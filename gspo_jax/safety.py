@@ -89,7 +89,7 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
             f"{path}: cannot read the config of this workdir's checkpoints ({e}); restore it "
             "or use a new --workdir"
         ) from None
-    diffs = config_differences(saved, config_record(c))
+    diffs = config_differences(config_lib.move_deprecated_record(saved), config_record(c))
     if diffs:
         raise ConfigError(
             f"{workdir} holds checkpoints of another config; resuming would change what "

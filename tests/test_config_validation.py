@@ -194,6 +194,25 @@ def test_rspo_floor_is_an_objective_hyperparameter():
     assert "gspo takes no such hyperparameter" in msg
 
 
+def test_a_workdir_saved_before_the_floor_moved_resumes():
+    """A config.json written when RSPO's floor was updates.gamma_min compares equal to
+    today's config of the same run, and a different floor is still refused."""
+    from gspo_jax import safety
+
+    for name in ("gspo", "rspo"):
+        c = _smoke(name)
+        config_lib.validate(c, 8)
+        saved = safety.config_record(c)
+        old = {**saved, "updates": {**saved["updates"], "gamma_min": 0.5}}
+        if name == "rspo":
+            old["objective"] = {**saved["objective"], "hparams": {
+                k: v for k, v in saved["objective"]["hparams"].items() if k != "gamma_min"}}
+        assert safety.config_differences(config_lib.move_deprecated_record(old), saved) == []
+    old["updates"]["gamma_min"] = 0.7
+    diffs = safety.config_differences(config_lib.move_deprecated_record(old), saved)
+    assert diffs == ["config.objective.hparams.gamma_min: 0.7 -> 0.5"]
+
+
 def test_deprecated_updates_gamma_min_moves_to_the_objective(capsys):
     """The old path is accepted with a one-line notice naming the new one, and the
     config then reads as if the new one had been set."""
