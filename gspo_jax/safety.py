@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from gspo_jax import config as config_lib
+from gspo_jax import old_keys
 from gspo_jax.config import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -53,12 +54,12 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     exists on one side only), but those declared ``resume=True``: the run's length, how
     it is logged, evaluated and checkpointed, where its data lives, how it is laid out
     on devices, and safety limits (`gspo_jax.config.resumable_fields`); and the
-    removed keys (`gspo_jax.config.REMOVED_KEYS`)."""
+    removed keys (`gspo_jax.old_keys.REMOVED_KEYS`)."""
     resumable = config_lib.resumable_fields()
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in config_lib.REMOVED_KEYS or any(
+        if key in old_keys.REMOVED_KEYS or any(
             fnmatch.fnmatchcase(key, pattern) for pattern in resumable
         ):
             continue
@@ -89,7 +90,7 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
             f"{path}: cannot read the config of this workdir's checkpoints ({e}); restore it "
             "or use a new --workdir"
         ) from None
-    diffs = config_differences(config_lib.move_deprecated_record(saved), config_record(c))
+    diffs = config_differences(old_keys.move_deprecated_record(saved), config_record(c))
     if diffs:
         raise ConfigError(
             f"{workdir} holds checkpoints of another config; resuming would change what "

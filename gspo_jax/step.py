@@ -60,7 +60,7 @@ class UpdatesConfig:
         "none", choices=REPLAY_MODES, doc="routing replay: none, R2 or R3 (R2/R3: MoE only)"
     )
     # Deprecated: RSPO's floor is its own hyperparameter, objective.hparams.gamma_min
-    # (`gspo_jax.config.move_deprecated` moves a value set here, with a notice).
+    # (`gspo_jax.old_keys.move_deprecated` moves a value set here, with a notice).
     gamma_min: Optional[float] = setting(
         None,
         check=lambda v: None if v is None or is_real(v) else f"must be a number, got {v!r}",

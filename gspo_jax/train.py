@@ -31,7 +31,7 @@ import jax
 import ml_collections
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, safety, sft
+from gspo_jax import evaluation, multihost, old_keys, safety, sft
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.metrics_log import MetricsWriter, open_wandb, progress_bar
 from gspo_jax.rl import RLPhase
@@ -77,7 +77,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     primary = multihost.is_primary()
     with safety.RunGuard(workdir, lock=primary) as guard:
-        config_lib.move_deprecated(c)  # before the comparison with the saved config
+        old_keys.move_deprecated(c)  # before the comparison with the saved config
         safety.check_resume_config(c, workdir)
         trainer = Trainer(c, workdir)  # validates the config
         multihost.barrier("resume config checked")  # by every process, before it is replaced

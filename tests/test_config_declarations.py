@@ -7,14 +7,14 @@ import pathlib
 import pytest
 
 from gspo_jax import config as config_lib
-from gspo_jax import fields, safety
+from gspo_jax import fields, old_keys, safety
 from gspo_jax.run_config import RunConfig, TaskConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # base_config().to_dict() as the hand-written base_config made it (before the sections
 # were declared): the same keys, defaults and types; less rollout.top_p (1.0) and
-# rollout.top_k (0), removed since (`config.REMOVED_KEYS`).
+# rollout.top_k (0), removed since (`old_keys.REMOVED_KEYS`).
 BASE_CONFIG = {'advantage': 'group',
  'checkpoint_every': 20,
  'compilation_cache_dir': '~/.cache/gspo_jax/xla',
@@ -145,7 +145,7 @@ def _leaves(d, prefix=""):
 def test_base_config_is_the_hand_written_one():
     got = config_lib.base_config().to_dict()
     assert got == BASE_CONFIG
-    removed = {path: only for path, (only, _) in config_lib.REMOVED_KEYS.items()}
+    removed = {path: only for path, (only, _) in old_keys.REMOVED_KEYS.items()}
     assert removed == {"rollout.top_p": 1.0, "rollout.top_k": 0}  # their hand-written defaults
     typed_leaves = lambda d: {k: (type(v), repr(v)) for k, v in _leaves(d)}  # noqa: E731
     assert typed_leaves(got) == typed_leaves(BASE_CONFIG)

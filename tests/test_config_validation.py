@@ -197,7 +197,7 @@ def test_rspo_floor_is_an_objective_hyperparameter():
 def test_a_workdir_saved_before_the_floor_moved_resumes():
     """A config.json written when RSPO's floor was updates.gamma_min compares equal to
     today's config of the same run, and a different floor is still refused."""
-    from gspo_jax import safety
+    from gspo_jax import old_keys, safety
 
     for name in ("gspo", "rspo"):
         c = _smoke(name)
@@ -207,9 +207,9 @@ def test_a_workdir_saved_before_the_floor_moved_resumes():
         if name == "rspo":
             old["objective"] = {**saved["objective"], "hparams": {
                 k: v for k, v in saved["objective"]["hparams"].items() if k != "gamma_min"}}
-        assert safety.config_differences(config_lib.move_deprecated_record(old), saved) == []
+        assert safety.config_differences(old_keys.move_deprecated_record(old), saved) == []
     old["updates"]["gamma_min"] = 0.7
-    diffs = safety.config_differences(config_lib.move_deprecated_record(old), saved)
+    diffs = safety.config_differences(old_keys.move_deprecated_record(old), saved)
     assert diffs == ["config.objective.hparams.gamma_min: 0.7 -> 0.5"]
 
 
