@@ -217,3 +217,7 @@ def merge_all(records: list[MetricDict]) -> MetricDict:
     return {
         k: functools.reduce(lambda a, b: a.merge(b), [r[k] for r in records]) for k in records[0]
     }
+
+
+# `merge_all` then `compute_all`, in one compiled program (an RL step's summary).
+merged_jit = jax.jit(lambda records: compute_all(merge_all(records)))

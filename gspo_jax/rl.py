@@ -73,7 +73,7 @@ def summarize_updates(ms: list[metrics_lib.MetricDict]) -> tuple[dict, list[dict
     (nothing has drifted yet), k = 1 after one update.
     """
     per_update = jax.device_get([metrics_lib.compute_jit(m) for m in ms])
-    out = jax.device_get(metrics_lib.compute_jit(metrics_lib.merge_all(ms)))
+    out = jax.device_get(metrics_lib.merged_jit(ms))
     out["no_signal_minibatches"] = out.pop("no_signal")
     for k in DRIFT_METRICS:
         if k in out:

@@ -116,10 +116,11 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
         t0 = time.perf_counter()
         host_batch, cut = sft_batch(t, i * cfg.sft.batch_size)
         state, m = fn(state, t.put_batch(host_batch), jax.random.fold_in(base, i))
-        health = {k: m[k].compute() for k in ("params_finite", "skipped_in_a_row")}
+        m = metrics_lib.compute_jit(m)  # the numbers, on the devices
+        health = {k: m[k] for k in ("params_finite", "skipped_in_a_row")}
         safety.check_health(jax.device_get(health), c, f"sft step {i + 1}")
         if (i + 1) % c.log_every == 0 or i + 1 == steps:
-            m = jax.device_get(metrics_lib.compute_jit(m))
+            m = jax.device_get(m)
             dt = time.perf_counter() - t0
             m["step_time"] = dt
             m["tokens_per_s"] = float(np.sum(host_batch["mask"])) / dt

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, objectives, rewards, step, tasks
+from gspo_jax import evaluation, multihost, rewards, step, tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import encode_prompt, fit_prompts
@@ -108,11 +108,7 @@ class Trainer:
         )
         self.init_params = params  # where the warm start (or RL, without one) starts
         # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
-        self.kl_coef = float(
-            objectives.get(c.objective.name)
-            .validate_hyperparameters(dict(c.objective.hparams))
-            .get("kl_coef", 0.0)
-        )
+        self.kl_coef = float(getattr(cfg.objective.typed_hparams(), "kl_coef", 0.0))
 
     # ---- device placement and compiled steps --------------------------------
 
