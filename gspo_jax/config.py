@@ -421,7 +421,7 @@ def validate(
     one is allowed (as real checkpoints pad the embedding; the sampler masks the
     padding rows).
     """
-    from gspo_jax import objectives, run_config
+    from gspo_jax import objectives, offpolicy, run_config
     from gspo_jax.objectives.correction import RolloutCorrection
 
     _check_keys(c, base_config())
@@ -508,7 +508,8 @@ def validate(
                     "model.fields.num_experts=0 is a dense model",
                 )
 
-    shape = mesh_shape(c, num_devices)
+    # The sampler's own devices (rollout.devices) are not the training mesh's.
+    shape = mesh_shape(c, offpolicy.check(c, num_devices))
     _check_batches(c, shape)
     return shape
 

@@ -57,7 +57,7 @@ def is_workdir(path: str) -> bool:
 def restore_params(trainer) -> tuple[Any, str]:
     """(parameters, ``"rl/<step>"`` or ``"sft/<step>"``) of a workdir's newest RL
     checkpoint that restores, else of its newest warm-start one."""
-    from gspo_jax import rl, sft
+    from gspo_jax import offpolicy, rl, sft
     from gspo_jax.checkpoint import PhaseCheckpointer
 
     c = trainer.c
@@ -66,7 +66,8 @@ def restore_params(trainer) -> tuple[Any, str]:
         if rl_ckpt.latest_step() is not None:
             # The state train.py saves: parameters and the RL optimizer's moments.
             target = trainer.new_state(trainer.init_params, rl.rl_optimizer(trainer.cfg)[0])
-            state, _, step = rl_ckpt.restore(target)
+            tree, _, step = rl_ckpt.restore(offpolicy.checkpoint_target(trainer, target))
+            state = tree["train"] if trainer.cfg.rollout.staleness else tree
             return state.params, f"rl/{step}"
     finally:
         rl_ckpt.close()

@@ -22,6 +22,7 @@ log-prob passes and the train step compile once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import passes, shaping, step
+from gspo_jax import offpolicy, passes, shaping, step
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
@@ -98,10 +99,22 @@ class _Round:
     sample_time: float
 
 
+# Under updates.trust_region='behaviour', pi_old's routing references are the sampler's:
+# the experts it used and its router's log-probs there (RSPO's router shift).
+BEHAVIOUR_REFERENCES = {
+    "old_topk": "sampler_topk",
+    "old_free_topk": "sampler_topk",
+    "old_router_logp": "sampler_router_logp",
+}
+
 # The Rollout's arrays the training batch is assembled from (`_assemble`); the
 # routing record only where the sampler kept it.
 _BATCH_FIELDS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "truncated", "logp")
-_ROUTING_FIELDS = {"all": ("experts", "prompt_experts"), "response": ("experts",), "none": ()}
+_ROUTING_FIELDS = {
+    "all": ("experts", "router_logp", "prompt_experts"),
+    "response": ("experts", "router_logp"),
+    "none": (),
+}
 
 
 def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
@@ -140,6 +153,8 @@ def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
     if "experts" in parts[0]:
         # The sampler's routing of the position that produced each response token.
         batch["sampler_topk"] = take("experts")
+        # ... and its router's log-probs at those experts (the behaviour policy's router).
+        batch["sampler_router_logp"] = take("router_logp")
     if "prompt_experts" in parts[0]:
         batch["replay_r3"] = replay_r3(take("prompt_experts"), batch["sampler_topk"])
     return batch
@@ -241,10 +256,7 @@ class RLPhase:
         self.rollout_correction = RolloutCorrection(**dict(c.rollout_correction))
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
         # model's mismatch metrics compare the response tokens' with the trainer's.
-        if c.updates.routing_replay == "R3":
-            self.routing = "all"
-        else:
-            self.routing = "response" if trainer.model_cfg.num_moe_layers > 0 else "none"
+        self.routing = offpolicy.routing_record(cfg, trainer.model_cfg)
         self.assemble_fn = jax.jit(
             functools.partial(_assemble, overlong_filter=cfg.dapo.overlong_filter),
             out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
@@ -286,6 +298,13 @@ class RLPhase:
             functools.partial(rollout_correction, rc=self.rollout_correction)
         )
         self.mismatch_fn = jax.jit(passes.mismatch_metrics)
+        self.staleness_fn = jax.jit(offpolicy.staleness_metrics)
+        # Off-policy (gspo_jax.offpolicy): the queue of scored batches, the parameters
+        # the sampler reads, and which policy the trust region is around.
+        self.queue: collections.deque[offpolicy.QueuedBatch] = collections.deque()
+        self.sampler_params = None  # on the sampler's devices, when it has its own
+        self.behaviour = cfg.updates.trust_region == "behaviour"
+        self.old_pass = not self.behaviour or self.critic or replay == "R2"
         # The mini-batches: the permutation and the gather on the devices.
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         self.perm_fn = jax.jit(functools.partial(_permutations, n=n, epochs=cfg.updates.num_epochs))
@@ -294,23 +313,37 @@ class RLPhase:
             out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
         )
 
-    def prepare(self, collected: dict[str, Any]) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-        """Stages 4-6: the device batch with old (and reference) log-probs, routing
-        records, advantages and the rollout correction; and the step's train-inference
-        mismatch metrics. ``collected``: `collect`'s batch (on the devices, but for the
-        host ``rewards`` of its rows)."""
+    def prepare(self, queued: offpolicy.QueuedBatch, s: int):
+        """Stages 4-6: the device batch with pi_old's (and the reference's) log-probs,
+        routing records, advantages and the rollout correction; and the step's
+        train-inference mismatch metrics. ``queued``: the batch `collect_batch` made
+        (on the devices, but for the host ``rewards`` of its rows); ``s``: this step.
+
+        ``updates.trust_region`` (docs/offpolicy.md): 'decoupled' recomputes pi_old at
+        the step's parameters (the proximal policy) in the old pass, and the rollout
+        correction weighs pi_old / pi_behaviour; 'behaviour' takes pi_old to be the
+        sampler's own log-probs and routing (`BEHAVIOUR_REFERENCES`), and the old pass
+        runs only for what nothing else gives: the critic's values, R2's routing.
+        Nothing here waits for the devices: group advantages are computed first, so
+        that their host part never queues behind the pass."""
         c = self.c
-        rewards = collected["rewards"]
-        dev = self.t.put_batch({k: v for k, v in collected.items() if k != "rewards"})
-        old = self.logp_fn(self.state.params, dev)
+        dev = self.t.put_batch(queued.device)
         batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")}
-        batch.update(self.advantages(rewards, old.get("values"), dev["mask"]))
-        batch.update(
-            old_logp=old["logp"],
-            old_topk=old["topk_resp"],
-            old_free_topk=old["free_topk_resp"],
-            old_router_logp=old["router_logp"],
-        )
+        if not self.critic:
+            batch.update(self.advantages(queued.rewards, None, dev["mask"]))
+        old = self.logp_fn(self.state.params, dev) if self.old_pass else None
+        if self.critic:
+            batch.update(self.advantages(queued.rewards, old["values"], dev["mask"]))
+        if self.behaviour:
+            batch["old_logp"] = dev["rollout_logp"]
+            batch.update(self.behaviour_references(dev))
+        else:
+            batch.update(
+                old_logp=old["logp"],
+                old_topk=old["topk_resp"],
+                old_free_topk=old["free_topk_resp"],
+                old_router_logp=old["router_logp"],
+            )
         if self.moe:  # the sampler's routing at the response positions
             if "sampler_topk" in dev:
                 batch["sampler_topk"] = dev["sampler_topk"]
@@ -323,31 +356,36 @@ class RLPhase:
             batch["replay"] = dev["replay_r3"]
         if self.ref_params is not None:
             batch["ref_logp"] = self.ref_logp_fn(self.ref_params, dev)["logp"]
-        info = self.mismatch_fn(
-            dev["rollout_logp"],
-            old["logp"],
-            dev["mask"],
-            batch.get("sampler_topk"),
-            old["free_topk_resp"] if self.moe else None,
-        )
+        info = self.staleness_fn(dev["policy_version"], dev["mask"], np.int32(s))
+        if not self.behaviour:
+            info.update(
+                self.mismatch_fn(
+                    dev["rollout_logp"],
+                    old["logp"],
+                    dev["mask"],
+                    batch.get("sampler_topk"),
+                    old["free_topk_resp"] if self.moe else None,
+                )
+            )
         if self.rollout_correction.mode != "none":
             weight, rc_metrics = self.correction_fn(old["logp"], dev["rollout_logp"], dev["mask"])
             batch["rc_weight"] = weight
             info.update(metrics_lib.compute_all(rc_metrics))
         return batch, info
 
-    def step(self, s: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """One RL step: collect, prepare, update. Returns the step's summary metrics
-        and one record per optimizer update (``k``: its index within the rollout)."""
-        c = self.c
+    def behaviour_references(self, dev) -> dict[str, jax.Array]:
+        """pi_old's routing references under trust_region 'behaviour': the sampler's
+        (`BEHAVIOUR_REFERENCES`); a dense model's are empty, as its old pass's are."""
+        if self.moe:
+            return {k: dev[v] for k, v in BEHAVIOUR_REFERENCES.items()}
+        shape = dev["tokens"].shape + (0, self.t.model_cfg.top_k)
+        empty = jnp.zeros(shape, jnp.int32)
+        return {"old_topk": empty, "old_free_topk": empty, "old_router_logp": empty + 0.0}
+
+    def updates(self, batch, rng) -> tuple[list, list[dict]]:
+        """Stage 7: ``num_epochs x num_minibatches`` train steps on the batch, dispatched
+        (nothing waits here). Returns their metric states and where each update was."""
         cfg = self.cfg
-        rng = jax.random.fold_in(jax.random.key(c.seed + 1), s)
-        t0 = time.perf_counter()
-        collected, info = self.collect(self.state.params, s, rng)
-        t1 = time.perf_counter()
-        batch, pinfo = self.prepare(collected)
-        jax.block_until_ready(batch)
-        t2 = time.perf_counter()
         perm = self.perm_fn(jax.random.fold_in(rng, 1_000_003))
         ms, where = [], []
         for epoch in range(cfg.updates.num_epochs):
@@ -358,12 +396,45 @@ class RLPhase:
                 )
                 ms.append(m)
                 where.append({"k": len(where), "epoch": epoch, "minibatch": j})
+        return ms, where
+
+    def step(self, s: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One RL step: collect step s + k's batch (k = ``rollout.staleness``), train on
+        step s's (sampled k steps ago; `gspo_jax.offpolicy`). Serially, the batch is
+        collected first and then trained on (k = 0: the on-policy loop); with
+        ``rollout.overlap`` the updates are dispatched first and the next batch is
+        sampled and scored on the sampler's devices while they run. Returns the step's
+        summary metrics and one record per optimizer update (``k``: its index within
+        the rollout)."""
+        cfg = self.cfg
+        k = cfg.rollout.staleness
+        rng = jax.random.fold_in(jax.random.key(self.c.seed + 1), s)
+        self.fill_queue(s)
+        t0 = time.perf_counter()
+        if cfg.rollout.overlap:
+            queued = self.queue.popleft()
+            batch, pinfo = self.prepare(queued, s)
+            ms, where = self.updates(batch, rng)
+            t1 = t2 = time.perf_counter()  # dispatched: the sampler side runs now
+            self.queue.append(self.collect_batch(s + k, version=s))
+            t_collected = time.perf_counter()
+        else:
+            self.queue.append(self.collect_batch(s + k, version=s))
+            t1 = time.perf_counter()
+            queued = self.queue.popleft()
+            batch, pinfo = self.prepare(queued, s)
+            jax.block_until_ready(batch)
+            t2 = time.perf_counter()
+            ms, where = self.updates(batch, rng)
         m, per_update = summarize_updates(ms)  # fetches the numbers: the updates are done
         pinfo, mask_sum = jax.device_get((pinfo, jnp.sum(batch["mask"])))
         t3 = time.perf_counter()
+        if self.t.sampler_devices.split:  # the new parameters to the sampler's devices
+            self.sampler_params = self.t.sampler_devices.publish(self.state.params)
         updates = [dict(w, **u) for w, u in zip(where, per_update)]
-        m.update(info)
+        m.update(queued.info)
         m.update(pinfo)
+        m.update(self._behaviour_metrics(pinfo, per_update[0]))
         step_time = t3 - t0
         trained_tokens = float(mask_sum) * cfg.updates.num_epochs
         m.update(
@@ -371,9 +442,82 @@ class RLPhase:
             rollout_time=t1 - t0,
             old_logp_time=t2 - t1,
             update_time=t3 - t2,
-            tokens_per_s=(info["gen_tokens"] + trained_tokens) / step_time,
+            tokens_per_s=(queued.info["gen_tokens"] + trained_tokens) / step_time,
         )
+        if cfg.rollout.overlap:  # which side the step waited on
+            m.update(collect_time=t_collected - t1, train_wait_time=t3 - t_collected)
         return m, updates
+
+    def _behaviour_metrics(self, pinfo, first_update) -> dict[str, float]:
+        """KL(pi_behaviour || pi_proximal) (k3 estimate) and F(2), the share of tokens
+        whose ratio is outside [1/2, 2]: from the old pass over the whole batch
+        ('decoupled'), or from the first update's forward, at the step's parameters, over
+        its mini-batch ('behaviour', which runs no old pass)."""
+        if self.behaviour:
+            return {
+                "behaviour_kl": first_update["kl_k3"],
+                "behaviour_f2": first_update["frac_ratio_gt_2"],
+            }
+        return {"behaviour_kl": pinfo["mismatch_kl"], "behaviour_f2": pinfo["mismatch_f2"]}
+
+    # ---- the queue of scored batches (gspo_jax.offpolicy) --------------------
+
+    def fill_queue(self, s: int) -> None:
+        """Before step s: batches s ... s + k - 1 in the queue. Only at a fresh start is
+        anything sampled here (by the parameters RL starts from); a resume restores the
+        queue from its checkpoint (`load_checkpoint`)."""
+        k = self.cfg.rollout.staleness
+        while len(self.queue) < k:
+            self.queue.append(self.collect_batch(s + len(self.queue), version=s))
+
+    def sampling_params(self):
+        """The parameters the sampler reads: the state's, or their copy on the sampler's
+        own devices (published after each step)."""
+        if not self.t.sampler_devices.split:
+            return self.state.params
+        if self.sampler_params is None:
+            self.sampler_params = self.t.sampler_devices.publish(self.state.params)
+        return self.sampler_params
+
+    def collect_batch(self, j: int, *, version: int) -> offpolicy.QueuedBatch:
+        """Batch j (its data and RNG are step j's), sampled and scored by the current
+        parameters, RL step ``version``'s, on the training mesh."""
+        with self.t.sampler_context():
+            rng = jax.random.fold_in(jax.random.key(self.c.seed + 1), j)
+            collected, info = self.collect(self.sampling_params(), j, rng)
+        return self.queued(collected, info, step=j, version=version)
+
+    def queued(self, collected, info, *, step: int, version: int) -> offpolicy.QueuedBatch:
+        """`collect`'s batch as the queue holds it: on the training mesh (device to
+        device if the sampler has its own), each row marked with ``version``."""
+        collected = dict(collected)
+        rewards = collected.pop("rewards")
+        device = self.t.put_batch(collected)
+        device["policy_version"] = self.t.put_rows(np.full(len(rewards), version, np.int32))
+        return offpolicy.QueuedBatch(device, rewards, info, step=step, version=version)
+
+    def checkpoint_items(self) -> tuple[Any, dict[str, Any]]:
+        """What a checkpoint holds: the train state (and, with staleness, the queue's
+        device arrays), and the JSON record of the queue's host part."""
+        if not self.cfg.rollout.staleness:
+            return self.state, {}
+        tree = {"train": self.state, "queue": [b.device for b in self.queue]}
+        return tree, {"queue": [b.meta() for b in self.queue]}
+
+    def checkpoint_target(self):
+        """The restore target of `checkpoint_items`' tree."""
+        return offpolicy.checkpoint_target(self.t, self.state)
+
+    def load_checkpoint(self, tree, meta: dict[str, Any]) -> None:
+        """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`)."""
+        if not self.cfg.rollout.staleness:
+            self.state = tree
+            return
+        self.state = tree["train"]
+        self.queue.clear()
+        for device, record in zip(tree["queue"], meta["queue"]):
+            self.queue.append(offpolicy.QueuedBatch.from_checkpoint(device, record))
+        self.sampler_params = None
 
     def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Stages 1-3: rollouts, rewards and DAPO's filters for one RL step.

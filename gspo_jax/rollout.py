@@ -144,6 +144,27 @@ class RolloutConfig:
         doc="a prompt over max_prompt_len: refused (an error naming it) or cut to its last "
         "max_prompt_len tokens",
     )
+    # Off-policy (docs/offpolicy.md): which policy sampled the batch a step trains on,
+    # and where and when the sampler runs.
+    staleness: int = setting(
+        0,
+        low=0,
+        doc="k: RL step t trains on the batch the policy of step t - k sampled (the first k "
+        "steps' batches: the warm start's policy); 0 is on-policy",
+    )
+    devices: int = setting(
+        0,
+        low=0,
+        resume=True,
+        doc="0: the sampler shares the training devices; n: it runs on n devices of its own "
+        "(per process: the last n / processes local devices), training on the rest",
+    )
+    overlap: bool = setting(
+        False,
+        resume=True,
+        doc="sample the next batch while the current one trains (needs staleness >= 1 and "
+        "devices >= 1)",
+    )
 
 
 def replay_r3(prompt_experts: jax.Array, experts: jax.Array) -> jax.Array:

@@ -35,6 +35,8 @@ from gspo_jax.passes import forward, response_slice, sequence_inputs, split_micr
 Batch = dict[str, jax.Array]
 
 REPLAY_MODES = ("none", "R2", "R3")
+# The policy the objectives' ratio is taken against (docs/offpolicy.md).
+TRUST_REGIONS = ("decoupled", "behaviour")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,14 @@ class UpdatesConfig:
     )
     routing_replay: str = setting(
         "none", choices=REPLAY_MODES, doc="routing replay: none, R2 or R3 (R2/R3: MoE only)"
+    )
+    trust_region: str = setting(
+        "decoupled",
+        choices=TRUST_REGIONS,
+        doc="the policy the objectives' ratio and clip are around: 'decoupled', pi_old "
+        "recomputed at the step's parameters (rollout_correction weighs pi_old / "
+        "pi_behaviour), or 'behaviour', the sampler's log-probs (no old pass; "
+        "docs/offpolicy.md)",
     )
     # Deprecated: RSPO's floor is its own hyperparameter, objective.hparams.gamma_min
     # (`gspo_jax.old_keys.move_deprecated` moves a value set here, with a notice).
@@ -350,6 +360,10 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         + cfg.z_loss_coef * aux.z_loss * z_share
     )
     metrics.update(entropy=Mean.masked(jax.lax.stop_gradient(entropy), mask))
+    # k3 estimate of KL(pi_old || pi_theta) on pi_old's tokens: at the first update of a
+    # rollout, under trust_region 'behaviour', the behaviour-vs-proximal KL.
+    log_r = jax.lax.stop_gradient(logp - batch["old_logp"])
+    metrics.update(kl_k3=Mean.masked(jnp.expm1(log_r) - log_r, mask))
     metrics.update(
         aux_loss=Mean.of(aux.aux_loss), z_loss=Mean.of(aux.z_loss, weight=router_positions)
     )

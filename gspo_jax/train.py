@@ -113,7 +113,8 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
     rl = RLPhase(trainer, params)
     rl_start = 0
     if resuming_rl:  # the newest checkpoint that restores (checkpoint.PhaseCheckpointer)
-        rl.state, _, rl_start = rl_ckpt.restore(rl.state)
+        tree, meta, rl_start = rl_ckpt.restore(rl.checkpoint_target())
+        rl.load_checkpoint(tree, meta)
     if writer is None:  # RL resumes at rl_start, or starts afresh (-1: no RL line kept)
         writer = open_log("rl", rl_start if resuming_rl else -1)
     # One record per optimizer update, cut back to the RL checkpoint like metrics.jsonl.
@@ -147,9 +148,10 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
             flip=f"{m.get('flip_frac', 0.0):.3f}",
         )
         bar.update(1)
-        meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c)}
+        tree, queue_meta = rl.checkpoint_items()  # the state, and the queue with staleness
+        meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c), **queue_meta}
         stop = guard.requested
-        rl_ckpt.save(s + 1, rl.state, meta, force=(s + 1 == steps) or stop)
+        rl_ckpt.save(s + 1, tree, meta, force=(s + 1 == steps) or stop)
         if stop:
             rl_ckpt.close()
             update_writer.close()

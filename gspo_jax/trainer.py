@@ -9,6 +9,7 @@ The run itself, its loop over phases, logs, checkpoints and resume, is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -21,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, rewards, step, tasks
+from gspo_jax import evaluation, multihost, offpolicy, rewards, step, tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import encode_prompt, fit_prompts
@@ -52,7 +53,12 @@ class Trainer:
             c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
         )
         self.cfg = cfg = config_lib.typed(c)  # the config's values, typed (gspo_jax.run_config)
-        self.mesh = make_mesh(mesh_shape)
+        if cfg.rollout.devices:  # the sampler on devices of its own (gspo_jax.offpolicy)
+            train_devices, sampler_devices = offpolicy.split_devices(cfg.rollout.devices)
+            self.mesh = make_mesh(mesh_shape, train_devices)
+            self.sampler_mesh = offpolicy.sampler_mesh(self.mesh, sampler_devices)
+        else:
+            self.mesh = self.sampler_mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
         options = tasks.get(c.task.name).options(c.task)  # the task's own PromptSource options
@@ -103,8 +109,12 @@ class Trainer:
             graphdef,
             params,
             vocab_size=self.model_cfg.vocab_size,
-            mesh=self.mesh,
+            mesh=self.sampler_mesh,
             prompt_len=self.max_prompt_len,
+        )
+        # Where the sampler reads the parameters (a copy on its own devices, if any).
+        self.sampler_devices = offpolicy.SamplerDevices(
+            self.mesh, self.sampler_mesh, self.model_cfg
         )
         self.init_params = params  # where the warm start (or RL, without one) starts
         # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
@@ -149,6 +159,14 @@ class Trainer:
         )
         return on_mesh(jitted, self.mesh)
 
+    def sampler_context(self):
+        """Where the sampling side's small host-driven computations run (the RNG keys,
+        DAPO's shaping): on a sampler device when the sampler has its own, so that they
+        never wait behind the training programs queued on the first device."""
+        if self.sampler_mesh is self.mesh:
+            return contextlib.nullcontext()
+        return jax.default_device(self.sampler_mesh.devices.flat[0])
+
     def put_rows(self, x: np.ndarray) -> jax.Array:
         """A host [rows, ...] array (the same on every process) on the mesh, sharded over
         its rows as `put_batch` does."""
@@ -192,7 +210,7 @@ class Trainer:
             eos_id=list(tok.stop_ids),
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
-            state=params,
+            state=self.sampler_devices.publish(params),
             router_noise_std=cfg.rollout.router_noise_std if router_noise else 0.0,
             routing=routing,
         )

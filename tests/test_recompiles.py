@@ -113,8 +113,9 @@ def test_routing_record_never_reaches_the_host(data_dir, tmp_path, monkeypatch):
     trainer = trainer_lib.Trainer(c, str(tmp_path))
     rl = rl_lib.RLPhase(trainer, trainer.init_params)
     fetched = _record_host_fetches(monkeypatch)
-    batch, _ = rl.collect(rl.state.params, 0, jax.random.key(0))
-    prepared, _ = rl.prepare(batch)
+    queued = rl.collect_batch(0, version=0)
+    batch = queued.device
+    prepared, _ = rl.prepare(queued, 0)
     rl.step(0)
     rows, T = int(c.rollout.prompts_per_step) * int(c.rollout.group_size), int(c.rollout.max_new_tokens)
     P = int(c.rollout.max_prompt_len)

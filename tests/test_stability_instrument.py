@@ -249,8 +249,9 @@ def _prepared(c, workdir):
 
     trainer = Trainer(c, str(workdir))
     rl = RLPhase(trainer, trainer.init_params)
-    host, _ = rl.collect(rl.state.params, 0, jax.random.key(0))
-    batch, info = rl.prepare(host)
+    queued = rl.collect_batch(0, version=0)
+    batch, info = rl.prepare(queued, 0)
+    host = jax.device_get(queued.device)
     return trainer, rl, host, batch, jax.device_get(info)
 
 

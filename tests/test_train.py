@@ -364,7 +364,7 @@ def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_
     src.order = lambda epoch: orders[epoch]  # epoch 1 starts with epoch 0's last example
     assert len(set(src.indices(2 * n, n).tolist())) < n
     phase = rl.RLPhase(t, t.init_params)
-    batch, _ = phase.prepare(phase.collect(t.init_params, 2, jax.random.key(0))[0])
+    batch, _ = phase.prepare(phase.collect_batch(2, version=0), 2)
     assert batch["mask"].shape[0] == n * g
     assert np.isfinite(batch["advantages"]).all()
 

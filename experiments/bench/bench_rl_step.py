@@ -113,8 +113,7 @@ def main(argv=None):
     ms = [rl.step(s)[0] for s in range(1, args.steps + 1)]
 
     # FLOPs of one update (one mini-batch) from XLA's cost analysis.
-    host, _ = rl.collect(rl.state.params, 0, jax.random.key(0))
-    batch, _ = rl.prepare(host)
+    batch, _ = rl.prepare(rl.collect_batch(0, version=0), 0)
     mb = batch["tokens"].shape[0] // int(c.updates.num_minibatches)
     mini = {k: v[:mb] for k, v in batch.items()}
     compiled = rl.train_fn.lower(rl.state, mini, jax.random.key(0)).compile()

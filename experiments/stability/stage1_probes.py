@@ -189,7 +189,7 @@ def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
     records = []
     for b, host_batch in enumerate(host_batches):
         phase.state = trainer.new_state(jax.tree.map(jnp.copy, params0), phase.optimizer)
-        batch, _ = phase.prepare(host_batch)
+        batch, _ = phase.prepare(host_batch, 0)
         old_lp = full_logprobs(params0, batch, graphdef=graphdef, temperature=kw["temperature"])
         n = batch["tokens"].shape[0]
         mb = n // int(sc.updates)
@@ -246,7 +246,11 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 phase = RLPhase(trainer, params0)
                 if host_batches is None:  # one set of rollouts per warm start, shared
                     host_batches = [
-                        phase.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b))[0]
+                        phase.queued(
+                            *phase.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b)),
+                            step=b,
+                            version=0,
+                        )
                         for b in range(int(sc.batches))
                     ]
                 records = run_probe(trainer, phase, params0, host_batches, sc, ranges)

@@ -108,8 +108,8 @@ def calibrate(sc, root: str, out: str, log=print) -> dict:
             per = []
             for b in range(int(sc.calib_batches)):
                 rng = jax.random.fold_in(jax.random.key(c.seed + 1), b)
-                host_batch, _ = phase.collect(params, b, rng)
-                _, info = phase.prepare(host_batch)
+                queued = phase.queued(*phase.collect(params, b, rng), step=b, version=0)
+                _, info = phase.prepare(queued, 0)
                 per.append(
                     {k: float(v) for k, v in jax.device_get(info).items() if np.ndim(v) == 0}
                 )

@@ -28,9 +28,11 @@ from gspo_jax.models.config import MESH_AXES, ModelConfig
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
-def make_mesh(shape: dict[str, int]) -> Mesh:
-    """The run's device mesh: ``shape`` (`gspo_jax.config.mesh_shape`) over `MESH_AXES`."""
-    devices = np.asarray(jax.devices()).reshape(tuple(shape[a] for a in MESH_AXES))
+def make_mesh(shape: dict[str, int], devices: Optional[Sequence] = None) -> Mesh:
+    """The run's device mesh: ``shape`` (`gspo_jax.config.mesh_shape`) over `MESH_AXES`,
+    of ``devices`` (default: every device)."""
+    devices = jax.devices() if devices is None else list(devices)
+    devices = np.asarray(devices).reshape(tuple(shape[a] for a in MESH_AXES))
     return Mesh(devices, MESH_AXES)
 
 

@@ -1,0 +1,240 @@
+"""Off-policy training: how stale the batch a step trains on is, and where the sampler runs
+(docs/offpolicy.md).
+
+    rollout.staleness = k    RL step t trains on the batch that the policy of step t - k
+                             sampled: a queue of k scored batches (`RolloutQueue`),
+                             checkpointed with the train state. The first k steps' batches
+                             are the warm start's policy's. k = 0 is the on-policy loop.
+    rollout.devices = n      the sampler runs on n devices of its own (`split_devices`), the
+                             training on the rest; the parameters reach the sampler's
+                             devices after each step, device to device, in the compute
+                             dtype (`SamplerDevices.publish`).
+    rollout.overlap          the next batch is sampled and scored while the current one
+                             trains (`gspo_jax.rl.RLPhase.step`).
+    updates.trust_region     which policy the objectives' ratio is around: 'decoupled' or
+                             'behaviour' (`gspo_jax.rl.RLPhase.prepare`).
+
+A batch of the queue is what `gspo_jax.rl.RLPhase.collect` returns: the device arrays of the
+batch layout (`gspo_jax.rl._assemble`; ``policy_version`` int32[N], the RL step whose
+parameters sampled each row), the rows' shaped rewards and the host metrics of its
+collection. The RNG and the data of batch j are those of step j whatever k is: only the
+parameters that sample it differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax.fields import err
+from gspo_jax.models.config import MESH_AXES
+from gspo_jax.models.precision import inference_params
+from gspo_jax.models.sharding import BATCH_AXES
+
+
+def check(c: ml_collections.ConfigDict, num_devices: int) -> int:
+    """The constraints between the off-policy fields and the device count (ConfigError
+    naming the field). Returns the number of devices the training mesh has."""
+    k, n, overlap = int(c.rollout.staleness), int(c.rollout.devices), bool(c.rollout.overlap)
+    if overlap and k < 1:
+        raise err(
+            "rollout.overlap",
+            "needs rollout.staleness >= 1: the batch sampled while step t trains is step "
+            "t + k's, sampled by the parameters step t starts from",
+        )
+    if overlap and n < 1:
+        raise err(
+            "rollout.overlap",
+            "needs rollout.devices >= 1: the sampler runs on devices of its own while the "
+            "others train",
+        )
+    if c.updates.trust_region == "behaviour" and c.rollout_correction.mode != "none":
+        raise err(
+            "rollout_correction.mode",
+            f"{c.rollout_correction.mode!r} weighs pi_old / pi_behaviour, which is 1 under "
+            "updates.trust_region='behaviour' (pi_old is the sampler's): use 'none', or "
+            "trust_region 'decoupled'",
+        )
+    if n >= num_devices:
+        raise err(
+            "rollout.devices",
+            f"{n} of the {num_devices} devices leaves none for training",
+        )
+    procs = jax.process_count()
+    if n % procs:
+        raise err(
+            "rollout.devices",
+            f"{n} is not divisible by the {procs} processes (each gives the same number)",
+        )
+    return num_devices - n
+
+
+def split_devices(n_rollout: int) -> tuple[list, list]:
+    """(training devices, sampler devices): each process gives its last
+    ``n_rollout / process_count`` local devices to the sampler, so every process holds
+    rows of both sides (it scores its own rollout rows; `gspo_jax.multihost`)."""
+    train, sample = [], []
+    per_process = n_rollout // jax.process_count()
+    for p in range(jax.process_count()):
+        local = [d for d in jax.devices() if d.process_index == p]
+        cut = len(local) - per_process
+        train += local[:cut]
+        sample += local[cut:]
+    return train, sample
+
+
+def sampler_mesh(train_mesh: Mesh, devices: list) -> Mesh:
+    """The sampler's mesh: the training mesh's fsdp, expert and tensor sizes, the rest of
+    ``devices`` on the data axis (ConfigError on ``rollout.devices`` if they do not divide)."""
+    inner = {a: train_mesh.shape[a] for a in MESH_AXES if a != "data"}
+    per_data = int(np.prod(list(inner.values())))
+    if len(devices) % per_data:
+        raise err(
+            "rollout.devices",
+            f"{len(devices)} devices do not hold whole copies of the fsdp*expert*tensor = "
+            f"{per_data} model shards",
+        )
+    shape = dict(inner, data=len(devices) // per_data)
+    grid = np.asarray(devices).reshape(tuple(shape[a] for a in MESH_AXES))
+    return Mesh(grid, MESH_AXES)
+
+
+class SamplerDevices:
+    """The parameters the sampler reads. Without devices of its own it reads the
+    training parameters themselves; with them, a copy in the compute dtype
+    (`inference_params`, bitwise the same logits) moved device to device onto its mesh,
+    with the training parameters' partition specs."""
+
+    def __init__(self, train_mesh: Mesh, mesh: Mesh, model_cfg):
+        self.train_mesh, self.mesh, self.model_cfg = train_mesh, mesh, model_cfg
+        self.split = mesh is not train_mesh
+        self._cast = jax.jit(lambda p: inference_params(p, model_cfg))
+
+    def on_sampler(self, params) -> bool:
+        leaf = jax.tree.leaves(params)[0]
+        sh = getattr(leaf, "sharding", None)
+        return isinstance(sh, NamedSharding) and sh.mesh == self.mesh
+
+    def publish(self, params):
+        """``params`` where the sampler reads them (asynchronous: nothing waits here)."""
+        if not self.split or self.on_sampler(params):
+            return params
+        with jax.set_mesh(self.train_mesh):
+            cast = self._cast(params)
+        dest = jax.tree.map(lambda a: NamedSharding(self.mesh, a.sharding.spec), cast)
+        return jax.device_put(cast, dest)
+
+
+@dataclasses.dataclass
+class QueuedBatch:
+    """One scored batch waiting to be trained on."""
+
+    device: dict[str, jax.Array]  # the batch layout, on the training mesh
+    rewards: np.ndarray  # f32[N], shaped
+    info: dict[str, Any]  # host metrics of its collection (rewards, lengths, times)
+    step: int  # the RL step it was sampled for (its data and RNG)
+    version: int  # the RL step whose parameters sampled it
+
+    def meta(self) -> dict[str, Any]:
+        """The host part, as JSON (floats round-trip exactly)."""
+        info = {
+            k: (float(v) if isinstance(v, (float, np.floating)) else int(v))
+            for k, v in self.info.items()
+        }
+        return {
+            "rewards": [float(x) for x in np.asarray(self.rewards, np.float32)],
+            "info": info,
+            "step": self.step,
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_checkpoint(cls, device, meta: dict[str, Any]) -> "QueuedBatch":
+        return cls(
+            device=dict(device),
+            rewards=np.asarray(meta["rewards"], np.float32),
+            info=dict(meta["info"]),
+            step=int(meta["step"]),
+            version=int(meta["version"]),
+        )
+
+
+def batch_template(
+    *,
+    rows: int,
+    prompt_len: int,
+    resp_len: int,
+    route: tuple[int, int] | None,
+    replay_r3: bool,
+    router_logp: bool,
+    sharding,
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes, dtypes and shardings of a queued batch's device arrays (the restore
+    target of a checkpointed queue). ``route``: (MoE layers, experts per token) when
+    the batch holds the sampler's routing record."""
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    f32, i32 = jnp.float32, jnp.int32
+    out = {
+        "prompt_tokens": spec((rows, prompt_len), i32),
+        "prompt_mask": spec((rows, prompt_len), f32),
+        "tokens": spec((rows, resp_len), i32),
+        "mask": spec((rows, resp_len), f32),
+        "rollout_logp": spec((rows, resp_len), f32),
+        "policy_version": spec((rows,), i32),
+    }
+    if route is not None:
+        out["sampler_topk"] = spec((rows, resp_len) + route, i32)
+        if router_logp:
+            out["sampler_router_logp"] = spec((rows, resp_len) + route, f32)
+        if replay_r3:
+            out["replay_r3"] = spec((rows, prompt_len + resp_len - 1) + route, i32)
+    return out
+
+
+def staleness_metrics(version: jax.Array, mask: jax.Array, step: int) -> dict[str, jax.Array]:
+    """``staleness_mean`` / ``staleness_max`` over the rows with a valid token: RL step
+    ``step`` minus the version of the parameters that sampled each row."""
+    valid = jnp.any(mask > 0, axis=-1)
+    age = (step - version).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(valid), 1)
+    return {
+        "staleness_mean": jnp.sum(jnp.where(valid, age, 0.0)) / n,
+        "staleness_max": jnp.max(jnp.where(valid, age, 0.0)),
+    }
+
+
+def routing_record(cfg, model_cfg) -> str:
+    """The routing record the training rollouts keep (`gspo_jax.rollout.ROUTING`): R3
+    replays all of it; an MoE model's mismatch metrics (and the 'behaviour' trust
+    region's routing references) need the response tokens'."""
+    if cfg.updates.routing_replay == "R3":
+        return "all"
+    return "response" if model_cfg.num_moe_layers > 0 else "none"
+
+
+def checkpoint_target(trainer, state):
+    """The restore target of an RL checkpoint: the train state ``state`` alone, or with
+    ``rollout.staleness`` = k, ``{"train": state, "queue": [k batches]}`` (the tree
+    `gspo_jax.rl.RLPhase.checkpoint_items` saves)."""
+    cfg, mc = trainer.cfg, trainer.model_cfg
+    if not cfg.rollout.staleness:
+        return state
+    record = routing_record(cfg, mc)
+    route = (mc.num_moe_layers, mc.top_k) if record != "none" else None
+    template = batch_template(
+        rows=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        prompt_len=trainer.max_prompt_len,
+        resp_len=cfg.rollout.max_new_tokens,
+        route=route,
+        replay_r3=record == "all",
+        router_logp=route is not None,
+        sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+    )
+    return {"train": state, "queue": [template] * cfg.rollout.staleness}
