@@ -45,7 +45,8 @@ SEQ_RATIOS = ("geometric", "product")
 SEQ_LOG_RATIO_CLAMP = 20.0
 """seq_mask clamps each valid token's log r to [-20, 20] before the sum or mean: parity with
 verl's sequence rejection (``SAFETY_BOUND`` in its rollout_corr_helper.py), and a bounded
-statistic, so one token with |log r| > 20 (or infinite) moves log rho_i by at most 20 (20/n_i)."""
+statistic: one token with |log r| > 20, even infinite, moves log rho_i by at most 20 (the
+product) or 20/n_i (the geometric mean)."""
 
 
 @dataclasses.dataclass(frozen=True)
