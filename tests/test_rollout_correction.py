@@ -69,6 +69,8 @@ def reference(old, sampler, mask, mode, cap=2.0, c_low=2.0, c_high=2.0, seq_rati
     n = valid.sum(1)
     with np.errstate(invalid="ignore"):  # inf - inf on padding
         log_r = np.where(valid, old - sampler, 0.0)
+    if mode == "seq_mask":  # as verl's sequence rejection: each token's log r clamped at +-20
+        log_r = np.clip(log_r, -20.0, 20.0)
     with np.errstate(over="ignore"):
         if mode.startswith("seq_"):
             total = log_r.sum(1)
@@ -210,6 +212,77 @@ def test_extreme_log_ratios_stay_finite(mode, seq_ratio, dtype):
     if mode == "seq_tis" and seq_ratio == "product":
         np.testing.assert_allclose(weight[0], 2.0)  # e^2000 truncated to C exactly
         assert np.all(weight[1] == 0.0)  # e^-2000 underflows to 0, not NaN
+
+
+# Rows of log r (NaN: padding) with tokens beyond +-20, where the clamp decides.
+CLAMP_ROWS = [
+    [30.0, -19.5, 0.0, 0.0],  # clamped sum 0.5 (kept); unclamped 10.5 (masked)
+    [-30.0, 19.8, 0.0, np.nan],  # clamped -0.2; unclamped -10.2
+    [0.3, -0.1, 0.2, np.nan],  # nothing beyond 20: the clamp changes nothing
+    [np.nan] * 4,  # empty row
+    [30.0, -25.0, 0.0, 0.0],  # clamped 0 (kept); unclamped 5: verl's seq IS weight is C
+    [-np.inf, 19.9, 0.0, np.nan],  # old_logp = -inf: clamped -0.1 (kept); unclamped -inf
+    [25.0, 25.0, np.nan, np.nan],  # clamped 40: masked either way
+]
+
+
+def verl_sequence_reference(log_r, mask, c_low, c_high, cap, seq_ratio):
+    """verl 0.9.1's sequence options (rollout_corr_helper.py), in NumPy: the rejection keep
+    mask of ``seq_mean_k1`` / ``seq_sum_k1`` with threshold "<1/c_high>_<c_low>" (token
+    log r clamped at +-SAFETY_BOUND = 20, then k1 = -log r summed or averaged over
+    n + 1e-8), and the IS weight of ``rollout_is: sequence`` (the unclamped sum, clamped at
+    +-20 only before exp, then truncated at C)."""
+    valid = mask > 0
+    k1 = -np.clip(np.where(valid, log_r, 0.0), -20.0, 20.0)
+    stat = k1.sum(1)
+    if seq_ratio == "geometric":
+        stat = stat / (valid.sum(1) + 1e-8)
+    keep = (stat >= np.log(1.0 / c_high)) & (stat <= np.log(c_low))
+    with np.errstate(invalid="ignore"):
+        log_rho = np.where(valid, log_r, 0.0).sum(1)
+    is_weight = np.minimum(np.exp(np.clip(log_rho, -20.0, 20.0)), cap)
+    return np.where(valid, keep[:, None], 0.0), np.where(valid, is_weight[:, None], 0.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seq_ratio", ["geometric", "product"])
+def test_sequence_statistics_clamp_token_log_ratios_as_verl(seq_ratio, dtype):
+    """seq_mask clamps each token's log r at +-20 before the sum or mean, as verl's
+    sequence rejection does, so a token at +-30 moves the statistic by at most 20; seq_tis
+    sums the unclamped log r, as verl's sequence IS weight does. Both against a NumPy
+    transcription of verl's code, and the other choice gives a different answer."""
+    log_r = np.array(CLAMP_ROWS)
+    mask = (~np.isnan(log_r)).astype(np.float64)
+    sampler = np.full(log_r.shape, -3.0)
+    old = np.where(mask > 0, sampler + np.nan_to_num(log_r, nan=0.0, neginf=-np.inf), 7.0)
+    c_low, c_high, cap = 2.0, 2.0, 2.0
+    want_mask, want_is = verl_sequence_reference(np.where(mask > 0, old - sampler, 0.0), mask,
+                                                 c_low, c_high, cap, seq_ratio)
+
+    def weight(mode):
+        w, m = rollout_correction(jnp.asarray(old, dtype), jnp.asarray(sampler, dtype),
+                                  jnp.asarray(mask), RolloutCorrection(mode=mode, cap=cap, c_low=c_low,
+                                                                       c_high=c_high, seq_ratio=seq_ratio))
+        return np.asarray(w, np.float64), {k: float(v) for k, v in compute_all(m).items()}
+
+    got_mask, metrics = weight("seq_mask")
+    np.testing.assert_array_equal(got_mask, want_mask)
+    np.testing.assert_array_equal(got_mask[:, 0], [1, 1, 1, 0, 1, 1, 0])  # by hand
+    assert metrics["rc_masked_frac"] == pytest.approx(1 / 6)  # one of six non-empty rows
+    # Unclamped, rows 0, 1, 4 and 5 would be masked: the test can tell the two apart.
+    n = mask.sum(1)
+    log_rho = np.where(mask > 0, old - sampler, 0.0).sum(1)
+    log_rho = log_rho / np.maximum(n, 1) if seq_ratio == "geometric" else log_rho
+    unclamped_keep = (log_rho >= -np.log(c_low)) & (log_rho <= np.log(c_high)) & (n > 0)
+    np.testing.assert_array_equal(unclamped_keep, [0, 0, 1, 0, 0, 0, 0])
+
+    if seq_ratio == "product":  # verl's sequence IS weight (it has no geometric one)
+        got_is, _ = weight("seq_tis")
+        # verl floors its weight at e^-20 (row 5); here it is exactly 0 ("Overflow").
+        np.testing.assert_allclose(got_is, want_is, rtol=1e-6, atol=np.exp(-20.0))
+        assert got_is[4, 0] == cap and got_is[5, 0] == 0.0
+        clamped_sum = np.clip(np.where(mask > 0, old - sampler, 0.0), -20, 20).sum(1)
+        assert np.exp(clamped_sum[4]) == 1.0  # clamping the tokens would give 1, not C
 
 
 def test_empty_batch():

@@ -19,7 +19,8 @@ and per sequence rho_i = exp(mean_t log r_t) ("geometric") or exp(sum_t log r_t)
 
 Everything is computed in log space: min(r, C) = exp(min(log r, log C)), and the masks
 compare log r with -log c_low and log c_high, so a product over a long sequence never
-overflows.
+overflows. seq_mask first clamps each token's log r to +-SEQ_LOG_RATIO_CLAMP, as verl's
+sequence rejection does; seq_tis sums them unclamped, as verl's sequence IS weight does.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ from gspo_jax.objectives.hparams import check_choice, check_number
 
 MODES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")
 SEQ_RATIOS = ("geometric", "product")
+
+SEQ_LOG_RATIO_CLAMP = 20.0
+"""seq_mask clamps each valid token's log r to [-20, 20] before the sum or mean: parity with
+verl's sequence rejection (``SAFETY_BOUND`` in its rollout_corr_helper.py), and a bounded
+statistic: one token with |log r| > 20, even infinite, moves log rho_i by at most 20 (the
+product) or 20/n_i (the geometric mean)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +108,8 @@ def rollout_correction(old_logp, sampler_logp, mask, rc: RolloutCorrection):
     valid = mask > 0
     log_r = jnp.where(valid, sg(old_logp) - sg(sampler_logp), 0.0)
     if rc.mode.startswith("seq_"):
+        if rc.mode == "seq_mask":  # verl's IS weight (seq_tis) sums the unclamped log r
+            log_r = jnp.clip(log_r, -SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)
         log_rho = jnp.sum(log_r, axis=-1)
         if rc.seq_ratio == "geometric":
             log_rho = log_rho / jnp.maximum(common.seq_lengths(mask), 1.0).astype(log_r.dtype)
