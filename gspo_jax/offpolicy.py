@@ -37,6 +37,7 @@ from gspo_jax.fields import err
 from gspo_jax.models.config import MESH_AXES
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES
+from gspo_jax.objectives.correction import rollout_correction
 
 
 def check(c: ml_collections.ConfigDict, num_devices: int) -> int:
@@ -238,3 +239,24 @@ def checkpoint_target(trainer, state):
         sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
     )
     return {"train": state, "queue": [template] * cfg.rollout.staleness}
+
+
+def trust_region_inputs(trust_region: str, behaviour_logp, proximal_logp, mask, rc):
+    """What the objectives take as pi_old, and the rollout correction's weight, under
+    ``updates.trust_region`` (docs/offpolicy.md):
+
+        decoupled   pi_old = pi_proximal (the old pass at the step's parameters);
+                    weight = rollout_correction(pi_proximal / pi_behaviour) (None: off)
+        behaviour   pi_old = pi_behaviour (the sampler's log-probs); weight None
+
+    Args: f32[N,T] log-probs of the sampled tokens under the sampler
+    (``behaviour_logp``) and the old pass (``proximal_logp``, unused under
+    'behaviour', may be None there), the response mask, and ``rc`` (a
+    `RolloutCorrection`). Returns (old_logp, weight or None, the correction's mergeable
+    metrics or {})."""
+    if trust_region == "behaviour":
+        return behaviour_logp, None, {}
+    if rc.mode == "none":
+        return proximal_logp, None, {}
+    weight, metrics = rollout_correction(proximal_logp, behaviour_logp, mask, rc)
+    return proximal_logp, weight, metrics

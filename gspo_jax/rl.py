@@ -39,7 +39,7 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax import offpolicy, passes, shaping, step
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
-from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
+from gspo_jax.objectives.correction import RolloutCorrection
 from gspo_jax.rollout import replay_r3
 from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
@@ -294,8 +294,12 @@ class RLPhase:
             jax.jit(functools.partial(logp_pass, replay_key=None)), trainer.mesh
         )
         self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
-        self.correction_fn = jax.jit(
-            functools.partial(rollout_correction, rc=self.rollout_correction)
+        self.trust_region_fn = jax.jit(
+            functools.partial(
+                offpolicy.trust_region_inputs,
+                cfg.updates.trust_region,
+                rc=self.rollout_correction,
+            )
         )
         self.mismatch_fn = jax.jit(passes.mismatch_metrics)
         self.staleness_fn = jax.jit(offpolicy.staleness_metrics)
@@ -334,12 +338,16 @@ class RLPhase:
         old = self.logp_fn(self.state.params, dev) if self.old_pass else None
         if self.critic:
             batch.update(self.advantages(queued.rewards, old["values"], dev["mask"]))
+        proximal = None if self.behaviour else old["logp"]
+        batch["old_logp"], weight, rc_metrics = self.trust_region_fn(
+            dev["rollout_logp"], proximal, dev["mask"]
+        )
+        if weight is not None:
+            batch["rc_weight"] = weight
         if self.behaviour:
-            batch["old_logp"] = dev["rollout_logp"]
             batch.update(self.behaviour_references(dev))
         else:
             batch.update(
-                old_logp=old["logp"],
                 old_topk=old["topk_resp"],
                 old_free_topk=old["free_topk_resp"],
                 old_router_logp=old["router_logp"],
@@ -367,9 +375,7 @@ class RLPhase:
                     old["free_topk_resp"] if self.moe else None,
                 )
             )
-        if self.rollout_correction.mode != "none":
-            weight, rc_metrics = self.correction_fn(old["logp"], dev["rollout_logp"], dev["mask"])
-            batch["rc_weight"] = weight
+        if rc_metrics:
             info.update(metrics_lib.compute_all(rc_metrics))
         return batch, info
 
