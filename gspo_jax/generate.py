@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from gspo_jax.routing import topk_router_logp
+
 NOISE_STREAM = 2**31  # folded into rng for the router noise's keys (prompt ids are < 2**31)
 
 
@@ -166,9 +168,11 @@ class _Carry(NamedTuple):
     cache: Any  # the model's KVCache
     logits: jax.Array  # f32[B, V], next-token logits for response token t
     route: Optional[jax.Array]  # int32[B, L, K], routing of the position that gave them
+    route_logp: Optional[jax.Array]  # f32[B, L, K], its router's log-softmax at `route`
     tokens: jax.Array  # int32[B, T]
     logp: jax.Array  # f32[B, T]
     experts: Optional[jax.Array]  # int32[B, T, L, K] (None: no routing record)
+    router_logp: Optional[jax.Array]  # f32[B, T, L, K] (None: no routing record)
     stopped: jax.Array  # bool[B], emitted a stop token
     lengths: jax.Array  # int32[B]
 
@@ -183,6 +187,15 @@ def _repeat_rows(cache, g: int):
     return cache.replace(
         k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v), valid=rep(cache.valid)
     )
+
+
+def _route_logp(aux, j: int) -> jax.Array:
+    """f32[R, L, K]: at the forward's position j, the router's log-softmax over the
+    experts, evaluated at the experts used: `topk_router_logp`, the trainer's
+    formula, on ``aux.router_logits``, which hold the router noise when the forward
+    was given one (the logits the sampler routed with)."""
+    at = lambda x: x[:, j, None]  # [R, 1, L, X]
+    return topk_router_logp(at(aux.router_logits), at(aux.topk_indices))[:, 0]
 
 
 def _generate(
@@ -273,6 +286,7 @@ def _generate(
     record = spec.routing != "none"  # the response tokens' routing (experts)
     if record:
         last_route = rows(aux.topk_indices[:, -1].astype(jnp.int32))  # [B, L, K]
+        last_route_logp = rows(_route_logp(aux, -1))
         route_shape = last_route.shape[1:]
     prompt_experts = None
     if spec.routing == "all":
@@ -284,9 +298,11 @@ def _generate(
         cache=cache,
         logits=rows(logits[:, 0].astype(jnp.float32)),
         route=last_route if record else None,
+        route_logp=last_route_logp if record else None,
         tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),
         logp=shard(jnp.zeros((batch, steps), jnp.float32)),
         experts=shard(jnp.full((batch, steps) + route_shape, -1, jnp.int32)) if record else None,
+        router_logp=shard(jnp.zeros((batch, steps) + route_shape, jnp.float32)) if record else None,
         stopped=jnp.zeros((batch,), bool),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
@@ -300,12 +316,12 @@ def _generate(
         lp = jnp.where(active, lp, 0.0)
         hit = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=c.t, axis=1)
+        on = active[:, None, None]
         c = c._replace(
             tokens=put(c.tokens, tok),
             logp=put(c.logp, lp),
-            experts=(
-                put(c.experts, jnp.where(active[:, None, None], c.route, -1)) if record else None
-            ),
+            experts=put(c.experts, jnp.where(on, c.route, -1)) if record else None,
+            router_logp=put(c.router_logp, jnp.where(on, c.route_logp, 0.0)) if record else None,
             stopped=c.stopped | (active & hit),
             lengths=jnp.where(active, c.t + 1, c.lengths),
         )
@@ -325,6 +341,7 @@ def _generate(
             cache=cache,
             logits=logits[:, 0].astype(jnp.float32),
             route=aux.topk_indices[:, 0].astype(jnp.int32) if record else None,
+            route_logp=_route_logp(aux, 0) if record else None,
         )
 
     def cond(c: _Carry) -> jax.Array:
@@ -341,6 +358,7 @@ def _generate(
         truncated=~c.stopped,
         logp=c.logp,
         experts=c.experts,
+        router_logp=c.router_logp,
         prompt_tokens=rows(prompt_tokens),
         prompt_mask=prompt_mask,
         prompt_experts=prompt_experts,

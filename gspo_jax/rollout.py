@@ -13,7 +13,10 @@ that holds, per response token:
   same temperature (the old-log-prob pass, `gspo_jax.passes.logprob_pass`);
 * the MoE routing record (R3): the top-K experts every MoE layer chose at the
   forward position that produced the token, and those of the prompt prefill
-  (`replay_r3` aligns them with the trainer's forward).
+  (`replay_r3` aligns them with the trainer's forward);
+* with the routing record, ``router_logp``: the sampler's router log-softmax at
+  those experts, the behaviour policy's side of RSPO's router shift and of the
+  routing diagnostics when the trust region is around the sampler itself.
 
 How it runs
 -----------
@@ -65,8 +68,9 @@ uniforms' keys are untouched); the prompt's prefill, shared by its G rows, uses
 sample 0's key.
 So it is independent per token, layer and expert, and, like the uniforms, a
 row's noise does not depend on the batch or the padding.  Everything recorded
-is the noisy forward's: ``experts`` holds the experts actually used, ``logp``
-the log-prob of the distribution that drew the token.  σ is a traced value
+is the noisy forward's: ``experts`` holds the experts actually used,
+``router_logp`` the noisy router's log-softmax at them, ``logp`` the log-prob of
+the distribution that drew the token.  σ is a traced value
 (changing it does not recompile); σ = 0 (the default) runs the noise-free
 program, bit for bit.
 
@@ -96,8 +100,9 @@ from gspo_jax.generate import Spec, generate_jit, use_cpu_sampling
 __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
 
 # What of the routing record a rollout keeps (`Sampler.__call__`'s ``routing``):
-# everything (R3 replays it), the response tokens' only (``experts``: the
-# sampler/trainer routing mismatch), or nothing.
+# everything (R3 replays it), the response tokens' only (``experts`` and
+# ``router_logp``: the sampler/trainer routing mismatch, the router shift against
+# the sampler), or nothing.
 ROUTING = ("all", "response", "none")
 
 
@@ -207,6 +212,14 @@ class Rollout:
         experts actually used (the noisy router's top-K); logp is then that of
         the noisy forward too.  None when the sampler was asked for no routing
         record (``routing="none"``).
+      router_logp: f32[N, T, L, K], the sampler's router log-softmax over the E
+        experts evaluated at ``experts`` (`gspo_jax.routing.topk_router_logp`,
+        the formula of the trainer's ``router_logp``), per MoE layer, at the same
+        positions; 0 where mask is 0.  It is the router the sampler actually
+        routed with: with router noise, the log-softmax of the noisy logits.
+        f32 (the router computes its logits in f32 from hidden states of the
+        model's compute dtype).
+        None exactly when ``experts`` is.
       prompt_tokens: int32[N, P], the prompts, left-padded with ``pad_id``.
       prompt_mask: bool[N, P], True on real prompt tokens.
       prompt_experts: int32[N, P, L, K], the prefill's top-K at every prompt
@@ -220,6 +233,7 @@ class Rollout:
     truncated: jax.Array
     logp: jax.Array
     experts: jax.Array
+    router_logp: jax.Array
     prompt_tokens: jax.Array
     prompt_mask: jax.Array
     prompt_experts: jax.Array
@@ -390,9 +404,10 @@ class Sampler:
             router logits (every MoE layer, every token fed; module docstring):
             a controllable sampler/trainer routing mismatch.  0 = none.
           routing: the routing record to keep (static: each value is a program
-            of its own): "all" (``experts`` and ``prompt_experts``, what R3
-            replays), "response" (``experts`` only; ``prompt_experts`` is None)
-            or "none" (both None: no [N, T, L, K] record in the decode loop).
+            of its own): "all" (``experts``, ``router_logp`` and
+            ``prompt_experts``, what R3 replays), "response" (``experts`` and
+            ``router_logp``; ``prompt_experts`` is None) or "none" (all None: no
+            [N, T, L, K] record in the decode loop).
 
         Returns:
           a `Rollout` with N = len(prompts) * num_samples rows (device arrays).

@@ -18,7 +18,7 @@ import scipy.stats
 from flax import nnx
 from jax.sharding import Mesh
 
-from gspo_jax import generate, rollout
+from gspo_jax import generate, passes, rollout
 from gspo_jax.models import ModelConfig, Transformer, layers
 
 T = 8  # max_new_tokens shared by most tests (one compile per shape)
@@ -188,6 +188,7 @@ def test_logp_and_experts_match_teacher_forced_forward(model, sampler, compile_c
     assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
     assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 17, 2, 2)
     assert r.experts.dtype == jnp.int32 and r.truncated.shape == (9,) and r.truncated.dtype == bool
+    assert r.router_logp.shape == (9, T, 2, 2) and r.router_logp.dtype == jnp.float32
     for x in (r.mask, r.logp):
         assert x.shape == (9, T) and x.dtype == jnp.float32
     assert r.prompt_tokens.shape == (9, 17)  # padded to the longest prompt
@@ -475,7 +476,9 @@ def test_routing_record_can_be_left_out(sampler, compile_counts):
     none = sampler(PROMPTS, routing="none", **kw)
     assert compile_counts[GENERATE] == 2
     assert resp.prompt_experts is None and none.experts is None and none.prompt_experts is None
+    assert none.router_logp is None
     np.testing.assert_array_equal(np.asarray(resp.experts), np.asarray(full.experts))
+    np.testing.assert_array_equal(np.asarray(resp.router_logp), np.asarray(full.router_logp))
     for r in (resp, none):
         for name in ("tokens", "mask", "logp"):
             np.testing.assert_array_equal(np.asarray(getattr(r, name)), np.asarray(getattr(full, name)))
@@ -483,3 +486,49 @@ def test_routing_record_can_be_left_out(sampler, compile_counts):
         resp.replay()
     with pytest.raises(ValueError, match="routing"):
         sampler(PROMPTS, routing="prompt", **kw)
+
+
+STOPS = list(range(0, 97, 4))  # a quarter of the vocabulary: most rows stop early
+_jit_logprob_pass = jax.jit(passes.logprob_pass, static_argnames=("graphdef", "replay_key"))
+
+
+def _trainer_router_logp(sampler, r):
+    """The trainer's old-log-prob pass (`passes.logprob_pass`) over the rollout's
+    sequences, replaying the sampler's routing (R3): its experts and router
+    log-probs at the response positions, int32 / f32[N, T, L, K]."""
+    batch = dict(prompt_tokens=r.prompt_tokens, prompt_mask=r.prompt_mask.astype(jnp.float32),
+                 tokens=r.tokens, mask=r.mask,
+                 replay_r3=rollout.replay_r3(r.prompt_experts, r.experts))
+    out = _jit_logprob_pass(sampler.state, batch, graphdef=sampler.graphdef,
+                            replay_key="replay_r3")
+    return np.asarray(out["topk_resp"]), np.asarray(out["router_logp"])
+
+
+def test_router_logp_is_the_trainers_at_the_sampled_experts(sampler):
+    # Without router noise the sampler's router is the trainer's: the recorded
+    # router_logp is the old pass's router_logp (R3: the same experts), 0 after the stop.
+    r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0),
+                eos_id=STOPS)
+    topk, want = _trainer_router_logp(sampler, r)
+    valid = (np.asarray(r.mask) > 0)[..., None, None]
+    assert 0 < valid.sum() < valid.size  # some rows stopped early
+    np.testing.assert_array_equal(np.asarray(r.experts), np.where(valid, topk, -1))
+    got = np.asarray(r.router_logp)
+    assert got.shape == want.shape == (9, T, 2, 2) and got.dtype == np.float32
+    np.testing.assert_allclose(got, np.where(valid, want, 0.0), atol=1e-5, rtol=0)
+    assert np.all(got[np.broadcast_to(~valid, got.shape)] == 0)
+    assert np.all(got[np.broadcast_to(valid, got.shape)] < 0)  # log-probs of E = 8 experts
+
+
+def test_router_logp_with_router_noise_is_the_noisy_routers(sampler):
+    # With router noise the record is the router the sampler routed with, not the
+    # trainer's noise-free one at the same experts (tests/test_router_noise.py checks
+    # it against the noisy forward itself).
+    r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0),
+                eos_id=STOPS, router_noise_std=0.5)
+    topk, clean = _trainer_router_logp(sampler, r)
+    valid = np.asarray(r.mask) > 0
+    np.testing.assert_array_equal(np.asarray(r.experts)[valid], topk[valid])  # replayed
+    diff = np.abs(np.asarray(r.router_logp) - clean)[valid]
+    assert diff.mean() > 0.05, diff.mean()
+    assert np.all(np.asarray(r.router_logp)[~valid] == 0)

@@ -93,7 +93,7 @@ def test_same_rng_and_noise_give_the_same_rollout_and_noise_does_not_recompile(
   a = sampler(PROMPTS, **kw)  # compiles the noisy program (once)
   compile_counts.clear()
   b = sampler(PROMPTS, **kw)
-  for name in ("tokens", "mask", "logp", "experts", "prompt_experts"):
+  for name in ("tokens", "mask", "logp", "experts", "router_logp", "prompt_experts"):
     np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
   c = sampler(PROMPTS, **{**kw, "router_noise_std": 0.7})  # another σ: a traced value
   d = sampler(PROMPTS, **{**kw, "rng": jax.random.key(4)})  # another key: other noise
@@ -135,9 +135,9 @@ def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
     cache = mdl.init_cache(*tokens.shape)
     logits, aux, _ = mdl.decode(tokens, cache, positions=positions, attn_mask=mask,
                                 router_noise=z)
-    return logits, aux.topk_indices
+    return logits, aux.topk_indices, aux.router_logits
 
-  logits, topk = forward(sampler.state, tokens, positions, mask, z)
+  logits, topk, router_logits = forward(sampler.state, tokens, positions, mask, z)
   logits = logits[:, P - 1:P - 1 + T]
   valid = np.asarray(r.mask) > 0
   m4 = valid[..., None, None]
@@ -146,6 +146,10 @@ def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
   np.testing.assert_array_equal(np.asarray(r.prompt_experts), np.where(pm4, topk[:, :P], -1))
   want = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature), r.tokens[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.asarray(r.logp), np.where(valid, want, 0.0), atol=1e-5, rtol=0)
+  # router_logp: the noisy router's log-softmax at the experts it used.
+  noisy = jax.nn.log_softmax(router_logits[:, P - 1:P - 1 + T], axis=-1)
+  want = np.take_along_axis(np.asarray(noisy), np.maximum(np.asarray(r.experts), 0), -1)
+  np.testing.assert_allclose(np.asarray(r.router_logp), np.where(m4, want, 0.0), atol=1e-5, rtol=0)
   # ... and not the trainer's: the noise moved some choices.
   _, free_topk, _ = _trainer(sampler, r)
   assert _disagreement(r, free_topk) > 0.1
@@ -160,6 +164,8 @@ def test_a_rows_noise_does_not_depend_on_the_batch(sampler):
     np.testing.assert_array_equal(np.asarray(getattr(alone, name)),
                                   np.asarray(getattr(full, name))[rows])
   np.testing.assert_allclose(np.asarray(alone.logp), np.asarray(full.logp)[rows], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(alone.router_logp), np.asarray(full.router_logp)[rows],
+                             atol=1e-5)
 
 
 def test_bad_router_noise_std_raises(sampler):
