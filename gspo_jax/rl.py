@@ -259,7 +259,8 @@ class RLPhase:
         self.routing = offpolicy.routing_record(cfg, trainer.model_cfg)
         self.assemble_fn = jax.jit(
             functools.partial(_assemble, overlong_filter=cfg.dapo.overlong_filter),
-            out_shardings=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+            # on the sampler's devices; `queued` moves it to the training mesh
+            out_shardings=NamedSharding(trainer.sampler_mesh, P(BATCH_AXES)),
         )
         # The reference policy is where RL starts; copied, as the state is donated, and
         # held in the compute dtype (the same logits; docs/memory.md).
