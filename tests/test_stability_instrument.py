@@ -331,7 +331,7 @@ def test_rollout_correction_weights_reach_the_batch(data_dir, tmp_path):
 def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(data_dir, tmp_path):
     """Two groups whose answers are all correct, one with a length-dependent shaped
     reward: both are dropped (no accuracy signal); a mixed group is kept."""
-    from gspo_jax import rl
+    from gspo_jax import collect
 
     c = _config(data_dir, **{"dapo.dynamic_sampling": True})
     g, n = 4, 3
@@ -339,7 +339,7 @@ def test_dynamic_sampling_filters_on_correctness_not_the_shaped_reward(data_dir,
             "truncated": np.zeros(n * g, bool)}
     correct = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0], np.float32)
     shaped = correct + np.array([0, 0, 0, 0, 0.1, -0.2, 0.3, 0, 0, 0, 0, 0], np.float32)
-    r, rows, kept = rl.shape_and_filter(config_lib.typed(c), host, shaped, correct)
+    r, rows, kept = collect.shape_and_filter(config_lib.typed(c), host, shaped, correct)
     assert kept == 1 and rows.tolist() == [8, 9, 10, 11]
     np.testing.assert_array_equal(r[rows], shaped[8:])
 
