@@ -407,7 +407,8 @@ class Sampler:
             of its own): "all" (``experts``, ``router_logp`` and
             ``prompt_experts``, what R3 replays), "response" (``experts`` and
             ``router_logp``; ``prompt_experts`` is None) or "none" (all None: no
-            [N, T, L, K] record in the decode loop).
+            [N, T, L, K] record in the decode loop).  A kept record is two
+            [B, T, L, K] buffers in the loop: int32 ``experts``, f32 ``router_logp``.
 
         Returns:
           a `Rollout` with N = len(prompts) * num_samples rows (device arrays).
