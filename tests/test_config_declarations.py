@@ -74,7 +74,11 @@ BASE_CONFIG = {'advantage': 'group',
              'max_prompt_len': 64,
              'prompts_per_step': 64,
              'router_noise_std': 0.0,
-             'temperature': 1.0},
+             'temperature': 1.0,
+             # off-policy (docs/offpolicy.md)
+             'staleness': 0,
+             'devices': 0,
+             'overlap': False},
  'rollout_correction': {'c_high': 2.0,
                         'c_low': 2.0,
                         'cap': 2.0,
@@ -114,6 +118,7 @@ BASE_CONFIG = {'advantage': 'group',
              'num_epochs': 1,
              'num_minibatches': 2,
              'routing_replay': 'none',
+             'trust_region': 'decoupled',
              'update_without_signal': False,
              'z_loss_coef': 0.0},
  'wandb': {'dir': '',
@@ -131,6 +136,7 @@ RESUMABLE = {
     "model.moe_backend", "model.moe_block_size", "model.remat_policy",
     "model.logits_chunk_size", "model.attention_impl", "rollout.max_prompt_len",
     "rollout.long_prompts", "updates.max_consecutive_skips",
+    "rollout.devices", "rollout.overlap",  # where and when the sampler runs, not what it samples
 }
 
 
