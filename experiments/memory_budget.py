@@ -386,15 +386,16 @@ class Budget:
 
     def rollout_transient(self, evaluation: bool = False) -> float:
         """The sampler's other arrays: each step's logits [rows, V] f32 (x3: logits,
-        probabilities, a sort or cumsum), the routing record [rows, T, L_moe, K] int32
-        and the prompt-level prefill's scores [prompts, H, P, S + P] f32 (x2)."""
+        probabilities, a sort or cumsum), the routing record [rows, T, L_moe, K] (the
+        experts, int32, and the router's log-probs there, f32) and the prompt-level
+        prefill's scores [prompts, H, P, S + P] f32 (x2)."""
         cfg, run = self.cfg, self.run
         rows = self._rollout_rows(evaluation)
         n_prompts = run.eval_size if evaluation else run.prompts_per_step
         prompts = -(-n_prompts // self.data_shards)
         slots = run.prompt_len + run.max_new_tokens - 1
         out = rows * cfg.vocab_size * 4 * 3
-        out += rows * run.max_new_tokens * cfg.num_moe_layers * cfg.top_k * 4
+        out += rows * run.max_new_tokens * cfg.num_moe_layers * cfg.top_k * (4 + 4)
         out += prompts * cfg.num_heads * run.prompt_len * (slots + run.prompt_len) * 4 * 2
         return out
 

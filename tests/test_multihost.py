@@ -141,10 +141,10 @@ ARGS = [
 ]
 
 
-def _start(workdir, devices, data_dir, *, process_id=None, port=None):
+def _start(workdir, devices, data_dir, *, process_id=None, port=None, extra=()):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {CPU_FLAGS}"
-    cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}", *ARGS]
+    cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.task.data_dir={data_dir}")
     if process_id is not None:
         cmd += [
@@ -239,6 +239,36 @@ def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path):
         return [f for _, _, files in os.walk(os.path.join(w, "tb")) for f in files]
 
     assert len(events(two)) == 2 * len(events(one)) > 0
+
+
+OVERLAP = [  # the sampler on 2 devices of each process, overlapped with training on 2 + 2
+    "--config.rollout.staleness=1",
+    "--config.rollout.devices=4",
+    "--config.rollout.overlap=True",
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=1",
+    "--config.mesh.expert=2",
+]
+
+
+def test_two_processes_overlap_sampling_with_training_as_one_does(tmp_path):
+    """rollout.overlap across two processes: each gives 2 of its 4 devices to the sampler
+    and scores its own rollout rows; process 0 writes. The metrics are one process's."""
+    data_dir = str(tmp_path / "data")
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    _wait([_start(one, 8, data_dir, extra=OVERLAP)], one)
+    port = _free_port()
+    _wait([_start(two, 4, data_dir, process_id=i, port=port, extra=OVERLAP) for i in (0, 1)], two)
+    a = {r["step"]: r for r in read_metrics(one) if r["phase"] == "rl"}
+    b_all = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
+    assert [r["step"] for r in b_all if r["phase"] == "rl"] == [0, 1, 2, 3]
+    b = {r["step"]: r for r in b_all if r["phase"] == "rl"}
+    for s in (1, 2, 3):
+        assert b[s]["staleness_max"] == a[s]["staleness_max"] == min(s - 1, 1)
+        assert b[s]["reward_mean"] == a[s]["reward_mean"], s  # the same responses, scored
+        for k in sorted(set(a[s]) - TIMING - {"phase", "collect_time", "train_wait_time"}):
+            np.testing.assert_allclose(np.asarray(b[s][k], float), np.asarray(a[s][k], float),
+                                       rtol=2e-3, atol=2e-4, err_msg=f"step {s} metric {k}")
 
 
 def test_a_process_stopped_for_another_says_so(capsys):

@@ -1,0 +1,121 @@
+"""The off-policy runs of the default config: held-out reward and the behaviour-vs-proximal
+KL over RL steps, at staleness k in {0, 1, 2, 4}, under each trust region.
+
+    python -m gspo_jax.sweep --config=configs/default.py --workdir=runs/offpolicy \\
+        --grid rollout.staleness=0,1,2,4 --grid updates.trust_region=decoupled,behaviour \\
+        --metric eval_reward_mean --metric behaviour_kl --config.progress_bar=False
+    python -m experiments.offpolicy.report --root runs/offpolicy
+
+writes experiments/offpolicy/results.json (the compact per-step series), offpolicy.png and
+prints the table of experiments/offpolicy/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from gspo_jax.metrics_log import read_metrics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SERIES = (
+    "eval_reward_mean",
+    "eval_greedy_reward",
+    "behaviour_kl",
+    "behaviour_f2",
+    "staleness_mean",
+    "reward_mean",
+    "step_time",
+)
+KS = (0, 1, 2, 4)
+REGIONS = ("decoupled", "behaviour")
+
+
+def point(k: int, region: str) -> str:
+    return f"staleness={k}__trust_region={region}"
+
+
+def load(root: str) -> dict[str, dict[str, list]]:
+    """Per grid point, per metric: [[step, value], ...] of the RL records that hold it."""
+    out = {}
+    for k in KS:
+        for region in REGIONS:
+            workdir = os.path.join(root, point(k, region))
+            if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+                continue
+            rl = [r for r in read_metrics(workdir) if r["phase"] == "rl"]
+            out[point(k, region)] = {
+                m: [[r["step"], float(r[m])] for r in rl if m in r] for m in SERIES
+            }
+    return out
+
+
+def table(results: dict) -> str:
+    head = (
+        "| k | trust region | held-out reward, step 0 → 60 (sampled) | greedy | "
+        "behaviour_kl, mean over steps | behaviour_f2, mean | step time, median s |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for k in KS:
+        for region in REGIONS:
+            r = results.get(point(k, region))
+            if r is None:
+                continue
+            ev, gr = r["eval_reward_mean"], r["eval_greedy_reward"]
+            kl = [v for s, v in r["behaviour_kl"] if s > 0]
+            f2 = [v for s, v in r["behaviour_f2"] if s > 0]
+            st = [v for s, v in r["step_time"] if s > 1]  # step 1 compiles
+            rows.append(
+                f"| {k} | {region} | {ev[0][1]:.3f} → {ev[-1][1]:.3f} | "
+                f"{gr[0][1]:.3f} → {gr[-1][1]:.3f} | {np.mean(kl):.2e} | {np.mean(f2):.4f} | "
+                f"{np.median(st):.2f} |"
+            )
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    colors = dict(zip(KS, ("black", "tab:blue", "tab:orange", "tab:red")))
+    for col, region in enumerate(REGIONS):
+        for k in KS:
+            r = results.get(point(k, region))
+            if r is None:
+                continue
+            ev = np.asarray(r["eval_reward_mean"])
+            axes[0, col].plot(ev[:, 0], ev[:, 1], "o-", color=colors[k], label=f"k = {k}")
+            kl = np.asarray([p for p in r["behaviour_kl"] if p[0] > 0])
+            axes[1, col].semilogy(
+                kl[:, 0], np.maximum(kl[:, 1], 1e-12), color=colors[k], label=f"k = {k}"
+            )
+        axes[0, col].set_title(f"trust region: {region}")
+        axes[0, col].set_ylabel("held-out reward (sampled)")
+        axes[1, col].set_ylabel("KL(behaviour || proximal), k3")
+        axes[1, col].set_xlabel("RL step")
+        axes[0, col].legend(fontsize=8)
+    fig.suptitle("Default config (tiny MoE, Countdown, GSPO): staleness k")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default="runs/offpolicy")
+    args = p.parse_args()
+    results = load(args.root)
+    with open(os.path.join(HERE, "results.json"), "w") as f:
+        json.dump(results, f, separators=(",", ":"))
+    plot(results, os.path.join(HERE, "offpolicy.png"))
+    print(table(results), end="")
+
+
+if __name__ == "__main__":
+    main()
