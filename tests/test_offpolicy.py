@@ -316,3 +316,54 @@ def test_overlap_runs_both_sides_at_once_and_changes_no_number(data_dir, tmp_pat
     assert not any(ready for side, ready in overlapped[2::2])  # training was still running
     records = [r for r in _records(runs[True][0]) if r["phase"] == "rl" and r["step"] > 0]
     assert all(r["collect_time"] >= 0 and r["train_wait_time"] >= 0 for r in records)
+
+
+@pytest.mark.parametrize("replay", ["none", "R2", "R3"])
+def test_what_each_trust_region_replays_and_compares_against(data_dir, tmp_path, replay):
+    """Under 'behaviour' pi_old is the sampler's log-probs and its routing references are
+    the sampler's (the experts it used, its router's log-probs there: RSPO's router shift);
+    the old pass runs only for R2, whose replay is that pass's routing (pi_proximal's). R3
+    replays the sampler's routing under both trust regions. Under 'decoupled' every
+    reference is the old pass's."""
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
+
+    got = {}
+    for region in ("decoupled", "behaviour"):
+        c = smoke(data_dir, **{"updates.trust_region": region, "updates.routing_replay": replay,
+                               "rollout.staleness": 1})
+        c.objective.name, c.objective.hparams_of = "rspo", "rspo"
+        c.objective.hparams = dict(objectives.get("rspo").defaults)
+        trainer = Trainer(c, str(tmp_path / region))
+        rl = RLPhase(trainer, trainer.init_params)
+        calls = []
+        logp_fn = rl.logp_fn
+        rl.logp_fn = lambda p, b: calls.append(1) or logp_fn(p, b)
+        queued = rl.collect_batch(0, version=0)
+        batch, _ = rl.prepare(queued, 1)
+        dev, old = jax.device_get(queued.device), None
+        if calls:
+            old = jax.device_get(logp_fn(rl.state.params, queued.device))
+        got[region] = (jax.device_get(batch), dev, old, len(calls))
+        rl.updates(batch, jax.random.key(0))  # every objective input is there and well-formed
+
+    batch, dev, old, calls = got["behaviour"]
+    assert calls == (1 if replay == "R2" else 0)
+    np.testing.assert_array_equal(batch["old_logp"], dev["rollout_logp"])
+    np.testing.assert_array_equal(batch["old_topk"], dev["sampler_topk"])
+    np.testing.assert_array_equal(batch["old_free_topk"], dev["sampler_topk"])
+    np.testing.assert_array_equal(batch["old_router_logp"], dev["sampler_router_logp"])
+    if replay == "R2":
+        np.testing.assert_array_equal(batch["replay"], old["topk"])
+    batch, dev, old, calls = got["decoupled"]
+    assert calls == 1
+    np.testing.assert_array_equal(batch["old_logp"], old["logp"])
+    np.testing.assert_array_equal(batch["old_router_logp"], old["router_logp"])
+    np.testing.assert_array_equal(batch["old_topk"], old["topk_resp"])
+    if replay == "R2":
+        np.testing.assert_array_equal(batch["replay"], old["topk"])
+    for region in ("decoupled", "behaviour"):
+        if replay == "R3":
+            np.testing.assert_array_equal(got[region][0]["replay"], got[region][1]["replay_r3"])
+        if replay == "none":
+            assert "replay" not in got[region][0]
