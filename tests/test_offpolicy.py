@@ -175,12 +175,14 @@ def test_trust_regions_match_numpy(name, trust_region, rc_mode):
 # Staleness in the RL loop.
 
 
-def test_step_t_trains_on_what_the_policy_of_step_t_minus_k_sampled(data_dir, tmp_path):
+@pytest.mark.parametrize("k", [0, 2])
+def test_step_t_trains_on_what_the_policy_of_step_t_minus_k_sampled(data_dir, tmp_path, k):
+    """k = 0 is the on-policy loop: each step trains on what its own parameters sampled."""
     from gspo_jax import passes
     from gspo_jax.rl import RLPhase
     from gspo_jax.trainer import Trainer
 
-    k, steps = 2, 4
+    steps = 4
     c = smoke(data_dir, **{"rollout.staleness": k, "updates.trust_region": "behaviour"})
     trainer = Trainer(c, str(tmp_path))
     rl = RLPhase(trainer, trainer.init_params)
@@ -206,8 +208,9 @@ def test_step_t_trains_on_what_the_policy_of_step_t_minus_k_sampled(data_dir, tm
         sampled = batch["rollout_logp"][m]
         by_version = logp(params[max(s - k, 0)], q.device)[m]
         np.testing.assert_allclose(sampled, by_version, atol=2e-4)  # sampler vs trainer numerics
-        if s >= 1:  # the parameters of step s differ: the batch is not theirs
-            assert np.max(np.abs(logp(params[s], q.device)[m] - sampled)) > 1e-2
+        if s >= 1:  # the parameters of another step differ: the batch is not theirs
+            other = params[s] if k else params[s - 1]
+            assert np.max(np.abs(logp(other, q.device)[m] - sampled)) > 1e-2
 
 
 def _records(workdir, name="metrics.jsonl"):
