@@ -129,8 +129,66 @@ class SamplerDevices:
             return params
         with jax.set_mesh(self.train_mesh):
             cast = self._cast(params)
-        dest = jax.tree.map(lambda a: NamedSharding(self.mesh, a.sharding.spec), cast)
-        return jax.device_put(cast, dest)
+        return move(cast, self.mesh)
+
+    def to_training(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """A batch assembled on the sampler's mesh, on the training mesh (rows sharded
+        over `BATCH_AXES`, as `gspo_jax.trainer.Trainer.put_batch` places them)."""
+        if not self.split:
+            return batch
+        return move(batch, self.train_mesh)
+
+
+def move(tree, mesh: Mesh):
+    """Every array of ``tree`` onto ``mesh`` with its partition spec, device to device,
+    asynchronously.
+
+    In one process that is `jax.device_put`. With several processes JAX moves arrays
+    only between shardings over the same devices, so each process moves its own
+    blocks: every block a device of ``mesh`` on this process holds is cut from a block of
+    the source that a device of this process holds. `split_devices` makes it so (each
+    process gives its last devices to the sampler, and both meshes keep the fsdp, expert
+    and tensor sizes); a layout where a process would need another process's block is
+    refused, naming ``rollout.devices``."""
+    dest = jax.tree.map(lambda a: NamedSharding(mesh, a.sharding.spec), tree)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, dest)
+    return jax.tree.map(_move_local_blocks, tree, dest)
+
+
+def _move_local_blocks(x: jax.Array, dest: NamedSharding) -> jax.Array:
+    shards = [(s.index, s.data) for s in x.addressable_shards]
+
+    def block(index):
+        for have, data in shards:
+            inner = _within(index, have, x.shape)
+            if inner is not None:
+                return data[inner]
+        raise err(
+            "rollout.devices",
+            f"the sampler's devices of process {jax.process_index()} need rows or "
+            f"parameters of an array {x.shape} that only another process holds; give "
+            "the sampler as many devices as training has",
+        )
+
+    blocks = [
+        jax.device_put(block(index), device)
+        for device, index in dest.addressable_devices_indices_map(x.shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(x.shape, dest, blocks)
+
+
+def _within(want, have, shape):
+    """The slices that cut block ``want`` out of block ``have`` (tuples of slices over an
+    array of ``shape``), or None if ``have`` does not contain it."""
+    out = []
+    for w, h, n in zip(want, have, shape):
+        w0, w1, _ = w.indices(n)
+        h0, h1, _ = h.indices(n)
+        if w0 < h0 or w1 > h1:
+            return None
+        out.append(slice(w0 - h0, w1 - h0))
+    return tuple(out)
 
 
 @dataclasses.dataclass

@@ -400,7 +400,7 @@ class RLPhase:
         device if the sampler has its own), each row marked with ``version``."""
         collected = dict(collected)
         rewards = collected.pop("rewards")
-        device = self.t.put_batch(collected)
+        device = self.t.sampler_devices.to_training(collected)
         device["policy_version"] = self.t.put_rows(np.full(len(rewards), version, np.int32))
         return offpolicy.QueuedBatch(device, rewards, info, step=step, version=version)
 

@@ -165,7 +165,10 @@ class Trainer:
         never wait behind the training programs queued on the first device."""
         if self.sampler_mesh is self.mesh:
             return contextlib.nullcontext()
-        return jax.default_device(self.sampler_mesh.devices.flat[0])
+        local = [
+            d for d in self.sampler_mesh.devices.flat if d.process_index == jax.process_index()
+        ]
+        return jax.default_device(local[0])
 
     def put_rows(self, x: np.ndarray) -> jax.Array:
         """A host [rows, ...] array (the same on every process) on the mesh, sharded over
