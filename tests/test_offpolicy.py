@@ -370,3 +370,24 @@ def test_what_each_trust_region_replays_and_compares_against(data_dir, tmp_path,
             np.testing.assert_array_equal(got[region][0]["replay"], got[region][1]["replay_r3"])
         if replay == "none":
             assert "replay" not in got[region][0]
+
+
+@pytest.mark.parametrize("replay, experts", [("none", 0), ("none", 4), ("R3", 4)])
+def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tmp_path, replay, experts):
+    """The restore target of a queued batch (no routing record, the response's, R3's whole
+    sequence) is what `collect_batch` makes: the same arrays, shapes, dtypes and sharding."""
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
+
+    c = smoke(data_dir, **{"rollout.staleness": 1, "updates.routing_replay": replay,
+                           "model.fields": dict(default_config.get_config("smoke").model.fields,
+                                                num_experts=experts, top_k=2 if experts else 0)})
+    trainer = Trainer(c, str(tmp_path))
+    rl = RLPhase(trainer, trainer.init_params)
+    queued = rl.collect_batch(0, version=0)
+    template = rl.checkpoint_target()["queue"][0]
+    assert sorted(template) == sorted(queued.device)
+    for key, spec in template.items():
+        x = queued.device[key]
+        assert (x.shape, x.dtype) == (spec.shape, spec.dtype), key
+        assert x.sharding.is_equivalent_to(spec.sharding, x.ndim), key
