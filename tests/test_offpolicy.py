@@ -3,7 +3,8 @@ rollout.devices and rollout.overlap.
 
 * the config's constraints between them, each error naming its field;
 * the two trust regions against NumPy references, for one objective of each family
-  (token clip: GRPO; sequence ratio: GSPO; capped importance weight: CISPO);
+  (token clip: GRPO; sequence ratio: GSPO; capped importance weight: CISPO; geometric
+  mean of clipped token ratios: GMPO);
 * staleness k: step t trains on what the parameters of step t - k sampled (seen through
   the log-probs the sampler recorded), and the first k steps on the warm start's;
 * a run stopped mid-queue and resumed equals the uninterrupted run, bit for bit;
@@ -128,10 +129,20 @@ def _np_cispo(logp, old, adv, mask, w, eps_high=0.28):
     return np.sum(mask * w * -capped * adv[:, None] * logp) / mask.sum()
 
 
+def _np_gmpo(logp, old, adv, mask, w, eps=0.4):
+    n = mask.sum(1)
+    d = np.where(mask > 0, np.clip(logp - old, -20, 20), 0.0)
+    d = np.where(adv[:, None] >= 0, np.minimum(d, eps), np.maximum(d, -eps))
+    g = np.exp((mask * d).sum(1) / np.maximum(n, 1))
+    w_bar = (mask * w).sum(1) / np.maximum(n, 1)
+    return np.sum(np.where(n > 0, w_bar * -adv * g, 0.0)) / max((n > 0).sum(), 1)
+
+
 FAMILIES = {
     "grpo": (_np_grpo, dict(kl_coef=0.0)),
     "gspo": (_np_gspo, dict(eps_low=0.02, eps_high=0.03)),
     "cispo": (_np_cispo, {}),
+    "gmpo": (_np_gmpo, {}),
 }
 
 
