@@ -402,3 +402,32 @@ def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tm
         x = queued.device[key]
         assert (x.shape, x.dtype) == (spec.shape, spec.dtype), key
         assert x.sharding.is_equivalent_to(spec.sharding, x.ndim), key
+
+
+def test_the_seeded_report_applies_the_rule_written_before_the_runs(tmp_path):
+    """experiments/offpolicy/report.py: paired differences by seed, and each verdict."""
+    from experiments.offpolicy import report
+
+    def write(workdir, reward):
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"phase": "rl", "step": 0, "eval_reward_mean": 0.2}) + "\n")
+            f.write(json.dumps({"phase": "rl", "step": 60, "eval_reward_mean": reward}) + "\n")
+
+    root, seeds, tis = (str(tmp_path / d) for d in ("one", "seeds", "tis"))
+    fresh = {0: 0.40, 1: 0.42, 2: 0.38}
+    stale = {"behaviour": {0: 0.30, 1: 0.35, 2: 0.37},  # all below, mean -0.06: degrades
+             "decoupled": {0: 0.41, 1: 0.38, 2: 0.37}}  # mean -0.013, one below -0.02: holds
+    for s in (0, 1, 2):
+        for region in ("decoupled", "behaviour"):
+            base = root if s == 0 else seeds
+            prefix = "" if s == 0 else f"seed={s}__"
+            write(os.path.join(base, prefix + report.point(0, region)), fresh[s])
+            write(os.path.join(base, prefix + report.point(4, region)), stale[region][s])
+        write(os.path.join(tis, f"seed={s}__mode=token_tis"), {0: 0.36, 1: 0.30, 2: 0.40}[s])  # mixed signs
+    verdicts, table = report.seeded(root, seeds, tis)
+    assert verdicts["behaviour"]["verdict"] == "degrades"
+    assert verdicts["decoupled"]["verdict"] == "holds"
+    assert verdicts["decoupled + token_tis"]["verdict"] == "not resolved at this scale"
+    np.testing.assert_allclose(verdicts["behaviour"]["d"], [-0.10, -0.07, -0.01])
+    assert table.count("\n") == 5
