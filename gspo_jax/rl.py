@@ -323,9 +323,9 @@ class RLPhase:
             queued = self.queue.popleft()
             batch, pinfo = self.prepare(queued, s)
             ms, where = self.updates(batch, rng)
-            t1 = t2 = time.perf_counter()  # dispatched: the sampler side runs now
+            t_dispatched = time.perf_counter()  # the sampler side runs now
             self.queue.append(self.collect_batch(s + k, version=s))
-            t_collected = time.perf_counter()
+            t1 = t2 = time.perf_counter()  # rollout_time: collecting; old_logp_time: 0
         else:
             self.queue.append(self.collect_batch(s + k, version=s))
             t1 = time.perf_counter()
@@ -353,7 +353,7 @@ class RLPhase:
             tokens_per_s=(queued.info["gen_tokens"] + trained_tokens) / step_time,
         )
         if cfg.rollout.overlap:  # which side the step waited on
-            m.update(collect_time=t_collected - t1, train_wait_time=t3 - t_collected)
+            m.update(collect_time=t1 - t_dispatched, train_wait_time=t3 - t1)
         return m, updates
 
     def _behaviour_metrics(self, pinfo, first_update) -> dict[str, float]:
