@@ -213,6 +213,7 @@ class PhaseCheckpointer:
             ),
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        self._closed = False
 
     # ---- directory ----------------------------------------------------------
 
@@ -361,5 +362,28 @@ class PhaseCheckpointer:
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for a save in flight, then release orbax's threads (once; again: nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+    def __enter__(self) -> "PhaseCheckpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Every way out of a phase waits for the save in flight. On an error (a bad
+        prompt, the health check, out of memory) the newest checkpoint was often begun
+        a moment before: without the wait the interpreter would shut down under orbax's
+        writer and the next start would delete the unfinished step. A failure of the
+        wait itself is said in one line; the error that left the phase is raised."""
+        if exc_type is None or self._closed:
+            self.close()
+            return False
+        self._log(f"stopped by {exc_type.__name__}: finishing the checkpoint being written")
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - the phase's own error matters more
+            self._log(f"could not finish the checkpoint in flight ({_summary(e)})")
+        return False

@@ -110,35 +110,35 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
         micro_batches=1,
         aux_loss_coef=cfg.sft.aux_loss_coef,
     )
-    bar = progress_bar(c, steps, start, "sft")
-    base = jax.random.key(c.seed)
-    for i in range(start, steps):
-        t0 = time.perf_counter()
-        host_batch, cut = sft_batch(t, i * cfg.sft.batch_size)
-        state, m = fn(state, t.put_batch(host_batch), jax.random.fold_in(base, i))
-        m = metrics_lib.compute_jit(m)  # the numbers, on the devices
-        health = {k: m[k] for k in ("params_finite", "skipped_in_a_row")}
-        safety.check_health(jax.device_get(health), c, f"sft step {i + 1}")
-        if (i + 1) % c.log_every == 0 or i + 1 == steps:
-            m = jax.device_get(m)
-            dt = time.perf_counter() - t0
-            m["step_time"] = dt
-            m["tokens_per_s"] = float(np.sum(host_batch["mask"])) / dt
-            m["prompts_truncated"] = cut
-            writer.write(i + 1, "sft", m)
-            bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
-        bar.update(1)
-        stop = guard is not None and guard.requested
-        meta = {"phase": "sft", "step": i + 1, "config": safety.config_record(c)}
-        ckpt.save(i + 1, state, meta, force=(i + 1 == steps) or stop)
-        if stop:
-            ckpt.close()
-            writer.close()
-            guard.exit(f"sft step {i + 1}")
-        if guard is not None:
-            guard.heartbeat()
-    bar.close()
-    ckpt.close()
+    with ckpt:  # every way out waits for the save in flight (checkpoint.py)
+        bar = progress_bar(c, steps, start, "sft")
+        base = jax.random.key(c.seed)
+        for i in range(start, steps):
+            t0 = time.perf_counter()
+            host_batch, cut = sft_batch(t, i * cfg.sft.batch_size)
+            state, m = fn(state, t.put_batch(host_batch), jax.random.fold_in(base, i))
+            m = metrics_lib.compute_jit(m)  # the numbers, on the devices
+            health = {k: m[k] for k in ("params_finite", "skipped_in_a_row")}
+            safety.check_health(jax.device_get(health), c, f"sft step {i + 1}")
+            if (i + 1) % c.log_every == 0 or i + 1 == steps:
+                m = jax.device_get(m)
+                dt = time.perf_counter() - t0
+                m["step_time"] = dt
+                m["tokens_per_s"] = float(np.sum(host_batch["mask"])) / dt
+                m["prompts_truncated"] = cut
+                writer.write(i + 1, "sft", m)
+                bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
+            bar.update(1)
+            stop = guard is not None and guard.requested
+            meta = {"phase": "sft", "step": i + 1, "config": safety.config_record(c)}
+            ckpt.save(i + 1, state, meta, force=(i + 1 == steps) or stop)
+            if stop:
+                ckpt.close()
+                writer.close()
+                guard.exit(f"sft step {i + 1}")
+            if guard is not None:
+                guard.heartbeat()
+        bar.close()
     return state.params, writer
 
 

@@ -110,59 +110,60 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
     else:  # no warm start, or RL resumes from its own checkpoint and needs nothing else
         params = trainer.init_params
 
-    rl = RLPhase(trainer, params)
-    rl_start = 0
-    if resuming_rl:  # the newest checkpoint that restores (checkpoint.PhaseCheckpointer)
-        tree, meta, rl_start = rl_ckpt.restore(rl.checkpoint_target())
-        rl.load_checkpoint(tree, meta)
-    if writer is None:  # RL resumes at rl_start, or starts afresh (-1: no RL line kept)
-        writer = open_log("rl", rl_start if resuming_rl else -1)
-    # One record per optimizer update, cut back to the RL checkpoint like metrics.jsonl.
-    update_writer = MetricsWriter(
-        workdir,
-        resume_step=rl_start,
-        resume_phase="rl",
-        filename="updates.jsonl",
-        tb_prefix="updates",
-        wandb=wb,
-        enabled=primary,
-    )
-    records = []
-    steps = cfg.total_rl_steps
-    if rl_start == 0:
-        rec = writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params))
-        records.append(rec)
-    bar = progress_bar(c, steps, rl_start, "rl")
-    for s in range(rl_start, steps):
-        m, updates = rl.step(s)
-        for u in updates:
-            update_writer.write(s + 1, "rl", u, tb_step=s * rl.updates_per_step + u["k"])
-        safety.check_health(m, c, f"rl step {s + 1}")
-        if (s + 1) % cfg.eval_every == 0 or s + 1 == steps:
-            m.update(evaluation.evaluate(trainer, rl.state.params))
-        if (s + 1) % cfg.log_every == 0 or "eval_reward_mean" in m or s + 1 == steps:
-            records.append(writer.write(s + 1, "rl", m))
-        bar.set_postfix(
-            reward=f"{m['reward_mean']:.3f}",
-            clip=f"{m['clip_frac']:.3f}",
-            flip=f"{m.get('flip_frac', 0.0):.3f}",
+    with rl_ckpt:  # every way out waits for the save in flight (checkpoint.py)
+        rl = RLPhase(trainer, params)
+        rl_start = 0
+        if resuming_rl:  # the newest checkpoint that restores (checkpoint.PhaseCheckpointer)
+            tree, meta, rl_start = rl_ckpt.restore(rl.checkpoint_target())
+            rl.load_checkpoint(tree, meta)
+        if writer is None:  # RL resumes at rl_start, or starts afresh (-1: no RL line kept)
+            writer = open_log("rl", rl_start if resuming_rl else -1)
+        # One record per optimizer update, cut back to the RL checkpoint like metrics.jsonl.
+        update_writer = MetricsWriter(
+            workdir,
+            resume_step=rl_start,
+            resume_phase="rl",
+            filename="updates.jsonl",
+            tb_prefix="updates",
+            wandb=wb,
+            enabled=primary,
         )
-        bar.update(1)
-        tree, queue_meta = rl.checkpoint_items()  # the state, and the queue with staleness
-        meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c), **queue_meta}
-        stop = guard.requested
-        rl_ckpt.save(s + 1, tree, meta, force=(s + 1 == steps) or stop)
-        if stop:
-            rl_ckpt.close()
-            update_writer.close()
-            writer.close()
-            guard.exit(f"rl step {s + 1}")
-        guard.heartbeat()
-    bar.close()
-    rl_ckpt.close()
-    update_writer.close()
-    writer.close()
-    return records
+        records = []
+        steps = cfg.total_rl_steps
+        if rl_start == 0:
+            rec = writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params))
+            records.append(rec)
+        bar = progress_bar(c, steps, rl_start, "rl")
+        for s in range(rl_start, steps):
+            m, updates = rl.step(s)
+            for u in updates:
+                update_writer.write(s + 1, "rl", u, tb_step=s * rl.updates_per_step + u["k"])
+            safety.check_health(m, c, f"rl step {s + 1}")
+            if (s + 1) % cfg.eval_every == 0 or s + 1 == steps:
+                m.update(evaluation.evaluate(trainer, rl.state.params))
+            if (s + 1) % cfg.log_every == 0 or "eval_reward_mean" in m or s + 1 == steps:
+                records.append(writer.write(s + 1, "rl", m))
+            bar.set_postfix(
+                reward=f"{m['reward_mean']:.3f}",
+                clip=f"{m['clip_frac']:.3f}",
+                flip=f"{m.get('flip_frac', 0.0):.3f}",
+            )
+            bar.update(1)
+            tree, queue_meta = rl.checkpoint_items()  # the state, and the queue with staleness
+            meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c), **queue_meta}
+            stop = guard.requested
+            rl_ckpt.save(s + 1, tree, meta, force=(s + 1 == steps) or stop)
+            if stop:
+                rl_ckpt.close()
+                update_writer.close()
+                writer.close()
+                guard.exit(f"rl step {s + 1}")
+            guard.heartbeat()
+        bar.close()
+        rl_ckpt.close()
+        update_writer.close()
+        writer.close()
+        return records
 
 
 def main(argv: Sequence[str]) -> None:

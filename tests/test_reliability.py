@@ -344,3 +344,50 @@ def test_kills_and_corrupted_checkpoints_resume_to_the_uninterrupted_metrics(dat
         assert set(a[s]) - timing == set(b[s]) - timing
         for k in sorted(set(a[s]) - timing):
             np.testing.assert_array_equal(np.asarray(a[s][k]), np.asarray(b[s][k]), err_msg=f"step {s} {k}")
+
+
+# --------------------------------------------------------------------------
+# An error right after a checkpoint save began.
+
+
+@pytest.mark.parametrize("phase", ["sft", "rl"])
+def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_path, monkeypatch, phase):
+    """Saves are asynchronous. An error in the step after one (here injected; a bad prompt,
+    the health check or an out-of-memory error in a run) leaves the phase only once that
+    checkpoint is written and renamed to its step, checksums included: the writer is
+    slowed down so that, without the wait, the step would still be a temporary
+    directory when the error reaches the caller (and be deleted by the next start)."""
+    from gspo_jax import checkpoint, sft, train
+    from gspo_jax import rl as rl_lib
+
+    write_manifest = checkpoint.write_manifest
+
+    def slow_write(step_dir):
+        time.sleep(2.0)
+        write_manifest(step_dir)
+
+    monkeypatch.setattr(checkpoint, "write_manifest", slow_write)
+    c = _smoke(data_dir, **{"total_rl_steps": 4, "sft.steps": 4})
+    if phase == "rl":
+        step = rl_lib.RLPhase.step
+
+        def failing(self, s):
+            if s == 2:
+                raise RuntimeError("injected after the save of RL step 2")
+            return step(self, s)
+
+        monkeypatch.setattr(rl_lib.RLPhase, "step", failing)
+    else:
+        batch = sft.sft_batch
+
+        def failing(t, pos):
+            if pos == 2 * c.sft.batch_size:
+                raise RuntimeError("injected after the save of SFT step 2")
+            return batch(t, pos)
+
+        monkeypatch.setattr(sft, "sft_batch", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        train.run(c, str(tmp_path))
+    ckpt = tmp_path / "checkpoints" / phase
+    assert (ckpt / "2" / "checksums.json").exists(), sorted(os.listdir(ckpt))
+    assert not [d for d in os.listdir(ckpt) if "tmp" in d]
