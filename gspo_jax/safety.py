@@ -27,6 +27,7 @@ import ml_collections
 
 from gspo_jax import config as config_lib
 from gspo_jax import old_keys
+from gspo_jax.checkpoint import step_dirs
 from gspo_jax.config import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -78,18 +79,17 @@ def has_checkpoints(workdir: str) -> bool:
 
 def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
     """Refuse to resume a workdir's checkpoints with a config that changes what they
-    mean (ConfigError naming each field, saved -> requested). Nothing is written."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not (has_checkpoints(workdir) and os.path.exists(path)):
+    mean (ConfigError naming each field, saved -> requested). Nothing is written.
+
+    The saved config is ``config.json``; without it (checkpoints copied to another
+    cluster, a run forked from them) the newest checkpoint's own record of its config
+    (`saved_checkpoint_config`)."""
+    if not has_checkpoints(workdir):
         return
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(
-            f"{path}: cannot read the config of this workdir's checkpoints ({e}); restore it "
-            "or use a new --workdir"
-        ) from None
+    found = saved_checkpoint_config(workdir)
+    if found is None:
+        return
+    saved, path = found
     diffs = config_differences(old_keys.move_deprecated_record(saved), config_record(c))
     if diffs:
         raise ConfigError(
@@ -99,6 +99,34 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
             + f"\nUse the saved values ({path}) or a new --workdir. Fields that may change "
             "on resume: " + ", ".join(config_lib.resumable_fields())
         )
+
+
+def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:
+    """(the config the workdir's checkpoints were made with, the file it was read from):
+    ``config.json``, else the record in the newest RL (else warm-start) checkpoint whose
+    metadata reads; None if neither exists."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f), path
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(
+                f"{path}: cannot read the config of this workdir's checkpoints ({e}); restore "
+                "it or use a new --workdir"
+            ) from None
+    for phase in ("rl", "sft"):
+        steps = step_dirs(os.path.join(workdir, "checkpoints", phase))
+        for step in sorted(steps, reverse=True):
+            meta = os.path.join(steps[step], "meta", "metadata")
+            try:
+                with open(meta, encoding="utf-8") as f:
+                    record = json.load(f)["config"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # an unfinished or damaged step: an older one records it too
+            if isinstance(record, dict):
+                return record, meta
+    return None
 
 
 def save_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:

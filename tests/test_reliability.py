@@ -391,3 +391,23 @@ def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_pat
     ckpt = tmp_path / "checkpoints" / phase
     assert (ckpt / "2" / "checksums.json").exists(), sorted(os.listdir(ckpt))
     assert not [d for d in os.listdir(ckpt) if "tmp" in d]
+
+
+def test_without_config_json_resume_reads_the_checkpoints_own_config(data_dir, tmp_path):
+    """config.json deleted (checkpoints copied to another cluster, a run forked from
+    them): the newest checkpoint records the config it was made with, and a resume with
+    another is refused, naming the fields and that record; the same config resumes."""
+    from gspo_jax import train
+
+    c = _smoke(data_dir, "gspo")
+    train.run(c, str(tmp_path))
+    os.remove(tmp_path / "config.json")
+    other = _smoke(data_dir, "grpo", **{"model.fields.d_model": 64})
+    with pytest.raises(config_lib.ConfigError) as e:
+        train.run(other, str(tmp_path))
+    msg = str(e.value)
+    assert "config.objective.name: 'gspo' -> 'grpo'" in msg and "config.model.fields.d_model: 32 -> 64" in msg
+    assert os.path.join("checkpoints", "rl", "2", "meta", "metadata") in msg
+    more = _smoke(data_dir, "gspo", **{"total_rl_steps": 3})  # may change on resume
+    records = train.run(more, str(tmp_path))
+    assert [r["step"] for r in records if r["phase"] == "rl"] == [3]
