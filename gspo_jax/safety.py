@@ -103,8 +103,10 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:
     """(the config the workdir's checkpoints were made with, the file it was read from):
-    ``config.json``, else the record in the newest RL (else warm-start) checkpoint whose
-    metadata reads; None if neither exists."""
+    ``config.json``, else the record in the newest RL checkpoint whose metadata reads;
+    None if neither exists. A warm start's own record is not used: its checkpoints are
+    shared between runs that differ only in RL (the stability study places one warm
+    start under each of its arms), and `gspo_jax.sft` restores them by shape."""
     path = os.path.join(workdir, CONFIG_FILE)
     if os.path.exists(path):
         try:
@@ -115,17 +117,16 @@ def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:
                 f"{path}: cannot read the config of this workdir's checkpoints ({e}); restore "
                 "it or use a new --workdir"
             ) from None
-    for phase in ("rl", "sft"):
-        steps = step_dirs(os.path.join(workdir, "checkpoints", phase))
-        for step in sorted(steps, reverse=True):
-            meta = os.path.join(steps[step], "meta", "metadata")
-            try:
-                with open(meta, encoding="utf-8") as f:
-                    record = json.load(f)["config"]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # an unfinished or damaged step: an older one records it too
-            if isinstance(record, dict):
-                return record, meta
+    steps = step_dirs(os.path.join(workdir, "checkpoints", "rl"))
+    for step in sorted(steps, reverse=True):
+        meta = os.path.join(steps[step], "meta", "metadata")
+        try:
+            with open(meta, encoding="utf-8") as f:
+                record = json.load(f)["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # an unfinished or damaged step: an older one records it too
+        if isinstance(record, dict):
+            return record, meta
     return None
 
 
