@@ -232,12 +232,12 @@ def batch_template(
     resp_len: int,
     route: tuple[int, int] | None,
     replay_r3: bool,
-    router_logp: bool,
     sharding,
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes, dtypes and shardings of a queued batch's device arrays (the restore
     target of a checkpointed queue). ``route``: (MoE layers, experts per token) when
-    the batch holds the sampler's routing record."""
+    the batch holds the sampler's routing record (its experts and its router's
+    log-probs there)."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     f32, i32 = jnp.float32, jnp.int32
     out = {
@@ -250,8 +250,7 @@ def batch_template(
     }
     if route is not None:
         out["sampler_topk"] = spec((rows, resp_len) + route, i32)
-        if router_logp:
-            out["sampler_router_logp"] = spec((rows, resp_len) + route, f32)
+        out["sampler_router_logp"] = spec((rows, resp_len) + route, f32)
         if replay_r3:
             out["replay_r3"] = spec((rows, prompt_len + resp_len - 1) + route, i32)
     return out
@@ -293,7 +292,6 @@ def checkpoint_target(trainer, state):
         resp_len=cfg.rollout.max_new_tokens,
         route=route,
         replay_r3=record == "all",
-        router_logp=route is not None,
         sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
     )
     return {"train": state, "queue": [template] * cfg.rollout.staleness}

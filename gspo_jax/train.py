@@ -160,7 +160,6 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
                 guard.exit(f"rl step {s + 1}")
             guard.heartbeat()
         bar.close()
-        rl_ckpt.close()
         update_writer.close()
         writer.close()
         return records

@@ -40,12 +40,10 @@ def smoke(data_dir, **overrides):
     c.updates.update_without_signal = True
     c.optimizer.lr = 3e-3
     c.optimizer.warmup_steps = 0
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    fields = overrides.pop("model.fields", None)
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
+    if fields is not None:
+        c.model.fields = fields
     return c
 
 
