@@ -38,6 +38,9 @@ def test_tiny_run_reports_every_figure(tmp_path):
             "1",
             "--sampler-batches",
             "4",
+            # Enough steps that 32 of them take measurably longer than the noise of a call.
+            "--new-tokens",
+            "64",
             "--json",
             str(tmp_path / "r.json"),
         ]

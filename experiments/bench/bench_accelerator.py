@@ -26,11 +26,13 @@ What each figure is:
 * Old log-probs: `gspo_jax.passes.logprob_pass` over the same mini-batch (forward only:
   2 x FLOPs).
 * Sampler: `gspo_jax.rollout.Sampler`, prompts of ``prompt_len`` tokens, responses of
-  exactly ``--new-tokens`` tokens (no stop token). The roofline counts the bytes one
-  decode step must read: all non-expert weights in bf16, the experts the batch touches
-  (expected distinct experts of top-K picks over E, uniform routing), and the KV cache
-  at the mean context. It divides them by the HBM bandwidth (``--hbm-tbs``, 4.8 TB/s).
-  Prefill is timed by a one-token call.
+  exactly ``--new-tokens`` tokens (no stop token). The decode step is the difference
+  of an n-token and an n/2-token call over n/2 (prefill and per-call costs cancel). The
+  roofline counts the bytes one decode step must read: all non-expert weights in bf16,
+  the experts the batch touches (expected distinct experts of top-K picks over E,
+  uniform routing), and the KV cache at the mean context of the timed steps. It divides
+  them by the HBM bandwidth (``--hbm-tbs``, 4.8 TB/s). Prefill is timed by a one-token
+  call.
 * Peak memory: XLA's compiled estimate (arguments + outputs + temporaries - aliased)
   of each program, and the runtime's ``peak_bytes_in_use`` after each part, which
   accumulates (run one part per process for clean peaks: ``--parts``).
@@ -248,17 +250,26 @@ def bench_sampler(size: str, backend: str, args) -> list[dict]:
             ).tokens
 
         n = args.new_tokens or sh.new_tokens
+        half = max(1, n // 2)
         prefill_s, _, _ = timed(lambda: sample(1), reps=args.reps)
-        total_s, first, _ = timed(lambda: sample(n), reps=max(1, args.reps // 2))
-        decode_s = max(total_s - prefill_s, 1e-9)
+        total_s, first, _ = timed(lambda: sample(n), reps=args.reps)
+        half_s, _, _ = timed(lambda: sample(half), reps=args.reps)
         profile = None
         if args.profile and b == max(batches):
             d = f"{args.profile}/sampler_{b}"
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 jax.block_until_ready(sample(min(n, 64)))
             profile = top_ops(d)
-        per_step = decode_s / (n - 1) if n > 1 else decode_s
-        roof = decode_bytes(cfg, b, p + n / 2) / (args.hbm_tbs * 1e12)
+        # The decode step from two lengths: the second half's steps alone, so the
+        # prefill and any per-call cost cancel (on the H200 the one-token call of the
+        # first batch once took 4 s after its warm-up, which made total - prefill
+        # meaningless). Its roofline is at the mean context of those steps.
+        if total_s <= half_s:  # too few tokens to see the steps above the noise
+            raise SystemExit(
+                f"batch {b}: {n} tokens took no longer than {half}: raise --new-tokens"
+            )
+        per_step = (total_s - half_s) / (n - half)
+        roof = decode_bytes(cfg, b, p + (n + half) / 2) / (args.hbm_tbs * 1e12)
         rows.append(
             dict(
                 part="sampler",
