@@ -52,7 +52,7 @@ def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
         train = _load(tmp_path, spec, "train")
         test = _load(tmp_path, spec, "test")
-    assert len(train) + len(test) == 20 and len(test) == 2  # round(0.1 * 20)
+    assert len(train) + len(test) == 20 and test  # the bad line 4 left out
     bad = [r.getMessage() for r in caplog.records if "skipping bad row" in r.getMessage()]
     assert len(bad) == 1, bad  # reported once, though both splits were read
     assert f"{path}: row 4: invalid JSON" in bad[0]
@@ -96,14 +96,15 @@ def test_bom_blank_lines_and_line_numbers(tmp_path):
 
 def test_test_file_split_and_prompt_source_order(tmp_path):
     train = _write_jsonl(tmp_path / "train.jsonl", _rows(10))
-    test = _write_jsonl(tmp_path / "test.jsonl", _rows(3))
+    test_rows = [{"prompt": f"Held out {i}?", "answer": i} for i in range(3)]
+    test = _write_jsonl(tmp_path / "test.jsonl", test_rows)
     spec = _spec(train, test_file=test, test_fraction=0.0)
     src = PromptSource("file", "train", data_dir=str(tmp_path), seed=3, file_task=spec)
     ev = PromptSource("file", "test", data_dir=str(tmp_path), shuffle=False, file_task=spec)
     assert len(src) == 10 and len(ev) == 3
     order = np.random.RandomState([3, 1]).permutation(10)
     assert [ex.index for ex in src.batch(12, 4)] == order[2:6].tolist()  # epoch 1
-    assert [ex.prompt for ex in ev.first(5)] == [r["prompt"] for r in _rows(3)]
+    assert [ex.prompt for ex in ev.first(5)] == [r["prompt"] for r in test_rows]
     with pytest.raises(ValueError, match="file_task"):
         PromptSource("file", "train", data_dir=str(tmp_path))
 
@@ -112,11 +113,13 @@ def test_prepared_dataset_is_reused_until_the_file_or_a_setting_changes(tmp_path
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(10))
     calls = []
     splits = user_file._splits
-    monkeypatch.setattr(user_file, "_splits", lambda spec: calls.append(spec) or splits(spec))
+    monkeypatch.setattr(
+        user_file, "_splits", lambda spec, check: calls.append(spec) or splits(spec, check)
+    )
     first = user_file.prepare(_spec(path), tmp_path / "data")
     again = user_file.prepare(_spec(path), tmp_path / "data")
     assert len(calls) == 1 and again.data_dir == first.data_dir  # reused, not regenerated
-    assert len(_load(tmp_path, _spec(path), "train")) == 9
+    assert len(_load(tmp_path, _spec(path), "train") + _load(tmp_path, _spec(path), "test")) == 10
     assert len(calls) == 1
     _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"New {i}?", "answer": i} for i in range(10)])
     edited = user_file.prepare(_spec(path), tmp_path / "data")
@@ -264,11 +267,11 @@ def test_plugin_reward(plugin, tmp_path):
     assert sys.modules[plugin].calls == [{"id": 7}, {"id": 7}]
     # Through a file: the row is passed whole; any answer is accepted.
     path = _write_jsonl(
-        tmp_path / "p.jsonl", [{"prompt": "Say hi", "answer": "hi", "id": i} for i in range(5)]
+        tmp_path / "p.jsonl", [{"prompt": f"Say hi {i}", "answer": "hi", "id": i} for i in range(5)]
     )
     ex = _load(tmp_path, _spec(path, verifier=f"{plugin}:partial"), "train")[0]
     assert rewards.verify("file", "hi there", ex.meta).reward == 1.0
-    assert sys.modules[plugin].calls[-1]["prompt"] == "Say hi"
+    assert sys.modules[plugin].calls[-1]["prompt"] == ex.prompt
 
 
 @pytest.mark.parametrize("fn", ["boom", "nan", "text"])
@@ -330,11 +333,14 @@ def test_messages_column(tmp_path):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is 2+2?"},
     ]
-    rows = [{"chat": msgs, "answer": 4}] * 4 + [{"chat": [{"role": "user"}], "answer": 4}]
+    rows = [{"chat": msgs[:1] + [{"role": "user", "content": f"What is 2+{i}?"}], "answer": 2 + i}
+            for i in (2, 3, 4, 5)] + [{"chat": [{"role": "user"}], "answer": 4}]
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(ValueError, match=r"row 5: column 'chat': message 0"):
         _load(tmp_path, _spec(path, messages_column="chat", bad_rows="refuse"), "train")
-    ex = _load(tmp_path, _spec(path, messages_column="chat", test_fraction=0.25), "train")[0]
+    spec = _spec(path, messages_column="chat", test_fraction=0.25)
+    exs = _load(tmp_path, spec, "train") + _load(tmp_path, spec, "test")
+    ex = next(ex for ex in exs if ex.messages[1]["content"] == "What is 2+2?")
     assert ex.prompt == "You are terse.\nWhat is 2+2?" and len(ex.messages) == 2
     char = gtok.CharTokenizer()
     assert encode_prompt(char, ex.prompt, ex.messages) == [char.bos_id] + char.encode(ex.prompt)

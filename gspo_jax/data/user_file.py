@@ -296,7 +296,7 @@ def _once(path: str, rows: list, seen: dict[str, str]) -> list[tuple[int, prompt
         if key in seen:
             repeats.append(f"row {rowno} (as {seen[key]})")
         else:
-            seen[key] = f"{path} row {rowno}"
+            seen[key] = f"row {rowno}"
             kept.append((rowno, ex))
     if repeats:
         _log.warning(
@@ -320,6 +320,7 @@ def _splits(spec: FileTask, check=None) -> dict[str, list[prompts.Example]]:
     if spec.test_file:
         seen: dict[str, str] = {}
         test = _once(spec.test_file, _examples(spec.test_file, spec, check), seen)
+        seen = {key: f"{spec.test_file} {where}" for key, where in seen.items()}
         train = _once(spec.file, rows, seen)
     else:
         rows = _once(spec.file, rows, {})
