@@ -53,7 +53,7 @@ def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
         train = _load(tmp_path, spec, "train")
         test = _load(tmp_path, spec, "test")
     assert len(train) + len(test) == 20 and test  # the bad line 4 left out
-    bad = [r.getMessage() for r in caplog.records if "skipping bad row" in r.getMessage()]
+    bad = [r.getMessage() for r in caplog.records if "bad row(s)" in r.getMessage()]
     assert len(bad) == 1, bad  # reported once, though both splits were read
     assert f"{path}: row 4: invalid JSON" in bad[0]
     assert [ex.index for ex in train] == list(range(len(train)))
