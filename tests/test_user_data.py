@@ -169,8 +169,10 @@ def test_parquet(tmp_path):
 
 
 def _split_prompts(tmp_path, spec, check=None):
+    """{split: its prompts}; ``check``: the run's PromptCheck, if any."""
+    kw = {"prompt_check": check} if check else {}
     return {
-        split: {ex.prompt for ex in user_file.load_split(spec, split, tmp_path / "data", check)}
+        split: {ex.prompt for ex in user_file.load_split(spec, split, tmp_path / "data", **kw)}
         for split in ("train", "test")
     }
 
