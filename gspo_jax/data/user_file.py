@@ -322,6 +322,8 @@ def _splits(spec: FileTask, check=None) -> dict[str, list[prompts.Example]]:
         test = _once(spec.test_file, _examples(spec.test_file, spec, check), seen)
         seen = {key: f"{spec.test_file} {where}" for key, where in seen.items()}
         train = _once(spec.file, rows, seen)
+        if not train:
+            raise ValueError(f"{spec.file}: every prompt is also in {spec.test_file}")
     else:
         rows = _once(spec.file, rows, {})
         held = [_held_out(prompt_key(ex), spec.test_fraction) for _, ex in rows]
