@@ -9,7 +9,9 @@ Arguments (comma-separated): ``file=<path>`` (a ``.jsonl`` or ``.parquet`` file;
 can also be set with ``--config.task.file``), ``smoke`` shrinks everything to two steps.
 
 Defaults: the rows' ``prompt`` and ``answer`` columns, verifier ``numeric``, bad rows
-logged and skipped, 10% of the rows held out as the test split, no warm start
+(checked up front, with the run's tokenizer and prompt length) listed and skipped, each
+prompt kept once, about 10% of them held out as the test split (by a hash of the
+prompt, so an edited file keeps every other row's split), no warm start
 (``sft.steps=0``: a file has no reference solutions unless ``task.solution_column``
 names them). The columns, the verifier (``numeric``, ``countdown``, ``exact_match``,
 ``boxed_math`` or a reward function ``module:function``), a chat ``messages_column``

@@ -152,6 +152,10 @@ class CharTokenizer:
                 return table[token]
         raise ValueError(f"{token!r} is not a CharTokenizer token")
 
+    def fingerprint(self) -> str:
+        """What decides the ids of a text (data prepared for one tokenizer names it)."""
+        return json.dumps(["char", self.chars, self.words, self.unknown])
+
 
 # ---------------------------------------------------------------------------
 # Hugging Face tokenizer.json.
@@ -508,6 +512,10 @@ class HFTokenizer:
         if idx is None:
             raise ValueError(f"{token!r} is not in the vocabulary of {self.name}")
         return int(idx)
+
+    def fingerprint(self) -> str:
+        """What decides the ids of a prompt: the model, the chat template, BOS."""
+        return json.dumps(["hf", self._tok.to_str(), self.chat_template, self.bos_id])
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, **kwargs

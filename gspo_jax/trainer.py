@@ -25,7 +25,7 @@ from gspo_jax import config as config_lib
 from gspo_jax import evaluation, multihost, offpolicy, rewards, step, tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
-from gspo_jax.data.encoding import encode_prompt, fit_prompts
+from gspo_jax.data.encoding import PromptCheck, encode_prompt, fit_prompts
 from gspo_jax.models import from_pretrained, init_sharded
 from gspo_jax.models.sharding import BATCH_AXES, make_mesh, on_mesh
 from gspo_jax.rollout import Sampler
@@ -62,7 +62,8 @@ class Trainer:
         os.makedirs(workdir, exist_ok=True)
         data_dir = c.task.data_dir or os.path.join(workdir, "data")
         options = tasks.get(c.task.name).options(c.task)  # the task's own PromptSource options
-        kw = dict(data_dir=data_dir, seed=c.seed, style=c.task.style, **options)
+        check = PromptCheck(self.tokenizer, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
+        kw = dict(data_dir=data_dir, seed=c.seed, style=c.task.style, prompt_check=check, **options)
         # One process prepares a data set that is not on disk yet; the others then read it.
         if not multihost.is_primary():
             multihost.barrier("data prepared")

@@ -14,7 +14,7 @@ import pytest
 from gspo_jax import reward_plugins, rewards, verifiers
 from gspo_jax import tokenizers as gtok
 from gspo_jax.answers import Status
-from gspo_jax.data import PromptSource, user_file
+from gspo_jax.data import PromptSource, encoding, user_file
 from gspo_jax.tasks import countdown as countdown_task
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -52,8 +52,8 @@ def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
         train = _load(tmp_path, spec, "train")
         test = _load(tmp_path, spec, "test")
-    assert len(train) + len(test) == 20 and len(test) == 2  # round(0.1 * 20)
-    bad = [r.getMessage() for r in caplog.records if "skipping bad row" in r.getMessage()]
+    assert len(train) + len(test) == 20 and test  # the bad line 4 left out
+    bad = [r.getMessage() for r in caplog.records if "bad row(s)" in r.getMessage()]
     assert len(bad) == 1, bad  # reported once, though both splits were read
     assert f"{path}: row 4: invalid JSON" in bad[0]
     assert [ex.index for ex in train] == list(range(len(train)))
@@ -96,14 +96,15 @@ def test_bom_blank_lines_and_line_numbers(tmp_path):
 
 def test_test_file_split_and_prompt_source_order(tmp_path):
     train = _write_jsonl(tmp_path / "train.jsonl", _rows(10))
-    test = _write_jsonl(tmp_path / "test.jsonl", _rows(3))
+    test_rows = [{"prompt": f"Held out {i}?", "answer": i} for i in range(3)]
+    test = _write_jsonl(tmp_path / "test.jsonl", test_rows)
     spec = _spec(train, test_file=test, test_fraction=0.0)
     src = PromptSource("file", "train", data_dir=str(tmp_path), seed=3, file_task=spec)
     ev = PromptSource("file", "test", data_dir=str(tmp_path), shuffle=False, file_task=spec)
     assert len(src) == 10 and len(ev) == 3
     order = np.random.RandomState([3, 1]).permutation(10)
     assert [ex.index for ex in src.batch(12, 4)] == order[2:6].tolist()  # epoch 1
-    assert [ex.prompt for ex in ev.first(5)] == [r["prompt"] for r in _rows(3)]
+    assert [ex.prompt for ex in ev.first(5)] == [r["prompt"] for r in test_rows]
     with pytest.raises(ValueError, match="file_task"):
         PromptSource("file", "train", data_dir=str(tmp_path))
 
@@ -112,11 +113,13 @@ def test_prepared_dataset_is_reused_until_the_file_or_a_setting_changes(tmp_path
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(10))
     calls = []
     splits = user_file._splits
-    monkeypatch.setattr(user_file, "_splits", lambda spec: calls.append(spec) or splits(spec))
+    monkeypatch.setattr(
+        user_file, "_splits", lambda spec, check: calls.append(spec) or splits(spec, check)
+    )
     first = user_file.prepare(_spec(path), tmp_path / "data")
     again = user_file.prepare(_spec(path), tmp_path / "data")
     assert len(calls) == 1 and again.data_dir == first.data_dir  # reused, not regenerated
-    assert len(_load(tmp_path, _spec(path), "train")) == 9
+    assert len(_load(tmp_path, _spec(path), "train") + _load(tmp_path, _spec(path), "test")) == 10
     assert len(calls) == 1
     _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"New {i}?", "answer": i} for i in range(10)])
     edited = user_file.prepare(_spec(path), tmp_path / "data")
@@ -159,6 +162,140 @@ def test_parquet(tmp_path):
             _spec(spec.file, prompt_column="q", answer_column="a", bad_rows="refuse"),
             "train",
         )
+
+
+# --------------------------------------------------------------------------
+# A file edited between runs, duplicates, prompts the run cannot use, unreadable values.
+
+
+def _split_prompts(tmp_path, spec, check=None):
+    """{split: its prompts}; ``check``: the run's PromptCheck, if any."""
+    kw = {"prompt_check": check} if check else {}
+    return {
+        split: {ex.prompt for ex in user_file.load_split(spec, split, tmp_path / "data", **kw)}
+        for split in ("train", "test")
+    }
+
+
+def test_an_edited_file_moves_no_other_row_between_the_splits(tmp_path, caplog):
+    rows = [{"prompt": f"What is {i}*3?", "answer": 3 * i} for i in range(200)]
+    rows[10]["answer"] = "thirty"  # a bad row, fixed before the second run
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    before = _split_prompts(tmp_path, _spec(path))
+    assert 5 <= len(before["test"]) <= 40  # about test_fraction=0.1 of the rows
+    rows[10]["answer"] = 30
+    rows[20]["answer"] = 61  # an answer corrected
+    removed = {rows[i]["prompt"] for i in (3, 50, 120)}
+    rows = [r for r in rows if r["prompt"] not in removed]
+    rows = rows[:5] + [{"prompt": f"New {i}?", "answer": i} for i in range(5)] + rows[5:]
+    _write_jsonl(tmp_path / "p.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+        after = _split_prompts(tmp_path, _spec(path))
+    for split in ("train", "test"):
+        assert before[split] - removed <= after[split], split  # no unchanged row moved
+    assert not after["train"] & after["test"]
+    notes = [r.getMessage() for r in caplog.records if "differ from its last preparation" in r.getMessage()]
+    assert len(notes) == 1 and path in notes[0], notes
+    added = {split: len(after[split] - before[split]) for split in after}
+    gone = {split: len(before[split] & removed) for split in before}
+    assert f"train: {added['train']} row(s) added, {gone['train']} removed, 1 edited" in notes[0]
+    assert sum(added.values()) == 6 and sum(gone.values()) == 3  # 5 new rows and row 10
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+        assert _split_prompts(tmp_path, _spec(path)) == after  # unchanged: no notice
+    assert not [r for r in caplog.records if "differ from" in r.getMessage()]
+
+
+def test_duplicate_prompts_are_kept_once_in_one_split(tmp_path, caplog):
+    rows = [{"prompt": f"What is {i}+7?", "answer": i + 7} for i in range(60)]
+    rows += [{"prompt": f"What is  {i}+7?\n", "answer": i + 7} for i in range(0, 60, 6)]
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+        got = _split_prompts(tmp_path, _spec(path))
+    norm = {split: {" ".join(p.split()) for p in got[split]} for split in got}
+    assert not norm["train"] & norm["test"]
+    assert len(got["train"]) + len(got["test"]) == 60  # each prompt once
+    (note,) = [r.getMessage() for r in caplog.records if "repeat the prompt" in r.getMessage()]
+    assert f"{path}: 10 row(s) repeat the prompt of an earlier row, kept once" in note
+    assert "row 61 (as row 1)" in note
+    # A test file's prompts are left out of training.
+    test = _write_jsonl(tmp_path / "t.jsonl", rows[:3])
+    got = _split_prompts(tmp_path, _spec(path, test_file=test))
+    assert got["test"] == {r["prompt"] for r in rows[:3]}
+    assert len(got["train"]) == 57 and not got["train"] & got["test"]
+
+
+def _unusable_rows():
+    ok = [{"prompt": f"What is {i}-1?", "answer": i - 1} for i in range(20)]
+    bad = [
+        {"prompt": "Combien font 2+2 ? Réponds.", "answer": 4},
+        {"prompt": "What’s 2+2?", "answer": 4},
+        {"prompt": "What is 3×4?", "answer": 12},
+        {"prompt": "What is\t5+5?", "answer": 10},
+        {"prompt": "What is " + "1+" * 60 + "1?", "answer": 61},  # 130 characters and BOS
+    ]
+    return ok[:4] + bad + ok[4:]  # the bad ones are rows 5 to 9
+
+
+def test_prompts_the_run_cannot_encode_or_fit_are_reported_up_front(tmp_path):
+    from configs import file_task
+    from gspo_jax.trainer import Trainer
+
+    path = _write_jsonl(tmp_path / "p.jsonl", _unusable_rows())
+    c = file_task.get_config(f"file={path},smoke")
+    c.task.bad_rows = "refuse"
+    c.rollout.max_prompt_len = 100
+    with pytest.raises(ValueError, match=r"5 bad row\(s\)") as e:
+        Trainer(c, str(tmp_path / "run"))  # fails while preparing the data
+    msg = str(e.value)
+    for row, char in [(5, "é"), (6, "’"), (7, "×"), (8, "\t")]:
+        assert f"{path}: row {row}: the prompt cannot be encoded" in msg and repr(char) in msg
+    assert f"{path}: row 9: the prompt is 131 tokens, longer than config.rollout.max_prompt_len=100" in msg
+    # Skipped: the run's data holds the good rows only; truncated prompts are usable.
+    check = encoding.PromptCheck(gtok.CharTokenizer(), 100, "refuse")
+    got = _split_prompts(tmp_path, _spec(path), check)
+    assert len(got["train"]) + len(got["test"]) == 20
+    check = encoding.PromptCheck(gtok.CharTokenizer(), 100, "truncate")
+    got = _split_prompts(tmp_path, _spec(path), check)
+    assert len(got["train"]) + len(got["test"]) == 21
+    # A tokenizer with a chat template: its tokens, template included, are counted.
+    (tmp_path / "tok").mkdir()
+    hf = _hf_dir(tmp_path / "tok")
+    n = len(encoding.encode_prompt(hf, "What is 1-1?"))
+    assert encoding.PromptCheck(hf, n, "refuse").problem("What is 1-1?") is None
+    assert f"is {n} tokens" in encoding.PromptCheck(hf, n - 1, "refuse").problem("What is 1-1?")
+
+
+def test_unreadable_values_are_named_by_file_and_row(tmp_path, caplog):
+    raw = {
+        2: '{"prompt": "Big?", "answer": ' + "7" * 5000 + "}",
+        3: '{"prompt": "Big string?", "answer": "' + "7" * 5000 + '"}',
+        4: '{"prompt": "Deep?", "answer": 1, "x": ' + "[" * 100000 + "]" * 100000 + "}",
+        5: '{"prompt": "Deep?", "answer": 1, "x": ' + "[" * 200 + "]" * 200 + "}",
+    }
+    path = _write_jsonl(tmp_path / "p.jsonl", _rows(10), raw)
+    with pytest.raises(ValueError, match=r"4 bad row\(s\)") as e:
+        _load(tmp_path, _spec(path, bad_rows="refuse"), "train")
+    msg = str(e.value)
+    assert f"{path}: row 3: unreadable value: Exceeds the limit (4300 digits)" in msg
+    assert f"{path}: row 4: column 'answer': unreadable value: Exceeds the limit" in msg
+    assert f"{path}: row 5: a value nested more than 64 levels deep" in msg
+    assert f"{path}: row 6: a value nested more than 64 levels deep" in msg
+    assert len(msg) < 2000  # values are not echoed whole
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+        got = _split_prompts(tmp_path, _spec(path))
+    assert len(got["train"]) + len(got["test"]) == 10
+    (note,) = [r.getMessage() for r in caplog.records if "bad row(s)" in r.getMessage()]
+    assert "skipping 4 bad row(s)" in note
+
+
+def test_every_bad_row_in_one_message_capped(tmp_path):
+    rows = [{"prompt": "", "answer": i} for i in range(30)] + _rows(5)
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(ValueError, match=r"30 bad row\(s\)") as e:
+        _load(tmp_path, _spec(path, bad_rows="refuse"), "train")
+    assert str(e.value).count(": column 'prompt' is empty") == user_file.MAX_LISTED
+    assert "… and 10 more" in str(e.value)
 
 
 # --------------------------------------------------------------------------
@@ -264,11 +401,11 @@ def test_plugin_reward(plugin, tmp_path):
     assert sys.modules[plugin].calls == [{"id": 7}, {"id": 7}]
     # Through a file: the row is passed whole; any answer is accepted.
     path = _write_jsonl(
-        tmp_path / "p.jsonl", [{"prompt": "Say hi", "answer": "hi", "id": i} for i in range(5)]
+        tmp_path / "p.jsonl", [{"prompt": f"Say hi {i}", "answer": "hi", "id": i} for i in range(5)]
     )
     ex = _load(tmp_path, _spec(path, verifier=f"{plugin}:partial"), "train")[0]
     assert rewards.verify("file", "hi there", ex.meta).reward == 1.0
-    assert sys.modules[plugin].calls[-1]["prompt"] == "Say hi"
+    assert sys.modules[plugin].calls[-1]["prompt"] == ex.prompt
 
 
 @pytest.mark.parametrize("fn", ["boom", "nan", "text"])
@@ -330,11 +467,14 @@ def test_messages_column(tmp_path):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is 2+2?"},
     ]
-    rows = [{"chat": msgs, "answer": 4}] * 4 + [{"chat": [{"role": "user"}], "answer": 4}]
+    rows = [{"chat": msgs[:1] + [{"role": "user", "content": f"What is 2+{i}?"}], "answer": 2 + i}
+            for i in (2, 3, 4, 5)] + [{"chat": [{"role": "user"}], "answer": 4}]
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(ValueError, match=r"row 5: column 'chat': message 0"):
         _load(tmp_path, _spec(path, messages_column="chat", bad_rows="refuse"), "train")
-    ex = _load(tmp_path, _spec(path, messages_column="chat", test_fraction=0.25), "train")[0]
+    spec = _spec(path, messages_column="chat", test_fraction=0.25)
+    exs = _load(tmp_path, spec, "train") + _load(tmp_path, spec, "test")
+    ex = next(ex for ex in exs if ex.messages[1]["content"] == "What is 2+2?")
     assert ex.prompt == "You are terse.\nWhat is 2+2?" and len(ex.messages) == 2
     char = gtok.CharTokenizer()
     assert encode_prompt(char, ex.prompt, ex.messages) == [char.bos_id] + char.encode(ex.prompt)

@@ -7,7 +7,9 @@ right-padded to ``rollout.max_new_tokens``.
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import hashlib
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -27,6 +29,42 @@ def encode_prompt(tokenizer, text: str, messages=None) -> list[int]:
         return tokenizer.encode(text)
     ids = tokenizer.encode(text)
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptCheck:
+    """The run's tokenizer and prompt-length policy, to check a data set's prompts when
+    it is prepared (task "file": every row, up front) rather than when a batch draws
+    one hours in. ``max_len``, ``long_prompts``: ``rollout.max_prompt_len`` and
+    ``rollout.long_prompts`` (a long prompt is a problem only when it is refused)."""
+
+    tokenizer: Any
+    max_len: int
+    long_prompts: str
+
+    def problem(self, text: str, messages=None, solution: str | None = None) -> str | None:
+        """Why the run could not use this prompt (and warm-start solution), or None."""
+        try:
+            ids = encode_prompt(self.tokenizer, text, messages)
+        except ValueError as e:
+            return f"the prompt cannot be encoded by config.tokenizer: {e}"
+        if len(ids) > self.max_len and self.long_prompts != "truncate":
+            return (
+                f"the prompt is {len(ids)} tokens, longer than config.rollout.max_prompt_len"
+                f"={self.max_len} (raise it, or set config.rollout.long_prompts='truncate')"
+            )
+        if solution is not None:
+            try:
+                self.tokenizer.encode(solution)
+            except ValueError as e:
+                return f"the solution cannot be encoded by config.tokenizer: {e}"
+        return None
+
+    def digest(self) -> str:
+        """A hash of what decides `problem` (a data set checked with another differs)."""
+        h = hashlib.sha256(self.tokenizer.fingerprint().encode())
+        h.update(f"{self.max_len}/{self.long_prompts}".encode())
+        return h.hexdigest()[:16]
 
 
 def fit_prompts(

@@ -27,10 +27,13 @@ def prepared(builder):
     return builder
 
 
-def _prepare(task: tasks.Task, data_dir, options: dict[str, Any]):
+def _prepare(task: tasks.Task, data_dir, options: dict[str, Any], prompt_check=None):
     """``task.prepare(data_dir, **options)``, with a ValueError naming an option the
-    task does not take (and the tasks that take it) or a required one not given."""
+    task does not take (and the tasks that take it) or a required one not given; with
+    ``prompt_check=`` where the task's ``prepare`` takes it."""
     params = list(inspect.signature(task.prepare).parameters.values())[1:]
+    if prompt_check is not None and "prompt_check" in [p.name for p in params]:
+        options = {**options, "prompt_check": prompt_check}
     for key in options:
         if key not in [p.name for p in params]:
             takers = [n for n in tasks.names() if key in _option_names(tasks.get(n))]
@@ -58,6 +61,9 @@ class PromptSource:
       style: prompt style, "compact" or "instruct" (a user's file has its own prompts).
       seed: seed of the epoch orders.
       shuffle: False keeps the stored order in every epoch (for evaluation).
+      prompt_check: the run's tokenizer and prompt length
+        (:class:`~gspo_jax.data.encoding.PromptCheck`), for a task that checks every
+        prompt when its data is prepared ("file"); the others do not take it.
       **options: the task's own (its ``prepare``'s keywords; `Task.options` reads them
         from the config). Countdown and arithmetic: ``config``, the difficulty: a
         config name (``"easy"``, ``"digits3"`` ...) or a ``CountdownConfig.make(...)`` /
@@ -75,12 +81,13 @@ class PromptSource:
         style: str = "compact",
         seed: int = 0,
         shuffle: bool = True,
+        prompt_check=None,
         **options,
     ):
         if style not in prompts.STYLES:
             raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
         self._task = tasks.get(task)
-        builder = _prepare(self._task, data_dir, options)
+        builder = _prepare(self._task, data_dir, options, prompt_check)
         if split not in builder.info.splits:
             raise ValueError(f"split {split!r} not in {task}: {sorted(builder.info.splits)}")
         self.task, self.split, self.style = task, split, style

@@ -21,17 +21,37 @@ Columns (names set in ``config.task``):
   start trains on, verbatim; ``sft.steps > 0`` needs it.
 
 A row is bad when it is not a JSON object (or not valid JSON or UTF-8), lacks a
-column, holds the wrong type, has an empty prompt, or holds a reference the verifier
-cannot read (``numeric`` needs a plain number). With ``bad_rows="skip"`` each bad row
-is logged once, as ``<file>: row <n>: <what is wrong>``, and left out; with
-``"refuse"`` the first raises ValueError with that message. All rows are checked before
-the dataset is prepared, so no bad row reaches a running training loop.
+column, holds the wrong type, has an empty prompt, holds a value Python cannot read (an
+integer of more than 4300 digits, values nested more than ``MAX_DEPTH`` levels) or a
+reference the verifier cannot read (``numeric`` needs a plain number), or, in a run,
+has a prompt (or solution) the run's tokenizer cannot encode or a prompt longer than
+``rollout.max_prompt_len`` that ``rollout.long_prompts="refuse"`` would refuse (the
+trainer passes its :class:`~gspo_jax.data.encoding.PromptCheck`). Every row is checked
+before the dataset is prepared, and the bad ones are reported in one message, one
+``<file>: row <n>: <what is wrong>`` a line (the first ``MAX_LISTED``, then a count):
+with ``bad_rows="skip"`` as a warning, and left out; with ``"refuse"`` as a ValueError.
+So no bad row reaches a running training loop.
+
+Duplicates: rows whose prompts are the same (as the model reads them, each run of
+whitespace one space; the messages with their roles for a messages column) are kept
+once, the first in the file, and the others counted and named in one line; with a
+``test_file``, a row of ``file`` whose prompt is in the test file is left out of
+training. So no prompt is in both splits.
 
 Splits: with ``test_file`` set, it is the test split and ``file`` the train split;
-otherwise a held-out ``test_fraction`` of the valid rows of ``file`` (``round(fraction
-* n)``, at least 1, chosen by a fixed seeded permutation that does not depend on
-``config.seed``, so the test set is the same for every run on the file) is the test
-split, the rest the train split. Both keep file order.
+otherwise a row is held out for the test split when the hash of its prompt
+(:func:`prompt_key`, read as a number in [0, 1)) is below ``test_fraction``: about that
+fraction of the rows, the same for every run and seed, and a row's split depends on its
+prompt alone. A row edited, added or removed between runs moves no other row between
+the splits (an edit to a row's prompt may move that row; a fixed answer does not). In a
+file so small that no row's hash is below the fraction, the row of the lowest hash is
+held out (and of the highest trains, where every one is below). Both splits keep file
+order; evaluation scores the first ``task.eval_size`` of the test split.
+
+Changes between runs: each prepared dataset keeps a hash of every row of each split
+(``row_keys.json``); when ``file`` is prepared again in the same data dir with other
+rows in use (edited, or a setting or the tokenizer changed which rows are usable), one
+warning says how many rows each split gained, lost and had edited.
 
 Preparation: like the other tasks, the checked rows are prepared as a TFDS dataset
 (:class:`GspoUserFile`, array_record) under ``task.data_dir``, with a config named
@@ -53,7 +73,6 @@ import math
 import os
 from typing import Any
 
-import numpy as np
 import tensorflow_datasets as tfds
 
 from gspo_jax import verifiers
@@ -61,6 +80,9 @@ from gspo_jax.data import prompts
 
 BAD_ROWS = ("skip", "refuse")
 EXTENSIONS = (".jsonl", ".parquet")
+MAX_DEPTH = 64  # nesting levels of a row's values (deeper ones break json's recursion)
+MAX_LISTED = 20  # rows named in one report; the rest are counted
+ROW_KEYS = "row_keys.json"  # each prepared split's prompts and rows, hashed
 _log = logging.getLogger(__name__)
 
 
@@ -105,6 +127,10 @@ def _read_jsonl(path: str) -> list[tuple[int, Any]]:
                 out.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
                 out.append((lineno, f"invalid JSON ({e.msg} at column {e.colno})"))
+            except RecursionError:
+                out.append((lineno, f"a value nested more than {MAX_DEPTH} levels deep"))
+            except ValueError as e:  # Python's limit on an integer's digits
+                out.append((lineno, f"unreadable value: {str(e).split(';')[0]}"))
     return out
 
 
@@ -166,10 +192,23 @@ def _answer(row: dict, name: str) -> str | int:
     return v
 
 
+def _nesting(value: Any) -> int:
+    """How many levels of lists and objects ``value`` holds (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list, tuple)) and depth <= MAX_DEPTH + 1:
+            deepest = max(deepest, depth)
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def to_example(row: Any, spec: FileTask, index: int) -> prompts.Example:
     """One row as an Example; raises BadRow saying what is wrong."""
     if not isinstance(row, dict):
         raise BadRow(f"not a JSON object (got {type(row).__name__})")
+    if _nesting(row) > MAX_DEPTH:
+        raise BadRow(f"a value nested more than {MAX_DEPTH} levels deep")
     messages = None
     if spec.messages_column:
         messages = _messages(row, spec.messages_column)
@@ -181,7 +220,10 @@ def to_example(row: Any, spec: FileTask, index: int) -> prompts.Example:
     if spec.verifier == "countdown":
         meta["target"] = answer
         meta["numbers"] = row.get("numbers")
-    problem = verifiers.get(spec.verifier).reference_problem(meta)  # None for a plug-in
+    try:
+        problem = verifiers.get(spec.verifier).reference_problem(meta)  # None for a plug-in
+    except ValueError as e:  # e.g. Python's limit on an integer's digits
+        problem = f"column {spec.answer_column!r}: unreadable value: {str(e).split(';')[0]}"
     if problem:
         raise BadRow(problem)
     if spec.verifier == "countdown":
@@ -190,45 +232,124 @@ def to_example(row: Any, spec: FileTask, index: int) -> prompts.Example:
     return prompts.Example("file", prompt, meta, reference, index, messages)
 
 
-def _examples(path: str, spec: FileTask) -> list[prompts.Example]:
-    """The valid rows of ``path``; bad ones logged and skipped, or refused."""
-    out, bad = [], 0
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+def _listed(items: list[str]) -> str:
+    """The first `MAX_LISTED` of ``items``, one a line, and how many more there are."""
+    more = [f"… and {len(items) - MAX_LISTED} more"] if len(items) > MAX_LISTED else []
+    return "".join(f"\n  {x}" for x in items[:MAX_LISTED] + more)
+
+
+def _examples(path: str, spec: FileTask, check=None) -> list[tuple[int, prompts.Example]]:
+    """(row number, Example) of the valid rows of ``path``. ``check``: a
+    :class:`~gspo_jax.data.encoding.PromptCheck`, the run's tokenizer and prompt length,
+    that every prompt must pass. The bad rows are reported in one message, then left
+    out (``bad_rows="skip"``) or refused."""
+    out, bad = [], []
     for rowno, row in read_rows(path):
         try:
             if isinstance(row, str):  # a read error
                 raise BadRow(row)
-            out.append(to_example(row, spec, len(out)))
+            ex = to_example(row, spec, len(out))
+            problem = check and check.problem(ex.prompt, ex.messages, ex.reference)
+            if problem:
+                raise BadRow(problem)
+            out.append((rowno, ex))
         except BadRow as e:
-            msg = f"{path}: row {rowno}: {e}"
-            if spec.bad_rows == "refuse":
-                raise ValueError(f"{msg} (config.task.bad_rows='refuse')") from None
-            _log.warning("skipping bad row: %s", msg)
-            bad += 1
+            bad.append(f"{path}: row {rowno}: {_clip(str(e))}")
+    if bad and spec.bad_rows == "refuse":
+        raise ValueError(
+            f"{path}: {len(bad)} bad row(s) (config.task.bad_rows='refuse'; 'skip' leaves "
+            f"them out):{_listed(bad)}"
+        )
     if bad:
-        _log.warning("%s: skipped %d bad row(s), kept %d", path, bad, len(out))
+        _log.warning(
+            "skipping %d bad row(s) of %s, kept %d:%s", len(bad), path, len(out), _listed(bad)
+        )
     if not out:
         raise ValueError(f"{path}: no valid rows")
     return out
 
 
-def _splits(spec: FileTask) -> dict[str, list[prompts.Example]]:
-    """The train and test examples, every row checked (bad ones reported) first."""
-    train = _examples(spec.file, spec)
-    if spec.test_file:
-        return {"train": train, "test": _examples(spec.test_file, spec)}
-    n = len(train)
-    k = max(1, round(spec.test_fraction * n))
-    if n - k < 1:
-        raise ValueError(
-            f"{spec.file}: {n} valid row(s) cannot be split into train and a test "
-            f"fraction of {spec.test_fraction}; add rows or set config.task.test_file"
+def prompt_key(ex: prompts.Example) -> str:
+    """A hash of the prompt as the model reads it (each run of whitespace one space):
+    rows with the same key are duplicates, and the key decides a row's split."""
+    if ex.messages:
+        text = json.dumps([[m["role"], " ".join(m["content"].split())] for m in ex.messages])
+    else:
+        text = " ".join(ex.prompt.split())
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _held_out(key: str, fraction: float) -> bool:
+    return int(key, 16) / 16 ** len(key) < fraction
+
+
+def _once(path: str, rows: list, seen: dict[str, str]) -> list[tuple[int, prompts.Example]]:
+    """``rows`` without those whose prompt is in ``seen`` (prompt key -> where it was
+    first) or repeats an earlier row; what was left out is reported in one line."""
+    kept, repeats = [], []
+    for rowno, ex in rows:
+        key = prompt_key(ex)
+        if key in seen:
+            repeats.append(f"row {rowno} (as {seen[key]})")
+        else:
+            seen[key] = f"row {rowno}"
+            kept.append((rowno, ex))
+    if repeats:
+        _log.warning(
+            "%s: %d row(s) repeat the prompt of an earlier row, kept once (a prompt is in one "
+            "split only):%s",
+            path,
+            len(repeats),
+            _listed(repeats),
         )
-    held = np.zeros(n, bool)
-    held[np.random.RandomState(0).permutation(n)[:k]] = True
-    return {
-        "train": [ex for ex, h in zip(train, held) if not h],
-        "test": [ex for ex, h in zip(train, held) if h],
-    }
+    return kept
+
+
+def _splits(spec: FileTask, check=None) -> dict[str, list[prompts.Example]]:
+    """The train and test examples, every row checked (bad ones reported) first.
+
+    Each distinct prompt is kept once, in one split. Without a test file a row is held
+    out when the hash of its prompt (`prompt_key`, read as a number in [0, 1)) is below
+    ``test_fraction``: an edited, added or removed row moves no other row between the
+    splits."""
+    rows = _examples(spec.file, spec, check)
+    if spec.test_file:
+        seen: dict[str, str] = {}
+        test = _once(spec.test_file, _examples(spec.test_file, spec, check), seen)
+        seen = {key: f"{spec.test_file} {where}" for key, where in seen.items()}
+        train = _once(spec.file, rows, seen)
+        if not train:
+            raise ValueError(f"{spec.file}: every prompt is also in {spec.test_file}")
+    else:
+        rows = _once(spec.file, rows, {})
+        held = [_held_out(prompt_key(ex), spec.test_fraction) for _, ex in rows]
+        if len(rows) < 2:
+            raise ValueError(
+                f"{spec.file}: {len(rows)} distinct valid row(s) cannot be split into train "
+                "and test; add rows or set config.task.test_file"
+            )
+        ranked = sorted(range(len(rows)), key=lambda i: prompt_key(rows[i][1]))
+        if not any(held):  # a file too small for the fraction: the lowest hash is held out
+            held[ranked[0]] = True
+        if all(held):  # and the highest trains
+            held[ranked[-1]] = False
+        test = [r for r, h in zip(rows, held) if h]
+        train = [r for r, h in zip(rows, held) if not h]
+    return {"train": [ex for _, ex in train], "test": [ex for _, ex in test]}
+
+
+def _row_keys(rows: dict[str, list[prompts.Example]]) -> dict[str, dict[str, str]]:
+    """Per split, each row's prompt key -> a hash of the whole row (to tell edits)."""
+
+    def digest(ex: prompts.Example) -> str:
+        whole = json.dumps([ex.prompt, ex.messages, ex.reference, ex.meta], default=str)
+        return hashlib.sha256(whole.encode("utf-8")).hexdigest()[:12]
+
+    return {split: {prompt_key(ex): digest(ex) for ex in exs} for split, exs in rows.items()}
 
 
 def _check_path(path: str) -> str:
@@ -239,10 +360,13 @@ def _check_path(path: str) -> str:
     return path
 
 
-def config_name(spec: FileTask) -> str:
-    """The TFDS config name of ``spec``: a hash of the file contents and every setting,
-    so a changed file or setting prepares a new dataset instead of reusing a stale one."""
+def config_name(spec: FileTask, check=None) -> str:
+    """The TFDS config name of ``spec``: a hash of the file contents, every setting and
+    the prompt check (``check.digest()``), so a changed file, setting or tokenizer
+    prepares a new dataset instead of reusing a stale one."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
+    if check is not None:
+        h.update(check.digest().encode())
     for path in filter(None, (spec.file, spec.test_file)):
         with open(_check_path(path), "rb") as f:
             h.update(hashlib.sha256(f.read()).digest())
@@ -257,12 +381,16 @@ class GspoUserFile(tfds.core.GeneratorBasedBuilder):
     JSON, with the whole row for plug-in reward functions).
     """
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    VERSION = tfds.core.Version("2.0.0")
+    RELEASE_NOTES = {
+        "1.0.0": "Initial release.",
+        "2.0.0": "Rows split by a hash of their prompt, each prompt kept once; prompts "
+        "checked with the run's tokenizer and prompt length.",
+    }
 
-    def __init__(self, *, spec: FileTask, data_dir: str):
+    def __init__(self, *, spec: FileTask, data_dir: str, check=None):
         self.rows: dict[str, list[prompts.Example]] = {}  # set by prepare()
-        config = tfds.core.BuilderConfig(name=config_name(spec), description=spec.file)
+        config = tfds.core.BuilderConfig(name=config_name(spec, check), description=spec.file)
         super().__init__(data_dir=data_dir, config=config)
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -292,16 +420,90 @@ class GspoUserFile(tfds.core.GeneratorBasedBuilder):
             )
 
 
-def prepare(spec: FileTask, data_dir: os.PathLike | str) -> GspoUserFile:
+def prepare(spec: FileTask, data_dir: os.PathLike | str, prompt_check=None) -> GspoUserFile:
     """The prepared builder of ``spec`` under ``data_dir``; the files are read, their
-    rows checked and bad rows reported only when that dataset is not prepared yet."""
+    rows checked (with ``prompt_check``, a :class:`~gspo_jax.data.encoding.PromptCheck`,
+    where given) and bad rows reported only when that dataset is not prepared yet."""
     if spec.bad_rows not in BAD_ROWS:
         raise ValueError(f"bad_rows must be one of {BAD_ROWS}, got {spec.bad_rows!r}")
-    builder = GspoUserFile(spec=spec, data_dir=os.fspath(data_dir))
+    builder = GspoUserFile(spec=spec, data_dir=os.fspath(data_dir), check=prompt_check)
     if not builder.is_prepared():
-        builder.rows = _splits(spec)
+        builder.rows = _splits(spec, prompt_check)
         builder.download_and_prepare(file_format="array_record")
+        _write_json(os.path.join(builder.data_dir, ROW_KEYS), _row_keys(builder.rows))
+    _note_change(spec, builder)
     return builder
+
+
+def _write_json(path: str, value: Any) -> None:
+    """``value`` to ``path`` atomically; a data dir that cannot be written is left as is
+    (what is written here serves only the notice of `_note_change`)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        _log.debug("not written: %s (%s)", path, e)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _changes(before: dict, after: dict) -> list[str]:
+    """What differs between two `_row_keys` records, per split (empty when nothing)."""
+    out = []
+    for split in ("train", "test"):
+        old, new = before.get(split, {}), after.get(split, {})
+        added, removed = len(new.keys() - old.keys()), len(old.keys() - new.keys())
+        edited = sum(old[k] != new[k] for k in old.keys() & new.keys())
+        if added or removed or edited:
+            out.append(f"{split}: {added} row(s) added, {removed} removed, {edited} edited")
+    moved = len(before.get("test", {}).keys() & after.get("train", {}).keys())
+    moved += len(before.get("train", {}).keys() & after.get("test", {}).keys())
+    if moved:
+        out.append(f"{moved} row(s) moved between the splits")
+    return out
+
+
+def _note_change(spec: FileTask, builder: GspoUserFile) -> None:
+    """One notice when the rows in use differ from the last preparation of ``spec.file``
+    in this data dir (the file edited between runs, or a setting or tokenizer changed
+    which rows are usable): rows added, removed and edited, per split."""
+    configs = os.path.dirname(os.path.dirname(builder.data_dir))
+    name = hashlib.sha256(os.path.abspath(spec.file).encode()).hexdigest()[:16]
+    pointer = os.path.join(configs, ".last_prepared", name + ".json")
+    keys = os.path.join(builder.data_dir, ROW_KEYS)
+    last = _read_json(pointer)
+    if last == keys:
+        return
+    before, after = _read_json(last) if isinstance(last, str) else None, _read_json(keys)
+    changes = _changes(before, after) if before and after else []
+    if changes:
+        _log.warning(
+            "%s: the rows in use differ from its last preparation here (%s): %s; every "
+            "other row keeps its split",
+            spec.file,
+            os.path.relpath(os.path.dirname(last), configs),
+            "; ".join(changes),
+        )
+    _write_json(pointer, keys)
+
+
+def load_split(
+    spec: FileTask, split: str, data_dir: os.PathLike | str, prompt_check=None
+) -> list[prompts.Example]:
+    """All examples of ``split`` ("train" or "test"), prepared under ``data_dir``."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test' for task 'file', got {split!r}")
+    ds = prepare(spec, data_dir, prompt_check).as_data_source(split)
+    return [from_record(ds[i], i) for i in range(len(ds))]
 
 
 def from_record(record: dict[str, Any], index: int) -> prompts.Example:
@@ -312,11 +514,3 @@ def from_record(record: dict[str, Any], index: int) -> prompts.Example:
         meta["numbers"] = tuple(meta["numbers"])
     messages = tuple(json.loads(text["messages"])) if text["messages"] else None
     return prompts.Example("file", text["prompt"], meta, text["solution"] or None, index, messages)
-
-
-def load_split(spec: FileTask, split: str, data_dir: os.PathLike | str) -> list[prompts.Example]:
-    """All examples of ``split`` ("train" or "test"), prepared under ``data_dir``."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test' for task 'file', got {split!r}")
-    ds = prepare(spec, data_dir).as_data_source(split)
-    return [from_record(ds[i], i) for i in range(len(ds))]

@@ -69,7 +69,9 @@ def _check_config(c) -> None:
 TASK = tasks.register(
     tasks.Task(
         name="file",
-        prepare=lambda data_dir, file_task: user_file_data.prepare(file_task, data_dir),
+        prepare=lambda data_dir, file_task, prompt_check=None: user_file_data.prepare(
+            file_task, data_dir, prompt_check
+        ),
         example=lambda record, index, style: user_file_data.from_record(record, index),
         check_meta=_check_meta,
         verify=_verify,
