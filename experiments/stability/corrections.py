@@ -16,6 +16,7 @@ schedule, with no new run:
 
 from __future__ import annotations
 
+import argparse
 import collections
 import math
 import os
@@ -369,7 +370,9 @@ def stage4(runs: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def report(out: str) -> str:
+    """Every section from the committed summaries, written to ``<out>/corrections.md``;
+    returns the text."""
     stage2, stage3 = load("stage2/runs"), load("stage3/runs")
     text = [
         "# Corrections: the numbers, recomputed\n",
@@ -383,10 +386,19 @@ def main() -> None:
     text += replay_and_gamma(stage3)
     text += precursor_window(stage3)
     text += stage4(load("stage4/runs"))
-    path = os.path.join(RESULTS, "corrections.md")
-    with open(path, "w") as f:
-        f.write("\n".join(text))
-    print(f"corrections -> {path}")
+    text = "\n".join(text)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "corrections.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=RESULTS, help="where corrections.md goes")
+    args = ap.parse_args(argv)
+    report(args.out)
+    print(f"corrections -> {os.path.join(args.out, 'corrections.md')}")
 
 
 if __name__ == "__main__":
