@@ -132,37 +132,60 @@ def figures(runs: list[dict], fr: dict, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {v: f"C{i}" for i, v in enumerate(sorted({k[1] for k in fr}))}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    # One column per objective, MoE beside its dense twin: the collapse rate with each
+    # point's count (k/n) on top, the final held-out reward below. The two architectures
+    # are drawn a little apart on the lr axis so that equal rates do not hide each other.
+    variants = sorted({k[1] for k in fr})
+    fig, axes = plt.subplots(
+        2, len(variants), figsize=(3.6 * len(variants), 6.0), squeeze=False, sharey="row"
+    )
+    style = {
+        True: dict(color="C0", ls="-", marker="o"),
+        False: dict(color="C2", ls="--", marker="s"),
+    }
     for (arm, variant), d in fr.items():
-        ls = "-" if arm.startswith("moe") else "--"
+        moe = arm.startswith("moe")
+        st = style[moe]
+        col = variants.index(variant)
+        shift = 0.93 if moe else 1.07
         lrs = list(d["flags"])
-        p = [np.mean(d["flags"][lr]) for lr in lrs]
-        axes[0].plot(lrs, p, ls, marker="o", color=colors[variant], label=f"{arm} {variant}")
+        x = [lr * shift for lr in lrs]
+        hits = [int(np.sum(d["flags"][lr])) for lr in lrs]
+        n = [len(d["flags"][lr]) for lr in lrs]
+        ax = axes[0][col]
+        ax.plot(x, [h / k for h, k in zip(hits, n)], ms=6, label=arm, **st)
+        for xi, h, k in zip(x, hits, n):
+            y = h / k
+            ax.annotate(
+                f"{h}/{k}",
+                (xi, y),
+                textcoords="offset points",
+                xytext=(0, 7 if moe else -13),
+                ha="center",
+                fontsize=7,
+                color=st["color"],
+            )
         crit = d["critical"][0]
         if math.isfinite(crit):
-            axes[0].axvline(crit, ls=ls, color=colors[variant], alpha=0.35)
+            ax.axvline(crit, color=st["color"], ls=st["ls"], lw=1, alpha=0.5)
         f = [bootstrap_ci(d["finals"][lr]) if d["finals"][lr] else (math.nan,) * 3 for lr in lrs]
         f = np.asarray(f)
-        axes[1].errorbar(
-            lrs,
-            f[:, 0],
-            yerr=[f[:, 0] - f[:, 1], f[:, 2] - f[:, 0]],
-            fmt=ls,
-            marker="o",
-            color=colors[variant],
-            capsize=2,
-            label=f"{arm} {variant}",
+        axes[1][col].errorbar(
+            x, f[:, 0], yerr=[f[:, 0] - f[:, 1], f[:, 2] - f[:, 0]], capsize=2, label=arm, **st
         )
-    axes[0].set_ylabel("P(collapse)")
-    axes[1].set_ylabel("final held-out reward")
-    for ax in axes:
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    for col, v in enumerate(variants):
+        axes[0][col].set_title(v, fontsize=10)
+        axes[0][col].set_ylim(-0.15, 1.15)
+        axes[1][col].set_xlabel("learning rate")
+        for ax in axes[:, col]:
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=8, loc="upper left")
+    axes[0][0].set_ylabel("P(collapse) (runs collapsed / seeds)")
+    axes[1][0].set_ylabel("final held-out reward\n(seed mean, 95% bootstrap interval)")
     fig.suptitle(
-        "Stability frontier: MoE (solid) and dense twin (dashed); vertical lines: critical lr",
+        "Stability frontier: MoE (blue, solid) and dense twin (green, dashed), drawn slightly "
+        "apart in lr; vertical lines: critical lr",
         fontsize=9,
     )
     fig.tight_layout()

@@ -262,26 +262,69 @@ def _plt():
     return plt
 
 
+def _reference(groups: dict[str, list[dict]], arm: str) -> str | None:
+    """The arm a panel of ``arm`` is drawn against: GRPO on the dense twin for a dense
+    arm, GRPO on the MoE otherwise; None for the reference itself or without one."""
+    ref = stage3_config.DENSE_REFERENCE if arm in stage3_config.DENSE_ARMS else "grpo"
+    if arm == ref or ref not in groups:
+        ref = "grpo" if arm != "grpo" and "grpo" in groups else None
+    return ref
+
+
 def fig_reward_vs_updates(groups: dict[str, list[dict]], path: str, title: str = "") -> None:
+    """Small multiples, one panel per arm: each seed's held-out reward (thin) and the seed
+    mean (thick) against optimizer updates, beside the mean of its reference arm (GRPO;
+    dense GRPO for a dense arm) in grey, and the warm starts' mean as a dotted line."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (arm, rs) in enumerate(groups.items()):
+    arms = [a for a, rs in groups.items() if any(eval_curve(r) for r in rs)]
+    if not arms:
+        return
+    cols = min(4, len(arms))
+    rows = math.ceil(len(arms) / cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.3 * cols, 2.6 * rows), squeeze=False, sharex=True, sharey=True
+    )
+
+    def mean_curve(rs):
         curves = [eval_curve(r) for r in rs]
         steps = sorted({s for c in curves for s in c})
-        if not steps:
-            continue
-        stats = np.asarray([bootstrap_ci([c[s] for c in curves if s in c]) for s in steps])
-        x = np.asarray(steps) * rs[0]["updates"]
-        other = arm in stage3_config.DENSE_ARMS or arm in stage3_config.KL_MATCHED
-        ls = "--" if other else "-"
-        ax.plot(x, stats[:, 0], ls, marker="o", ms=3, color=f"C{i}", label=f"{arm} ({len(rs)})")
-        ax.fill_between(x, stats[:, 1], stats[:, 2], color=f"C{i}", alpha=0.15)
-    ax.set_xlabel("optimizer updates (RL step × updates per rollout)")
-    ax.set_ylabel("held-out reward")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title(
-        title + "Held-out reward: seed mean, band: 95% bootstrap interval (seeds)", fontsize=9
+        y = [np.mean([c[s] for c in curves if s in c]) for s in steps]
+        return np.asarray(steps) * rs[0]["updates"], np.asarray(y)
+
+    starts = [r["eval_start"] for rs in groups.values() for r in rs if r.get("eval_start")]
+    for j, arm in enumerate(arms):
+        ax = axes[j // cols][j % cols]
+        rs = groups[arm]
+        ref = _reference(groups, arm)
+        if ref is not None:
+            ax.plot(*mean_curve(groups[ref]), color="0.55", lw=2, label=f"{ref} (mean)")
+        for r in rs:
+            c = eval_curve(r)
+            steps = sorted(c)
+            ax.plot(
+                np.asarray(steps) * r["updates"],
+                [c[s] for s in steps],
+                color="C0",
+                lw=0.7,
+                alpha=0.6,
+            )
+        hits = collapses(rs)
+        ax.plot(*mean_curve(rs), color="C0", lw=2.2, label=f"{arm} (mean)")
+        if starts:
+            ax.axhline(np.mean(starts), color="k", ls=":", lw=0.8)
+        ax.set_title(f"{arm}: {hits}/{len(rs)} collapsed", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="upper right")
+    for j in range(len(arms), rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("optimizer updates", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("held-out reward", fontsize=8)
+    fig.suptitle(
+        title + "Held-out reward per seed (thin) and seed mean (thick), beside GRPO's mean "
+        "(grey); dotted: the warm starts' mean",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -306,48 +349,89 @@ def aligned(run: dict, p: Precursor):
         return x, v / base if base != 0 else np.full_like(v, np.nan)
 
 
+# The precursor figure's window and floor: RL steps around the collapse, and the ratio
+# drawn for a value of 0 (log axis).
+PRECURSOR_WINDOW = (-40, 15)
+RATIO_FLOOR = 1e-2
+
+
+def late_collapses(groups: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], int]:
+    """({arm: its collapsed runs whose collapse comes after the baseline's window}, the
+    number of collapses inside the window): the runs `fig_precursors` draws, and those
+    it leaves out because their baseline already holds the collapse."""
+    late = {
+        a: [r for r in rs if r["collapsed"] and r["collapse_step"] > BASELINE_STEPS]
+        for a, rs in groups.items()
+    }
+    n_early = sum(
+        bool(r["collapsed"]) and r["collapse_step"] <= BASELINE_STEPS
+        for rs in groups.values()
+        for r in rs
+    )
+    return late, n_early
+
+
 def fig_precursors(groups: dict[str, list[dict]], path: str) -> None:
+    """Each precursor against RL steps relative to the collapse, for the collapsed runs
+    whose collapse comes after the baseline's window (the only ones whose baseline does
+    not already hold the collapse), one line per run, coloured by arm; ratios below
+    `RATIO_FLOOR` (a value of 0) are drawn at it."""
     plt = _plt()
     cols = 4
     rows = math.ceil(len(PRECURSORS) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.9 * rows), squeeze=False)
     colors = {arm: f"C{i}" for i, arm in enumerate(groups)}
+    late, n_early = late_collapses(groups)
     drawn = set()
+    lo, hi = PRECURSOR_WINDOW
     for j, p in enumerate(PRECURSORS):
         ax = axes[j // cols][j % cols]
         n = 0
-        for arm, rs in groups.items():
+        for arm, rs in late.items():
             for r in rs:
                 xy = aligned(r, p)
                 if xy is None:
                     continue
-                ax.plot(*xy, lw=0.9, color=colors[arm], label=None if arm in drawn else arm)
+                x, v = xy
+                keep = (x >= lo) & (x <= hi)
+                x, v = x[keep], v[keep]
+                if p.rule != "below_minus":
+                    v = np.where(np.isfinite(v), np.maximum(v, RATIO_FLOOR), np.nan)
+                ax.plot(x, v, lw=1.1, color=colors[arm], label=None if arm in drawn else arm)
                 drawn.add(arm)
                 n += 1
-        ax.axvline(0, color="k", lw=0.6)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.axvspan(lo, 0, color="0.9", zorder=0)
         if p.rule == "below_minus":
-            ax.axhline(-p.lo, color="C3", ls=":", lw=0.8)
-            ax.set_ylabel("value − baseline", fontsize=7)
+            ax.axhline(-p.lo, color="C3", ls="--", lw=1)
+            ax.set_ylabel("value − baseline", fontsize=8)
         else:
             for t in (p.lo, p.hi):
                 if t is not None:
-                    ax.axhline(t, color="C3", ls=":", lw=0.8)
-            ax.set_ylabel("value / baseline", fontsize=7)
+                    ax.axhline(t, color="C3", ls="--", lw=1)
+            ax.set_ylabel("value / baseline", fontsize=8)
             if n:
                 ax.set_yscale("log")
-        ax.set_title(f"{p.label} ({p.key})", fontsize=8)
-        ax.set_xlabel("RL steps relative to the collapse", fontsize=7)
+        ax.set_xlim(lo, hi)
+        ax.set_title(f"{p.label} ({n} runs)", fontsize=9)
+        ax.set_xlabel("RL steps from the collapse", fontsize=8)
         ax.grid(alpha=0.3)
         if not n:
-            ax.text(0.5, 0.5, "no collapsed run", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, "no late collapse", ha="center", va="center", transform=ax.transAxes)
     for j in range(len(PRECURSORS), rows * cols):
         axes[j // cols][j % cols].axis("off")
     if drawn:
-        fig.legend(fontsize=7, loc="lower right")
+        handles = {}
+        for ax in axes.flat:
+            for h, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, h)
+        axes[-1][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="center", title="arm")
     fig.suptitle(
-        "Precursors aligned on each collapsed run's collapse step (baseline: median of "
-        f"RL steps 1..{BASELINE_STEPS}; dotted: thresholds)",
-        fontsize=9,
+        f"Precursors before the collapses after RL step {BASELINE_STEPS} (baseline: median of "
+        f"steps 1..{BASELINE_STEPS}; red dashed: thresholds; grey: before the collapse). "
+        f"{n_early} collapses at or before step {BASELINE_STEPS} are left out: their baseline "
+        "holds the collapse.",
+        fontsize=8,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -423,7 +507,7 @@ def report(out: str) -> None:
         fig_reward_vs_updates(
             {**beside, **controls},
             os.path.join(out, "kl_matched.png"),
-            title="KL-matched controls (dashed). ",
+            title="KL-matched controls (after the arms they are matched to). ",
         )
         text += [
             "## The KL-matched controls (README, Stage 3)\n",
