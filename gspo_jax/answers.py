@@ -487,9 +487,17 @@ _TEX_FRAC_RE = re.compile(r"\\[dt]?frac(?![a-zA-Z])")
 _TEX_SIZING_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)(?![a-zA-Z])")
 _TEX_SPACES = ("\\!", "\\,", "\\;", "\\:", "\\ ", "~")
 _SIMPLE_PARENS_RE = re.compile(r"(?<![\w)\]}])\((-?[\w.]+)\)(?![\w(\[{])")
-_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# TeX's own thousands separators (1{,}000, 10,\!000): always inside one number.
+_TEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!)(?=\d{3}(?!\d))")
+# A whole answer that is one number with its thousands in groups of three (an
+# assignment's name may precede it): its commas are separators, not a list.
+_ONE_GROUPED_NUMBER_RE = re.compile(
+    r"(?:[A-Za-z](?:_\{?\w+\}?)?=)?-?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]*)?%?", re.ASCII
+)
+_LEADING_POINT_RE = re.compile(r"(?<![\w.)\]}])\.(?=[0-9])")
 _TRAILING_ZEROS_RE = re.compile(r"(\d)\.0+(?![\d])")
 _SCRIPT_BRACES_RE = re.compile(r"(?<=[\^_])\{(\w)\}")
+_DEGREES = ("^{\\circ}", "^\\circ", "\u00b0")
 
 
 def _braced(s: str, i: int) -> tuple[str, int] | None:
@@ -532,22 +540,35 @@ def _unfrac(s: str) -> str:
 def normalize_math(s: str) -> str:
     r"""``boxed_math``'s normal form of an answer: surrounding ``$``/``\(\)``/``\[\]``
     dropped, ``\text{x}`` as ``x``, ``\left``/``\right`` and ``\!`` ``\,`` spacing
-    dropped, all whitespace removed, ``\dfrac``/``\tfrac`` as ``\frac`` and
-    ``\frac{a}{b}`` as ``a/b``, ``{,}`` and thousands separators removed, a trailing
-    ``.0`` and a final period dropped, ``x^{2}`` as ``x^2``, parentheses around one
-    plain atom dropped."""
+    dropped, ``$`` and ``\$`` dropped, all whitespace removed, ``\dfrac``/``\tfrac``
+    as ``\frac`` and ``\frac{a}{b}`` as ``a/b``, a trailing ``.0``, a final period, a
+    ``%`` after a number and degrees (``^\circ``) dropped, ``.5`` as ``0.5``, ``x^{2}``
+    as ``x^2``, parentheses around one plain atom dropped.
+
+    Thousands separators are removed only inside one number: ``{,}`` and ``,\!``
+    always (TeX's own); a plain comma only when the whole answer is one number in
+    groups of three with no space after a comma (``1,234``, ``x = 1,234,567``). Every
+    other comma separates the elements of a list: ``1, 234``, ``(1,234)``,
+    ``[1, 234]`` and ``3,4`` are pairs (:func:`gspo_jax.verifiers.verify_boxed_math`
+    compares them element by element)."""
     s = s.strip()
     for open_, close in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         while len(s) >= len(open_) + len(close) and s.startswith(open_) and s.endswith(close):
             s = s[len(open_) : len(s) - len(close)].strip()
     s = _TEX_TEXT_RE.sub(r"\1", s)
-    s = _TEX_SIZING_RE.sub("", s)
+    s = _TEX_SIZING_RE.sub("", _TEX_THOUSANDS_RE.sub("", s))
     for space in _TEX_SPACES:
         s = s.replace(space, " ")
+    spaced_list = re.search(r",\s", s) is not None
     s = "".join(s.split()).replace("{,}", ",").replace("\\%", "%")
+    s = s.replace("\\$", "").replace("$", "")
+    if not spaced_list and _ONE_GROUPED_NUMBER_RE.fullmatch(s):
+        s = s.replace(",", "")
+    for degrees in _DEGREES:
+        s = s.replace(degrees, "")
     s = _SCRIPT_BRACES_RE.sub(r"\1", _unfrac(s))
-    s = _THOUSANDS_RE.sub("", s)
-    s = _TRAILING_ZEROS_RE.sub(r"\1", s)
+    s = re.sub(r"(?<=[0-9])%", "", s)
+    s = _TRAILING_ZEROS_RE.sub(r"\1", _LEADING_POINT_RE.sub("0.", s))
     s = s.rstrip(".") if not s.endswith("..") else s
     while True:
         t = _SIMPLE_PARENS_RE.sub(r"\1", s)

@@ -189,23 +189,38 @@ class PhaseCheckpointer:
       every: save every this many steps (``save(..., force=True)`` saves any step).
       keep: how many of the newest checkpoints to keep.
       async_save: write in the background (the next save or :meth:`close` waits).
+      read_only: restore only, writing nothing under ``workdir`` (``gspo_jax.evaluate``):
+        no directory created or cleaned, a step that does not restore is skipped but
+        left where it is.
 
     Creating one removes what a killed save left (orbax's temporary directories,
     empty step directories): keep one open per directory at a time.
     """
 
-    def __init__(self, workdir: str, phase: str, *, every: int, keep: int, async_save: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        phase: str,
+        *,
+        every: int,
+        keep: int,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         self.phase = phase
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints", phase))
         self._async = async_save
-        os.makedirs(self.directory, exist_ok=True)
-        self._remove_empty_step_dirs()  # orbax would count them as steps and never save them
+        self.read_only = read_only
+        if not read_only:
+            os.makedirs(self.directory, exist_ok=True)
+            self._remove_empty_step_dirs()  # orbax would count them as steps, never saved
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every,
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
-            create=True,
-            cleanup_tmp_directories=True,  # what a killed save left behind
+            create=not read_only,
+            cleanup_tmp_directories=not read_only,  # what a killed save left behind
+            read_only=read_only,
             async_options=(
                 ocp.AsyncOptions(post_finalization_callback=self._checksum_pending_save)
                 if async_save
@@ -296,7 +311,7 @@ class PhaseCheckpointer:
         holds only finite values; prints one line for each one skipped and why.
         The skipped steps newer than the restored one are renamed
         ``<step>.unusable`` (kept for inspection; the resumed run saves those
-        steps afresh). With ``step``, tries that step only.
+        steps afresh), unless ``read_only``. With ``step``, tries that step only.
 
         Returns:
           ``(state, meta, step)``, ``step`` being the step actually restored.
@@ -312,7 +327,8 @@ class PhaseCheckpointer:
             steps = {step: steps[step]}
         if not steps:
             raise FileNotFoundError(f"no {self.phase!r} checkpoint in {self.directory}")
-        self._remove_empty_step_dirs()
+        if not self.read_only:
+            self._remove_empty_step_dirs()
         multihost.barrier(f"checkpoints/{self.phase}: empty directories removed")
         self._mngr.reload()  # see the directories as they are now
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
@@ -345,7 +361,7 @@ class PhaseCheckpointer:
 
     def _move_aside(self, skipped: list[tuple[int, str]]) -> None:
         """Rename the skipped (newer) steps to ``<step>.unusable`` so orbax saves them anew."""
-        if not skipped:
+        if not skipped or self.read_only:
             return
         if jax.process_index() == 0:
             for s, _ in skipped:
@@ -378,7 +394,7 @@ class PhaseCheckpointer:
         a moment before: without the wait the interpreter would shut down under orbax's
         writer and the next start would delete the unfinished step. A failure of the
         wait itself is said in one line; the error that left the phase is raised."""
-        if exc_type is None or self._closed:
+        if exc_type is None or self._closed or self.read_only:
             self.close()
             return False
         self._log(f"stopped by {exc_type.__name__}: finishing the checkpoint being written")

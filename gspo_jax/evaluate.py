@@ -7,11 +7,17 @@
 
 * a workdir of ours (it has ``checkpoints/``): the parameters of its newest RL
   checkpoint that restores, else of its newest warm-start (SFT) one. ``--config`` must
-  describe the same model as the run that wrote it (use the same config file and
-  arguments; ``<workdir>/config.json`` records them). The workdir's lock is taken, so a
-  job still training there is never raced; as on resume, a checkpoint that does not
-  restore is skipped and moved aside (:class:`gspo_jax.checkpoint.PhaseCheckpointer`).
-  Prompts are read from ``task.data_dir`` (default ``<workdir>/data``);
+  be the run's (the same config file and arguments): before anything is built it is
+  compared with the config the run recorded (``<workdir>/config.json``, else its newest
+  RL checkpoint's record), as a resume compares it (`gspo_jax.safety`), and a
+  ``ConfigError`` names every field that differs. Nothing under the workdir is written,
+  so a read-only workdir (an archive, another user's run) can be scored: no lock is
+  taken (a job still training there is not disturbed; it may delete an old checkpoint
+  meanwhile, which is then skipped), and a checkpoint that does not restore is skipped
+  but not moved aside (``PhaseCheckpointer(read_only=True)``). Prompts are read from
+  ``task.data_dir``, else from the run's ``<workdir>/data``; when that does not exist,
+  the data are prepared in a temporary directory, deleted afterwards (set
+  ``--config.task.data_dir`` to keep them);
 * or a Hugging Face directory (``config.json`` and ``*.safetensors``): loaded as
   ``config.model.pretrained``, with the directory's ``tokenizer.json`` unless
   ``--config.tokenizer`` names another one. Without ``task.data_dir`` the prompts are
@@ -24,7 +30,8 @@ plus one greedy). Prints (and with ``--out`` writes) one JSON object: the metric
 :mod:`gspo_jax.evaluation` (``eval/pass@k``, ``eval/maj@k``, ``eval/mean@n``,
 ``eval/greedy``, and ``eval_reward_mean`` / ``eval_greedy_reward``), with
 ``checkpoint``, ``restored`` (``"rl/<step>"``, ``"sft/<step>"`` or ``"pretrained"``),
-``split`` and ``num_prompts``.
+``split`` and ``num_prompts``. A config, checkpoint or file error is printed in one
+message (``ConfigError: …``), exit status 2 for the config, else 1.
 """
 
 from __future__ import annotations
@@ -56,29 +63,49 @@ def is_workdir(path: str) -> bool:
 
 def restore_params(trainer) -> tuple[Any, str]:
     """(parameters, ``"rl/<step>"`` or ``"sft/<step>"``) of a workdir's newest RL
-    checkpoint that restores, else of its newest warm-start one."""
+    checkpoint that restores, else of its newest warm-start one. Read-only: nothing
+    under the workdir is written, and each checkpointer is closed on every way out."""
     from gspo_jax import offpolicy, rl, sft
-    from gspo_jax.checkpoint import PhaseCheckpointer
+    from gspo_jax.checkpoint import PhaseCheckpointer, step_dirs
 
-    c = trainer.c
-    rl_ckpt = PhaseCheckpointer(trainer.workdir, "rl", every=1, keep=int(c.keep_checkpoints))
-    try:
-        if rl_ckpt.latest_step() is not None:
-            # The state train.py saves: parameters and the RL optimizer's moments.
-            target = trainer.new_state(trainer.init_params, rl.rl_optimizer(trainer.cfg)[0])
-            tree, _, step = rl_ckpt.restore(offpolicy.checkpoint_target(trainer, target))
-            state = tree["train"] if trainer.cfg.rollout.staleness else tree
-            return state.params, f"rl/{step}"
-    finally:
-        rl_ckpt.close()
-    ckpt, _, _, state, step = sft.restore_state(trainer)
-    ckpt.close()
-    if step == 0:
-        raise FileNotFoundError(
-            f"{trainer.workdir}: no RL or warm-start checkpoint under "
-            f"{os.path.join(trainer.workdir, 'checkpoints')}"
-        )
-    return state.params, f"sft/{step}"
+    workdir, keep = trainer.workdir, int(trainer.c.keep_checkpoints)
+    for phase in ("rl", "sft"):
+        if not step_dirs(os.path.join(workdir, "checkpoints", phase)):
+            continue
+        with PhaseCheckpointer(workdir, phase, every=1, keep=keep, read_only=True) as ckpt:
+            if phase == "rl":  # the state train.py saves: parameters and the RL moments
+                target = trainer.new_state(trainer.init_params, rl.rl_optimizer(trainer.cfg)[0])
+                tree, _, step = ckpt.restore(offpolicy.checkpoint_target(trainer, target))
+                state = tree["train"] if trainer.cfg.rollout.staleness else tree
+            else:
+                target = trainer.new_state(trainer.init_params, sft.sft_optimizer(trainer.cfg)[0])
+                state, _, step = ckpt.restore(target)
+        return state.params, f"{phase}/{step}"
+    raise FileNotFoundError(
+        f"{workdir}: no RL or warm-start checkpoint under {os.path.join(workdir, 'checkpoints')}"
+    )
+
+
+def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
+    """A ConfigError naming every field in which ``c`` differs from the config that
+    made the workdir's checkpoints (the resume comparison,
+    `gspo_jax.safety.saved_config_differences`; the fields a resume may change may
+    differ here too)."""
+    from gspo_jax import config as config_lib
+    from gspo_jax import old_keys, safety
+
+    old_keys.move_deprecated(c)  # as a resume does, before the comparison
+    found = safety.saved_config_differences(c, workdir)
+    if found is None or not found[0]:
+        return
+    diffs, path = found
+    raise config_lib.ConfigError(
+        f"{workdir} was trained with another config; its checkpoints are read with the run's "
+        f"({len(diffs)} field(s) differ, the run's -> given):\n  "
+        + "\n  ".join(diffs)
+        + f"\nGive the run's values (recorded in {path}). Fields that may differ: "
+        + ", ".join(config_lib.resumable_fields())
+    )
 
 
 def evaluate_checkpoint(
@@ -91,7 +118,7 @@ def evaluate_checkpoint(
     """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
     directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
     from gspo_jax import config as config_lib
-    from gspo_jax import evaluation, safety
+    from gspo_jax import evaluation
     from gspo_jax.train import enable_compilation_cache
     from gspo_jax.trainer import Trainer
 
@@ -106,7 +133,7 @@ def evaluate_checkpoint(
             "directory (config.json and *.safetensors)"
         )
     enable_compilation_cache(str(c.get("compilation_cache_dir", "")))
-    tmp = lock = None
+    tmp = None
     try:
         if hf:
             c.model.pretrained = checkpoint
@@ -116,8 +143,11 @@ def evaluate_checkpoint(
             trainer = Trainer(c, tmp)
             params, restored = trainer.init_params, "pretrained"
         else:
-            lock = safety.WorkdirLock(checkpoint)
-            lock.acquire()
+            check_run_config(c, checkpoint)  # before anything is built or read
+            if not c.task.data_dir:  # the run's prepared data, else prepared outside
+                c.task.data_dir = os.path.join(checkpoint, "data")
+                if not os.path.isdir(c.task.data_dir):
+                    c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
             trainer = Trainer(c, checkpoint)
             params, restored = restore_params(trainer)
         data = trainer.eval_data if split == "test" else trainer.train_data
@@ -125,8 +155,6 @@ def evaluate_checkpoint(
         examples = data.first(count)
         metrics = evaluation.evaluate(trainer, params, examples=examples)
     finally:
-        if lock is not None and lock.held:
-            lock.release()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     out: dict[str, Any] = {
@@ -151,12 +179,17 @@ def main(argv: Sequence[str]) -> None:
         raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
     if not f.checkpoint:
         raise config_lib.ConfigError("--checkpoint is required: a workdir or a HF directory")
+    from gspo_jax.checkpoint import CheckpointError
     from gspo_jax.multihost import claim_device_memory
 
     claim_device_memory()  # 95% of each GPU for XLA, as in training
-    result = evaluate_checkpoint(
-        f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
-    )
+    try:
+        result = evaluate_checkpoint(
+            f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
+        )
+    except (config_lib.ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2 if isinstance(e, config_lib.ConfigError) else 1)
     text = json.dumps(result, indent=2, sort_keys=True)
     if f.out:
         os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)

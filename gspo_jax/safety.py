@@ -86,11 +86,10 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
     (`saved_checkpoint_config`)."""
     if not has_checkpoints(workdir):
         return
-    found = saved_checkpoint_config(workdir)
+    found = saved_config_differences(c, workdir)
     if found is None:
         return
-    saved, path = found
-    diffs = config_differences(old_keys.move_deprecated_record(saved), config_record(c))
+    diffs, path = found
     if diffs:
         raise ConfigError(
             f"{workdir} holds checkpoints of another config; resuming would change what "
@@ -99,6 +98,18 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
             + f"\nUse the saved values ({path}) or a new --workdir. Fields that may change "
             "on resume: " + ", ".join(config_lib.resumable_fields())
         )
+
+
+def saved_config_differences(
+    c: ml_collections.ConfigDict, workdir: str
+) -> tuple[list[str], str] | None:
+    """(`config_differences` from the config the workdir's checkpoints were made with
+    to ``c``, the file that config was read from), or None when none is recorded."""
+    found = saved_checkpoint_config(workdir)
+    if found is None:
+        return None
+    saved, path = found
+    return config_differences(old_keys.move_deprecated_record(saved), config_record(c)), path
 
 
 def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:

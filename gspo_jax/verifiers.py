@@ -11,7 +11,8 @@ answer, what a reference must look like, and how evaluation compares its answers
                after whitespace normalisation
   boxed_math   the last ``\\boxed{...}``, else the answer tag, equals the reference after
                :func:`~gspo_jax.answers.normalize_math`, as strings or as the same
-               exact number
+               exact number; lists and tuples element by element
+               (:func:`verify_boxed_math`)
 
 Any other name with a ``:`` is a plug-in reward ``module:function``
 (:mod:`gspo_jax.reward_plugins`).
@@ -70,22 +71,81 @@ def _math_number(s: str, limits: Limits) -> Fraction | None:
     return -value if (m.group(1) == "-") != (m.group(3) == "-") else value
 
 
+# An assignment ``x = 3``, ``a_1 = 3``, ``x_{10} = 3`` (normalised: no spaces): a
+# one-letter name, one ``=``.
+_ASSIGNMENT_RE = re.compile(r"([A-Za-z](?:_\{?\w+\}?)?)=(?=[^=]+$)", re.ASCII)
+_CLOSING = {"(": ")]", "[": "])", "{": "}"}
+
+
+def _elements(s: str) -> tuple[str, list[str]] | None:
+    """(brackets, elements) of a normalised list or tuple answer: ``(1,234)`` is
+    ``("()", ["1", "234"])``, ``[0,1)`` ``("[)", ["0", "1"])``, ``\\{1,2\\}``
+    ``("{}", …)``, a bare ``3,4`` ``("", ["3", "4"])``; None for an answer with no
+    comma outside brackets (one element)."""
+    brackets, cut = "", 0
+    if s.startswith("\\{") and s.endswith("\\}"):
+        brackets, cut = "{}", 2
+    elif s[:1] in _CLOSING and s[-1:] in _CLOSING[s[0]]:
+        brackets, cut = s[0] + s[-1], 1
+    depth = 0  # the first bracket must close at the end: not "(1)+(2)"
+    for i, ch in enumerate(s[:-1] if cut else ""):
+        depth += (ch in "([{") - (ch in ")]}")
+        if depth == 0 and i >= cut - 1:
+            brackets, cut = "", 0
+            break
+    s = s[cut : len(s) - cut]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    if not parts:
+        return None
+    return brackets, parts + [s[start:]]
+
+
+def _same_math(got: str, truth: str, limits: Limits, depth: int = 0) -> bool:
+    """Whether two normalised answers are the same: equal strings, the same exact
+    number, or lists in the same brackets whose elements are the same in order.
+    An assignment's right-hand side is compared (``x=3`` is ``3``), and its name
+    too when both are assignments."""
+    if got == truth:
+        return True
+    a, b = _ASSIGNMENT_RE.match(got), _ASSIGNMENT_RE.match(truth)
+    if a and b and a.group(1) != b.group(1):
+        return False
+    got, truth = got[a.end() :] if a else got, truth[b.end() :] if b else truth
+    if got == truth:
+        return True
+    la = _elements(got) if depth < limits.max_depth else None
+    lb = _elements(truth) if depth < limits.max_depth else None
+    if la is not None or lb is not None:  # a single answer never equals a list
+        return (
+            la is not None
+            and lb is not None
+            and la[0] == lb[0]
+            and len(la[1]) == len(lb[1])
+            and all(_same_math(x, y, limits, depth + 1) for x, y in zip(la[1], lb[1]))
+        )
+    x, y = _math_number(got, limits), _math_number(truth, REFERENCE_LIMITS)
+    return x is not None and x == y
+
+
 def verify_boxed_math(text: str, answer: str, limits: Limits = DEFAULT_LIMITS) -> Verdict:
     r"""The answer of :func:`boxed_answer` equals ``answer`` (itself read from its last
-    ``\boxed{}`` if it has one) after :func:`normalize_math`, as strings or as the
-    same exact number (``\frac{1}{2}`` = ``1/2`` = ``0.5``). ``formatted``: an
-    answer was found."""
+    ``\boxed{}`` if it has one) after :func:`normalize_math`, as strings, as the same
+    exact number (``\frac{1}{2}`` = ``1/2`` = ``0.5`` = ``.5``), or, for lists and
+    tuples, element by element in the same brackets (``(1, 234)`` = ``(1,234)``, but
+    not ``1234``, ``1,234`` or ``[1, 234]``). ``x = 3`` is read as ``3`` (but not
+    against ``y = 3``). ``formatted``: an answer was found."""
     got = boxed_answer(text, limits)
     if isinstance(got, Status):
         return Verdict(False, False, got)
     got = normalize_math(got)
     if not got:
         return Verdict(False, False, Status.NO_ANSWER)
-    truth = _math_reference(str(answer))
-    if got == truth:
-        return Verdict(True, True, Status.CORRECT)
-    a, b = _math_number(got, limits), _math_number(truth, REFERENCE_LIMITS)
-    if a is not None and a == b:
+    if _same_math(got, _math_reference(str(answer)), limits):
         return Verdict(True, True, Status.CORRECT)
     return Verdict(False, True, Status.WRONG_ANSWER)
 

@@ -267,3 +267,94 @@ def test_evaluate_a_hugging_face_directory(data_dir, tmp_path):
     assert out["restored"] == "pretrained" and out["num_prompts"] == 4
     assert METRIC_KEYS <= set(out), METRIC_KEYS - set(out)
     assert not any(name.startswith("gspo_eval_") for name in os.listdir(str(tmp_path)))
+
+
+def _tree(root):
+    """Every file and directory under ``root`` with its size and modification time: a
+    write anywhere (a file made and removed again changes its directory's mtime) shows."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(d, name))
+            out[os.path.relpath(os.path.join(d, name), root)] = (st.st_size, st.st_mtime_ns)
+    st = os.stat(root)
+    out["."] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _chmod_tree(root, write):
+    for d, dirs, files in os.walk(root):
+        for name in files + dirs + [""]:
+            p = os.path.join(d, name)
+            mode = os.stat(p).st_mode
+            os.chmod(p, mode | 0o200 if write else mode & ~0o222)
+
+
+def test_evaluate_a_read_only_workdir(smoke_workdir, data_dir, tmp_path):
+    # chmod -R a-w (as root, write permission is not enforced: then the snapshot of
+    # every file's and directory's size and mtime is what shows a write).
+    from gspo_jax.evaluate import evaluate_checkpoint
+    from gspo_jax.metrics_log import read_metrics
+
+    workdir, c = smoke_workdir
+    c = c.copy_and_resolve_references()
+    c.task.data_dir = ""  # the run's <workdir>/data, else prepared outside the workdir
+    last = [r for r in read_metrics(workdir) if r["phase"] == "rl"][-1]
+
+    # Without prepared data in the workdir, and step 2 damaged: step 1, nothing moved aside.
+    bare = str(tmp_path / "bare")
+    shutil.copytree(workdir, bare, ignore=shutil.ignore_patterns(".lock"))
+    state = os.path.join(bare, "checkpoints", "rl", "2", "state")
+    big = max((os.path.join(d, f) for d, _, fs in os.walk(state) for f in fs), key=os.path.getsize)
+    with open(big, "r+b") as f:
+        f.seek(os.path.getsize(big) // 2)
+        f.write(b"\xff" * 64)
+    # With the run's prepared data in <workdir>/data.
+    with_data = str(tmp_path / "with_data")
+    shutil.copytree(workdir, with_data, ignore=shutil.ignore_patterns(".lock"))
+    shutil.copytree(data_dir, os.path.join(with_data, "data"))
+    before = {w: _tree(w) for w in (bare, with_data)}
+    for w in before:
+        _chmod_tree(w, write=False)
+    try:
+        out_bare = evaluate_checkpoint(c, bare)
+        out = evaluate_checkpoint(c, with_data)
+    finally:
+        for w in before:
+            _chmod_tree(w, write=True)
+    for w, tree in before.items():
+        after = _tree(w)
+        changed = sorted(k for k in set(tree) | set(after) if tree.get(k) != after.get(k))
+        assert not changed, (w, changed)
+    assert out_bare["restored"] == "rl/1" and out["restored"] == "rl/2"
+    for k in METRIC_KEYS:
+        assert out[k] == pytest.approx(last[k]), k
+
+
+def test_evaluate_names_the_config_fields_that_differ(smoke_workdir, data_dir, tmp_path):
+    from gspo_jax.evaluate import evaluate_checkpoint
+
+    workdir, c = smoke_workdir
+    other = c.copy_and_resolve_references()
+    other.model.fields.moe_d_ff = 48
+    other.rollout.temperature = 0.5
+    with pytest.raises(config_lib.ConfigError) as e:
+        evaluate_checkpoint(other, workdir)
+    msg = str(e.value)
+    assert "config.model.fields.moe_d_ff: 32 -> 48" in msg and "config.rollout.temperature: 1.0 -> 0.5" in msg
+    assert "2 field(s)" in msg and os.path.join(workdir, "config.json") in msg
+    assert "Move these" not in msg  # the checkpoints are not blamed
+    # Without config.json: the newest RL checkpoint's own record.
+    forked = str(tmp_path / "forked")
+    shutil.copytree(workdir, forked, ignore=shutil.ignore_patterns(".lock", "config.json"))
+    with pytest.raises(config_lib.ConfigError, match=r"(?s)config\.model\.fields\.moe_d_ff: 32 -> 48.*rl/2/meta/metadata"):
+        evaluate_checkpoint(other, forked)
+
+    # On the command line: the message alone, in a few lines, exit status 2.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "gspo_jax.evaluate", "--config=configs/default.py:smoke",
+           f"--checkpoint={workdir}", f"--config.task.data_dir={data_dir}", "--config.model.fields.moe_d_ff=48"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "config.model.fields.moe_d_ff: 32 -> 48" in proc.stderr
+    assert len(proc.stderr.splitlines()) < 10 and "Traceback" not in proc.stderr, proc.stderr[-4000:]

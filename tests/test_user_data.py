@@ -337,6 +337,18 @@ def test_exact_match():
         (r"-\frac{3}{4}", "-0.75"),
         ("x^{2}+1", "x^2 + 1"),
         ("12", r"\boxed{12}"),
+        (".5", "0.5"),
+        ("-.25", r"-\frac{1}{4}"),
+        (r"\$5", "5"),
+        ("$5", "5"),
+        ("x = 3", "3"),
+        (r"5\%", "5"),
+        (r"90^\circ", "90"),
+        ("1,234", "1234"),
+        (r"10,\!000", "10000"),
+        ("(1,234)", "(1, 234)"),
+        (r"\left( \frac{1}{2}, 3 \right)", "(0.5, 3.0)"),
+        ("[0, .5)", "[0,1/2)"),
     ],
 )
 def test_boxed_math_equivalences(got, ref):
@@ -352,6 +364,29 @@ def test_boxed_math_failures():
     assert _file(r"\boxed{1/0}", "1/0", "boxed_math").correct  # same string; no division
     assert _file("<answer>4</answer>", "4", "boxed_math").correct  # no box: the answer tag
     assert _file(r"\boxed{2} then \boxed{4}", "4", "boxed_math").correct  # the last box
+
+
+@pytest.mark.parametrize(
+    "got, ref",
+    [
+        ("1234", "(1, 234)"),  # a pair is not one thousands-separated number
+        ("1234", "[1, 234]"),
+        ("1234", "1, 234"),
+        ("1,234", "(1, 234)"),
+        ("1{,}234", "(1, 234)"),
+        ("1, 234", "1234"),  # a space after the comma: a list
+        ("(1,234)", "1234"),  # in brackets: a tuple
+        ("[1, 234]", "(1, 234)"),  # other brackets
+        ("(234, 1)", "(1, 234)"),  # elements in order
+        ("(1, 234, 0)", "(1, 234)"),
+        ("(1)", "(1, 234)"),
+        ("1,2", "1.2"),  # not a decimal comma
+        ("y = 3", "x = 3"),  # both assignments: the names are compared too
+    ],
+)
+def test_boxed_math_lists_and_single_numbers_differ(got, ref):
+    assert _file(f"\\boxed{{{got}}}", ref, "boxed_math").status == Status.WRONG_ANSWER
+    assert not verifiers.verify_boxed_math(f"\\boxed{{{ref}}}", got).correct  # symmetric
 
 
 def test_score_counts_every_status_including_reward_fn_error():

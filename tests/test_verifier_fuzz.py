@@ -155,3 +155,133 @@ def test_fuzz_is_fast():
   r, _, _ = rewards.score("gsm8k", texts, [{"answer": "1"}] * len(texts))
   dt = time.perf_counter() - t0
   assert np.isfinite(r).all() and dt < 2.0, f"{len(texts)} responses took {dt:.2f} s"
+
+
+# ---------------------------------------------------------------------------
+# boxed_math: single numbers, fractions, tuples and lists, each with the forms a model
+# writes for the right answer and with wrong answers that share its digits (a pair read
+# as one thousands-separated number, swapped or missing elements, other brackets).
+
+BOXED_SEED = 20261126
+N_BOXED = 150
+
+
+def _boxed_single(rng, d):
+  """(references, right, wrong) for the number d."""
+  a, g = _text(d), format(d, ",f")
+  w = _text(rng.choice(_near_misses(rng, d)))
+  mag = _text(abs(d))
+  cash = f"-\\${mag}" if d < 0 else f"\\${a}"
+  right = [a, f"${a}$", f"\\({a}\\)", cash, cash.replace("\\$", "$"), f"x = {a}", f"x={a}",
+           f"\\text{{{a}}}", f"({a})", g, g.replace(",", "{,}"), f"{a}\\%", f"{a}."]
+  right += [f"{a}.0", f"{a}.00"] if "." not in a else [f"{a}0"]
+  if 0 < abs(d) < 1:
+    right.append(a.replace("0.", ".", 1))  # .5
+  if d == d.to_integral_value() and d != 0:
+    right.append(f"\\frac{{{_text(d * 2)}}}{{2}}")
+  wrong = [w, f"x = {w}", f"({a}, {w})", f"{a}, {w}", f"[{a}, {w}]", f"\\{{{a}, {w}\\}}",
+           f"{a}e0", f"{a}^2", f"\\sqrt{{{a}}}"]
+  if d != 0:
+    wrong.append(f"{a}0" if "." not in a else f"{a}1")
+  digits = mag.partition(".")[0]
+  if len(digits) >= 4:  # the number's thousands as a list: 1, 234 / (1,234) / [1,234]
+    wrong += [g.replace(",", ", "), f"({g})", f"[{g}]", f"\\left({g}\\right)"]
+  if len(digits) >= 2:
+    wrong.append(a.replace(digits, _bad_grouping(rng, digits), 1))
+  return [a, f"\\boxed{{{a}}}", f"${a}$", g, f"x = {a}"], right, wrong
+
+
+def _boxed_fraction(rng):
+  """(references, right, wrong) for p/q in lowest terms, q > 1."""
+  from fractions import Fraction
+  while True:
+    f = Fraction(rng.randint(-99, 99), rng.randint(2, 99))
+    if f.denominator > 1:
+      break
+  sign, p, q = "-" if f < 0 else "", abs(f.numerator), f.denominator
+  frac = f"{sign}\\frac{{{p}}}{{{q}}}"
+  right = [frac, frac.replace("\\frac", "\\dfrac"), frac.replace("\\frac", "\\tfrac"),
+           f"{sign}{p}/{q}", f"{sign}\\frac{{{2 * p}}}{{{2 * q}}}", f"${frac}$", f"x = {frac}"]
+  if all(c in "25" for c in _prime_factors(q)):  # a finite decimal: 0.25 and .25
+    dec = _text(Decimal(f.numerator) / Decimal(f.denominator))
+    right += [dec, dec.replace("0.", ".", 1)]
+  wrong = [f"{sign}\\frac{{{q}}}{{{p}}}" if p != q else "0", f"{sign}\\frac{{{p + 1}}}{{{q}}}",
+           f"{sign}{p}", f"{sign}{p},{q}", f"({sign}{p}, {q})", f"{sign}0.{p}{q}"]
+  return [frac, f"{sign}{p}/{q}"], right, wrong
+
+
+def _prime_factors(n):
+  out, k = "", 2
+  while n > 1:
+    while n % k == 0:
+      out, n = out + str(k), n // k
+    k += 1
+  return out
+
+
+def _boxed_tuple(rng):
+  """(references, right, wrong) for a pair or triple of integers, the second often of three
+  digits (so that "1,234" could be misread as one number)."""
+  n = rng.choice([2, 2, 3])
+  xs = [rng.randint(-99, 999) for _ in range(n)]
+  if rng.random() < 0.5:
+    xs[1] = rng.randint(100, 999)
+  xs[0] = abs(xs[0]) or 1
+  t = [str(x) for x in xs]
+  spaced, tight = ", ".join(t), ",".join(t)
+  right = [f"({spaced})", f"({tight})", f"\\left( {spaced} \\right)", f"$({spaced})$",
+           f"( {' , '.join(t)} )", "(" + ", ".join(f"{x}.0" for x in t) + ")",
+           "(" + ", ".join([f"\\frac{{{2 * xs[0]}}}{{2}}"] + t[1:]) + ")"]
+  wrong = ["".join(t), tight if n == 2 else "".join(t) + "0", spaced, f"[{spaced}]",
+           f"\\{{{spaced}\\}}", f"({', '.join(reversed(t))})" if t != t[::-1] else f"({t[0]})",
+           f"({spaced}, 0)", f"({', '.join(t[:-1])})", f"({', '.join([str(xs[0] + 1)] + t[1:])})",
+           "{,}".join(t), t[0], t[-1]]
+  return [f"({spaced})", f"({tight})", f"\\boxed{{({spaced})}}"], right, wrong
+
+
+def _boxed_cases():
+  rng = random.Random(BOXED_SEED)
+  cases = []
+  for _ in range(N_BOXED):
+    kind = rng.random()
+    if kind < 0.5:
+      cases.append(_boxed_single(rng, _answer(rng)))
+    elif kind < 0.7:
+      cases.append(_boxed_fraction(rng))
+    else:
+      cases.append(_boxed_tuple(rng))
+  cases += [_boxed_single(rng, Decimal(d)) for d in ("1234", "0.5", "-0.25", "1000000")]
+  return cases
+
+
+BOXED_CASES = _boxed_cases()
+
+
+def _boxed_scores(texts, reference):
+  metas = [{"verifier": "boxed_math", "answer": reference}] * len(texts)
+  r, _, counts = rewards.score("file", texts, metas)
+  assert counts["verifier_error"] == 0
+  return r
+
+
+@pytest.mark.parametrize("i", range(0, len(BOXED_CASES), 40))
+def test_boxed_math_right_forms_score_one_wrong_forms_zero(i):
+  for refs, right, wrong in BOXED_CASES[i : i + 40]:
+    # Each form boxed, boxed in a sentence, and (no box) in the answer tag.
+    right_texts = [t for f in right for t in (f"\\boxed{{{f}}}", f"So $\\boxed{{{f}}}$.", f"<answer>{f}</answer>")]
+    wrong_texts = [t for f in wrong for t in (f"\\boxed{{{f}}}", f"<answer>{f}</answer>")]
+    for ref in refs:
+      r = _boxed_scores(right_texts, ref)
+      assert r.all(), (ref, [t for t, ok in zip(right_texts, r) if not ok])
+      r = _boxed_scores(wrong_texts, ref)
+      assert not r.any(), (ref, [t for t, ok in zip(wrong_texts, r) if ok])
+
+
+def test_boxed_math_fuzz_count_and_speed():
+  texts = [f"\\boxed{{{f}}}" for _, right, wrong in BOXED_CASES for f in right + wrong]
+  n = sum(len(refs) * (3 * len(right) + 2 * len(wrong)) for refs, right, wrong in BOXED_CASES)
+  assert n > 15_000, n
+  t0 = time.perf_counter()
+  _boxed_scores(texts, "(1, 234)")
+  dt = time.perf_counter() - t0
+  assert dt < 1.0, f"{len(texts)} responses took {dt:.2f} s"
