@@ -3,6 +3,7 @@ plug-in reward functions, chat messages, and an end-to-end run of the entry poin
 
 import json
 import logging
+import os
 import pathlib
 import random
 import subprocess
@@ -483,3 +484,27 @@ def test_train_on_a_users_file(tmp_path):
     assert rl and not [r for r in records if r.get("phase") == "sft"]
     assert any("eval_reward_mean" in r for r in rl)
     assert any("eval/pass@1" in r for r in rl)
+
+
+def test_a_run_whose_plugin_always_raises_stops_with_one_error(tmp_path):
+    (tmp_path / "e2e_reward_mod.py").write_text(PLUGIN)
+    path = _write_jsonl(tmp_path / "mine.jsonl", _rows(20))
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_jax.train",
+        "--config=configs/file_task.py:smoke",
+        f"--config.task.file={path}",
+        "--config.task.verifier=e2e_reward_mod:boom",
+        f"--config.task.data_dir={tmp_path / 'data'}",
+        f"--workdir={tmp_path / 'run'}",
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "RewardFnError: plug-in reward e2e_reward_mod:boom: " in out.stderr, out.stderr[-3000:]
+    assert "Every response of this batch failed" in out.stderr
+    # One error, not a traceback per response (the plug-in's own once, as its cause).
+    assert out.stderr.count("bug in the user's reward") <= 3, out.stderr[-3000:]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not [json.loads(x) for x in metrics.open() if '"rl"' in x]
