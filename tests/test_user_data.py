@@ -458,6 +458,22 @@ def test_messages_column(tmp_path):
 # End to end: the entry point on a user's file with one bad row.
 
 
+def _train_on_file(tmp_path, path, verifier):
+    """The entry point's smoke run on the file ``path`` (``tmp_path`` on the import path)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_jax.train",
+        "--config=configs/file_task.py:smoke",
+        f"--config.task.file={path}",
+        f"--config.task.verifier={verifier}",
+        f"--config.task.data_dir={tmp_path / 'data'}",
+        f"--workdir={tmp_path / 'run'}",
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
 def test_train_on_a_users_file(tmp_path):
     rng = random.Random(0)
     rows = []
@@ -465,17 +481,7 @@ def test_train_on_a_users_file(tmp_path):
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         rows.append({"prompt": f"What is {a}+{b}?\n", "answer": a + b})
     path = _write_jsonl(tmp_path / "mine.jsonl", rows, {7: '{"prompt": "What is 1+1?"}'})
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_jax.train",
-        "--config=configs/file_task.py:smoke",
-        f"--config.task.file={path}",
-        "--config.task.verifier=numeric",
-        f"--config.task.data_dir={tmp_path / 'data'}",
-        f"--workdir={tmp_path / 'run'}",
-    ]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = _train_on_file(tmp_path, path, "numeric")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{path}: row 8: missing column 'answer'" in out.stderr
     assert out.stderr.count("row 8:") == 1  # reported once
@@ -489,18 +495,7 @@ def test_train_on_a_users_file(tmp_path):
 def test_a_run_whose_plugin_always_raises_stops_with_one_error(tmp_path):
     (tmp_path / "e2e_reward_mod.py").write_text(PLUGIN)
     path = _write_jsonl(tmp_path / "mine.jsonl", _rows(20))
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_jax.train",
-        "--config=configs/file_task.py:smoke",
-        f"--config.task.file={path}",
-        "--config.task.verifier=e2e_reward_mod:boom",
-        f"--config.task.data_dir={tmp_path / 'data'}",
-        f"--workdir={tmp_path / 'run'}",
-    ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = _train_on_file(tmp_path, path, "e2e_reward_mod:boom")
     assert out.returncode != 0
     assert "RewardFnError: plug-in reward e2e_reward_mod:boom: " in out.stderr, out.stderr[-3000:]
     assert "Every response of this batch failed" in out.stderr
