@@ -76,6 +76,7 @@ class Status(str, enum.Enum):
     NUMBER_TOO_LARGE = "number_too_large"  # a literal with more digits than the limit
     VERIFIER_ERROR = "verifier_error"  # an unexpected exception (a bug); logged
     REWARD_FN_ERROR = "reward_fn_error"  # a plug-in reward function raised or gave no finite float
+    REWARD_FN_TIMEOUT = "reward_fn_timeout"  # a plug-in reward function ran past its time limit
 
 
 @dataclasses.dataclass(frozen=True)

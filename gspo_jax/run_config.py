@@ -12,6 +12,7 @@ import dataclasses
 
 import ml_collections
 
+from gspo_jax import reward_plugins
 from gspo_jax.advantages import GaeConfig
 from gspo_jax.fields import err, is_int, section, setting
 from gspo_jax.metrics_log import WandbConfig
@@ -103,6 +104,20 @@ class TaskConfig:
         "skip",
         choices=("skip", "refuse"),
         doc="an unusable row of task.file: skipped (each logged once) or refused",
+    )
+    reward_fn_timeout: float = setting(
+        reward_plugins.DEFAULT_TIMEOUT,
+        low=0,
+        resume=True,
+        doc="a plug-in reward: seconds one call may take, else it scores 0 (0 = no limit, "
+        "called in the training thread; gspo_jax/reward_plugins.py)",
+    )
+    reward_fn_all_failed: str = setting(
+        "stop",
+        choices=reward_plugins.ALL_FAILED,
+        resume=True,
+        doc="a plug-in reward that failed on every response of a batch: stop the run, or "
+        "continue (one summary per batch)",
     )
 
 

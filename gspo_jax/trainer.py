@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, offpolicy, rewards, step, tasks
+from gspo_jax import evaluation, multihost, offpolicy, reward_plugins, rewards, step, tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import PromptCheck, encode_prompt, fit_prompts
@@ -120,6 +120,10 @@ class Trainer:
         self.init_params = params  # where the warm start (or RL, without one) starts
         # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
         self.kl_coef = float(getattr(cfg.objective.typed_hparams(), "kl_coef", 0.0))
+        # A plug-in reward's calls: their time limit, and a batch where each failed.
+        self.reward_fns = reward_plugins.RewardFnCalls(
+            cfg.task.reward_fn_timeout, cfg.task.reward_fn_all_failed
+        )
 
     # ---- device placement and compiled steps --------------------------------
 
@@ -249,7 +253,11 @@ class Trainer:
         texts = self.texts(host)
         metas = [ex.meta for ex in examples for _ in range(g)][rows]
         r, components, fails = rewards.score(
-            c.task.name, texts, metas, format_weight=cfg.task.format_reward
+            c.task.name,
+            texts,
+            metas,
+            format_weight=cfg.task.format_reward,
+            reward_fns=self.reward_fns,
         )
         per_row = dict(components, reward=r, lengths=host["lengths"], truncated=host["truncated"])
         if answers is not None:

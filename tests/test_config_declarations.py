@@ -103,6 +103,8 @@ BASE_CONFIG = {'advantage': 'group',
           'messages_column': '',
           'name': 'countdown',
           'prompt_column': 'prompt',
+          'reward_fn_all_failed': 'stop',
+          'reward_fn_timeout': 5.0,
           'solution_column': '',
           'style': 'compact',
           'test_file': '',
@@ -137,6 +139,7 @@ RESUMABLE = {
     "model.logits_chunk_size", "model.attention_impl", "rollout.max_prompt_len",
     "rollout.long_prompts", "updates.max_consecutive_skips",
     "rollout.devices", "rollout.overlap",  # where and when the sampler runs, not what it samples
+    "task.reward_fn_timeout", "task.reward_fn_all_failed",  # how a plug-in's failures are met
 }
 
 

@@ -3,10 +3,13 @@ plug-in reward functions, chat messages, and an end-to-end run of the entry poin
 
 import json
 import logging
+import os
 import pathlib
 import random
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -399,6 +402,7 @@ def test_score_counts_every_status_including_reward_fn_error():
 
 PLUGIN = """
 import math
+import threading
 
 calls = []
 
@@ -414,6 +418,19 @@ def nan(response, reference, row):
 
 def text(response, reference, row):
     return "1"
+
+release = threading.Event()  # set by the tests' teardown: hanging calls then return
+
+def hang(response, reference, row):
+    release.wait(60)
+    return 1.0
+
+def picky(response, reference, row):
+    if "bad" in response:
+        raise ValueError(f"cannot score {response!r}")
+    if "slow" in response:
+        release.wait(60)
+    return 1.0
 """
 
 
@@ -422,6 +439,8 @@ def plugin(tmp_path, monkeypatch):
     (tmp_path / "my_reward_mod.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_reward_mod"
+    if "my_reward_mod" in sys.modules:
+        sys.modules["my_reward_mod"].release.set()
     sys.modules.pop("my_reward_mod", None)
     for key in [k for k in reward_plugins._REWARD_FNS if k.startswith("my_reward_mod:")]:
         del reward_plugins._REWARD_FNS[key]
@@ -446,10 +465,98 @@ def test_plugin_reward(plugin, tmp_path):
 @pytest.mark.parametrize("fn", ["boom", "nan", "text"])
 def test_plugin_failure_is_counted_not_raised(plugin, fn, caplog):
     metas = [{"verifier": f"{plugin}:{fn}", "answer": "1", "row": {}}]
-    with caplog.at_level(logging.ERROR, logger="gspo_jax.reward_plugins"):
-        r, comp, counts = rewards.score("file", ["<answer>1</answer>"], metas)
+    calls = reward_plugins.RewardFnCalls(all_failed="continue")
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.reward_plugins"):
+        r, comp, counts = rewards.score("file", ["<answer>1</answer>"], metas, reward_fns=calls)
     assert r.tolist() == [0.0] and counts["reward_fn_error"] == 1
     assert any(fn in rec.getMessage() for rec in caplog.records)
+
+
+def _metas(plugin, fn, n):
+    return [{"verifier": f"{plugin}:{fn}", "answer": "1", "row": {}}] * n
+
+
+def test_a_hanging_plugin_times_out_and_is_named(plugin, caplog):
+    calls = reward_plugins.RewardFnCalls(timeout=0.2, all_failed="continue")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.reward_plugins"):
+        r, _, counts = rewards.score("file", ["a", "b"], _metas(plugin, "hang", 2), reward_fns=calls)
+    assert time.monotonic() - t0 < 5
+    assert r.tolist() == [0.0, 0.0] and counts["reward_fn_timeout"] == 2
+    (rec,) = caplog.records  # one summary for the batch
+    assert f"{plugin}:hang" in rec.getMessage() and "2 of 2 calls failed" in rec.getMessage()
+    assert "timed out after task.reward_fn_timeout=0.2 s" in rec.getMessage()
+    # Under the default policy a batch of timeouts stops the run, naming the plug-in.
+    calls = reward_plugins.RewardFnCalls(timeout=0.2)
+    with pytest.raises(reward_plugins.RewardFnError, match=f"{plugin}:hang: 1 of 1 calls"):
+        rewards.score("file", ["a"], _metas(plugin, "hang", 1), reward_fns=calls)
+
+
+def test_a_plugin_that_keeps_hanging_stops_the_run(plugin):
+    calls = reward_plugins.RewardFnCalls(timeout=0.05, all_failed="continue")
+    t0 = time.monotonic()
+    with pytest.raises(reward_plugins.RewardFnError) as e:
+        rewards.score("file", ["x"] * 100, _metas(plugin, "hang", 100), reward_fns=calls)
+    assert time.monotonic() - t0 < 5  # four late calls, not a hundred
+    msg = str(e.value)
+    want = f"{plugin}:hang: {reward_plugins.MAX_LATE_CALLS} calls are still running"
+    assert want in msg and "response 3 of this batch" in msg and "reward_fn_timeout" in msg
+
+
+def test_a_plugin_that_always_raises_stops_the_run_by_default(plugin, caplog):
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.reward_plugins"):
+        with pytest.raises(reward_plugins.RewardFnError) as e:
+            rewards.score("file", ["<answer>1</answer>"] * 64, _metas(plugin, "boom", 64))
+    msg = str(e.value)
+    assert f"plug-in reward {plugin}:boom: 64 of 64 calls failed" in msg
+    assert "RuntimeError: bug in the user's reward" in msg and "response 0" in msg
+    assert "task.reward_fn_all_failed='continue'" in msg
+    assert isinstance(e.value.__cause__, RuntimeError)  # the plug-in's own traceback
+    assert not caplog.records  # no line per response
+
+
+def test_failures_are_summarised_once_per_batch(plugin, caplog):
+    calls = reward_plugins.RewardFnCalls(all_failed="continue")
+    with caplog.at_level(logging.DEBUG, logger="gspo_jax"):
+        for _ in range(3):  # three steps
+            r, _, counts = rewards.score("file", ["x"] * 64, _metas(plugin, "boom", 64), reward_fns=calls)
+            assert r.sum() == 0 and counts["reward_fn_error"] == 64
+    assert len(caplog.records) == 3  # one summary per batch, not one per response
+    assert [rec.exc_info is not None for rec in caplog.records] == [True, False, False]
+    assert all("64 of 64 calls failed" in rec.getMessage() for rec in caplog.records)
+    assert caplog.text.count("Traceback") == 1
+
+
+def test_a_plugin_that_fails_on_some_responses_is_counted_once(plugin, caplog):
+    texts = ["ok", "bad 1", "ok", "slow", "bad 2", "ok"]
+    calls = reward_plugins.RewardFnCalls(timeout=0.2)  # the default policy: some succeeded
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.reward_plugins"):
+        r, _, counts = rewards.score("file", texts, _metas(plugin, "picky", 6), reward_fns=calls)
+    assert r.tolist() == [1, 0, 1, 0, 0, 1]
+    assert counts["reward_fn_error"] == 2 and counts["reward_fn_timeout"] == 1
+    assert counts["correct"] == 3
+    (rec,) = caplog.records
+    assert "3 of 6 calls failed (2 raised or returned no finite float, 1 timed out" in rec.getMessage()
+    assert "the first on response 1 ('bad 1'): ValueError: cannot score 'bad 1'" in rec.getMessage()
+
+
+def test_built_in_verifiers_do_not_use_the_plugin_worker(monkeypatch):
+    def no_worker(*a, **k):
+        raise AssertionError("a worker thread for a built-in verifier")
+
+    monkeypatch.setattr(reward_plugins, "_Worker", no_worker)
+    _, _, counts = rewards.score("file", ["<answer>1</answer>"], [{"verifier": "numeric", "answer": "1"}])
+    assert counts["correct"] == 1
+
+
+def test_no_time_limit_calls_in_this_thread(plugin):
+    calls = reward_plugins.RewardFnCalls(timeout=0)
+    r, _, _ = rewards.score("file", ["ok"], _metas(plugin, "picky", 1), reward_fns=calls)
+    assert r.tolist() == [1.0] and calls._worker is None
+    with pytest.raises(ValueError, match="timeout"):
+        reward_plugins.RewardFnCalls(timeout=-1)
+    with pytest.raises(ValueError, match="all_failed"):
+        reward_plugins.RewardFnCalls(all_failed="ignore")
 
 
 def test_plugin_load_errors():
@@ -526,6 +633,22 @@ def test_messages_column(tmp_path):
 # End to end: the entry point on a user's file with one bad row.
 
 
+def _train_on_file(tmp_path, path, verifier):
+    """The entry point's smoke run on the file ``path`` (``tmp_path`` on the import path)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_jax.train",
+        "--config=configs/file_task.py:smoke",
+        f"--config.task.file={path}",
+        f"--config.task.verifier={verifier}",
+        f"--config.task.data_dir={tmp_path / 'data'}",
+        f"--workdir={tmp_path / 'run'}",
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
 def test_train_on_a_users_file(tmp_path):
     rng = random.Random(0)
     rows = []
@@ -533,17 +656,7 @@ def test_train_on_a_users_file(tmp_path):
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         rows.append({"prompt": f"What is {a}+{b}?\n", "answer": a + b})
     path = _write_jsonl(tmp_path / "mine.jsonl", rows, {7: '{"prompt": "What is 1+1?"}'})
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_jax.train",
-        "--config=configs/file_task.py:smoke",
-        f"--config.task.file={path}",
-        "--config.task.verifier=numeric",
-        f"--config.task.data_dir={tmp_path / 'data'}",
-        f"--workdir={tmp_path / 'run'}",
-    ]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = _train_on_file(tmp_path, path, "numeric")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{path}: row 8: missing column 'answer'" in out.stderr
     assert out.stderr.count("row 8:") == 1  # reported once
@@ -552,3 +665,16 @@ def test_train_on_a_users_file(tmp_path):
     assert rl and not [r for r in records if r.get("phase") == "sft"]
     assert any("eval_reward_mean" in r for r in rl)
     assert any("eval/pass@1" in r for r in rl)
+
+
+def test_a_run_whose_plugin_always_raises_stops_with_one_error(tmp_path):
+    (tmp_path / "e2e_reward_mod.py").write_text(PLUGIN)
+    path = _write_jsonl(tmp_path / "mine.jsonl", _rows(20))
+    out = _train_on_file(tmp_path, path, "e2e_reward_mod:boom")
+    assert out.returncode != 0
+    assert "RewardFnError: plug-in reward e2e_reward_mod:boom: " in out.stderr, out.stderr[-3000:]
+    assert "Every response of this batch failed" in out.stderr
+    # One error, not a traceback per response (the plug-in's own once, as its cause).
+    assert out.stderr.count("bug in the user's reward") <= 3, out.stderr[-3000:]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not [json.loads(x) for x in metrics.open() if '"rl"' in x]
