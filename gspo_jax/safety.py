@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import ml_collections
 
@@ -50,13 +50,16 @@ def config_record(c: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(json.dumps(c.to_dict(), default=str))
 
 
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def config_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], exempt: Sequence[str] | None = None
+) -> list[str]:
     """``config.<field>: <saved> -> <current>`` for every field whose value differs (or
     exists on one side only), but those declared ``resume=True``: the run's length, how
     it is logged, evaluated and checkpointed, where its data lives, how it is laid out
     on devices, and safety limits (`gspo_jax.config.resumable_fields`); and the
-    removed keys (`gspo_jax.old_keys.REMOVED_KEYS`)."""
-    resumable = config_lib.resumable_fields()
+    removed keys (`gspo_jax.old_keys.REMOVED_KEYS`). ``exempt``: other field patterns
+    than the resumable ones to leave out."""
+    resumable = config_lib.resumable_fields() if exempt is None else exempt
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
@@ -101,15 +104,16 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def saved_config_differences(
-    c: ml_collections.ConfigDict, workdir: str
+    c: ml_collections.ConfigDict, workdir: str, exempt: Sequence[str] | None = None
 ) -> tuple[list[str], str] | None:
     """(`config_differences` from the config the workdir's checkpoints were made with
-    to ``c``, the file that config was read from), or None when none is recorded."""
+    to ``c``, the file that config was read from), or None when none is recorded.
+    ``exempt``: as for `config_differences`."""
     found = saved_checkpoint_config(workdir)
     if found is None:
         return None
-    saved, path = found
-    return config_differences(old_keys.move_deprecated_record(saved), config_record(c)), path
+    saved = old_keys.move_deprecated_record(found[0])
+    return config_differences(saved, config_record(c), exempt), found[1]
 
 
 def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:

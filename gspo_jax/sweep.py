@@ -10,9 +10,21 @@ every point. Each point runs in ``<workdir>/<point name>`` (e.g.
 ``eps_high=0.2__seed=0``) as its own ``python -m gspo_jax.train`` subprocess, one at
 a time: a crash in one point leaves the others running, and an interrupted point
 resumes from its own checkpoints when the sweep runs again. A finished point (its
-metrics.jsonl holds the final RL step with ``eval_reward_mean``) is skipped, so
-re-running the command finishes the sweep. ``--index i --count n`` runs points
-``j`` with ``j % n == i`` (one share per machine on a shared filesystem).
+metrics.jsonl holds the final RL step with ``eval_reward_mean``, and its recorded
+config is the one the sweep would run now) is skipped, so re-running the command
+finishes the sweep. ``--index i --count n`` runs points ``j`` with ``j % n == i``
+(one share per machine on a shared filesystem).
+
+Before any point runs, every point's config is built as its trainer will build it and
+validated (`gspo_jax.sweep_points`): an invalid point stops the sweep, naming each.
+An ``objective.name`` axis picks the objective through the config file's argument
+(``objective=<name>``), with that objective's hyperparameters. A point's workdir
+that holds a run of another config (a changed override) stops the sweep naming the
+fields that differ; ``--move-aside`` renames such a workdir to ``<point>.other-<k>``
+and runs the point afresh. SIGTERM or SIGINT to the sweep is forwarded to the
+running trainer, which checkpoints and exits; the sweep waits for it and exits with
+128 + the signal's number. A ``--metric`` that no point logged is named, with the
+closest logged name.
 
 At the end (or alone, with ``--report-only``) the sweep writes
 ``<workdir>/sweep.md``: a row per group (a point without its seed axis) and, for
@@ -25,19 +37,23 @@ seeds with a min-max band (needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
 import json
 import math
 import os
 import re
 import runpy
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
-from gspo_jax.metrics_log import read_metrics
+from gspo_jax import sweep_points
+from gspo_jax.sweep_points import finished, rl_records
 
 DEFAULT_METRICS = ("eval_reward_mean",)
 LOG_FILE = "sweep_train.log"
@@ -118,23 +134,6 @@ def point_name(point: dict[str, Any], paths: Sequence[str] | None = None) -> str
 # Points and their results.
 
 
-def finished(workdir: str, steps: int) -> bool:
-    """Whether the run in ``workdir`` logged RL step ``steps`` (or later) with its
-    held-out evaluation: the trainer's last record of a finished run."""
-    return any(r["step"] >= steps and "eval_reward_mean" in r for r in rl_records(workdir))
-
-
-def rl_records(workdir: str) -> list[dict]:
-    """The RL records of ``<workdir>/metrics.jsonl`` in file order; none when the file
-    is missing or unreadable (a point not started, or one a crash left unreadable)."""
-    if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-        return []
-    try:
-        return [r for r in read_metrics(workdir) if r["phase"] == "rl"]
-    except (OSError, ValueError):
-        return []
-
-
 def _number(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         return None
@@ -166,12 +165,13 @@ def summarize(
     *,
     steps: int | dict[str, int] | None = None,
     seed_axis: str = "seed",
+    done: Collection[str] | None = None,
 ) -> str:
     """The sweep's table (markdown): a row per group of points (a point without its
     ``seed_axis``), its finished seeds of all, and per metric the mean over finished
-    seeds of the final RL record's value, with the min-max over seeds. ``steps``: the
-    RL steps that make a point finished (an int, or by point name); None: every point
-    with RL records counts."""
+    seeds of the final RL record's value, with the min-max over seeds. ``done``: the
+    names of the finished points; else ``steps``: the RL steps that make a point
+    finished (an int, or by point name); None: every point with RL records counts."""
     paths = list(points[0]) if points else []
     group_paths = [p for p in paths if p != seed_axis]
     groups: dict[str, list[dict[str, str]]] = {}
@@ -186,7 +186,11 @@ def summarize(
             name = point_name(pt, paths)
             d = os.path.join(workdir, name)
             n = steps.get(name) if isinstance(steps, dict) else steps
-            if finished(d, n) if n is not None else bool(rl_records(d)):
+            if done is not None:
+                ok = name in done
+            else:
+                ok = finished(d, n) if n is not None else bool(rl_records(d))
+            if ok:
                 done.append(final_values(d, metrics))
         row = [g, f"{len(done)}/{len(pts)}"]
         for m in metrics:
@@ -208,10 +212,12 @@ def plot(
     path: str,
     *,
     seed_axis: str = "seed",
+    skip: Collection[str] = (),
 ) -> bool:
     """``path``: each metric against the RL step, a line per group (the mean over its
-    seeds at the steps they all logged) with a min-max band. False without
-    matplotlib or without data."""
+    seeds at the steps they all logged) with a min-max band; the points named in
+    ``skip`` (runs of another config) left out. False without matplotlib or without
+    data."""
     try:
         import matplotlib
 
@@ -224,7 +230,8 @@ def plot(
     groups: dict[str, list[str]] = {}
     for pt in points:
         g = point_name({p: pt[p] for p in group_paths}, paths) if group_paths else "all"
-        groups.setdefault(g, []).append(os.path.join(workdir, point_name(pt, paths)))
+        if point_name(pt, paths) not in skip:
+            groups.setdefault(g, []).append(os.path.join(workdir, point_name(pt, paths)))
     fig, axes = plt.subplots(
         len(metrics), 1, figsize=(7, 3 * len(metrics)), squeeze=False, sharex=True
     )
@@ -267,9 +274,30 @@ def plot(
     return drawn
 
 
-def write_report(workdir, points, metrics, *, steps=None, seed_axis="seed") -> str:
+def unknown_metrics(workdir: str, names: Sequence[str], metrics: Sequence[str]) -> list[str]:
+    """A line for each of ``metrics`` that no RL record of any point holds, with the
+    closest logged name and all of them (none while no point has logged)."""
+    logged = set()
+    for name in names:
+        for r in rl_records(os.path.join(workdir, name)):
+            logged.update(k for k in r if k not in ("step", "phase"))
+    out = []
+    for m in metrics:
+        if logged and m not in logged:
+            near = difflib.get_close_matches(m, sorted(logged), n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            out.append(
+                f"--metric {m}: no point's metrics.jsonl has it{hint} (they have: "
+                f"{', '.join(sorted(logged))})"
+            )
+    return out
+
+
+def write_report(
+    workdir, points, metrics, *, steps=None, seed_axis="seed", done=None, skip=()
+) -> str:
     """``<workdir>/sweep.md`` (and ``sweep.png``); returns the table."""
-    table = summarize(workdir, points, metrics, steps=steps, seed_axis=seed_axis)
+    table = summarize(workdir, points, metrics, steps=steps, seed_axis=seed_axis, done=done)
     paths = list(points[0]) if points else []
     axes = ", ".join(
         f"{p} in {{{', '.join(dict.fromkeys(pt[p] for pt in points))}}}" for p in paths
@@ -282,7 +310,8 @@ def write_report(workdir, points, metrics, *, steps=None, seed_axis="seed") -> s
     )
     with open(os.path.join(workdir, "sweep.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    plot(workdir, points, metrics, os.path.join(workdir, "sweep.png"), seed_axis=seed_axis)
+    png = os.path.join(workdir, "sweep.png")
+    plot(workdir, points, metrics, png, seed_axis=seed_axis, skip=skip)
     return table
 
 
@@ -343,6 +372,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run at most this many points now (finished points skipped do not count)",
     )
     p.add_argument("--dry-run", action="store_true", help="list the points and stop")
+    p.add_argument(
+        "--move-aside",
+        action="store_true",
+        help="rename a point's workdir that holds a run of another config to "
+        "<point>.other-<k> and run the point afresh (default: refuse, naming the fields)",
+    )
     return p
 
 
@@ -362,17 +397,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(str(e)) from None
     paths = list(points[0])
     metrics = args.metric or list(DEFAULT_METRICS)
-    c = load_config(args.config)
-    _check_paths(c, paths + list(base))
+    _check_paths(load_config(args.config), paths + list(base))
     for p in paths:
         base.pop(p, None)  # the grid's value wins
 
-    def total_steps(pt):
-        v = pt.get("total_rl_steps", base.get("total_rl_steps", c.total_rl_steps))
-        return int(v)
-
     names = [point_name(pt, paths) for pt in points]
-    steps = {n: total_steps(pt) for n, pt in zip(names, points)}
+    # Every point's config, built (and validated, unless only reporting) before any runs.
+    num_devices = None if args.report_only else sweep_points.device_count()
+    overrides = {n: {**base, **pt} for n, pt in zip(names, points)}
+    configs = sweep_points.check_points(args.config, overrides, num_devices)
     os.makedirs(args.workdir, exist_ok=True)
     with open(os.path.join(args.workdir, "sweep.json"), "w", encoding="utf-8") as f:
         json.dump(
@@ -386,55 +419,129 @@ def main(argv: Sequence[str] | None = None) -> int:
             f,
             indent=2,
         )
-    failed = []
+    mine = [j for j in range(len(points)) if j % args.count == args.index]
     if args.dry_run:
-        for j, (n, pt) in enumerate(zip(names, points)):
-            mine = j % args.count == args.index
-            print(f"[{j}] {n}{'' if mine else ' (another machine)'}")
+        for j, n in enumerate(names):
+            print(f"[{j}] {n}{'' if j in mine else ' (another machine)'}")
         return 0
+    state = {n: sweep_points.point_state(os.path.join(args.workdir, n), configs[n]) for n in names}
+    other = [n for n in names if state[n][0] == "other"]
+    if other and not args.report_only:
+        _refuse_or_move(args, [n for j, n in enumerate(names) if j in mine], state)
+    failed = []
     if not args.report_only:
         ran = 0
-        for j, (name, pt) in enumerate(zip(names, points)):
-            if j % args.count != args.index:
-                continue
+        for j in mine:
+            name = names[j]
             wd = os.path.join(args.workdir, name)
-            if finished(wd, steps[name]):
+            if state[name][0] == "finished":
                 print(f"[{j + 1}/{len(points)}] {name}: finished, skipped", flush=True)
                 continue
             if args.max_points is not None and ran >= args.max_points:
                 print(f"stopping: --max-points {args.max_points} reached", flush=True)
                 break
             ran += 1
-            rc, dt = _run_point(args.config, wd, {**base, **pt})
+            rc, dt = _run_point(args.config, wd, overrides[name])
             status = "done" if rc == 0 else f"FAILED (exit {rc}; see {wd}/{LOG_FILE})"
             print(f"[{j + 1}/{len(points)}] {name}: {status} in {dt:.0f} s", flush=True)
             if rc != 0:
                 failed.append(name)
-    table = write_report(args.workdir, points, metrics, steps=steps, seed_axis=args.seed_axis)
+        state = {
+            n: sweep_points.point_state(os.path.join(args.workdir, n), configs[n]) for n in names
+        }
+    other = [n for n in names if state[n][0] == "other"]
+    for n in other:  # another machine's share, or --report-only
+        why = sweep_points.other_config_message(os.path.join(args.workdir, n), n, state[n][1])
+        print(f"{why}\n  (left out of the report)", file=sys.stderr)
+    done = {n for n in names if state[n][0] == "finished"}
+    table = write_report(
+        args.workdir, points, metrics, seed_axis=args.seed_axis, done=done, skip=other
+    )
     print(table, end="")
     print(f"wrote {os.path.join(args.workdir, 'sweep.md')}", flush=True)
+    unknown = unknown_metrics(args.workdir, names, metrics)
+    for line in unknown:
+        print(line, file=sys.stderr)
     if failed:
         print(f"{len(failed)} point(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed or unknown else 0
+
+
+def _refuse_or_move(args, mine: Sequence[str], state: dict) -> None:
+    """The points of this machine whose workdir holds a run of another config: moved
+    aside with ``--move-aside``; else the sweep stops before running any point."""
+    other = [n for n in mine if state[n][0] == "other"]
+    messages = []
+    for n in other:
+        wd = os.path.join(args.workdir, n)
+        if args.move_aside:
+            print(f"{n}: moved {wd} aside to {sweep_points.move_aside(wd)}", flush=True)
+            state[n] = ("new", [])
+        else:
+            messages.append(sweep_points.other_config_message(wd, n, state[n][1]))
+    if messages:
+        raise SystemExit(
+            "\n".join(messages) + "\nTheir results would be reported under this sweep's "
+            "config; nothing was run. Use another --workdir, or --move-aside to rename "
+            "each such workdir to <point>.other-<k> and run the point afresh."
+        )
+
+
+def trainer_command(config: str, workdir: str, overrides: dict[str, str]) -> list[str]:
+    """The trainer's command line for a point (`sweep_points.trainer_config`)."""
+    config, overrides = sweep_points.trainer_config(config, overrides)
+    cmd = [sys.executable, "-m", "gspo_jax.train", f"--config={config}", f"--workdir={workdir}"]
+    return cmd + [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
 def _run_point(config: str, workdir: str, overrides: dict[str, str]) -> tuple[int, float]:
     """One point: ``python -m gspo_jax.train`` in its own process (output appended to
-    ``<workdir>/sweep_train.log``). Ctrl-C lets the trainer checkpoint, then stops."""
+    ``<workdir>/sweep_train.log``), in a session of its own. SIGTERM or SIGINT to the
+    sweep (``kill``, ``docker stop``, Kubernetes, Ctrl-C) is forwarded to it, once per
+    signal: it checkpoints and exits, the sweep waits for it and exits with 128 +
+    the signal's number."""
     os.makedirs(workdir, exist_ok=True)
-    cmd = [sys.executable, "-m", "gspo_jax.train", f"--config={config}", f"--workdir={workdir}"]
-    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    cmd = trainer_command(config, workdir, overrides)
     t0 = time.perf_counter()
-    with open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:  # the trainer got the SIGINT too: it checkpoints
-            proc.wait()
-            raise SystemExit(130) from None
+    received: list[int] = []
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        for proc in procs:
+            proc.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    rc = None
+    try:
+        with open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            if not received:
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+                rc = procs[0].wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if procs and procs[0].poll() is None:  # the wait itself failed: no orphan
+            procs[0].terminate()
+            procs[0].wait()
+    if received:
+        name = signal.Signals(received[0]).name
+        print(
+            f"{name}: forwarded to the trainer of {os.path.basename(workdir)}, which exited "
+            f"with {rc} (see {workdir}/{LOG_FILE}). Run the same sweep command to resume: "
+            "finished points are skipped, this one resumes from its last checkpoint.",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(128 + received[0])
     return rc, time.perf_counter() - t0
 
 
