@@ -181,7 +181,7 @@ def summarize(
     head = ["group", "seeds done"] + [f"{m}: mean (min-max)" for m in metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g, pts in groups.items():
-        done = []
+        values = []
         for pt in pts:
             name = point_name(pt, paths)
             d = os.path.join(workdir, name)
@@ -191,10 +191,10 @@ def summarize(
             else:
                 ok = finished(d, n) if n is not None else bool(rl_records(d))
             if ok:
-                done.append(final_values(d, metrics))
-        row = [g, f"{len(done)}/{len(pts)}"]
+                values.append(final_values(d, metrics))
+        row = [g, f"{len(values)}/{len(pts)}"]
         for m in metrics:
-            xs = [v[m] for v in done if m in v]
+            xs = [v[m] for v in values if m in v]
             if not xs:
                 row.append("-")
             elif len(xs) == 1:
@@ -326,19 +326,6 @@ def load_config(spec: str):
     return runpy.run_path(path)["get_config"](arg or None)
 
 
-def _check_paths(c, paths: Sequence[str]) -> None:
-    import ml_collections
-
-    from gspo_jax import config as config_lib
-
-    for key in paths:
-        node = c
-        for part in key.split("."):
-            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-                raise SystemExit(config_lib.unknown_key_message(key, c))
-            node = node[part]
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gspo_jax.sweep",
@@ -397,7 +384,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(str(e)) from None
     paths = list(points[0])
     metrics = args.metric or list(DEFAULT_METRICS)
-    _check_paths(load_config(args.config), paths + list(base))
     for p in paths:
         base.pop(p, None)  # the grid's value wins
 

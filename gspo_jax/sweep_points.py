@@ -83,8 +83,10 @@ def build_config(config: str, overrides: dict[str, str]) -> ml_collections.Confi
             f"file's argument, and {config.partition(':')[0]} takes none ({e}); use a config "
             "file that picks the objective from its argument, like configs/default.py"
         ) from None
-    except flags.Error as e:
-        raise config_lib.ConfigError(str(e)) from None
+    except (AttributeError, KeyError, flags.Error) as e:
+        from gspo_jax.train import unknown_override  # the trainer's own message
+
+        raise config_lib.ConfigError(unknown_override(argv) or str(e)) from None
     c = values.config
     old_keys.move_deprecated(c)
     return c

@@ -3,6 +3,10 @@ between points that skips its finished point when run again."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -105,3 +109,208 @@ def test_sweep_interrupted_then_resumed(tmp_path, tmp_path_factory, monkeypatch,
     out = capsys.readouterr().out
     assert "eps_high=0.2__seed=1: finished, skipped" in out
     assert "eps_high=0.2__seed=0" not in out.split("|")[0]  # point 0 is machine 0's
+
+
+# --------------------------------------------------------------------------
+# Points checked before they run; a workdir of another config; signals; metrics.
+
+SMOKE = "configs/default.py:smoke"
+ONE_STEP = ["--config.total_rl_steps=1", "--config.sft.steps=1"]
+
+
+@pytest.fixture
+def no_trainer(monkeypatch):
+    """The sweep with its trainers replaced by a record of the points they would run
+    (and one device, without asking a process for it)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sweep.sweep_points, "device_count", lambda: 1)
+    ran = []
+
+    def run_point(config, workdir, overrides):
+        ran.append((config, os.path.basename(workdir), dict(overrides)))
+        return 0, 0.0
+
+    monkeypatch.setattr(sweep, "_run_point", run_point)
+    return ran
+
+
+def _finished_point(workdir, name, overrides, reward=0.5, config=SMOKE):
+    """A point's workdir as its trainer leaves it when finished: config.json and the
+    final RL record with its evaluation."""
+    from gspo_jax import safety
+
+    c = sweep.sweep_points.build_config(config, overrides)
+    d = os.path.join(workdir, name)
+    os.makedirs(d)
+    safety.save_run_config(c, d)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        rec = {"step": int(c.total_rl_steps), "phase": "rl", "eval_reward_mean": reward}
+        f.write(json.dumps(rec) + "\n")
+
+
+def test_a_point_of_another_config_is_not_reported_as_finished(tmp_path, no_trainer, capsys):
+    w = str(tmp_path)
+    argv = [f"--config={SMOKE}", f"--workdir={w}", "--grid", "seed=0", *ONE_STEP]
+    overrides = {"total_rl_steps": "1", "sft.steps": "1", "seed": "0"}
+    _finished_point(w, "seed=0", overrides, reward=0.25)
+
+    # The same config: finished, skipped, reported.
+    assert sweep.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "seed=0: finished, skipped" in out and "| all | 1/1 | 0.25 |" in out
+    assert no_trainer == []
+
+    # A changed override: refused before anything runs, naming the field.
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv + ["--config.optimizer.lr=0.002"])
+    msg = str(e.value)
+    assert "holds a run of another config than this sweep's point seed=0" in msg
+    assert "config.optimizer.lr: 0.0002 -> 0.002" in msg
+    assert "--move-aside" in msg and no_trainer == []
+
+    # A field a resume may change, but that changes the reported numbers.
+    with pytest.raises(SystemExit, match=r"config.task.eval_samples: 2 -> 4"):
+        sweep.main(argv + ["--config.task.eval_samples=4"])
+    # One that changes no reported number: still finished.
+    assert sweep.main(argv + ["--config.keep_checkpoints=5"]) == 0
+    assert "seed=0: finished, skipped" in capsys.readouterr().out
+
+    # The report alone leaves it out, saying why.
+    assert sweep.main(argv + ["--config.optimizer.lr=0.002", "--report-only"]) == 0
+    out, err = capsys.readouterr()
+    assert "| all | 0/1 | - |" in out and "0.25" not in out
+    assert "config.optimizer.lr: 0.0002 -> 0.002" in err and "left out of the report" in err
+
+    # --move-aside keeps the old run under another name and runs the point afresh.
+    assert sweep.main(argv + ["--config.optimizer.lr=0.002", "--move-aside"]) == 0
+    assert os.path.exists(os.path.join(w, "seed=0.other-1", "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(w, "seed=0"))
+    assert [name for _, name, _ in no_trainer] == ["seed=0"]
+
+
+def test_a_longer_finished_run_is_not_this_shorter_runs_result(tmp_path, no_trainer):
+    w = str(tmp_path)
+    _finished_point(w, "base", {"total_rl_steps": "2", "sft.steps": "1"})
+    with pytest.raises(SystemExit, match=r"config.total_rl_steps: 2 -> 1"):
+        sweep.main([f"--config={SMOKE}", f"--workdir={w}", *ONE_STEP])
+    # A run asked for more steps resumes (its trainer accepts the longer run).
+    state, _ = sweep.sweep_points.point_state(
+        os.path.join(w, "base"),
+        sweep.sweep_points.build_config(SMOKE, {"total_rl_steps": "3", "sft.steps": "1"}),
+    )
+    assert state == "resume"
+
+
+def test_without_config_json_the_checkpoints_record_is_compared(tmp_path):
+    """A point whose config.json is gone: its newest RL checkpoint's record of its config."""
+    from gspo_jax import safety
+
+    d = tmp_path / "base"
+    meta = d / "checkpoints" / "rl" / "1" / "meta"
+    meta.mkdir(parents=True)
+    c = sweep.sweep_points.build_config(os.path.join(REPO, SMOKE), {"seed": "3"})
+    (meta / "metadata").write_text(json.dumps({"config": safety.config_record(c)}))
+    other = sweep.sweep_points.build_config(os.path.join(REPO, SMOKE), {"seed": "4"})
+    assert sweep.sweep_points.point_state(str(d), other) == ("other", ["config.seed: 3 -> 4"])
+    assert sweep.sweep_points.point_state(str(d), c) == ("resume", [])
+
+
+def test_every_point_is_validated_before_any_runs(tmp_path, no_trainer):
+    w = str(tmp_path)
+    argv = [f"--config={SMOKE}", f"--workdir={w}", *ONE_STEP]
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv + ["--grid", "optimizer.lr=1e-3,inf,-1", "--grid", "seed=0,1"])
+    msg = str(e.value)
+    assert "4 of 6 point(s) have an invalid config; nothing was run" in msg
+    assert "lr=inf__seed=0: config.optimizer.lr: must be finite" in msg
+    assert "lr=-1__seed=1: config.optimizer.lr:" in msg
+    assert no_trainer == []
+    # A hyperparameter the objective of one point does not take.
+    with pytest.raises(SystemExit, match=r"name=grpo: config.objective.hparams.eps_low_ratio"):
+        sweep.main(argv + ["--grid", "objective.name=cispo,grpo"]
+                   + ["--config.objective.hparams.eps_low_ratio=0.5"])
+    assert no_trainer == []
+
+
+def test_an_objective_axis_runs_each_objective_with_its_hyperparameters(tmp_path, no_trainer):
+    w = str(tmp_path)
+    argv = [f"--config={SMOKE}", f"--workdir={w}", *ONE_STEP]
+    assert sweep.main(argv + ["--grid", "objective.name=gspo,grpo,cispo"]) == 0
+    assert [name for _, name, _ in no_trainer] == ["name=gspo", "name=grpo", "name=cispo"]
+    config, _, overrides = no_trainer[1]
+    cmd = sweep.trainer_command(config, "wd", overrides)
+    assert f"--config={SMOKE},objective=grpo" in cmd
+    assert not any(a.startswith("--config.objective.name") for a in cmd)
+    c = sweep.sweep_points.build_config(config, overrides)
+    assert c.objective.name == c.objective.hparams_of == "grpo"
+    # The config's own argument is replaced, not repeated.
+    spec, rest = sweep.sweep_points.trainer_config(
+        "configs/default.py:objective=gspo,smoke", {"objective.name": "ppo", "seed": "1"}
+    )
+    assert spec == "configs/default.py:smoke,objective=ppo" and rest == {"seed": "1"}
+
+
+def test_an_unknown_metric_is_named(tmp_path, no_trainer, capsys):
+    w = str(tmp_path)
+    _finished_point(w, "base", {"total_rl_steps": "1", "sft.steps": "1"})
+    argv = [f"--config={SMOKE}", f"--workdir={w}", *ONE_STEP, "--report-only"]
+    assert sweep.main(argv + ["--metric", "eval_rewrad_mean"]) == 1
+    err = capsys.readouterr().err
+    assert "--metric eval_rewrad_mean: no point's metrics.jsonl has it; did you mean " \
+        "eval_reward_mean?" in err
+    assert sweep.main(argv + ["--metric", "eval_reward_mean"]) == 0
+
+
+STAND_IN = """
+import os, signal, sys, time
+def stop(signum, frame):
+    with open(os.environ["SIGNALS"], "a") as f:
+        f.write(f"{signum}\\n")
+    time.sleep(0.5)  # a checkpoint being written
+    with open(os.environ["SIGNALS"], "a") as f:
+        f.write("saved\\n")
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+with open(os.environ["PIDFILE"], "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(60)
+"""
+
+SWEEP = """
+import sys
+from gspo_jax import sweep
+sweep.sweep_points.device_count = lambda: 1
+sweep.trainer_command = lambda config, workdir, overrides: [sys.executable, {stand_in!r}]
+sys.exit(sweep.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_to_the_sweep_reaches_its_trainer(tmp_path, signum):
+    """kill, docker stop and Kubernetes signal the sweep's process alone: the trainer
+    gets the signal once, the sweep waits for it, exits with 128 + signal and says how
+    to resume; no trainer is left running."""
+    stand_in, script = tmp_path / "trainer.py", tmp_path / "sweep.py"
+    stand_in.write_text(STAND_IN)
+    script.write_text(SWEEP.format(stand_in=str(stand_in)))
+    env = dict(os.environ, PYTHONPATH=REPO, SIGNALS=str(tmp_path / "signals"),
+               PIDFILE=str(tmp_path / "pid"))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 60
+    while not os.path.exists(tmp_path / "pid") and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    pid = int((tmp_path / "pid").read_text())
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err
+    assert (tmp_path / "signals").read_text() == f"{signum}\nsaved\n"  # once, then waited for
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    name = signal.Signals(signum).name
+    assert f"{name}: forwarded to the trainer of base, which exited with {128 + signum}" in err
+    assert "Run the same sweep command to resume" in err
