@@ -314,3 +314,14 @@ def test_a_signal_to_the_sweep_reaches_its_trainer(tmp_path, signum):
     name = signal.Signals(signum).name
     assert f"{name}: forwarded to the trainer of base, which exited with {128 + signum}" in err
     assert "Run the same sweep command to resume" in err
+
+
+def test_fields_a_finished_point_may_differ_in_are_ones_a_resume_accepts():
+    import fnmatch
+
+    from gspo_jax import config as config_lib
+
+    resumable = config_lib.resumable_fields()
+    for pattern in sweep.sweep_points.UNREPORTED:
+        field = pattern.replace("*", "x")
+        assert any(fnmatch.fnmatchcase(field, r) for r in resumable), pattern
