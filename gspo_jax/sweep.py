@@ -387,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in paths:
         base.pop(p, None)  # the grid's value wins
 
+    if not os.path.isfile(args.config.partition(":")[0]):
+        raise SystemExit(f"--config {args.config}: no such file")
     names = [point_name(pt, paths) for pt in points]
     # Every point's config, built (and validated, unless only reporting) before any runs.
     num_devices = None if args.report_only else sweep_points.device_count()

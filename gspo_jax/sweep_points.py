@@ -60,13 +60,28 @@ def trainer_config(config: str, overrides: dict[str, str]) -> tuple[str, dict[st
 def build_config(config: str, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """The config ``python -m gspo_jax.train --config=<config> --config.<k>=<v> ...``
     runs: parsed by the same absl flag, deprecated paths moved as the trainer does."""
-    from absl import flags
-    from ml_collections import config_flags
-
     from gspo_jax import config as config_lib
     from gspo_jax import old_keys
 
-    config, overrides = trainer_config(config, overrides)
+    spec, rest = trainer_config(config, overrides)
+    try:
+        c = _parse(spec, rest)
+    except config_lib.ConfigError as e:
+        if "objective.name" not in overrides or "argument 'objective'" not in str(e):
+            raise
+        raise config_lib.ConfigError(
+            f"config.objective.name: a sweep over it passes objective=<name> to the config "
+            f"file's argument, and {spec.partition(':')[0]} takes none ({e}); use a config "
+            "file that picks the objective from its argument, like configs/default.py"
+        ) from None
+    old_keys.move_deprecated(c)
+    return c
+
+
+def _parse(config: str, overrides: dict[str, str]) -> ml_collections.ConfigDict:
+    from absl import flags
+    from ml_collections import config_flags
+
     argv = ["gspo_jax.train", f"--config={config}"]
     argv += [f"--config.{k}={v}" for k, v in overrides.items()]
     values = flags.FlagValues()
@@ -75,21 +90,14 @@ def build_config(config: str, overrides: dict[str, str]) -> ml_collections.Confi
             "config", None, "", flag_values=values, lock_config=True, sys_argv=argv
         )
         values(argv)
-    except config_lib.ConfigError as e:
-        if "objective.name" in overrides or "'objective'" not in str(e):
-            raise
-        raise config_lib.ConfigError(
-            f"config.objective.name: a sweep over it passes objective=<name> to the config "
-            f"file's argument, and {config.partition(':')[0]} takes none ({e}); use a config "
-            "file that picks the objective from its argument, like configs/default.py"
-        ) from None
     except (AttributeError, KeyError, flags.Error) as e:
-        from gspo_jax.train import unknown_override  # the trainer's own message
+        from gspo_jax import config as config_lib
+        from gspo_jax.train import unknown_override
 
-        raise config_lib.ConfigError(unknown_override(argv) or str(e)) from None
-    c = values.config
-    old_keys.move_deprecated(c)
-    return c
+        # The trainer's own message for an unknown key; else absl's, its first line.
+        message = unknown_override(argv) or str(e).splitlines()[0]
+        raise config_lib.ConfigError(message) from None
+    return values.config
 
 
 def device_count() -> int:

@@ -229,6 +229,10 @@ def test_every_point_is_validated_before_any_runs(tmp_path, no_trainer):
     with pytest.raises(SystemExit, match=r"name=grpo: config.objective.hparams.eps_low_ratio"):
         sweep.main(argv + ["--grid", "objective.name=cispo,grpo"]
                    + ["--config.objective.hparams.eps_low_ratio=0.5"])
+    # An objective axis needs a config file that takes objective=<name>.
+    with pytest.raises(SystemExit, match=r"configs/file_task.py takes none"):
+        sweep.main(["--config=configs/file_task.py", f"--workdir={w}",
+                    "--grid", "objective.name=gspo,grpo"])
     assert no_trainer == []
 
 
