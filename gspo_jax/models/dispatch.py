@@ -24,6 +24,12 @@ gradients (docs/moe.md):
   total) parameters, plus at most E*(bk-1) padding rows.  The CPU dispatch.
 * ``auto``: `resolve_backend`, per device kind.
 
+Every dispatch also takes LoRA adapters (`gspo_jax.models.lora.LoRAWeight`: an expert
+weight [E, D, F] with A [E, D, r] and B [E, r, F]) in place of a weight, and runs them
+through the same grouping as the weight: x W + (x A) B per expert, the dense one per
+expert, the ragged one as grouped matmuls with the same group sizes, the blocked one
+on the same per-block gather; W + A B is never formed.
+
 Routing (which experts, with which gates) is `gspo_jax.models.moe`'s.
 """
 
@@ -34,13 +40,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gspo_jax.models import lora
+
 
 def dispatch_dense(x, idx, gates, wg, wu, wd):
     """Reference: y [N, D] = sum_e C[n, e] SwiGLU_e(x_n), C = scatter of gates."""
-    e = wg.shape[0]
+    e = lora.base(wg).shape[0]
     gate_matrix = jnp.sum(jax.nn.one_hot(idx, e, dtype=gates.dtype) * gates[..., None], axis=1)
-    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, wg)) * jnp.einsum("nd,edf->enf", x, wu)
-    ye = jnp.einsum("enf,efd->end", h, wd)
+    up = functools.partial(lora.einsum, "nd,edf->enf", n_lead=1)
+    h = jax.nn.silu(up(x, wg)) * up(x, wu)
+    ye = lora.einsum("enf,efd->end", h, wd, n_lead=1)
     return jnp.einsum("ne,end->nd", gate_matrix.astype(x.dtype), ye)
 
 
@@ -139,6 +148,15 @@ def grouped_matmul(lhs, rhs, sizes):
     return out[:m] if pad else out
 
 
+def grouped_lora(lhs, rhs, sizes):
+    """`grouped_matmul`, where ``rhs`` may be a `lora.LoRAWeight`: then
+    lhs W + (lhs A) B, each product grouped by the same sizes."""
+    if not isinstance(rhs, lora.LoRAWeight):
+        return grouped_matmul(lhs, rhs, sizes)
+    low = grouped_matmul(grouped_matmul(lhs, rhs.a, sizes), rhs.b, sizes)
+    return grouped_matmul(lhs, rhs.w, sizes) + low
+
+
 def grouped_swiglu(rows, sizes, wg, wu, wd):
     """SwiGLU of expert g on each row of group g: rows [M, D] sorted by expert,
     sizes int32[E], wg/wu [E, D, F], wd [E, F, D] -> [M, D].  The rows are padded
@@ -147,8 +165,8 @@ def grouped_swiglu(rows, sizes, wg, wu, wd):
     pad = -m % GROUPED_ROW_TILE
     if pad:
         rows = jnp.pad(rows, ((0, pad), (0, 0)))
-    h = jax.nn.silu(grouped_matmul(rows, wg, sizes)) * grouped_matmul(rows, wu, sizes)
-    return grouped_matmul(h, wd, sizes)[:m]
+    h = jax.nn.silu(grouped_lora(rows, wg, sizes)) * grouped_lora(rows, wu, sizes)
+    return grouped_lora(h, wd, sizes)[:m]
 
 
 def inverse_permutation(order):
@@ -163,7 +181,7 @@ def dispatch_ragged(x, idx, gates, wg, wu, wd):
     rows (x[order // K], a [N*K, D] gather whose backward is a scatter-add of token
     rows), never weights."""
     n, k = idx.shape
-    e = wg.shape[0]
+    e = lora.base(wg).shape[0]
     flat_e = idx.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat_e, stable=True)
     sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
@@ -270,7 +288,7 @@ def dispatch_blocked(
       'scatter' on CPU, 'matmul' elsewhere.  The same gradient up to rounding.
     """
     n, k = idx.shape
-    e, d, _ = wg.shape
+    e, d, _ = lora.base(wg).shape
     nk = n * k
     small = nk <= COMPARE_RANK_MAX_ROWS
     bk = block_size or block_size_for(nk, e, max_block, SMALL_BATCH_MAX_PADDING if small else 0.5)
@@ -306,9 +324,11 @@ def dispatch_blocked(
     if weight_grad not in ("matmul", "scatter"):
         raise ValueError(f"weight_grad: expected 'matmul' or 'scatter', got {weight_grad!r}")
     take = take_expert_blocks if weight_grad == "matmul" else lambda w, b: w[b]
-    wgb, wub, wdb = (take(w, block_e) for w in (wg, wu, wd))
-    h = jax.nn.silu(jnp.einsum("bcd,bdf->bcf", xb, wgb)) * jnp.einsum("bcd,bdf->bcf", xb, wub)
-    yb = jnp.einsum("bcf,bfd->bcd", h, wdb).reshape(nb * bk, d)
+    # Each block's expert weights (and adapters, gathered alike).
+    wgb, wub, wdb = (jax.tree.map(lambda a: take(a, block_e), w) for w in (wg, wu, wd))
+    up = functools.partial(lora.einsum, "bcd,bdf->bcf", n_lead=1)
+    h = jax.nn.silu(up(xb, wgb)) * up(xb, wub)
+    yb = lora.einsum("bcf,bfd->bcd", h, wdb, n_lead=1).reshape(nb * bk, d)
     return combine(yb[dest], gates, n, k)
 
 

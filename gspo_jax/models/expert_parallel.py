@@ -29,6 +29,12 @@ expert axis share the same rows, rows [r*m, (r+1)*m) of them on device r; then
 With a tensor axis, F is split: each device's SwiGLU output is a partial sum
 over its F/tp columns, summed over the tensor axis (psum).
 
+LoRA adapters of the experts (`gspo_jax.models.lora.LoRAWeight`) travel with their
+weights: A and B sharded over the expert axis like them, B of gate/up and A of down
+over the tensor axis like F (the low-rank term of down is then a partial sum too,
+summed by the same psum); the received rows go through them in the same grouped
+products (`dispatch.grouped_swiglu`).
+
 Tests: tests/test_moe_dispatch.py compares every layout on 8 CPU devices with
 one device, in values and gradients.
 """
@@ -39,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.models import dispatch
+from gspo_jax.models import dispatch, lora
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.sharding import logical_to_mesh_spec
 
@@ -76,7 +82,7 @@ def _expert_parallel_local(x, idx, gates, wg, wu, wd, *, ep_axis, ep: int, rows_
     this device's own rows; wg/wu [E/ep, D, F'], wd [E/ep, F', D] this device's
     experts.  Returns [n, D] (a partial sum over F' when the tensor axis splits F)."""
     n, k = idx.shape
-    e_loc = wg.shape[0]
+    e_loc = lora.base(wg).shape[0]
     e = e_loc * ep
     me = jax.lax.axis_index(ep_axis)
     if rows_split:
@@ -141,8 +147,8 @@ def _mesh_layout(cfg: ModelConfig, mesh, xf, wg, wd):
         return P(*(None if not a else a[0] if len(a) == 1 else a for a in kept))
 
     rows = spec(("batch", None), xf.shape)
-    up = spec(("expert", None, "mlp"), wg.shape)
-    down = spec(("expert", "mlp", None), wd.shape)
+    up = spec(("expert", None, "mlp"), lora.base(wg).shape)
+    down = spec(("expert", "mlp", None), lora.base(wd).shape)
     ep_axes, tp_axes = _axes(up[0]), _axes(up[2])
     if len(ep_axes) > 1 or len(tp_axes) > 1:
         raise ValueError(
@@ -177,6 +183,16 @@ def ragged_ffn(cfg: ModelConfig, xf, idx, gates, wg, wu, wd):
     return y.reshape(n, -1)
 
 
+def _weight_spec(w, spec: P, down: bool):
+    """The in_spec of an expert weight, or of a `lora.LoRAWeight` (its adapters: the
+    expert dim like the weight's, F where the weight has it, the rest replicated)."""
+    if not isinstance(w, lora.LoRAWeight):
+        return spec
+    if down:  # A [E, F, r], B [E, r, D]
+        return lora.LoRAWeight(spec, P(spec[0], spec[1], None), P(spec[0], None, None))
+    return lora.LoRAWeight(spec, P(spec[0], None, None), P(spec[0], None, spec[2]))
+
+
 def _on_mesh(mesh, rows, up, down, ep_axis, tp_axis, xf, idx, gates, wg, wu, wd):
     ep = mesh.shape[ep_axis] if ep_axis else 1
 
@@ -195,6 +211,13 @@ def _on_mesh(mesh, rows, up, down, ep_axis, tp_axis, xf, idx, gates, wg, wu, wd)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(row_spec, row_spec, row_spec, up, up, down),
+        in_specs=(
+            row_spec,
+            row_spec,
+            row_spec,
+            _weight_spec(wg, up, False),
+            _weight_spec(wu, up, False),
+            _weight_spec(wd, down, True),
+        ),
         out_specs=row_spec,
     )(xf, idx, gates, wg, wu, wd)

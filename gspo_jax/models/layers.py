@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from gspo_jax.models import lora
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.sharding import logical_to_mesh_spec
 
@@ -221,8 +222,16 @@ class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k RMSNorm and q/k/v bias.
 
     Parameters: q [D, H, hd], k/v [D, KV, hd], o [H, hd, D] (+ biases [H|KV, hd],
-    q_norm / k_norm scales [hd]).
+    q_norm / k_norm scales [hd]; LoRA adapters, `gspo_jax.models.lora`).
     """
+
+    # weight -> (LoRA target, lead dims, input dims, dims): `lora.add_adapters`.
+    LORA_WEIGHTS = {
+        "q": ("q", 0, 1, 3),
+        "k": ("k", 0, 1, 3),
+        "v": ("v", 0, 1, 3),
+        "o": ("o", 0, 2, 3),
+    }
 
     def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
         d, h, kv, hd, pd = (
@@ -286,9 +295,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         dt = x.dtype
         b, t, _ = x.shape
-        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
-        k = jnp.einsum("btd,dnh->btnh", x, self.k[...].astype(dt))
-        v = jnp.einsum("btd,dnh->btnh", x, self.v[...].astype(dt))
+        q, k, v = (
+            lora.einsum("btd,dnh->btnh", x, lora.weight(self, w, dt), n_out=2) for w in "qkv"
+        )
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)[None, None]
             k = k + self.k_bias[...].astype(dt)[None, None]
@@ -326,7 +335,7 @@ class Attention(nnx.Module):
             out, k, v = self._attend_cached_fused(q, k, v, mask, cache, scale)
         else:
             out, k, v = self._attend_cached(q, k, v, mask, cache, scale)
-        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), (k, v)
+        return lora.einsum("btnh,nhd->btd", out, lora.weight(self, "o", dt)), (k, v)
 
     def _attend_cached_fused(self, q, k, v, mask, cache, scale):
         """The KV-cache path of `__call__` through the fused kernel
@@ -421,7 +430,9 @@ def swiglu(x, w_gate, w_up, w_down):
 
 
 class MLP(nnx.Module):
-    """Dense SwiGLU feed-forward: gate/up [D, F], down [F, D]."""
+    """Dense SwiGLU feed-forward: gate/up [D, F], down [F, D] (+ LoRA adapters)."""
+
+    LORA_WEIGHTS = {"gate": ("gate", 0, 1, 2), "up": ("up", 0, 1, 2), "down": ("down", 0, 1, 2)}
 
     def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.jnp_param_dtype
@@ -431,6 +442,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
+        if hasattr(self, "lora"):
+            gate, up, down = (lora.weight(self, w, dt) for w in ("gate", "up", "down"))
+            h = jax.nn.silu(lora.einsum("...d,df->...f", x, gate)) * lora.einsum(
+                "...d,df->...f", x, up
+            )
+            return lora.einsum("...f,fd->...d", h, down)
         return swiglu(
             x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt)
         )

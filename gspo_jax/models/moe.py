@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax.models import dispatch, expert_parallel
+from gspo_jax.models import dispatch, expert_parallel, lora
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import make_param
 
@@ -84,7 +84,14 @@ def route(logits, top_k: int, renormalize: bool, replay=None):
 
 class MoE(nnx.Module):
     """MoE SwiGLU layer.  router [D, E] (f32 compute), experts gate/up [E, D, F],
-    down [E, F, D]."""
+    down [E, F, D] (+ LoRA adapters [E, D|F, r] and [E, r, F|D], `gspo_jax.models.lora`,
+    through the same dispatch)."""
+
+    LORA_WEIGHTS = {
+        "gate": ("expert_gate", 1, 1, 3),
+        "up": ("expert_up", 1, 1, 3),
+        "down": ("expert_down", 1, 1, 3),
+    }
 
     def __init__(self, cfg: ModelConfig, *, stack=(), rngs: nnx.Rngs):
         d, f, e, pd = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.jnp_param_dtype
@@ -122,7 +129,7 @@ class MoE(nnx.Module):
         idx, gates, probs, free_idx, replayed = route(logits, k, cfg.renormalize_topk, rep)
 
         dt = x.dtype
-        wg, wu, wd = (self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+        wg, wu, wd = (lora.weight(self, w, dt) for w in ("gate", "up", "down"))
         backend = dispatch.resolve_backend(cfg.moe_backend)
         if backend == "dense":
             y = dispatch.dispatch_dense(xf, idx, gates, wg, wu, wd)

@@ -1,0 +1,212 @@
+"""LoRA (gspo_jax.models.lora, docs/lora.md): a LoRA forward equals the merged weights'
+on every MoE dispatch (dense, ragged, blocked, expert parallel on a mesh), with and
+without replay; the KV-cache sampler's path too; training updates the adapters only;
+a full-rank LoRA reaches what full fine-tuning reaches; the config section's checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax.models import ModelConfig, Transformer, lora
+from gspo_jax.models.moe import MoE
+from gspo_jax.models.sharding import param_shardings
+
+AXES = ("data", "fsdp", "expert", "tensor")
+ALL = tuple(lora.TARGETS)
+
+
+def _randomize_b(model, seed=1, std=0.3):
+    """Nonzero B everywhere (a fresh adapter is a no-op, so a test with B = 0 could
+    not fail)."""
+    key = jax.random.key(seed)
+    for i, (_, module) in enumerate(nnx.iter_modules(model)):
+        for name in getattr(module, "LORA_WEIGHTS", None) or {}:
+            b = getattr(module, f"{name}_lora_b", None)
+            if b is not None:
+                b[...] = std * jax.random.normal(jax.random.fold_in(key, i * 7 + len(name)), b.shape)
+    return model
+
+
+def _lora_model(cfg, targets=ALL, rank=4, alpha=8.0, seed=0):
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    lora.add_adapters(model, lora.LoRASpec(rank, alpha, tuple(targets)), jax.random.key(seed + 5))
+    return _randomize_b(model)
+
+
+def _replay(cfg, b, t, seed=0):
+    rs = np.random.RandomState(seed)
+    r = np.stack(
+        [rs.permutation(cfg.num_experts)[: cfg.top_k] for _ in range(b * t * cfg.num_moe_layers)]
+    ).reshape(b, t, cfg.num_moe_layers, cfg.top_k)
+    r[rs.rand(b, t) < 0.25] = -1  # some rows free
+    return jnp.asarray(r, jnp.int32)
+
+
+def test_add_adapters_keeps_the_base_and_its_init():
+    """Adapters come after the base: the base parameters are those of a model without
+    LoRA (the same RNG stream), the shapes and axes are the spec's, A random, B zero,
+    all f32 over a bf16 base."""
+    cfg = ModelConfig.tiny(param_dtype="bfloat16")
+    plain = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    lora.add_adapters(model, lora.LoRASpec(4, 8.0, ALL), jax.random.key(1))
+    base = nnx.state(model, nnx.Not(lora.LoRAParam))
+    assert jax.tree.structure(base) == jax.tree.structure(plain)
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    seg = model.segments[1].blocks[0]  # an MoE layer (stacked over its repeats)
+    n = seg.attn.q.shape[0]
+    d, h, kv, hd, e, f = 32, 4, 2, 16, 8, 24
+    want = [
+        (seg.attn.q_lora_a, (n, d, 4)),
+        (seg.attn.q_lora_b, (n, 4, h, hd)),
+        (seg.attn.k_lora_b, (n, 4, kv, hd)),
+        (seg.attn.o_lora_a, (n, h, hd, 4)),
+        (seg.attn.o_lora_b, (n, 4, d)),
+        (seg.mlp.gate_lora_a, (n, e, d, 4)),
+        (seg.mlp.gate_lora_b, (n, e, 4, f)),
+        (seg.mlp.down_lora_a, (n, e, f, 4)),
+        (seg.mlp.down_lora_b, (n, e, 4, d)),
+    ]
+    for var, shape in want:
+        assert isinstance(var, lora.LoRAParam) and var.shape == shape and var.dtype == jnp.float32
+    assert seg.mlp.gate_lora_a.get_metadata()["out_sharding"] == (
+        "layers",
+        "expert",
+        "embed",
+        "lora_rank",
+    )
+    assert seg.mlp.gate_lora_b.get_metadata()["out_sharding"] == (
+        "layers",
+        "expert",
+        "lora_rank",
+        "mlp",
+    )
+    dense = model.segments[0].blocks[0].mlp
+    assert dense.down_lora_a.shape == (1, 64, 4) and dense.down_lora_b.shape == (1, 4, d)
+    assert float(jnp.max(jnp.abs(seg.mlp.up_lora_b[...]))) == 0.0
+    assert float(jnp.std(seg.mlp.up_lora_a[...])) > 0.05
+    assert not hasattr(seg.mlp, "router_lora_a")
+
+
+@pytest.mark.parametrize("backend", ["dense", "ragged", "blocked"])
+@pytest.mark.parametrize("replay", [False, True])
+def test_forward_equals_the_merged_weights(backend, replay):
+    cfg = ModelConfig.tiny(moe_backend=backend, moe_groups=2)
+    model = _lora_model(cfg)
+    merged = lora.merge(model)
+    assert not jax.tree.leaves(nnx.state(merged, lora.LoRAParam))
+    b, t = 4, 7
+    tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
+    rep = _replay(cfg, b, t) if replay else None
+    logits, aux = model(tokens, replay=rep)
+    ref, ref_aux = merged(tokens, replay=rep)
+    no_lora, _ = Transformer(cfg, rngs=nnx.Rngs(0))(tokens, replay=rep)
+    assert float(jnp.max(jnp.abs(logits - no_lora))) > 1e-2  # the adapters do something
+    np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
+    if replay:  # replayed rows use exactly the replayed experts, with adapters or not
+        replayed = np.all(np.asarray(rep) >= 0, axis=-1)
+        got = np.asarray(aux.topk_indices)[replayed]
+        np.testing.assert_array_equal(got, np.asarray(rep)[replayed])
+    np.testing.assert_array_equal(aux.topk_indices, ref_aux.topk_indices)
+
+
+@pytest.mark.parametrize("backend", ["dense", "ragged", "blocked"])
+def test_expert_gradients_equal_across_dispatches(backend):
+    """The adapters' gradients through each dispatch equal the dense reference's."""
+    cfg = ModelConfig.tiny(moe_backend="dense")
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    lora.add_adapters(layer, lora.LoRASpec(3, 6.0, ALL), jax.random.key(2))
+    _randomize_b(layer)
+    x = jax.random.normal(jax.random.key(4), (4, 6, cfg.d_model))
+    mask = jnp.ones((4, 6), bool)
+
+    def grads(c):
+        layer.cfg = c
+        graphdef, st = nnx.split(layer)
+
+        def loss(st):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, st)(x, mask)[0]))
+
+        return jax.grad(loss)(st)
+
+    ref = grads(cfg)
+    out = grads(cfg.replace(moe_backend=backend))
+    for name in ("gate", "up", "down"):
+        for part in ("lora_a", "lora_b"):
+            g, r = out[f"{name}_{part}"][...], ref[f"{name}_{part}"][...]
+            assert float(jnp.max(jnp.abs(r))) > 0
+            np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (2, 1, 4, 1)])
+@pytest.mark.parametrize("replay", [False, True])
+def test_expert_parallel_forward_equals_the_merged_weights(mesh_shape, replay):
+    """On 8 CPU devices (expert, FSDP and tensor axes): the adapters sharded with
+    their experts, the rows exchanged with all-to-alls; values and the adapters'
+    gradients equal one device's merged / unsharded ones."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), AXES)
+    cfg = ModelConfig.tiny(moe_backend="ragged")
+    model = _lora_model(cfg)
+    b, t = 8, 5
+    tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
+    rep = _replay(cfg, b, t) if replay else None
+    ref, _ = lora.merge(model)(tokens, replay=rep)
+    graphdef, state = nnx.split(model)
+
+    def loss(st, tokens, rep):
+        logits, _ = nnx.merge(graphdef, st)(tokens, replay=rep)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, g_ref) = fn(state, tokens, rep)
+    with jax.set_mesh(mesh):
+        st = jax.device_put(state, param_shardings(state, mesh, cfg))
+        rows = NamedSharding(mesh, P(("data", "fsdp", "expert")))
+        args = jax.device_put((tokens, rep), rows)
+        (_, logits), g = fn(st, *args)
+        text = fn.lower(st, *args).compile().as_text()
+    np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):  # adapters' included
+        assert float(jnp.max(jnp.abs(x - y))) <= 1e-4 * max(float(jnp.max(jnp.abs(y))), 1.0)
+    if mesh_shape[2] > 1:
+        assert "all-to-all(" in text
+        e, d, f = cfg.num_experts, cfg.d_model, cfg.moe_d_ff
+        assert f"f32[{e},{d},{f}]" not in text  # no merged (or whole) expert weights
+
+
+def test_kv_cache_decode_with_adapters():
+    """The sampler's path: prefill then one-token decode steps with adapters give the
+    full forward's logits (the same modules)."""
+    cfg = ModelConfig.tiny(moe_backend="blocked")
+    model = _lora_model(cfg)
+    b, t = 2, 6
+    tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
+    full, _ = model(tokens)
+    cache = model.init_cache(b, t)
+    pos = jnp.broadcast_to(jnp.arange(4), (b, 4))
+    logits, _, cache = model.decode(tokens[:, :4], cache, positions=pos, prefill=True)
+    steps = [logits]
+    for i in range(4, t):
+        logits, _, cache = model.decode(tokens[:, i : i + 1], cache, positions=jnp.full((b, 1), i))
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
+
+
+def test_adapters_off_is_the_base():
+    cfg = ModelConfig.tiny()
+    model = _lora_model(cfg)
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(3), (2, 5), 0, cfg.vocab_size)
+    off, _ = nnx.merge(graphdef, lora.adapters_off(state))(tokens)
+    base, _ = Transformer(cfg, rngs=nnx.Rngs(0))(tokens)
+    np.testing.assert_array_equal(off, base)
+    base_leaves = jax.tree.leaves(nnx.state(model, nnx.Not(lora.LoRAParam)))
+    off_leaves = jax.tree.leaves(nnx.split_state(lora.adapters_off(state), nnx.Not(lora.LoRAParam), ...)[0])
+    assert all(x is y for x, y in zip(off_leaves, base_leaves))  # the same arrays, no copy
