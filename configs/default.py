@@ -7,7 +7,8 @@ advantages, two mini-batch updates per rollout (the off-policy regime).
     python -m gspo_jax.train --config=configs/default.py:objective=grpo,smoke --workdir=/tmp/smoke
 
 Arguments (comma-separated): ``objective=<name>`` picks any registered
-objective with its own defaults; ``smoke`` shrinks everything to two steps.
+objective with its own defaults; ``smoke`` shrinks everything to two steps; ``lora``
+trains rank-8 LoRA adapters in the RL phase (`LORA`; the warm start stays full).
 Any field can be overridden: ``--config.updates.routing_replay=R3``.
 """
 
@@ -21,11 +22,26 @@ SHORT_RESPONSE_HPARAMS = {
 }
 
 
+# The LoRA variant (docs/lora.md): rank 8 (alpha 16) on the attention projections and
+# the experts, every layer of the tiny MoE being an MoE layer; the routers frozen; a
+# learning rate 5x full fine-tuning's, as low-rank adapters usually take.
+LORA = dict(
+    rank=8,
+    alpha=16.0,
+    targets=("q", "k", "v", "o", "expert_gate", "expert_up", "expert_down"),
+    train_router=False,
+)
+LORA_LR = 1e-3
+
+
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=("objective", "smoke"))
+    args = config_lib.parse_arg(arg, known=("objective", "smoke", "lora"))
     c = config_lib.base_config()
     name = args.get("objective", "gspo")
     config_lib.set_objective(c, name, SHORT_RESPONSE_HPARAMS.get(name, {}))
+    if args.get("lora"):
+        c.lora.update(LORA)
+        c.optimizer.lr = LORA_LR
     if args.get("smoke"):
         config_lib.apply_smoke(c)
     return c

@@ -11,7 +11,8 @@ jsonl files where TFDS cannot download them (omit it where it can).
 
 Arguments: ``ckpt`` (required), ``gsm8k_files``, ``objective`` (default gspo,
 with the paper's clip range for long responses), ``replay`` (none | R2 | R3),
-``smoke``. The mesh shards parameters over fsdp (all devices) and experts over
+``smoke``, ``lora`` (rank-16 LoRA on attention and every expert, the routers frozen,
+base frozen in bf16: docs/lora.md). The mesh shards parameters over fsdp (all devices) and experts over
 ``expert``; change ``--config.mesh.*`` for a pod, e.g. data=4, fsdp=-1, expert=8.
 
 Memory (docs/memory.md, compiled for the devices by ``python -m
@@ -33,6 +34,13 @@ with an f32 first moment, of 90.2).
 
 from gspo_jax import config as config_lib
 
+LORA = dict(
+    rank=16,
+    alpha=32.0,
+    targets=("q", "k", "v", "o", "expert_gate", "expert_up", "expert_down"),
+    train_router=False,
+)
+
 PAPER_EPS = {
     "gspo": dict(eps_low=3e-4, eps_high=4e-4),
     "gspo_token": dict(eps_low=3e-4, eps_high=4e-4),
@@ -40,7 +48,9 @@ PAPER_EPS = {
 
 
 def get_config(arg: str | None = None):
-    args = config_lib.parse_arg(arg, known=("ckpt", "gsm8k_files", "objective", "replay", "smoke"))
+    args = config_lib.parse_arg(
+        arg, known=("ckpt", "gsm8k_files", "objective", "replay", "smoke", "lora")
+    )
     if not args.get("ckpt") or args["ckpt"] is True:
         raise config_lib.ConfigError(
             "configs/qwen3_moe_gsm8k.py: the argument ckpt=<Hugging Face "
@@ -87,6 +97,13 @@ def get_config(arg: str | None = None):
     c.total_rl_steps = 500
     c.eval_every = 20
     c.checkpoint_every = 20
+    if args.get("lora"):
+        # The base frozen in bf16 (the compute dtype), adapters and their moments in
+        # f32: a KL term's reference is the base itself (no copy), so objective=grpo
+        # fits as well.
+        c.lora.update(LORA)
+        c.optimizer.lr = 1e-5  # 10x full fine-tuning's, as LoRA usually takes
+        c.optimizer.mu_dtype = "float32"  # the adapters' moments are small
     if args.get("smoke"):
         config_lib.apply_smoke(c)
     return c

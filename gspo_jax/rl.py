@@ -36,8 +36,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
+from gspo_jax import lora_rl, offpolicy, passes, step
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import offpolicy, passes, step
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
@@ -157,6 +157,7 @@ class RLPhase:
             value_clip=cfg.gae.value_clip,
             temperature=cfg.rollout.temperature,
             update_without_signal=cfg.updates.update_without_signal,
+            trainable=lora_rl.trainable(cfg.lora, "rl"),
         )
         self.rollout_correction = RolloutCorrection(**dict(c.rollout_correction))
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
@@ -164,9 +165,17 @@ class RLPhase:
         self.routing = offpolicy.routing_record(cfg, trainer.model_cfg)
         self.collector = Collector(trainer, self.routing)  # stages 1-3 (gspo_jax.collect)
         # The reference policy is where RL starts; copied, as the state is donated, and
-        # held in the compute dtype (the same logits; docs/memory.md).
-        self.ref_params = inference_params(params, trainer.model_cfg) if trainer.kl_coef else None
-        self.state = trainer.new_state(params, self.optimizer)
+        # held in the compute dtype (the same logits; docs/memory.md). With LoRA: the
+        # frozen base itself, the adapters off (gspo_jax.lora_rl), and no copy.
+        self.lora = self.step_cfg.trainable != "all"
+        if self.lora:
+            params = lora_rl.rl_params(params, trainer.model_cfg, self.step_cfg.trainable)
+            self.base = lora_rl.identity(trainer, params, self.step_cfg.trainable)
+            trained_routers = cfg.lora.train_router and trainer.kl_coef
+            self.ref_routers = lora_rl.routers(params) if trained_routers else None
+        kl = trainer.kl_coef and not self.lora
+        self.ref_params = inference_params(params, trainer.model_cfg) if kl else None
+        self.state = trainer.new_state(params, self.optimizer, self.step_cfg.trainable)
         self.train_fn = trainer.jit_step(
             step.train_step,
             self.state,
@@ -192,9 +201,10 @@ class RLPhase:
             ),
             trainer.mesh,
         )
-        self.ref_logp_fn = on_mesh(
-            jax.jit(functools.partial(logp_pass, replay_key=None)), trainer.mesh
-        )
+        ref_pass = functools.partial(logp_pass, replay_key=None)
+        if self.lora:  # pi_ref: the state's parameters with the adapters off
+            ref_pass = lora_rl.reference_pass(ref_pass)
+        self.ref_logp_fn = on_mesh(jax.jit(ref_pass), trainer.mesh)
         self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
         self.trust_region_fn = jax.jit(
             functools.partial(
@@ -266,6 +276,9 @@ class RLPhase:
             batch["replay"] = dev["replay_r3"]
         if self.ref_params is not None:
             batch["ref_logp"] = self.ref_logp_fn(self.ref_params, dev)["logp"]
+        elif self.lora and self.t.kl_coef:
+            ref = (self.state.params, self.ref_routers)
+            batch["ref_logp"] = self.ref_logp_fn(ref, dev)["logp"]
         info = self.staleness_fn(dev["policy_version"], dev["mask"], np.int32(s))
         if not self.behaviour:
             info.update(
@@ -407,21 +420,32 @@ class RLPhase:
     def checkpoint_items(self) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint holds: the train state (and, with staleness, the queue's
         device arrays), and the JSON record of the queue's host part."""
+        state, meta = self.state, {}
+        if self.lora:  # the trainable parameters, and the frozen base's identity
+            state = lora_rl.saved_state(state, self.step_cfg.trainable)
+            meta = {"lora_base": self.base}
         if not self.cfg.rollout.staleness:
-            return self.state, {}
-        tree = {"train": self.state, "queue": [b.device for b in self.queue]}
-        return tree, {"queue": [b.meta() for b in self.queue]}
+            return state, meta
+        tree = {"train": state, "queue": [b.device for b in self.queue]}
+        return tree, {"queue": [b.meta() for b in self.queue], **meta}
 
     def checkpoint_target(self):
         """The restore target of `checkpoint_items`' tree."""
-        return offpolicy.checkpoint_target(self.t, self.state)
+        state = self.state
+        if self.lora:
+            state = lora_rl.saved_state(state, self.step_cfg.trainable)
+        return offpolicy.checkpoint_target(self.t, state)
 
     def load_checkpoint(self, tree, meta: dict[str, Any]) -> None:
-        """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`)."""
+        """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`); with
+        LoRA onto the frozen base rebuilt from its source, checked against its checksum."""
+        state = tree if not self.cfg.rollout.staleness else tree["train"]
+        if self.lora:
+            lora_rl.check_identity(meta.get("lora_base"), self.base)
+            state = lora_rl.restored_state(state, self.state, self.step_cfg.trainable)
+        self.state = state
         if not self.cfg.rollout.staleness:
-            self.state = tree
             return
-        self.state = tree["train"]
         self.queue.clear()
         for device, record in zip(tree["queue"], meta["queue"]):
             self.queue.append(offpolicy.QueuedBatch.from_checkpoint(device, record))

@@ -15,6 +15,7 @@ import ml_collections
 from gspo_jax import reward_plugins
 from gspo_jax.advantages import GaeConfig
 from gspo_jax.fields import err, is_int, section, setting
+from gspo_jax.lora_rl import LoRAConfig
 from gspo_jax.metrics_log import WandbConfig
 from gspo_jax.models.config import ModelSection
 from gspo_jax.models.sharding import MeshConfig
@@ -184,6 +185,7 @@ class RunConfig:
     updates: UpdatesConfig = section(UpdatesConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
     sft: SftConfig = section(SftConfig)
+    lora: LoRAConfig = section(LoRAConfig)
     eval_every: int = setting(10, low=1, resume=True, doc="RL steps between evaluations")
     log_every: int = setting(1, low=1, resume=True, doc="RL steps between log lines")
     checkpoint_every: int = setting(20, low=1, resume=True, doc="RL steps between checkpoints")

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from gspo_jax import config as config_lib
+from gspo_jax import lora_rl, safety, step
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import safety, step
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
 from gspo_jax.metrics_log import progress_bar
@@ -75,7 +75,7 @@ def restore_state(t: Trainer):
     cfg = t.cfg
     ckpt = PhaseCheckpointer(t.workdir, "sft", every=cfg.checkpoint_every, keep=c.keep_checkpoints)
     optimizer, sched = sft_optimizer(t.cfg)
-    state = t.new_state(t.init_params, optimizer)
+    state = t.new_state(t.init_params, optimizer, lora_rl.trainable(cfg.lora, "sft"))
     start = 0
     if ckpt.latest_step() is not None:
         state, _, start = ckpt.restore(state)
@@ -109,6 +109,7 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
         schedule=sched,
         micro_batches=1,
         aux_loss_coef=cfg.sft.aux_loss_coef,
+        trainable=lora_rl.trainable(cfg.lora, "sft"),
     )
     with ckpt:  # every way out waits for the save in flight (checkpoint.py)
         bar = progress_bar(c, steps, start, "sft")
@@ -143,7 +144,7 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
 
 
 def reference_for_resume(trainer: Trainer):
-    """RL resumes and its KL term needs pi_ref, the warm start's final parameters: from
+    """RL resumes and its KL term needs pi_ref (or LoRA its frozen base), the warm start's final parameters: from
     the warm start's last checkpoint. The warm start is never repeated once RL has
     begun; if that checkpoint is gone (or does not restore), the run stops and says so.
     """
@@ -152,8 +153,8 @@ def reference_for_resume(trainer: Trainer):
         path = os.path.join(trainer.workdir, "checkpoints", "sft", str(trainer.cfg.sft.steps))
         raise FileNotFoundError(
             f"RL resumes from its checkpoint, but the warm start's last checkpoint ({path}) "
-            f"is gone or does not restore, and the KL term (kl_coef={trainer.kl_coef}) needs "
-            "the reference policy it holds. Restore that checkpoint to resume (a warm start "
+            f"is gone or does not restore, and the KL term (kl_coef={trainer.kl_coef}) or "
+            f"LoRA's frozen base (lora.rank={trainer.cfg.lora.rank}) needs the parameters it holds. Restore that checkpoint to resume (a warm start "
             "is never repeated once RL has begun)."
         )
     return params

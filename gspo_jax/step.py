@@ -29,6 +29,7 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
 from gspo_jax.fields import is_real, setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
+from gspo_jax.models import lora
 from gspo_jax.objectives.critic import value_loss_mergeable
 from gspo_jax.passes import forward, response_slice, sequence_inputs, split_micro
 
@@ -144,6 +145,9 @@ class StepConfig:
     # Update on a mini-batch whose advantages are all zero (router losses, KL and
     # entropy would be its only drive); off: such a mini-batch changes nothing.
     update_without_signal: bool = False
+    # The parameters updated (`gspo_jax.models.lora.TRAINABLE`): 'all', or with LoRA
+    # the adapters (and routers); the rest is frozen, with no gradient or moments.
+    trainable: str = "all"
 
     @property
     def hparam_dict(self) -> dict[str, Any]:
@@ -195,8 +199,10 @@ def make_optimizer(
     return optax.chain(*parts), sched
 
 
-def _apply_update(state: TrainState, grads, loss, optimizer, schedule, apply=True):
-    """The optimizer update, unless the loss or the gradient is not finite (counted in
+def _apply_update(
+    state: TrainState, grads, loss, optimizer, schedule, apply=True, trainable: str = "all"
+):
+    """The optimizer update of the ``trainable`` parameters (`lora.partition`), unless the loss or the gradient is not finite (counted in
     ``skipped`` and ``skipped_in_a_row``) or ``apply`` is False (a mini-batch with no
     signal): then parameters and optimizer moments stay as they were.
 
@@ -221,7 +227,9 @@ def _apply_update(state: TrainState, grads, loss, optimizer, schedule, apply=Tru
     def keep(params, opt_state):
         return params, opt_state, jnp.zeros((), grad_norm.dtype)
 
-    new_params, new_opt, update_norm = jax.lax.cond(ok, update, keep, state.params, state.opt_state)
+    params, frozen = lora.partition(state.params, trainable)
+    new_params, new_opt, update_norm = jax.lax.cond(ok, update, keep, params, state.opt_state)
+    new_params = lora.join(new_params, frozen)
     nonfinite = jnp.where(finite, 0, 1).astype(jnp.int32)
     new_state = TrainState(
         step=state.step + 1,
@@ -251,8 +259,9 @@ def _apply_update(state: TrainState, grads, loss, optimizer, schedule, apply=Tru
     return new_state, norms
 
 
-def _accumulate(loss_fn, params, batch, m: int):
-    """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan).
+def _accumulate(loss_fn, params, batch, m: int, trainable: str = "all"):
+    """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan); the
+    gradient of the ``trainable`` parameters only (`lora.partition`; the rest frozen).
 
     ``loss_fn`` returns ``(loss, metrics)``, the loss of each micro-batch already
     scaled by the whole mini-batch's denominators (so the sum is the mini-batch loss
@@ -266,6 +275,10 @@ def _accumulate(loss_fn, params, batch, m: int):
     layer's backward to add into the accumulator's slice; JAX's transpose of the layer
     scan writes a fresh stacked gradient instead. Not done.
     """
+    params, frozen = lora.partition(params, trainable)
+    if frozen is not None:
+        full_loss = loss_fn
+        loss_fn = lambda p, b: full_loss(lora.join(p, frozen), b)  # noqa: E731
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if m == 1:
         (loss, metrics), grads = grad_fn(params, batch)
@@ -452,10 +465,18 @@ def train_step(
     loss_fn = functools.partial(
         policy_loss, graphdef=graphdef, cfg=cfg, norm=norm, num_router_tokens=router_tokens(batch)
     )
-    loss, metrics, grads = _accumulate(loss_fn, state.params, batch, cfg.micro_batches)
+    loss, metrics, grads = _accumulate(
+        loss_fn, state.params, batch, cfg.micro_batches, cfg.trainable
+    )
     signal = has_signal(batch["advantages"], batch["mask"])
     new_state, norms = _apply_update(
-        state, grads, loss, optimizer, schedule, apply=signal | cfg.update_without_signal
+        state,
+        grads,
+        loss,
+        optimizer,
+        schedule,
+        apply=signal | cfg.update_without_signal,
+        trainable=cfg.trainable,
     )
     no_signal = Sum.of(1.0 - signal.astype(jnp.float32))
     return new_state, dict(metrics, loss=Mean.of(loss), no_signal=no_signal, **norms)
@@ -491,8 +512,10 @@ def sft_step(
     schedule,
     micro_batches: int = 1,
     aux_loss_coef: float = 0.0,
+    trainable: str = "all",
 ):
-    """One supervised update on prompt+reference-response sequences. Returns (the new
+    """One supervised update on prompt+reference-response sequences (of the
+    ``trainable`` parameters: all, or with LoRA all but the adapters). Returns (the new
     state, the update's metrics, mergeable as `train_step`'s)."""
     del rng
     num_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
@@ -503,6 +526,6 @@ def sft_step(
         micro_batches=micro_batches,
         aux_loss_coef=aux_loss_coef,
     )
-    loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches)
-    new_state, norms = _apply_update(state, grads, loss, optimizer, schedule)
+    loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches, trainable)
+    new_state, norms = _apply_update(state, grads, loss, optimizer, schedule, trainable=trainable)
     return new_state, dict(metrics, loss=Mean.of(loss), **norms)

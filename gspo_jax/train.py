@@ -105,7 +105,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
     writer = None
     if cfg.sft.steps > 0 and not resuming_rl:
         params, writer = sft.run(trainer, open_log, guard)
-    elif cfg.sft.steps > 0 and trainer.kl_coef:  # RL resumes; its KL term needs pi_ref
+    elif cfg.sft.steps > 0 and (trainer.kl_coef or cfg.lora.rank):  # RL resumes: pi_ref, base
         params = sft.reference_for_resume(trainer)
     else:  # no warm start, or RL resumes from its own checkpoint and needs nothing else
         params = trainer.init_params

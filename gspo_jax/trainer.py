@@ -22,11 +22,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, offpolicy, reward_plugins, rewards, step, tasks
+from gspo_jax import evaluation, lora_rl, multihost, offpolicy, reward_plugins, rewards, step, tasks
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import PromptCheck, encode_prompt, fit_prompts
-from gspo_jax.models import from_pretrained, init_sharded
+from gspo_jax.models import from_pretrained, init_sharded, lora
 from gspo_jax.models.sharding import BATCH_AXES, make_mesh, on_mesh
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
@@ -93,6 +93,9 @@ class Trainer:
             )
             model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
             graphdef, params = nnx.split(model)
+        if cfg.lora.rank:  # adapters after the base (gspo_jax.lora_rl)
+            lora_rl.attach(model, cfg.lora, c.seed, self.mesh, self.model_cfg)
+            graphdef, params = nnx.split(model)
         non_params = nnx.split(model, nnx.Param, ...)[2]
         if jax.tree.leaves(non_params):
             raise ValueError(
@@ -137,10 +140,11 @@ class Trainer:
     def _state_shardings(self, state):
         return jax.tree.map(lambda x: x.sharding, state)
 
-    def new_state(self, params, optimizer) -> step.TrainState:
+    def new_state(self, params, optimizer, trainable: str = "all") -> step.TrainState:
         """A fresh state whose every leaf lives on the mesh: parameters (and the
-        optimizer moments that follow them) sharded, scalars replicated."""
-        state = step.TrainState.create(params, jax.jit(optimizer.init)(params))
+        optimizer moments that follow the ``trainable`` ones) sharded, scalars replicated."""
+        moments = jax.jit(optimizer.init)(lora.partition(params, trainable)[0])
+        state = step.TrainState.create(params, moments)
         replicated = NamedSharding(self.mesh, P())
 
         def on_mesh(x):

@@ -3,6 +3,8 @@ on every MoE dispatch (dense, ragged, blocked, expert parallel on a mesh), with 
 without replay; the KV-cache sampler's path too; training updates the adapters only;
 a full-rank LoRA reaches what full fine-tuning reaches; the config section's checks."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,3 +212,146 @@ def test_adapters_off_is_the_base():
     base_leaves = jax.tree.leaves(nnx.state(model, nnx.Not(lora.LoRAParam)))
     off_leaves = jax.tree.leaves(nnx.split_state(lora.adapters_off(state), nnx.Not(lora.LoRAParam), ...)[0])
     assert all(x is y for x, y in zip(off_leaves, base_leaves))  # the same arrays, no copy
+
+
+# --------------------------------------------------------------------------
+# Training: the RL phase with LoRA (gspo_jax.lora_rl).
+
+from configs import default as default_config  # noqa: E402
+from gspo_jax import config as config_lib  # noqa: E402
+from gspo_jax import lora_rl  # noqa: E402
+from gspo_jax.metrics_log import read_metrics  # noqa: E402
+
+TIMING = {"step_time", "rollout_time", "old_logp_time", "update_time", "sample_time", "tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _lora_smoke(data_dir, **lora_fields):
+    """The smoke run with LoRA, a KL term, and updates that move the adapters whatever
+    the (smoke-sized, often zero) rewards: an entropy bonus and updates without signal."""
+    c = default_config.get_config("lora,smoke")
+    c.task.data_dir = data_dir
+    c.objective.hparams.kl_coef = 0.05
+    c.entropy_coef = 0.05
+    c.updates.update_without_signal = True
+    c.optimizer.warmup_steps = 0
+    for k, v in lora_fields.items():
+        c.lora[k] = v
+    return c
+
+
+@pytest.mark.parametrize("train_router", [False, True])
+def test_one_rl_step_changes_only_the_adapters(data_dir, tmp_path, train_router):
+    from gspo_jax.models.lora import LoRAParam
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
+
+    c = _lora_smoke(data_dir, train_router=train_router)
+    c.updates.routing_replay = "R3"
+    t = Trainer(c, str(tmp_path))
+    rl = RLPhase(t, t.init_params)
+    kind = "lora+router" if train_router else "lora"
+    assert rl.step_cfg.trainable == kind
+    before = jax.device_get(rl.state.params)
+    _, updates = rl.step(0)
+    after = jax.device_get(rl.state.params)
+    changed = lora_rl.nonzero_delta(before, after)
+    assert changed and all("_lora_" in p or (train_router and "router" in p) for p in changed)
+    assert any("expert" not in p and "mlp" in p and "_lora_b" in p for p in changed)  # experts' B
+    if train_router:
+        assert any("router" in p for p in changed)
+    # The optimizer's moments: the trainable parameters only, f32.
+    mu = rl.state.opt_state[1][0].mu
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(mu)[0]]
+    assert paths and all("_lora_" in p or (train_router and "router" in p) for p in paths)
+    adapters = nnx.split_state(after, LoRAParam, ...)[0]
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(adapters))
+    sizes = lora_rl.sizes(rl.state.params, rl.state.opt_state, kind)
+    assert sizes["trainable_params"] < 0.5 * sizes["frozen_params"]
+    assert sizes["optimizer_state_bytes"] <= 2 * sizes["trainable_bytes"] + 64
+    assert np.isfinite(updates[0]["loss"])
+    # What an RL checkpoint holds: the trainable parameters (and their moments), and
+    # the base's identity.
+    tree, meta = rl.checkpoint_items()
+    saved = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree.params)[0]]
+    assert saved == paths
+    assert set(meta["lora_base"]) == {"source", "checksum"}
+
+
+def _rl_records(workdir):
+    return {r["step"]: r for r in read_metrics(workdir) if r["phase"] == "rl"}
+
+
+def test_resumed_lora_run_equals_an_uninterrupted_one(data_dir, tmp_path):
+    """4 RL steps at once, and 2 then a resume for 2 more: every metric the same, bit
+    for bit; the checkpoint holds the adapters and their moments, not the base."""
+    from gspo_jax import train
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    c = _lora_smoke(data_dir)
+    c.total_rl_steps = 4
+    train.run(c, str(full))
+    c2 = _lora_smoke(data_dir)
+    c2.total_rl_steps = 2
+    train.run(c2, str(cut))
+    ckpt = cut / "checkpoints"
+    meta = json.loads((ckpt / "rl" / "2" / "meta" / "metadata").read_text())
+    assert set(meta["lora_base"]) == {"source", "checksum"}
+    assert meta["lora_base"]["source"] == "warm start checkpoint sft/2"
+    c3 = _lora_smoke(data_dir)
+    c3.total_rl_steps = 4
+    train.run(c3, str(cut))
+    a, b = _rl_records(full), _rl_records(cut)
+    assert sorted(b) == [0, 1, 2, 3, 4]
+    for s in (1, 2, 3, 4):
+        keys = set(a[s]) - TIMING
+        assert keys == set(b[s]) - TIMING
+        for k in keys:
+            assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+    assert a[4]["kl_k3"] != 0.0 or a[4]["grad_norm"] > 0
+
+
+def test_resume_refuses_a_changed_base(data_dir, tmp_path):
+    from gspo_jax import train
+
+    c = _lora_smoke(data_dir)
+    c.sft.steps = 0  # the base: the seed's initialisation
+    train.run(c, str(tmp_path))
+    c.total_rl_steps = 3
+    real = lora_rl.checksum
+    try:
+        lora_rl.checksum = lambda frozen: "deadbeef"
+        with pytest.raises(lora_rl.BaseMismatch, match="checksum deadbeef.*checksum"):
+            train.run(c, str(tmp_path))
+    finally:
+        lora_rl.checksum = real
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("rank", -1, "config.lora.rank"),
+        ("alpha", 0.0, "config.lora.alpha"),
+        ("targets", ("q", "experts"), "config.lora.targets: unknown targets"),
+        ("targets", (), "config.lora.targets"),
+        ("targets", ("q", "q"), "config.lora.targets: names a target twice"),
+    ],
+)
+def test_config_errors_name_the_field(field, value, message):
+    c = default_config.get_config("lora,smoke")
+    c.lora[field] = value
+    with pytest.raises(config_lib.ConfigError, match="^" + message.replace(".", r"\.")):
+        config_lib.validate(c, 1)
+
+
+def test_lora_configs_validate():
+    from configs import qwen3_moe_gsm8k
+
+    config_lib.validate(default_config.get_config("lora"), 1)
+    for c in (default_config.get_config("lora"), qwen3_moe_gsm8k.get_config("ckpt=/ckpt,lora")):
+        assert c.lora.rank > 0 and "expert_up" in c.lora.targets
+    assert default_config.get_config("").lora.rank == 0  # off by default

@@ -212,17 +212,19 @@ def adapters_off(params):
 
 
 # Which parameters a train step updates (`gspo_jax.step`): 'all'; 'lora' (the
-# adapters); 'lora+router' (and the routers, `config.lora.train_router`); 'base'
-# (all but the adapters: a warm start of a model that carries fresh ones).
+# adapters, and a PPO critic's value head, which no adapter stands for);
+# 'lora+router' (and the routers, `config.lora.train_router`); 'base' (all but the
+# adapters: a warm start of a model that carries fresh ones).
 TRAINABLE = ("all", "lora", "lora+router", "base")
 
 
 def trainable_filter(kind: str):
     """The nnx filter of the parameters ``kind`` (`TRAINABLE`) trains."""
+    head = (nnx.PathContains("value_w"), nnx.PathContains("value_b"))
     if kind == "lora":
-        return LoRAParam
+        return nnx.Any(LoRAParam, *head)
     if kind == "lora+router":
-        return nnx.Any(LoRAParam, nnx.PathContains("router"))
+        return nnx.Any(LoRAParam, nnx.PathContains("router"), *head)
     if kind == "base":
         return nnx.Not(LoRAParam)
     raise ValueError(f"trainable: expected one of {TRAINABLE}, got {kind!r}")
