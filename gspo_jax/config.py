@@ -248,12 +248,15 @@ def closest_key(path: str, c: ml_collections.ConfigDict) -> str | None:
         local = [p[len(group) + 1 :] for p in paths if p.startswith(group + ".")]
     else:
         rest, local = key, paths
-    match = difflib.get_close_matches(rest, local, n=1, cutoff=0.6)
-    if match:
-        return "config." + (f"{group}.{match[0]}" if group else match[0])
     by_leaf: dict[str, list[str]] = {}
     for p in paths:
         by_leaf.setdefault(p.rsplit(".", 1)[-1], []).append(p)
+    # A top-level key that is exactly a nested key's name (``config.lr``) is that key
+    # misplaced, before it is a misspelt top-level one (``config.lora``).
+    exact = len(parts) == 1 and parts[0] in by_leaf
+    match = [] if exact else difflib.get_close_matches(rest, local, n=1, cutoff=0.6)
+    if match:
+        return "config." + (f"{group}.{match[0]}" if group else match[0])
     match = difflib.get_close_matches(parts[-1], list(by_leaf), n=1, cutoff=0.8)
     if not match:
         return None

@@ -167,7 +167,7 @@ def test_base_config_is_the_hand_written_one():
 
 def test_the_resume_rule_is_the_old_table():
     assert set(config_lib.resumable_fields()) == RESUMABLE
-    before = config_lib.base_config().to_dict()
+    before = safety.config_record(config_lib.base_config())  # as config.json stores it
     after = config_lib.base_config()
     after.rollout.max_prompt_len = 128
     after.wandb.project = "other"

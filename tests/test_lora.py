@@ -355,3 +355,55 @@ def test_lora_configs_validate():
     for c in (default_config.get_config("lora"), qwen3_moe_gsm8k.get_config("ckpt=/ckpt,lora")):
         assert c.lora.rank > 0 and "expert_up" in c.lora.targets
     assert default_config.get_config("").lora.rank == 0  # off by default
+
+
+def test_full_rank_lora_on_a_zeroed_base_reaches_full_fine_tuning():
+    """A toy regression through one dense MLP: its down projection [F, D] learnt from
+    zero in full, and as LoRA with r = D (the rank covers the matrix) on a zeroed base;
+    gate/up frozen. A thousand Adam steps: LoRA's loss reaches full fine-tuning's (the noise floor)."""
+    import optax
+
+    from gspo_jax.models.layers import MLP
+
+    d, f, n = 8, 16, 256
+    cfg = ModelConfig.tiny(d_model=d, d_ff=f)
+    rs = np.random.RandomState(0)
+    x = jnp.asarray(rs.normal(size=(n, d)), jnp.float32)
+    gate, up = (jnp.asarray(rs.normal(size=(d, f)) / np.sqrt(d), jnp.float32) for _ in "gu")
+    teacher = MLP(cfg, rngs=nnx.Rngs(1))
+    teacher.gate[...], teacher.up[...] = gate, up
+    teacher.down[...] = jnp.asarray(rs.normal(size=(f, d)), jnp.float32)
+    y = teacher(x) + 0.01 * jnp.asarray(rs.normal(size=(n, d)), jnp.float32)
+
+    def fit(use_lora):
+        model = MLP(cfg, rngs=nnx.Rngs(1))
+        model.gate[...], model.up[...] = gate, up  # the teacher's, frozen
+        model.down[...] = jnp.zeros((f, d))
+        if use_lora:
+            lora.add_adapters(model, lora.LoRASpec(d, float(d), ("down",)), jax.random.key(2))
+            train = lora.LoRAParam
+        else:
+            train = nnx.PathContains("down")
+        graphdef, params, rest = nnx.split(model, train, ...)
+        opt = optax.adam(3e-2)
+        state = opt.init(params)
+
+        @jax.jit
+        def step(params, state):
+            def loss(p):
+                return jnp.mean((nnx.merge(graphdef, p, rest)(x) - y) ** 2)
+
+            value, g = jax.value_and_grad(loss)(params)
+            updates, state = opt.update(g, state)
+            return optax.apply_updates(params, updates), state, value
+
+        for _ in range(1000):
+            params, state, value = step(params, state)
+        return float(value), nnx.merge(graphdef, params, rest)
+
+    full, _ = fit(False)
+    low, model = fit(True)
+    start = float(jnp.mean(y**2))
+    assert full < 1e-2 * start  # the least-squares fit (the noise's 1e-4 left)
+    assert low < 1e-2 * start and abs(low - full) < 0.1 * full, (low, full)
+    assert float(jnp.max(jnp.abs(model.down[...]))) == 0.0  # all of it in the adapters
