@@ -96,6 +96,19 @@ def merged_weight(w, a, b, scaling: float, experts: bool):
     return w.astype(np.float32) + scaling * lora_delta(a, b, experts)
 
 
+def merge_lora(model: Transformer, scaling: float) -> None:
+    """Fold the adapters into their weights in place: W <- W + scaling·A·B (in f32,
+    cast to W's dtype), then B <- 0, so the model computes what the merged
+    weights compute with the adapters on or off."""
+    for seg in model.segments:
+        for blk in seg.blocks:
+            for _, module, w in block_adapters(blk):
+                p, a, b = (getattr(module, n) for n in (w, f"{w}_lora_a", f"{w}_lora_b"))
+                fn = lambda w_, a_, b_: merged_weight(w_, a_, b_, scaling, blk.is_moe)  # noqa: E731
+                p.set_value(jax.vmap(fn)(p[...], a[...], b[...]).astype(p[...].dtype))
+                b.set_value(jnp.zeros_like(b[...]))
+
+
 def block_adapters(blk) -> Iterator[tuple[str, object, str]]:
     """``(target, module, weight)`` for each adapted weight of the block ``blk``."""
     for target, (mod, w, _) in TARGETS.items():
