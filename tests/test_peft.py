@@ -69,12 +69,12 @@ def _add_adapters(model, targets, rank, seed=0, zero=False):
   for seg in model.segments:
     for blk in seg.blocks:
       for target in targets:
-        if (target in EXPERTS) != blk.is_moe:
-          continue
         mod, w, _ = TARGETS[target]
+        if mod == "mlp" and (target in EXPERTS) != blk.is_moe:
+          continue
         module = getattr(blk, mod)
         shape = getattr(module, w).shape
-        lead = 2 if blk.is_moe else 1
+        lead = 2 if target in EXPERTS else 1
         n_in = _n_in(w)
         a_shape = shape[:lead + n_in] + (rank,)
         b_shape = shape[:lead] + (rank,) + shape[lead + n_in:]

@@ -24,6 +24,7 @@ from gspo_jax import multihost
 from gspo_jax.models.hf_layout import config_to_hf, dotted_attr, hf_shape, layer_slots, layer_table
 from gspo_jax.models.hf_peft import (
     ADAPTER_CONFIG,
+    EXPERT_TARGETS,
     PREFIX,
     TARGETS,
     adapter_config,
@@ -239,9 +240,10 @@ def export_peft(
         for target, module, w in block_adapters(blk):
             a, b = getattr(module, f"{w}_lora_a"), getattr(module, f"{w}_lora_b")
             hf = PREFIX + str(i) + "." + TARGETS[target][2]
-            k = 2 if blk.is_moe else 1  # the stack (and expert) dims
+            experts = target in EXPERT_TARGETS
+            k = 2 if experts else 1  # the stack (and expert) dims
             rank, din, dout = a.shape[-1], math.prod(a.shape[k:-1]), math.prod(b.shape[k + 1 :])
-            for x in range(a.shape[1]) if blk.is_moe else [None]:
+            for x in range(a.shape[1]) if experts else [None]:
                 name = hf.format(e=x)
 
                 def pair(a=a, b=b, r=r, x=x):

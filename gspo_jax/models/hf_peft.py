@@ -102,9 +102,10 @@ def merge_lora(model: Transformer, scaling: float) -> None:
     weights compute with the adapters on or off."""
     for seg in model.segments:
         for blk in seg.blocks:
-            for _, module, w in block_adapters(blk):
+            for target, module, w in block_adapters(blk):
                 p, a, b = (getattr(module, n) for n in (w, f"{w}_lora_a", f"{w}_lora_b"))
-                fn = lambda w_, a_, b_: merged_weight(w_, a_, b_, scaling, blk.is_moe)  # noqa: E731
+                experts = target in EXPERT_TARGETS
+                fn = lambda w_, a_, b_, e=experts: merged_weight(w_, a_, b_, scaling, e)  # noqa: E731
                 p.set_value(jax.vmap(fn)(p[...], a[...], b[...]).astype(p[...].dtype))
                 b.set_value(jnp.zeros_like(b[...]))
 
@@ -112,7 +113,7 @@ def merge_lora(model: Transformer, scaling: float) -> None:
 def block_adapters(blk) -> Iterator[tuple[str, object, str]]:
     """``(target, module, weight)`` for each adapted weight of the block ``blk``."""
     for target, (mod, w, _) in TARGETS.items():
-        if (target in EXPERT_TARGETS) != bool(blk.is_moe):
+        if mod == "mlp" and (target in EXPERT_TARGETS) != bool(blk.is_moe):
             continue
         module = getattr(blk, mod)
         if getattr(module, f"{w}_lora_a", None) is not None:
