@@ -32,12 +32,14 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.hf_layout import layer_slots
 from gspo_jax.models.safetensors_io import TensorReader, tensor_infos
 from gspo_jax.models.transformer import Transformer
@@ -188,22 +190,86 @@ def adapter_config(lora, targets, base_model_name_or_path: Optional[str]) -> dic
 
 
 # ---------------------------------------------------------------- reading
-def read_peft_config(path: str) -> PeftLora:
-    """rank, alpha and targets of the PEFT adapter in the folder ``path`` (targets
-    from the tensor names, so the model can be built with the matching
-    config.lora before `load_peft`). Raises ValueError on what ours cannot hold:
-    DoRA, trained biases, modules_to_save, per-module ranks or alphas (beyond the
-    2r of a fused gate_up_proj converted by PEFT)."""
-    cfg, infos = _read(path)
-    roles, targets = _fused_roles(cfg), set()
+def _shapes(cfg: ModelConfig, target: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input dims, output dims) of the weight ``target`` adapts (one expert's)."""
+    d, h, kv, hd, f, mf = (
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.moe_d_ff,
+    )
+    return {
+        "q": ((d,), (h, hd)),
+        "k": ((d,), (kv, hd)),
+        "v": ((d,), (kv, hd)),
+        "o": ((h, hd), (d,)),
+        "gate": ((d,), (f,)),
+        "up": ((d,), (f,)),
+        "down": ((f,), (d,)),
+        "expert_gate": ((d,), (mf,)),
+        "expert_up": ((d,), (mf,)),
+        "expert_down": ((mf,), (d,)),
+    }[target]
+
+
+def read_peft_config(path: str, cfg: ModelConfig) -> PeftLora:
+    """rank, alpha and targets of the PEFT adapter in the folder ``path`` for the
+    base ``cfg`` (`read_peft`), to build the model with the matching config.lora
+    before `load_peft`."""
+    return read_peft(path, cfg)[0]
+
+
+def read_peft(path: str, cfg: ModelConfig):
+    """The PEFT adapter in the folder ``path`` in our layout, for the base ``cfg``:
+    ``(lora, {(layer, target): (A, B)})`` with A [(E,) in..., rank] and
+    B [(E,) rank, out...] as f32 host arrays (experts the file leaves out are zero).
+
+    One rank and one scaling for all: ``lora.rank`` is the largest rank in the file
+    (smaller adapters are padded with zeros, which changes nothing), and each B is
+    scaled by its module's scaling over ``lora.scaling`` (the file's lora_alpha / r,
+    or / sqrt(r) with use_rslora), so per-module rank_pattern / alpha_pattern and
+    PEFT's rank-2r gate_up_proj are exact. A gate_up_proj adapter that is
+    block-diagonal over gate and up (PEFT's conversion of per-expert adapters)
+    splits into rank-r gate and up adapters. Raises ValueError on what ours cannot
+    hold (DoRA, trained biases, modules_to_save, a module we do not adapt).
+    """
+    conf, infos = _read(path)
+    roles = _fused_roles(conf)
+    files: dict[tuple[int, str], dict[str, str]] = {}
     for name in infos:
-        targets.update(_targets_of(name, roles))
-    return PeftLora(cfg["r"], cfg["lora_alpha"], tuple(t for t in TARGETS if t in targets))
+        parsed = _parse(name)
+        if parsed is None:
+            raise ValueError(f"{path}: tensor {name!r} is not a layer's LoRA tensor")
+        files.setdefault(parsed[:2], {})[parsed[2]] = name
+    pieces: dict[tuple[int, str], tuple] = {}  # (layer, target) -> (A, B, scaling)
+    with TensorReader() as reader:
+        for (layer, module), names in sorted(files.items()):
+            if set(names) != {"lora_A", "lora_B"} or layer >= cfg.num_layers:
+                raise ValueError(f"{path}: layer {layer} {module}: no lora_A/lora_B pair here")
+            la, lb = (np.asarray(reader.array(infos[names[w]]), np.float32) for w in names)
+            if list(names) != ["lora_A", "lora_B"]:
+                la, lb = lb, la
+            for target, a, b, key, expert, rank in _convert(module, la, lb, roles, cfg, path):
+                s = _scaling(conf, f"model.layers.{layer}.{key}", rank)
+                _put(pieces, (layer, target), a, b, s, expert, cfg, path)
+    rank = max(a.shape[-1] for a, _, _ in pieces.values())
+    scaling = _scaling(conf, "", conf["r"])
+    out = {}
+    for key, (a, b, s) in pieces.items():
+        pad = rank - a.shape[-1]
+        a = np.concatenate([a, np.zeros(a.shape[:-1] + (pad,), np.float32)], -1)
+        b = (s / scaling) * b
+        rb = 1 if key[1] in EXPERT_TARGETS else 0
+        b = np.concatenate([b, np.zeros(b.shape[:rb] + (pad,) + b.shape[rb + 1 :], np.float32)], rb)
+        out[key] = (a, b)
+    targets = tuple(t for t in TARGETS if any(k[1] == t for k in out))
+    return PeftLora(rank, scaling * rank, targets), out
 
 
 def _read(path: str):
-    """The validated adapter_config.json (``lora_alpha`` with use_rslora folded in)
-    and the headers of adapter_model.safetensors."""
+    """The validated adapter_config.json and the headers of adapter_model.safetensors."""
     cfg_file, file = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_FILE)
     for f in (cfg_file, file):
         if not os.path.isfile(f):
@@ -225,36 +291,38 @@ def _read(path: str):
             raise ValueError(f"{cfg_file}: {key}={cfg[key]!r} is not supported")
     if cfg.get("bias", "none") not in (None, "none"):
         raise ValueError(f"{cfg_file}: bias={cfg['bias']!r} is not supported")
-    patterns = {**(cfg.get("rank_pattern") or {}), **(cfg.get("alpha_pattern") or {})}
-    if any("gate_up_proj" not in k for k in patterns):
-        raise ValueError(
-            f"{cfg_file}: rank_pattern / alpha_pattern {sorted(patterns)}: per-module "
-            "ranks are not supported (one rank and alpha for every adapter)"
-        )
-    if cfg.get("use_rslora"):  # scaling alpha / sqrt(r) = (alpha * sqrt(r)) / r
-        alpha = alpha * math.sqrt(r)
-    return dict(cfg, r=r, lora_alpha=float(alpha)), tensor_infos(file)
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise ValueError(f"{cfg_file}: {key} is not an object")
+    return cfg, tensor_infos(file)
 
 
-def _fused_roles(cfg: dict) -> dict[str, tuple[str, ...]]:
+def _scaling(conf: dict, module: str, rank: int) -> float:
+    """PEFT's scaling of ``module`` (its alpha_pattern entry or lora_alpha, over its
+    rank or, with use_rslora, its square root)."""
+    alpha = conf["lora_alpha"]
+    for key, value in (conf.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if conf.get("use_rslora") else rank)
+
+
+def _fused_roles(conf: dict) -> dict[str, str]:
     """Which module names hold PEFT's LoRA on the fused expert parameters: with both
     targeted, gate_up_proj's wrapper is the inner one (``experts.base_layer``)."""
-    tp = cfg.get("target_parameters") or []
-    gate_up = any(str(t).endswith("gate_up_proj") for t in tp)
-    down = any(str(t).endswith("down_proj") for t in tp)
+    tp = [str(t) for t in conf.get("target_parameters") or []]
+    gate_up = any(t.endswith("gate_up_proj") for t in tp)
+    down = any(t.endswith("down_proj") for t in tp)
     if gate_up and down:
-        return {"mlp.experts.base_layer": GATE_UP, "mlp.experts": ("expert_down",)}
+        return {"mlp.experts.base_layer": "gate_up_proj", "mlp.experts": "down_proj"}
     if gate_up or down:
-        return {"mlp.experts": GATE_UP if gate_up else ("expert_down",)}
+        return {"mlp.experts": "gate_up_proj" if gate_up else "down_proj"}
     return {}
 
 
-GATE_UP = ("expert_gate", "expert_up")
-
-
 def _parse(name: str):
-    """``(layer, module, lora)`` of a PEFT tensor name, e.g. (3, 'self_attn.q_proj',
-    'lora_A'), or None for a name that is not a layer's LoRA tensor."""
+    """``(layer, module, 'lora_A' | 'lora_B')`` of a PEFT tensor name, or None."""
     if not name.startswith(PREFIX) or not name.endswith(".weight"):
         return None
     rest = name[len(PREFIX) : -len(".weight")]
@@ -265,129 +333,100 @@ def _parse(name: str):
     return int(layer), module, lora
 
 
-def _targets_of(name: str, roles: dict) -> tuple[str, ...]:
-    parsed = _parse(name)
-    if parsed is None:
-        raise ValueError(f"{ADAPTER_FILE}: tensor {name!r} is not a LoRA tensor we read")
-    module = parsed[1]
+def _convert(module: str, la, lb, roles: dict, cfg: ModelConfig, path: str):
+    """``(target, A, B, PEFT module name, expert or None, the file's rank)``, A and B
+    in our layout (one expert's, or all experts' for a fused parameter), from one
+    module's lora_A [r, in] and lora_B [out, r]."""
     if module in roles:
-        return roles[module]
+        e, f = cfg.num_experts, cfg.moe_d_ff
+        name = "mlp.experts." + roles[module]
+        rr = la.shape[0] // max(e, 1)
+        if e == 0 or la.shape[0] != e * rr or lb.shape[1] != e * rr:
+            raise ValueError(f"{path}: {module}: LoRA shapes {la.shape}, {lb.shape} do not fit")
+        a = la.reshape(e, rr, -1).swapaxes(1, 2)  # expert-major rows: [E, in, r']
+        b = lb.reshape(lb.shape[0], rr, e).transpose(2, 1, 0)  # expert-minor: [E, r', out']
+        if roles[module] == "down_proj":
+            return [("expert_down", a, b, name, None, rr)]
+        gate, up = b[:, :, :f], b[:, :, f:]
+        h = rr // 2
+        if rr % 2 == 0 and not np.any(gate[:, h:]) and not np.any(up[:, :h]):
+            # PEFT's block-diagonal conversion of per-expert gate and up adapters.
+            return [
+                ("expert_gate", a[..., :h], gate[:, :h], name, None, rr),
+                ("expert_up", a[..., h:], up[:, h:], name, None, rr),
+            ]
+        return [("expert_gate", a, gate, name, None, rr), ("expert_up", a, up, name, None, rr)]
     parts = module.split(".")
+    expert = None
     if len(parts) == 4 and parts[:2] == ["mlp", "experts"] and parts[2].isdigit():
-        module = "mlp.experts.{e}." + parts[3]
+        generic, expert = "mlp.experts.{e}." + parts[3], int(parts[2])
+    else:
+        generic = module
     for target, (_, _, hf) in TARGETS.items():
-        if hf == module:
-            return (target,)
-    raise ValueError(f"{ADAPTER_FILE}: tensor {name!r} adapts no module we have")
+        if hf == generic:
+            i, o = _shapes(cfg, target)
+            r = la.shape[0]
+            if la.shape != (r, math.prod(i)) or lb.shape != (math.prod(o), r):
+                raise ValueError(f"{path}: {module}: LoRA shapes {la.shape}, {lb.shape} do not fit")
+            return [(target, la.T.reshape(i + (r,)), lb.T.reshape((r,) + o), module, expert, r)]
+    raise ValueError(f"{path}: LoRA on {module!r}, a module we do not adapt")
 
 
-def _from_peft(la: np.ndarray, lb: np.ndarray, in_shape, out_shape):
-    """PEFT's (lora_A [r, in], lora_B [out, r]) -> ours (A [in..., r], B [r, out...])."""
-    r = la.shape[0]
-    return la.T.reshape(tuple(in_shape) + (r,)), lb.T.reshape((r,) + tuple(out_shape))
-
-
-def _fused(la, lb, e, rank, target, f):
-    """Our (A [E, in, rank], B [E, rank, out]) from PEFT's LoRA on a fused expert
-    parameter: la [E*r', in] (expert-major), lb [out', r'*E] (expert-minor)."""
-    rr = la.shape[0] // e
-    a = la.reshape(e, rr, -1).swapaxes(1, 2)  # [E, in, r']
-    b = lb.reshape(lb.shape[0], rr, e).transpose(2, 1, 0)  # [E, r', out']
-    if target == "expert_down":
-        return a, b
-    half = slice(0, f) if target == "expert_gate" else slice(f, 2 * f)
-    b = b[:, :, half]
-    if rr == rank:  # gate and up share A
-        return a, b
-    if rr != 2 * rank:
-        raise ValueError(
-            f"{ADAPTER_FILE}: gate_up_proj LoRA of rank {rr}, expected {rank} or {2 * rank}"
+def _put(pieces, key, a, b, s, expert, cfg, path) -> None:
+    """Record one module's adapter (one expert's into its layer's stack)."""
+    if expert is None:
+        if key in pieces:
+            raise ValueError(f"{path}: layer {key[0]}: {key[1]} given twice")
+        pieces[key] = (a, b, s)
+        return
+    e = cfg.num_experts
+    if key not in pieces:
+        pieces[key] = (
+            np.zeros((e,) + a.shape, np.float32),
+            np.zeros((e,) + b.shape, np.float32),
+            s,
         )
-    ours = slice(0, rank) if target == "expert_gate" else slice(rank, 2 * rank)
-    other = slice(rank, 2 * rank) if target == "expert_gate" else slice(0, rank)
-    if np.any(b[:, other, :]):
-        raise ValueError(
-            f"{ADAPTER_FILE}: gate_up_proj LoRA of rank 2r={rr} is not block-diagonal "
-            "over gate and up: it needs rank 2r for each, not r"
-        )
-    return a[:, :, ours], b[:, ours, :]
+    pa, pb, _ = pieces[key]
+    if pa.shape[1:] != a.shape or pb.shape[1:] != b.shape or expert >= e:
+        raise ValueError(f"{path}: layer {key[0]}: expert {expert} of {key[1]} does not fit")
+    pa[expert], pb[expert] = a, b
 
 
 def load_peft(path: str, model: Transformer) -> PeftLora:
-    """Set the model's adapters from the PEFT adapter in the folder ``path``.
-
-    The model must hold adapters (``<w>_lora_a`` / ``<w>_lora_b``) for exactly the
-    adapter's targets at its rank (build it with config.lora from
-    `read_peft_config`); each is replaced whole, on its sharding, in its dtype.
-    Layers the file leaves out (PEFT's layers_to_transform) get zero adapters.
-    Returns the adapter's rank, alpha (``use_rslora``'s alpha / sqrt(r) scaling
-    folded into it) and targets: the caller's config.lora must use that alpha.
-    """
-    cfg, infos = _read(path)
-    roles = _fused_roles(cfg)
-    lora = read_peft_config(path)
+    """Set the model's adapters from the PEFT adapter in the folder ``path``
+    (`read_peft`; the model must hold adapters for exactly its targets, at its
+    rank: build it with config.lora from `read_peft_config`). Each adapter is
+    replaced whole, on its sharding, in its dtype; layers the file leaves out
+    (PEFT's layers_to_transform) get zeros. Returns the adapter's rank, alpha and
+    targets: the model's config.lora must use that alpha."""
+    lora, pieces = read_peft(path, model.cfg)
     held = model_targets(model)
     if set(held) != set(lora.targets):
         raise ValueError(
             f"{path}: the adapter targets {sorted(lora.targets)}, the model holds adapters "
             f"for {sorted(held)}"
         )
-    files: dict[tuple[int, str], dict[str, str]] = {}
-    for name in infos:
-        layer, module, which = _parse(name)
-        files.setdefault((layer, module), {})[which] = name
-    fused_of = {t: m for m, ts in roles.items() for t in ts}
     values: dict[int, tuple[object, np.ndarray]] = {}
     used = set()
-    with TensorReader() as reader:
-
-        def get(layer, module):
-            names = files.get((layer, module))
-            if names is None:
-                return None
-            if set(names) != {"lora_A", "lora_B"}:
-                raise ValueError(f"{path}: layer {layer} {module}: lora_A or lora_B missing")
-            used.add((layer, module))
-            return [
-                np.asarray(reader.array(infos[names[w]]), np.float32) for w in ("lora_A", "lora_B")
-            ]
-
-        for i, (blk, r) in enumerate(layer_slots(model)):
-            for target, module, w in block_adapters(blk):
-                pa, pb = getattr(module, f"{w}_lora_a"), getattr(module, f"{w}_lora_b")
-                if pa.shape[-1] != lora.rank:
+    for i, (blk, r) in enumerate(layer_slots(model)):
+        for target, module, w in block_adapters(blk):
+            pa, pb = getattr(module, f"{w}_lora_a"), getattr(module, f"{w}_lora_b")
+            for p in (pa, pb):
+                values.setdefault(id(p), (p, np.zeros(p.shape, np.float32)))
+            got = pieces.get((i, target))
+            if got is None:
+                continue
+            used.add((i, target))
+            for p, v in zip((pa, pb), got):
+                if values[id(p)][1][r].shape != v.shape:
                     raise ValueError(
-                        f"{path}: rank {lora.rank}, the model's {target} adapters {pa.shape[-1]}"
+                        f"{path}: layer {i} {target}: adapter of shape {v.shape}, the "
+                        f"model's {values[id(p)][1][r].shape} (rank {lora.rank}?)"
                     )
-                for p in (pa, pb):
-                    values.setdefault(id(p), (p, np.zeros(p.shape, np.float32)))
-                a_out, b_out = values[id(pa)][1][r], values[id(pb)][1][r]
-                hf = TARGETS[target][2]
-                if target not in EXPERT_TARGETS:
-                    got = get(i, hf)
-                    if got is not None:
-                        a_out[...], b_out[...] = _from_peft(*got, a_out.shape[:-1], b_out.shape[1:])
-                elif (i, fused_of.get(target)) in files:
-                    la, lb = get(i, fused_of[target])
-                    a, b = _fused(la, lb, a_out.shape[0], lora.rank, target, model.cfg.moe_d_ff)
-                    if a.shape != a_out.shape or b.shape != b_out.shape:
-                        raise ValueError(
-                            f"{path}: layer {i} {fused_of[target]}: LoRA of shapes "
-                            f"{la.shape}, {lb.shape} does not fit {target}"
-                        )
-                    a_out[...], b_out[...] = a, b
-                else:
-                    for x in range(a_out.shape[0]):
-                        got = get(i, hf.format(e=x))
-                        if got is not None:
-                            a_out[x], b_out[x] = _from_peft(
-                                *got, a_out.shape[1:-1], b_out.shape[2:]
-                            )
-    unused = sorted(set(files) - used)
+                values[id(p)][1][r] = v
+    unused = sorted(set(pieces) - used)
     if unused:
-        raise ValueError(
-            f"{path}: LoRA tensors for modules the model has no adapter at: {unused[:4]}"
-        )
+        raise ValueError(f"{path}: adapters for weights the model does not adapt: {unused[:4]}")
     for p, value in values.values():
         old = p[...]
         p.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
