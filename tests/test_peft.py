@@ -153,6 +153,20 @@ def test_export_peft_and_merged_load_in_transformers(kind, tmp_path):
   for k in before:
     np.testing.assert_array_equal(got[k], before[k], err_msg=k)
 
+  # What peft writes back (on transformers >= 5, the experts' adapters converted to
+  # LoRA on the fused parameters, gate_up block-diagonal at rank 2r) imports to the same.
+  resaved = str(tmp_path / "resaved")
+  peft_model.save_pretrained(resaved)
+  if kind == "qwen3_moe":
+    assert any("experts.base_layer.lora_A" in k for k in read_safetensors(
+        os.path.join(resaved, "adapter_model.safetensors")))
+  again = from_pretrained(base, dtype="float32")
+  _add_adapters(again, targets, 4, zero=True)
+  assert load_peft(resaved, again) == PeftLora(4, 8.0, targets)
+  got = _adapters(again)
+  for k in before:
+    np.testing.assert_allclose(got[k], before[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
 
 @pytest.mark.parametrize("layout", ["qwen3", "moe_target_modules", "moe_target_parameters"])
 def test_import_an_adapter_peft_wrote(layout, tmp_path):

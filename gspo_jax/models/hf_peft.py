@@ -15,7 +15,7 @@ PEFT's Linear adapter is ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r
 
 The experts are written per expert (the checkpoint layout of Qwen3-MoE, which
 transformers >= 5 fuses on load into ``experts.gate_up_proj`` [E, 2I, D] and
-``experts.down_proj`` [E, D, I]; PEFT >= 0.18 converts such an adapter to LoRA on
+``experts.down_proj`` [E, D, I]; PEFT >= 0.21 (tested: 0.21.2) converts such an adapter to LoRA on
 those parameters, and vLLM's LoRA loader reads per-expert adapters). Reading also
 accepts the adapters PEFT itself writes on transformers >= 5, LoRA on the fused
 parameters (``target_parameters``): ``P.mlp.experts.base_layer.lora_A.weight``
