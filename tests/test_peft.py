@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft")
 from gspo_jax.models import export_pretrained, from_pretrained  # noqa: E402
 from gspo_jax.models.hf_export import export_peft  # noqa: E402
 from gspo_jax.models.hf_peft import (  # noqa: E402
-    TARGETS, PeftLora, load_peft, merge_lora, read_peft_config)
+    TARGETS, PeftLora, block_adapters, load_peft, merge_lora, read_peft_config)
 from gspo_jax.models.safetensors_io import read_safetensors  # noqa: E402
 
 V = 96
@@ -238,3 +238,51 @@ def test_what_peft_cannot_express_is_refused(tmp_path):
   (tmp_path / "a").mkdir()
   with pytest.raises(ValueError, match="no adapter_config.json"):
     read_peft_config(str(tmp_path / "a"), model.cfg)
+
+
+def test_sharded_adapters_export_and_load_like_unsharded(tmp_path):
+  """On the (fsdp=4, expert=2) mesh, adapters sharded with their experts: the PEFT
+  export and the merged export equal the unsharded ones, and load_peft puts each
+  adapter back on its sharding."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 (fake) devices")
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 4, 2, 1), ("data", "fsdp", "expert", "tensor"))
+  hf = _hf_model("qwen3_moe")
+  src = str(tmp_path / "hf")
+  hf.save_pretrained(src, safe_serialization=True)
+  targets = ("q", "o") + EXPERTS
+  lora = PeftLora(2, 4.0, targets)
+  plain = from_pretrained(src, dtype="float32")
+  _add_adapters(plain, targets, 2)
+  sharded = from_pretrained(src, dtype="float32", mesh=mesh)
+  _add_adapters(sharded, targets, 2)
+  for seg in sharded.segments:
+    for blk in seg.blocks:
+      for target in EXPERTS if blk.is_moe else ():
+        for n in ("_lora_a", "_lora_b"):
+          p = getattr(blk.mlp, TARGETS[target][1] + n)
+          p.set_value(jax.device_put(p[...], NamedSharding(mesh, P(None, "expert"))))
+  for name, model in (("plain", plain), ("sharded", sharded)):
+    export_peft(model, str(tmp_path / name), lora)
+    export_pretrained(model, str(tmp_path / (name + "_merged")), lora=lora)
+  for suffix, file in (("", "adapter_model.safetensors"), ("_merged", "model.safetensors")):
+    a = read_safetensors(str(tmp_path / ("plain" + suffix) / file))
+    b = read_safetensors(str(tmp_path / ("sharded" + suffix) / file))
+    assert sorted(a) == sorted(b)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  before = _adapters(sharded)
+  shardings = {str(k): v.get_value().sharding for k, v in nnx.to_flat_state(nnx.state(sharded))
+               if "_lora_" in str(k[-1])}
+  for seg in sharded.segments:  # zero them, then load back
+    for blk in seg.blocks:
+      for _, module, w in block_adapters(blk):
+        for n in ("_lora_a", "_lora_b"):
+          p = getattr(module, w + n)
+          p.set_value(jnp.zeros_like(p[...]))
+  load_peft(str(tmp_path / "sharded"), sharded)
+  for k, v in nnx.to_flat_state(nnx.state(sharded)):
+    if "_lora_" in str(k[-1]):
+      assert v.get_value().sharding == shardings[str(k)], k
+      np.testing.assert_array_equal(np.asarray(v.get_value()), before[str(k)], err_msg=str(k))
