@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's format, and the merged weights export_pretrained writes.
 
-Our adapters (docs/lora spec) are parameters beside the weight they adapt, in the
+Our adapters are parameters beside the weight they adapt, in the
 same module: ``<w>_lora_a`` and ``<w>_lora_b``, stacked over layers like every
 parameter, f32, scaling alpha / r; the layer computes x·W + (alpha/r)·(x·A)·B.
 PEFT's Linear adapter is ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r]
@@ -15,15 +15,17 @@ PEFT's Linear adapter is ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r
 
 The experts are written per expert (the checkpoint layout of Qwen3-MoE, which
 transformers >= 5 fuses on load into ``experts.gate_up_proj`` [E, 2I, D] and
-``experts.down_proj`` [E, D, I]; PEFT >= 0.21 (tested: 0.21.2) converts such an adapter to LoRA on
-those parameters, and vLLM's LoRA loader reads per-expert adapters). Reading also
-accepts the adapters PEFT itself writes on transformers >= 5, LoRA on the fused
-parameters (``target_parameters``): ``P.mlp.experts.base_layer.lora_A.weight``
-[E*r, D] / ``lora_B.weight`` [2I, r*E] (gate_up_proj, gate and up sharing A, or
-block-diagonal at rank 2r when converted from per-expert adapters) and
-``P.mlp.experts.lora_A.weight`` [E*r, I] / ``lora_B.weight`` [D, r*E] (down_proj).
+``experts.down_proj`` [E, D, I]; PEFT >= 0.21, tested with 0.21.2, converts such
+an adapter to LoRA on those parameters, and vLLM's LoRA loader reads per-expert
+adapters). Reading also accepts the adapters PEFT itself writes on transformers
+>= 5, LoRA on the fused parameters (``target_parameters``):
+``P.mlp.experts.base_layer.lora_A.weight`` [E*r, D] / ``lora_B.weight`` [2I, r*E]
+(gate_up_proj: gate and up sharing A, or block-diagonal at rank 2r when converted
+from per-expert adapters) and ``P.mlp.experts.lora_A.weight`` [E*r, I] /
+``lora_B.weight`` [D, r*E] (down_proj). docs/checkpoints.md has the details.
 
-`export_peft` (in hf_export) writes; `read_peft_config` and `load_peft` read.
+`export_peft` (in hf_export) writes; `read_peft` (`read_peft_config`) and `load_peft`
+read; `merge_lora` folds the adapters into the weights.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from gspo_jax.models.transformer import Transformer
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "base_model.model.model.layers."
+LORA_AB = ("lora_A", "lora_B")
 
 # target -> (module in the block, weight, HF module; {e} is the expert)
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -106,9 +109,11 @@ def merge_lora(model: Transformer, scaling: float) -> None:
         for blk in seg.blocks:
             for target, module, w in block_adapters(blk):
                 p, a, b = (getattr(module, n) for n in (w, f"{w}_lora_a", f"{w}_lora_b"))
-                experts = target in EXPERT_TARGETS
-                fn = lambda w_, a_, b_, e=experts: merged_weight(w_, a_, b_, scaling, e)  # noqa: E731
-                p.set_value(jax.vmap(fn)(p[...], a[...], b[...]).astype(p[...].dtype))
+
+                def layer(w_, a_, b_, experts=target in EXPERT_TARGETS):
+                    return merged_weight(w_, a_, b_, scaling, experts)
+
+                p.set_value(jax.vmap(layer)(p[...], a[...], b[...]).astype(p[...].dtype))
                 b.set_value(jnp.zeros_like(b[...]))
 
 
@@ -246,14 +251,14 @@ def read_peft(path: str, cfg: ModelConfig):
     pieces: dict[tuple[int, str], tuple] = {}  # (layer, target) -> (A, B, scaling)
     with TensorReader() as reader:
         for (layer, module), names in sorted(files.items()):
-            if set(names) != {"lora_A", "lora_B"} or layer >= cfg.num_layers:
+            if set(names) != set(LORA_AB) or layer >= cfg.num_layers:
                 raise ValueError(f"{path}: layer {layer} {module}: no lora_A/lora_B pair here")
-            la, lb = (np.asarray(reader.array(infos[names[w]]), np.float32) for w in names)
-            if list(names) != ["lora_A", "lora_B"]:
-                la, lb = lb, la
+            la, lb = (np.asarray(reader.array(infos[names[w]]), np.float32) for w in LORA_AB)
             for target, a, b, key, expert, rank in _convert(module, la, lb, roles, cfg, path):
                 s = _scaling(conf, f"model.layers.{layer}.{key}", rank)
                 _put(pieces, (layer, target), a, b, s, expert, cfg, path)
+    if not pieces:
+        raise ValueError(f"{path}: {ADAPTER_FILE} holds no LoRA tensors")
     rank = max(a.shape[-1] for a, _, _ in pieces.values())
     scaling = _scaling(conf, "", conf["r"])
     out = {}
@@ -302,7 +307,11 @@ def _scaling(conf: dict, module: str, rank: int) -> float:
     rank or, with use_rslora, its square root)."""
     alpha = conf["lora_alpha"]
     for key, value in (conf.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            hit = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as e:
+            raise ValueError(f"{ADAPTER_CONFIG}: alpha_pattern key {key!r}: {e}") from None
+        if hit:
             alpha = value
             break
     return alpha / (math.sqrt(rank) if conf.get("use_rslora") else rank)
@@ -328,7 +337,7 @@ def _parse(name: str):
     rest = name[len(PREFIX) : -len(".weight")]
     layer, _, rest = rest.partition(".")
     module, _, lora = rest.rpartition(".")
-    if not layer.isdigit() or lora not in ("lora_A", "lora_B"):
+    if not layer.isdigit() or lora not in LORA_AB:
         return None
     return int(layer), module, lora
 
