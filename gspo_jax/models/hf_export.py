@@ -81,6 +81,8 @@ class _Merged:
             self.key, self.value = None, None
             a, b = getattr(module, f"{w}_lora_a"), getattr(module, f"{w}_lora_b")
             m = merged_weight(self.w(p, r), self.a(a, r), self.b(b, r), self.scaling, experts)
+            for f in (self.w, self.a, self.b):  # hold the merged layer only
+                f.key, f.value = None, None
             self.key, self.value = (id(p), r), m.astype(self.dtype)
         return self.value
 
@@ -172,14 +174,13 @@ def export_pretrained(
     if lora_format not in ("merged", "peft"):
         raise ValueError(f"export_pretrained: lora_format={lora_format!r}: 'merged' or 'peft'")
     targets = model_targets(model)
-    if lora_format == "peft" or (targets and lora is None):
-        if lora is None:
-            raise ValueError(
-                f"export_pretrained: the model holds LoRA adapters ({', '.join(targets)}) "
-                "or lora_format='peft': pass lora= (its rank, alpha and targets)"
-            )
-        if lora_format == "peft":
-            return export_peft(model, path, lora, dtype=dtype or "float32")
+    if lora is None and (targets or lora_format == "peft"):
+        raise ValueError(
+            f"export_pretrained: LoRA adapters ({', '.join(targets) or 'none'}) with "
+            f"lora_format={lora_format!r}: pass lora= (their rank, alpha and targets)"
+        )
+    if lora_format == "peft":
+        return export_peft(model, path, lora, dtype=dtype or "float32")
     dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     hf = config_to_hf(cfg, dtype.name)
     hf["torch_dtype"] = dtype.name  # the key transformers < 4.56 (and vLLM with it) read
