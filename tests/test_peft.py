@@ -286,3 +286,24 @@ def test_sharded_adapters_export_and_load_like_unsharded(tmp_path):
     if "_lora_" in str(k[-1]):
       assert v.get_value().sharding == shardings[str(k)], k
       np.testing.assert_array_equal(np.asarray(v.get_value()), before[str(k)], err_msg=str(k))
+
+
+def test_merged_export_of_a_bf16_base_merges_in_f32(tmp_path):
+  hf = _hf_model("qwen3_moe")
+  hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+  model = from_pretrained(str(tmp_path / "hf"), dtype="bfloat16")
+  _add_adapters(model, ("q", "expert_down"), 2)
+  export_pretrained(model, str(tmp_path / "m"), lora=PeftLora(2, 4.0, ("q", "expert_down")))
+  got = read_safetensors(str(tmp_path / "m" / "model.safetensors"))
+  attn, mlp = model.segments[0].blocks[0].attn, model.segments[0].blocks[0].mlp
+  assert model.segments[0].blocks[0].is_moe
+  f32 = lambda p: np.asarray(p[...], np.float32)[0]
+  q = f32(attn.q) + 2.0 * np.einsum("dr,rhk->dhk", f32(attn.q_lora_a), f32(attn.q_lora_b))
+  want = q.reshape(32, -1).T.astype(got["model.layers.0.self_attn.q_proj.weight"].dtype)
+  assert want.dtype == jnp.bfloat16
+  close = lambda x, y: np.testing.assert_allclose(  # bf16 of the same f32 sum, to an ulp
+      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2 ** -7, atol=1e-7)
+  close(got["model.layers.0.self_attn.q_proj.weight"], want)
+  down = f32(mlp.down)[3] + 2.0 * f32(mlp.down_lora_a)[3] @ f32(mlp.down_lora_b)[3]
+  assert got["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == want.dtype
+  close(got["model.layers.0.mlp.experts.3.down_proj.weight"], down.T.astype(want.dtype))
