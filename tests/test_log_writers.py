@@ -22,9 +22,8 @@ import time
 import pytest
 from tensorboardX import record_writer
 
-from gspo_jax.metrics_log import MetricsWriter, WandbWriter, read_metrics
-
 from configs import default as default_config
+from gspo_jax.metrics_log import MetricsWriter, WandbWriter, read_metrics
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
