@@ -99,7 +99,7 @@ class BackgroundWriter:
         if not self.off and since is not None and time.monotonic() - since > self.timeout:
             self.switch_off(
                 f"a write has not returned in {self.timeout:g} s "
-                "(config.log_write_timeout); a hung file system or server?"
+                "(config.log_write_timeout: a hung file system or server)"
             )
 
     def _work(self) -> None:

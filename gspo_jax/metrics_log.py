@@ -142,9 +142,9 @@ class MetricsWriter:
         except OSError as e:
             raise OSError(
                 e.errno,
-                f"{self.path}: cannot write the run's record ({e}); the run stops, keeping "
-                "its checkpoints (this file is what a resume continues from): free the "
-                "space or fix the file system, then run the same command to resume",
+                f"{self.path}: cannot write the run's record ({e.strerror or e}); the run stops, "
+                "keeping its checkpoints (this file is what a resume continues from): free "
+                "the space or fix the file system, then run the same command to resume",
             ) from e
         prefix, at = self.tb_prefix or phase, int(step if tb_step is None else tb_step)
         if self._wandb is not None:
