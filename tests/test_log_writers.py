@@ -12,6 +12,7 @@ Each wait here is bounded, so a hang fails the test instead.
 """
 
 import errno
+import json
 import os
 import re
 import signal
@@ -303,3 +304,41 @@ def test_a_full_file_system(full_fs, tmp_path, capsys):
         w.close()  # flushes what is still buffered: the disk is as full as before
     except OSError:
         pass
+
+
+def test_a_full_disk_under_metrics_jsonl_keeps_the_checkpoints_and_resumes(
+    data_dir, tmp_path, monkeypatch
+):
+    """The disk fills as RL step 2's record is written: the run stops with the OSError
+    naming metrics.jsonl, before step 2's checkpoint (the record and the checkpoints stay
+    in step) and after step 1's is finished; once there is room the same command
+    resumes, and every step is recorded once."""
+    from gspo_jax import metrics_log, train
+
+    class FillsUp:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            rec = json.loads(text)
+            if (rec["phase"], rec["step"]) == ("rl", 2):
+                raise ENOSPC
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def open_(path, mode="r", **kw):
+        f = open(path, mode, **kw)
+        return FillsUp(f) if path.endswith("metrics.jsonl") and mode == "a" else f
+
+    c = _smoke(data_dir, **{"sft.steps": 1, "total_rl_steps": 3})
+    monkeypatch.setattr(metrics_log, "open", open_, raising=False)
+    with pytest.raises(OSError, match=re.escape(str(tmp_path / "metrics.jsonl"))):
+        train.run(c, str(tmp_path))
+    ckpt = tmp_path / "checkpoints" / "rl"
+    assert (ckpt / "1" / "checksums.json").exists() and not (ckpt / "2").exists()
+    monkeypatch.undo()
+    train.run(c, str(tmp_path))
+    rl = [r["step"] for r in read_metrics(str(tmp_path)) if r["phase"] == "rl"]
+    assert rl == [0, 1, 2, 3]
