@@ -7,23 +7,35 @@ epoch and mini-batch). Both are flushed after every line, so they survive a cras
 On resume, :class:`MetricsWriter` drops the lines of steps after the restored
 checkpoint: the resumed run writes them again, and the file then reads as if the
 run had never stopped.
+
+The JSONL files are the run's record and are written by the loop itself: a write that
+fails (a full disk, EIO) stops the run with an OSError naming the file, before the
+step's checkpoint is saved, so that the checkpoints and the record stay in step (a
+full disk stops checkpoints too). TensorBoard and W&B are written by threads of their
+own (`gspo_jax.background`): an error, or a write that does not return within
+``config.log_write_timeout`` seconds, switches that writer off with one message, and
+the run goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
+import time
 from typing import Any, Mapping
 
 import numpy as np
 
 from gspo_jax import multihost
+from gspo_jax.background import BackgroundWriter
 from gspo_jax.fields import ConfigError, setting
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+WRITE_TIMEOUT = 60.0  # config.log_write_timeout's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +88,7 @@ class MetricsWriter:
         tb_prefix: str | None = None,
         wandb: WandbWriter | None = None,
         enabled: bool = True,
+        timeout: float = WRITE_TIMEOUT,
     ):
         self.path = os.path.join(workdir, filename)
         self.tb_prefix = tb_prefix
@@ -88,11 +101,16 @@ class MetricsWriter:
             self._truncate_after(resume_step, resume_phase)
         self._f = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             # A prefixed writer gets its own event directory (a TensorBoard run).
             tb_dir = os.path.join(workdir, "tb", *([tb_prefix] if tb_prefix else []))
-            self._tb = SummaryWriter(tb_dir)
+            self._tb = BackgroundWriter(
+                "TensorBoard",
+                tb_dir,
+                timeout=timeout,
+                then=f"the run goes on; {os.path.basename(self.path)} keeps every record",
+            )
+            self._events = EventFile()
+            self._tb.submit(self._events.open, tb_dir)
 
     def _truncate_after(self, step: int, phase: str | None) -> None:
         """Keep lines up to (phase, step) of the checkpoint we resume from (step -1:
@@ -118,23 +136,33 @@ class MetricsWriter:
         rec.update({k: _scalar(v) for k, v in metrics.items()})
         if self._f is None:  # not enabled
             return rec
-        self._f.write(json.dumps(rec, sort_keys=True) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(rec, sort_keys=True) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"{self.path}: cannot write the run's record ({e.strerror or e}); the run stops, "
+                "keeping its checkpoints (this file is what a resume continues from): free "
+                "the space or fix the file system, then run the same command to resume",
+            ) from e
         prefix, at = self.tb_prefix or phase, int(step if tb_step is None else tb_step)
         if self._wandb is not None:
             self._wandb.log(prefix, at, rec)
         if self._tb is not None:
+            values = []
             for k, v in rec.items():
                 if k in ("step", "phase"):
                     continue
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(f"{prefix}/{k}", v, at)
+                    values.append((f"{prefix}/{k}", v))
                 elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-                    for i, x in enumerate(v):
-                        self._tb.add_scalar(f"{prefix}/{k}/{i}", x, at)
+                    values += [(f"{prefix}/{k}/{i}", x) for i, x in enumerate(v)]
+            self._tb.submit(self._events.write, at, values, time.time())
         return rec
 
     def flush(self) -> None:
+        """Flush the record, and wait (boundedly, `BackgroundWriter.flush`) for TensorBoard."""
         if self._f is not None:
             self._f.flush()
         if self._tb is not None:
@@ -144,7 +172,37 @@ class MetricsWriter:
         if self._f is not None:
             self._f.close()
         if self._tb is not None:
-            self._tb.close()
+            self._tb.close(self._events.close)
+
+
+class EventFile:
+    """A TensorBoard event file, written and flushed record by record by the thread of a
+    `BackgroundWriter` (tensorboardX's own writer thread dies on a write error and then
+    blocks the caller for ever, its queue full)."""
+
+    def __init__(self):
+        self._writer = None
+
+    def open(self, logdir: str) -> None:
+        from tensorboardX.event_file_writer import EventsWriter
+
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = EventsWriter(os.path.join(logdir, "events"))
+
+    def write(self, step: int, values: list[tuple[str, float]], wall_time: float) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import scalar
+
+        if not values:
+            return
+        summary = Summary(value=[v for tag, x in values for v in scalar(tag, x).value])
+        self._writer.write_event(Event(wall_time=wall_time, step=step, summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 def read_metrics(workdir: str, filename: str = "metrics.jsonl") -> list[dict]:
@@ -249,17 +307,27 @@ class WandbWriter:
 
     Keys are ``<phase>/<metric>`` like TensorBoard's tags: ``sft/*`` and ``rl/*`` at
     the record's step, ``updates/*`` at the global update index, each against its own
-    step metric (``<phase>/step``; W&B's own step just counts the log calls).
+    step metric (``<phase>/step``; W&B's own step just counts the log calls). Rows go to
+    the run from a thread of their own (`BackgroundWriter`): an error or a call that
+    hangs switches W&B off with one message, and the run goes on.
     """
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, *, where: str = "", timeout: float = WRITE_TIMEOUT):
         self.run = run
         for phase in _WANDB_PHASES:
             run.define_metric(f"{phase}/step")
             run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+        self._bg = BackgroundWriter(
+            "Weights & Biases",
+            where or str(getattr(run, "dir", "")),
+            timeout=timeout,
+            then="the run goes on; metrics.jsonl keeps every record",
+        )
 
     @classmethod
-    def open(cls, wb: Any, workdir: str, config: Mapping[str, Any]) -> WandbWriter:
+    def open(
+        cls, wb: Any, workdir: str, config: Mapping[str, Any], *, timeout: float = WRITE_TIMEOUT
+    ) -> WandbWriter:
         """Start (or resume) the workdir's run; ``wb`` is ``config.wandb``."""
         try:
             import wandb
@@ -281,7 +349,7 @@ class WandbWriter:
             config=dict(config),
             allow_val_change=True,  # a resume may change the fields that may change
         )
-        return cls(run)
+        return cls(run, where=os.path.join(root, "wandb"), timeout=timeout)
 
     def log(self, prefix: str, at: int, rec: Mapping[str, Any]) -> None:
         row: dict[str, Any] = {f"{prefix}/step": int(at)}
@@ -296,21 +364,33 @@ class WandbWriter:
                 row[f"{prefix}/{k}"] = v
             elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
                 row.update({f"{prefix}/{k}/{i}": x for i, x in enumerate(v)})
-        self.run.log(row)
+        self._bg.submit(self.run.log, row)
+
+    def flush(self) -> None:
+        """Wait (boundedly) until every row is handed to W&B."""
+        self._bg.flush()
 
     def finish(self, exit_code: int = 0) -> None:
-        self.run.finish(exit_code=exit_code)
+        """Finish the run after its rows (nothing more once switched off)."""
+        self._bg.close(functools.partial(self.run.finish, exit_code=exit_code))
 
 
 @contextlib.contextmanager
-def open_wandb(wb: Any, workdir: str, config: Mapping[str, Any], *, enabled: bool = True):
+def open_wandb(
+    wb: Any,
+    workdir: str,
+    config: Mapping[str, Any],
+    *,
+    enabled: bool = True,
+    timeout: float = WRITE_TIMEOUT,
+):
     """The workdir's `WandbWriter` while the block runs (None when ``wb.enabled`` or
     ``enabled``, e.g. "this is process 0", is false), finished on the way out: with
     exit code 0, the code of a SystemExit, or 1 for an exception."""
     if not (enabled and wb.enabled):
         yield None
         return
-    writer = WandbWriter.open(wb, workdir, config)
+    writer = WandbWriter.open(wb, workdir, config, timeout=timeout)
     code = 0
     try:
         yield writer

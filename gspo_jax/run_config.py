@@ -188,6 +188,13 @@ class RunConfig:
     lora: LoRAConfig = section(LoRAConfig)
     eval_every: int = setting(10, low=1, resume=True, doc="RL steps between evaluations")
     log_every: int = setting(1, low=1, resume=True, doc="RL steps between log lines")
+    log_write_timeout: float = setting(
+        60.0,
+        low=0,
+        low_open=True,
+        resume=True,
+        doc="seconds a TensorBoard or W&B write may take before that writer is switched off",
+    )
     checkpoint_every: int = setting(20, low=1, resume=True, doc="RL steps between checkpoints")
     keep_checkpoints: int = setting(3, low=1, resume=True, doc="checkpoints kept per phase")
     progress_bar: bool = setting(True, resume=True, doc="a progress bar on the terminal")

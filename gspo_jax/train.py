@@ -84,7 +84,9 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         if primary:
             safety.save_run_config(c, workdir)
         record = safety.config_record(c)
-        with open_wandb(c.wandb, workdir, record, enabled=primary) as wb:
+        with open_wandb(
+            c.wandb, workdir, record, enabled=primary, timeout=c.log_write_timeout
+        ) as wb:
             return _run(trainer, guard, wb)
 
 
@@ -99,7 +101,12 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
     def open_log(phase: str, step_: int) -> MetricsWriter:
         """metrics.jsonl cut back to (phase, step_): where this run resumes."""
         return MetricsWriter(
-            workdir, resume_step=step_, resume_phase=phase, wandb=wb, enabled=primary
+            workdir,
+            resume_step=step_,
+            resume_phase=phase,
+            wandb=wb,
+            enabled=primary,
+            timeout=c.log_write_timeout,
         )
 
     writer = None
@@ -127,6 +134,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
             tb_prefix="updates",
             wandb=wb,
             enabled=primary,
+            timeout=c.log_write_timeout,
         )
         records = []
         steps = cfg.total_rl_steps

@@ -32,6 +32,7 @@ BASE_CONFIG = {'advantage': 'group',
  'gae': {'gamma': 1.0, 'lam': 0.95, 'value_clip': 0.2, 'value_coef': 0.5},
  'keep_checkpoints': 3,
  'log_every': 1,
+ 'log_write_timeout': 60.0,
  'lora': {'alpha': 16.0,
           'rank': 0,
           'targets': ('q', 'k', 'v', 'o', 'gate', 'up', 'down', 'expert_gate', 'expert_up',
@@ -137,7 +138,8 @@ BASE_CONFIG = {'advantage': 'group',
 
 # The fields that could change on resume before the declarations (safety.py's table).
 RESUMABLE = {
-    "total_rl_steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+    "total_rl_steps", "eval_every", "log_every", "log_write_timeout", "checkpoint_every",
+    "keep_checkpoints",
     "progress_bar", "compilation_cache_dir", "wandb.*", "distributed.*", "task.data_dir",
     "task.gsm8k_files", "task.eval_size", "task.eval_samples", "task.eval_pass_k", "mesh.*",
     "model.moe_backend", "model.moe_block_size", "model.remat_policy",

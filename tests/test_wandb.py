@@ -55,6 +55,7 @@ def test_writer_logs_records_offline_under_the_workdir(tmp_path):
         for k in range(2):
             u.write(1, "rl", {"k": k, "loss": 0.5 + k, "flips": [1.0, 2.0]}, tb_step=k)
         w.write(1, "rl", {"reward_mean": 0.25, "clip_frac": float("nan")})
+        wb.flush()  # rows go to W&B from a thread of their own
         summary = dict(wb.run.summary)
         w.close()
         u.close()

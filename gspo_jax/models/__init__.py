@@ -14,13 +14,15 @@ dense, ragged, blocked), expert_parallel (the ragged dispatch on a mesh), blocks
 parameters, the output head, the inference copy), transformer (Transformer,
 RouterAux, KVCache, sharded init), sharding (logical axis rules -> mesh, the run's
 mesh), the Hugging Face checkpoints in hf_layout (config.json and tensor names <->
-ours), hf_load (from_pretrained) and hf_export (export_pretrained), safetensors_io
+ours), hf_load (from_pretrained) and hf_export (export_pretrained, export_peft),
+hf_peft (LoRA adapters in PEFT's format: the layout, load_peft), safetensors_io
 (pickle-free tensor files).
 """
 
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.models.hf_export import export_pretrained
+from gspo_jax.models.hf_export import export_peft, export_pretrained
 from gspo_jax.models.hf_load import from_pretrained
+from gspo_jax.models.hf_peft import PeftLora, load_peft, read_peft_config
 from gspo_jax.models.sharding import logical_to_mesh_spec, param_shardings
 from gspo_jax.models.transformer import KVCache, RouterAux, Transformer, init_sharded
 
@@ -31,6 +33,10 @@ __all__ = [
     "KVCache",
     "from_pretrained",
     "export_pretrained",
+    "export_peft",
+    "load_peft",
+    "read_peft_config",
+    "PeftLora",
     "init_sharded",
     "param_shardings",
     "logical_to_mesh_spec",
