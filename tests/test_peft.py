@@ -20,6 +20,7 @@ from gspo_jax.models.hf_export import export_peft  # noqa: E402
 from gspo_jax.models.hf_peft import (  # noqa: E402
     TARGETS, PeftLora, block_adapters, load_peft, merge_lora, read_peft_config)
 from gspo_jax.models.safetensors_io import read_safetensors  # noqa: E402
+from gspo_jax.models.lora import LoRAParam, LoRASpec  # noqa: E402
 
 V = 96
 ATTN = ("q", "k", "v", "o")
@@ -62,9 +63,12 @@ def _n_in(w: str) -> int:
   return 2 if w == "o" else 1
 
 
-def _add_adapters(model, targets, rank, seed=0, zero=False):
+def _add_adapters(model, targets, rank, seed=0, zero=False, alpha=None):
   """Adapters of the spec's shapes beside the weights: A [stack, (E,) in..., r],
-  B [stack, (E,) r, out...], f32, random nonzero (or zeros)."""
+  B [stack, (E,) r, out...], f32, random nonzero (or zeros); each adapted module's
+  ``lora`` (rank, alpha, targets) gives the forward its scaling (`lora.add_adapters`
+  sets it so; alpha default 2r)."""
+  spec = LoRASpec(rank, float(2 * rank if alpha is None else alpha), tuple(targets))
   key = jax.random.key(seed)
   for seg in model.segments:
     for blk in seg.blocks:
@@ -84,8 +88,9 @@ def _add_adapters(model, targets, rank, seed=0, zero=False):
         b = 0.1 * jax.random.normal(kb, b_shape, jnp.float32)
         if zero:
           a, b = jnp.zeros_like(a), jnp.zeros_like(b)
-        setattr(module, f"{w}_lora_a", nnx.Param(a))
-        setattr(module, f"{w}_lora_b", nnx.Param(b))
+        setattr(module, f"{w}_lora_a", LoRAParam(a))
+        setattr(module, f"{w}_lora_b", LoRAParam(b))
+        module.lora = spec
 
 
 def _adapters(model):
@@ -105,7 +110,7 @@ def test_export_peft_and_merged_load_in_transformers(kind, tmp_path):
 
   targets = ATTN + (EXPERTS if kind == "qwen3_moe" else DENSE)
   lora = PeftLora(rank=4, alpha=8.0, targets=targets)
-  _add_adapters(model, targets, lora.rank)
+  _add_adapters(model, targets, lora.rank, alpha=lora.alpha)
   before = _adapters(model)
 
   # The adapters alone, in PEFT's format.
@@ -130,9 +135,11 @@ def test_export_peft_and_merged_load_in_transformers(kind, tmp_path):
   merged_dir = str(tmp_path / "merged")
   export_pretrained(model, merged_dir, lora=lora)
   assert _adapters(model).keys() == before.keys()  # exporting changes nothing
+  unmerged = _ours(model, tokens)  # the forward with the adapters (x W + s (x A) B)
   merge_lora(model, lora.scaling)
   ours = _ours(model, tokens)
   assert float(np.max(np.abs(ours - base_logits))) > 1e-2  # the adapters matter
+  np.testing.assert_allclose(unmerged, ours, atol=1e-4)
 
   peft_model = peft.PeftModel.from_pretrained(
       transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager"),

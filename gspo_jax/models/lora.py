@@ -91,7 +91,13 @@ def weight(module, name: str, dtype):
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return w
-    b = getattr(module, f"{name}_lora_b")[...].astype(dtype) * module.lora.scale
+    spec = getattr(module, "lora", None)
+    if spec is None:
+        raise ValueError(
+            f"{type(module).__name__}.{name}_lora_a: adapters without their scaling; attach "
+            "them with gspo_jax.models.lora.add_adapters (or set the module's lora spec)"
+        )
+    b = getattr(module, f"{name}_lora_b")[...].astype(dtype) * spec.scale
     return LoRAWeight(w, a[...].astype(dtype), b)
 
 
