@@ -144,8 +144,8 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
 
 
 def reference_for_resume(trainer: Trainer):
-    """RL resumes and its KL term needs pi_ref (or LoRA its frozen base), the warm start's final parameters: from
-    the warm start's last checkpoint. The warm start is never repeated once RL has
+    """RL resumes and its KL term needs pi_ref (or LoRA its frozen base), the warm
+    start's final parameters: from the warm start's last checkpoint. The warm start is never repeated once RL has
     begun; if that checkpoint is gone (or does not restore), the run stops and says so.
     """
     params = final_params(trainer)
@@ -154,7 +154,8 @@ def reference_for_resume(trainer: Trainer):
         raise FileNotFoundError(
             f"RL resumes from its checkpoint, but the warm start's last checkpoint ({path}) "
             f"is gone or does not restore, and the KL term (kl_coef={trainer.kl_coef}) or "
-            f"LoRA's frozen base (lora.rank={trainer.cfg.lora.rank}) needs the parameters it holds. Restore that checkpoint to resume (a warm start "
-            "is never repeated once RL has begun)."
+            f"LoRA's frozen base (lora.rank={trainer.cfg.lora.rank}) needs the parameters it "
+            "holds. Restore that checkpoint to resume (a warm start is never repeated once RL "
+            "has begun)."
         )
     return params
