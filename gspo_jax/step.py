@@ -202,9 +202,10 @@ def make_optimizer(
 def _apply_update(
     state: TrainState, grads, loss, optimizer, schedule, apply=True, trainable: str = "all"
 ):
-    """The optimizer update of the ``trainable`` parameters (`lora.partition`), unless the loss or the gradient is not finite (counted in
-    ``skipped`` and ``skipped_in_a_row``) or ``apply`` is False (a mini-batch with no
-    signal): then parameters and optimizer moments stay as they were.
+    """The optimizer update of the ``trainable`` parameters (`lora.partition`), unless
+    the loss or the gradient is not finite (counted in ``skipped`` and
+    ``skipped_in_a_row``) or ``apply`` is False (a mini-batch with no signal): then
+    parameters and optimizer moments stay as they were.
 
     ``lr`` is the schedule at the optimizer's own count of applied updates: the rate
     this update applies (or would have applied, when skipped).

@@ -111,6 +111,8 @@ def test_forward_equals_the_merged_weights(backend, replay):
     no_lora, _ = Transformer(cfg, rngs=nnx.Rngs(0))(tokens, replay=rep)
     assert float(jnp.max(jnp.abs(logits - no_lora))) > 1e-2  # the adapters do something
     np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
+    graphdef, state = lora.merge_params(*nnx.split(model))  # the same on a split model
+    np.testing.assert_array_equal(nnx.merge(graphdef, state)(tokens, replay=rep)[0], ref)
     if replay:  # replayed rows use exactly the replayed experts, with adapters or not
         replayed = np.all(np.asarray(rep) >= 0, axis=-1)
         got = np.asarray(aux.topk_indices)[replayed]

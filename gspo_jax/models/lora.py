@@ -204,6 +204,12 @@ def merge(model: nnx.Module) -> nnx.Module:
     return model
 
 
+def merge_params(graphdef, params):
+    """`merge` on a split model: (the graphdef and the parameters of the merged model,
+    without adapters)."""
+    return nnx.split(merge(nnx.merge(graphdef, params)))
+
+
 def adapters_off(params):
     """The parameters (an ``nnx.State``) with every adapter's B zeroed: the base's
     forward (x W + (x A) 0 = x W), the reference policy of the KL terms.  Only the
