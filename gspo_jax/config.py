@@ -424,13 +424,14 @@ def validate(
     one is allowed (as real checkpoints pad the embedding; the sampler masks the
     padding rows).
     """
-    from gspo_jax import objectives, offpolicy, run_config
+    from gspo_jax import lora_rl, objectives, offpolicy, run_config
     from gspo_jax.objectives.correction import RolloutCorrection
 
     _check_keys(c, base_config())
     move_deprecated(c)
     fields.check(_declaration(), c)
     run_config.check_pass_k(c)
+    lora_rl.check_config(c)
     _check_model_fields(c)
 
     # The objective and its hyperparameters.

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from gspo_jax.fields import setting
-from gspo_jax.models import lora
+from gspo_jax.models import lora, quantized
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
 
@@ -71,6 +71,25 @@ class LoRAConfig:
     train_router: bool = setting(
         False, doc="train the routers in full (f32) besides the adapters; frozen otherwise"
     )
+    base_quantization: str = setting(
+        "none",
+        choices=quantized.SCHEMES,
+        doc="the frozen base's linear weights stored in int8 (per channel) or int4 (groups "
+        "of 32) for the RL phase (QLoRA; needs rank > 0)",
+    )
+
+
+def check_config(c) -> None:
+    """``config.lora``'s checks across its fields."""
+    from gspo_jax.fields import err
+
+    lc = c.lora
+    if lc.base_quantization != "none" and not lc.rank:
+        raise err(
+            "lora.base_quantization",
+            f"{lc.base_quantization!r} quantizes the frozen base of a LoRA run; "
+            "set lora.rank > 0 (with lora.rank = 0 RL trains the base in full)",
+        )
 
 
 def trainable(lc: LoRAConfig, phase: str) -> str:
@@ -104,11 +123,18 @@ def attach(model: nnx.Module, lc: LoRAConfig, seed: int, mesh, model_cfg) -> nnx
     return model
 
 
-def rl_params(params, model_cfg, kind: str):
+def rl_params(params, model_cfg, kind: str, graphdef=None, quantization: str = "none"):
     """Where the RL phase starts: the trainable parameters (``kind``) in f32, the frozen
-    base in the compute dtype (`inference_params`: the routers and value head in f32)."""
+    base in the compute dtype (`inference_params`: the routers and value head in f32);
+    with ``quantization`` 'int8' or 'int4' (``lora.base_quantization``; ``graphdef`` is
+    the model's) its linear weights quantized from their f32 values first
+    (`gspo_jax.models.quantized`)."""
     train, frozen = lora.partition(params, kind)
     train = jax.tree.map(lambda a: a.astype(jnp.float32), train)
+    if quantization != "none":
+        model = nnx.merge(graphdef, lora.join(train, frozen))
+        quantized.quantize_base(model, quantization)
+        frozen = lora.partition(nnx.state(model), kind)[1]
     return lora.join(train, inference_params(frozen, model_cfg))
 
 
@@ -143,6 +169,8 @@ def _leaf_sums(leaves):
     """Per array: sum over its bits, as uint32, weighted by position (mod 2^32)."""
 
     def one(a):
+        if a.dtype == jnp.int4:  # a quantized base's int4 values: 1 byte each
+            a = a.astype(jnp.int8)
         bits = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
         u = bits.reshape(-1).astype(jnp.uint32)
         w = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
@@ -218,6 +246,7 @@ def sizes(params, opt_state, kind: str) -> dict[str, float]:
         "frozen_params": float(nf),
         "trainable_bytes": float(bt),
         "frozen_bytes": float(bf),
+        "frozen_stored_bytes": float(quantized.stored_bytes(frozen)),
         "optimizer_state_bytes": float(bo),
     }
 

@@ -169,7 +169,13 @@ class RLPhase:
         # frozen base itself, the adapters off (gspo_jax.lora_rl), and no copy.
         self.lora = self.step_cfg.trainable != "all"
         if self.lora:
-            params = lora_rl.rl_params(params, trainer.model_cfg, self.step_cfg.trainable)
+            params = lora_rl.rl_params(
+                params,
+                trainer.model_cfg,
+                self.step_cfg.trainable,
+                trainer.graphdef,
+                cfg.lora.base_quantization,
+            )
             self.base = lora_rl.identity(trainer, params, self.step_cfg.trainable)
             trained_routers = cfg.lora.train_router and trainer.kl_coef
             self.ref_routers = lora_rl.routers(params) if trained_routers else None

@@ -448,6 +448,4 @@ class MLP(nnx.Module):
                 "...d,df->...f", x, up
             )
             return lora.einsum("...f,fd->...d", h, down)
-        return swiglu(
-            x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt)
-        )
+        return swiglu(x, *(lora.weight(self, w, dt) for w in ("gate", "up", "down")))

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gspo_jax.models import quantized
+
 # Target names (``config.lora.targets``) -> (module kind, weight name).
 TARGETS = {
     "q": ("attention", "q"),
@@ -85,9 +87,10 @@ def base(w):
 
 
 def weight(module, name: str, dtype):
-    """``module.<name>`` in ``dtype``, with its adapters (a `LoRAWeight`) when it has
-    them; the plain array otherwise (the forward without LoRA, unchanged)."""
-    w = getattr(module, name)[...].astype(dtype)
+    """``module.<name>`` in ``dtype`` (dequantized when the base is quantized,
+    `gspo_jax.models.quantized`), with its adapters (a `LoRAWeight`) when it has them;
+    the plain array otherwise (the forward without LoRA, unchanged)."""
+    w = quantized.read(getattr(module, name), dtype)
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return w
@@ -189,13 +192,14 @@ def delta(a, b, scale: float, n_lead: int, n_in: int, n_dims: int, w_shape):
 def merge(model: nnx.Module) -> nnx.Module:
     """A copy of ``model`` with every adapter folded into its weight (W + (alpha/r) A B,
     summed in f32, stored in W's dtype) and no adapters: the model a LoRA model
-    computes, as a plain model (tests; the merged Hugging Face export)."""
+    computes, as a plain model (tests; the merged Hugging Face export).  A quantized
+    weight is dequantized first and the merged weight stored in f32."""
     model = nnx.clone(model)
     for module, name, n_lead, n_in, n_dims in list(_adapted(model)):
         w = getattr(module, name)
         a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
         d = delta(a, b, module.lora.scale, n_lead, n_in, n_dims, w.shape)
-        w[...] = (w[...].astype(jnp.float32) + d).astype(w.dtype)
+        w.set_value((quantized.read(w, jnp.float32) + d).astype(w.dtype))
         delattr(module, f"{name}_lora_a")
         delattr(module, f"{name}_lora_b")
     for _, module in nnx.iter_modules(model):

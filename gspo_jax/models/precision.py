@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gspo_jax.models import quantized
 from gspo_jax.models.config import ModelConfig
 
 # Parameters the forward reads in float32 whatever the compute dtype: the router
@@ -53,15 +54,18 @@ def inference_params(params, cfg: ModelConfig):
 
     The forward gives bitwise the logits it gives from `params`: each of its
     ``param.astype(dtype)`` casts is made once here instead of in every forward
-    (a cast to the dtype a value already has is the identity).  At bf16 compute and
+    (a cast to the dtype a value already has is the identity); a quantized weight
+    (`gspo_jax.models.quantized`) is kept as it is.  At bf16 compute and
     f32 storage the copy takes half the memory.  Always a new buffer (the trainer
     donates `params` to its update)."""
     dt = cfg.jnp_dtype
 
     def cast(path, a):
+        if quantized.is_quantized(a):  # a quantized base weight: its values and f32 scales
+            return jax.tree.map(jnp.copy, a)
         keys = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
         if keys & set(F32_PARAMS) or not jnp.issubdtype(a.dtype, jnp.floating):
             return jnp.copy(a)
         return jnp.copy(a) if a.dtype == dt else a.astype(dt)
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params, is_leaf=quantized.is_quantized)

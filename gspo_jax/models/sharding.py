@@ -146,9 +146,15 @@ def param_shardings(model_or_state, mesh: Mesh, cfg: ModelConfig):
 
     def one(var):
         if isinstance(var, nnx.Variable):
+            names = _names(var)
+            # Over the value's arrays: one, or a quantized weight's values and scales
+            # (gspo_jax.models.quantized), whose scales' size-1 dims stay unsharded.
             return var.replace(
-                NamedSharding(
-                    mesh, logical_to_mesh_spec(_names(var), var.shape, cfg.axis_rules, mesh)
+                jax.tree.map(
+                    lambda a: NamedSharding(
+                        mesh, logical_to_mesh_spec(names, a.shape, cfg.axis_rules, mesh)
+                    ),
+                    var.get_value(),
                 )
             )
         return NamedSharding(mesh, P())
