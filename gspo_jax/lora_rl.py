@@ -132,7 +132,7 @@ def rl_params(params, model_cfg, kind: str, graphdef=None, quantization: str = "
     train, frozen = lora.partition(params, kind)
     train = jax.tree.map(lambda a: a.astype(jnp.float32), train)
     if quantization != "none":
-        model = nnx.merge(graphdef, lora.join(train, frozen))
+        model = nnx.merge(graphdef, lora.join(train, frozen), copy=True)  # not in place
         quantized.quantize_base(model, quantization)
         frozen = lora.partition(nnx.state(model), kind)[1]
     return lora.join(train, inference_params(frozen, model_cfg))

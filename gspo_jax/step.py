@@ -29,7 +29,7 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
 from gspo_jax.fields import is_real, setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
-from gspo_jax.models import lora
+from gspo_jax.models import lora, quantized
 from gspo_jax.objectives.critic import value_loss_mergeable
 from gspo_jax.passes import forward, response_slice, sequence_inputs, split_micro
 
@@ -249,8 +249,8 @@ def _apply_update(
         "grad_norm": Mean.of(grad_norm),
         "update_norm": Mean.of(update_norm),
         "param_norm": Mean.of(
-            optax.tree.norm(new_state.params)
-        ),  # may overflow while all are finite
+            optax.tree.norm(quantized.dequantized(new_state.params))
+        ),  # may overflow while all are finite; a quantized base's weights dequantized
         "params_finite": Min.of(params_finite),
         "lr": Last.of(schedule(state.applied)),
         "skipped_update": Mean.of(1.0 - finite.astype(jnp.float32)),

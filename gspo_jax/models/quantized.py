@@ -95,6 +95,14 @@ def read(var: nnx.Variable, dtype) -> jax.Array:
     return var[...].astype(dtype)
 
 
+def dequantized(tree):
+    """``tree`` with every quantized weight replaced by its dequantized f32 value (the
+    same leaves where there is none)."""
+    return jax.tree.map(
+        lambda a: qwix.dequantize(a) if is_quantized(a) else a, tree, is_leaf=is_quantized
+    )
+
+
 def stored_bytes(tree) -> int:
     """The bytes of ``tree``'s arrays at their logical widths: int4 values at 4 bits
     (numpy's itemsize counts them as 1 byte; XLA may store them either way)."""
