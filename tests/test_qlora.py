@@ -141,6 +141,37 @@ def test_each_projection_within_the_bound_of_its_step(scheme):
         assert float(jnp.max(err / bound)) > 0.1
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_base_on_a_mesh(scheme):
+    """On 8 CPU devices (FSDP, expert and tensor axes, the experts' rows exchanged by
+    all-to-alls): `param_shardings` gives a quantized weight's values the weight's
+    partition spec and its scales the same spec less the dims they do not divide; the
+    forward equals one device's."""
+    from jax.sharding import Mesh
+
+    from gspo_jax.models.sharding import logical_to_mesh_spec, param_shardings
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    axes = ("data", "fsdp", "expert", "tensor")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 2, 2, 2), axes)
+    cfg = ModelConfig.tiny(moe_backend="ragged")
+    model = quantized.quantize_base(_model(cfg), scheme)
+    tokens = jax.random.randint(jax.random.key(3), (8, 5), 0, cfg.vocab_size)
+    ref, _ = model(tokens)
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(state, mesh, cfg)
+    gate = shardings["segments"][1]["blocks"][0]["mlp"]["gate"]
+    var = state["segments"][1]["blocks"][0]["mlp"]["gate"]
+    names = var.get_metadata()["out_sharding"]
+    want = logical_to_mesh_spec(names, var.shape, cfg.axis_rules, mesh)
+    assert gate.get_value().qvalue.spec == want and "expert" in str(want)
+    fn = jax.jit(lambda st, tok: nnx.merge(graphdef, st)(tok)[0])
+    with jax.set_mesh(mesh):
+        logits = fn(jax.device_put(state, shardings), tokens)
+    np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
+
+
 def test_gradients_reach_the_adapters_only():
     """On a quantized base the trainable part ('lora') is the adapters (f32), the frozen
     part holds the integer weights; the adapters' gradients equal those of the plain
