@@ -237,13 +237,9 @@ def test_rl_step_on_a_quantized_base(data_dir, tmp_path, scheme):
     from gspo_jax.rl import RLPhase
     from gspo_jax.trainer import Trainer
 
-    c = default_config.get_config("lora,smoke")
-    c.task.data_dir = data_dir
-    c.objective.hparams.kl_coef = 0.05
-    c.entropy_coef = 0.05
-    c.updates.update_without_signal = True
-    c.optimizer.warmup_steps = 0
-    c.lora.base_quantization = scheme
+    from test_lora import _lora_smoke  # the LoRA smoke run whose updates move the adapters
+
+    c = _lora_smoke(data_dir, base_quantization=scheme)
     t = Trainer(c, str(tmp_path))
     rl = RLPhase(t, t.init_params)
     frozen = lora.partition(rl.state.params, "lora")[1]
