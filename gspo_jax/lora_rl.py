@@ -7,7 +7,8 @@ With ``lora.rank`` > 0 the trainer attaches adapters to the model it builds
 * the warm start trains the base in full, the fresh adapters (B = 0: no effect)
   untouched (`gspo_jax.models.lora.TRAINABLE` 'base');
 * the RL phase starts from its result (or the Hugging Face checkpoint): the base is
-  frozen in the compute dtype, the adapters (and the routers with
+  frozen in the compute dtype (its linear weights quantized to int8 or int4 with
+  ``lora.base_quantization``, `gspo_jax.models.quantized`), the adapters (and the routers with
   ``lora.train_router``; a PPO critic's value head always) are its trainable
   parameters, in f32 (`rl_params`); gradients and the optimizer's state exist for
   them only (`gspo_jax.step`);

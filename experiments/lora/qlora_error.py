@@ -8,8 +8,9 @@ with ``lora.base_quantization`` int8 and int4.  Over the valid positions of a ba
 of warm-start sequences (Countdown prompts and reference solutions), each quantized
 base's next-token distribution against the bf16 base's: max and mean |logit
 difference|, the mean and max KL(p_bf16 || p_quantized), the share of positions whose
-argmax differs; the f32 base against the bf16 one for scale; and the bytes of the
-stored base (its quantized weights, and all of it).
+argmax differs, the share of routed experts that differ; the f32 base against the
+bf16 one for scale; and the bytes of the stored base (its quantized weights, and all
+of it).
 
     python -m experiments.lora.qlora_error                 # warm start, then measure
     python -m experiments.lora.qlora_error --sft-steps=0   # the random initialisation
@@ -58,12 +59,16 @@ def _logits(graphdef, params, model_cfg, seq):
         if hasattr(module, "cfg"):
             module.cfg = model_cfg
     tokens, positions, mask = seq
-    return jax.jit(lambda m: m(tokens, positions=positions, attn_mask=mask)[0])(model)
+    logits, aux = jax.jit(lambda m: m(tokens, positions=positions, attn_mask=mask))(model)
+    return logits, aux.topk_indices
 
 
-def _compare(ref, other, mask):
-    """Errors of ``other``'s next-token distribution against ``ref``'s at the valid
-    positions (the embedding's padding ids excluded)."""
+def _compare(ref_out, out, mask):
+    """Errors of ``out``'s next-token distribution against ``ref_out``'s at the valid
+    positions (the embedding's padding ids excluded), and the share of their experts
+    (per position, MoE layer and top-K slot) not among the reference's."""
+    (ref, ref_idx), (other, idx) = ref_out, out
+    moved = ~jnp.any(idx[..., :, None] == ref_idx[..., None, :], axis=-1)  # [B, T, L, K]
     valid = ref[0, 0] > -1e29
     d = jnp.abs(ref - other)[mask][:, valid]
     lp, lq = jax.nn.log_softmax(ref, -1), jax.nn.log_softmax(other, -1)
@@ -75,6 +80,7 @@ def _compare(ref, other, mask):
         "mean_kl": float(jnp.mean(kl)),
         "max_kl": float(jnp.max(kl)),
         "argmax_changed": float(jnp.mean(flip)),
+        "experts_changed": float(jnp.mean(moved[mask])),
     }
 
 

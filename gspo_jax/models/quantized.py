@@ -15,7 +15,8 @@ integer range, so |dequantize(q) - w| <= s / 2 elementwise.
 * int8: one scale per output channel, i.e. absmax over the weight's input dims, for
   every layer of the stack and every expert separately;
 * int4: one scale per group of `INT4_GROUP` consecutive elements of the last input dim
-  (gcd(size, `INT4_GROUP`) when the dim is not a multiple of it) and output channel.
+  (gcd(size, `INT4_GROUP`) when the dim is not a multiple of it), for every index of
+  the other dims (attention o [H, hd, D]: per head, 32 of hd, output channel).
 
 The forward reads a quantized weight through `read`: ``qwix.dequantize`` (q * s in f32)
 rounded to the compute dtype, one layer's weights at a time inside the layer scan; the
@@ -52,10 +53,11 @@ def axes(shape, n_lead: int, n_in: int, n_dims: int, scheme: str):
     the modules' ``LORA_WEIGHTS`` tables."""
     st = len(shape) - n_dims
     inputs = range(st + n_lead, st + n_lead + n_in)
-    channelwise = tuple(i for i in range(len(shape)) if i not in inputs)
-    if scheme == "int8":
-        return channelwise, {}
+    if scheme == "int8":  # one scale per output channel: over every input dim
+        return tuple(i for i in range(len(shape)) if i not in inputs), {}
+    # int4: groups along the last input dim, a scale per index of every other dim
     last = inputs[-1]
+    channelwise = tuple(i for i in range(len(shape)) if i != last)
     return channelwise, {last: math.gcd(shape[last], INT4_GROUP)}
 
 
