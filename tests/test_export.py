@@ -211,3 +211,17 @@ def test_rl_starts_from_a_peft_adapter_on_a_hugging_face_base(data_dir, tmp_path
         c.sft.steps = fields.get("steps", 0)
         with pytest.raises(config_lib.ConfigError, match=r"config\.lora\.peft_adapter: .*sft\.steps=0"):
             config_lib.validate(c, num_devices=1)
+
+
+def test_a_workdir_saved_before_a_field_existed_compares_at_its_default():
+    """A run saved before config.lora.peft_adapter existed is the run with it at its
+    default: a resume, evaluation or export compares alike; any other value differs."""
+    from gspo_jax import safety
+
+    c = default_config.get_config("lora,smoke")
+    saved = safety.config_record(c)
+    del saved["lora"]["peft_adapter"]
+    assert safety.config_differences(saved, safety.config_record(c)) == []
+    c.lora.peft_adapter = "/some/adapter"
+    assert safety.config_differences(saved, safety.config_record(c)) == [
+        "config.lora.peft_adapter: '<absent>' -> '/some/adapter'"]
