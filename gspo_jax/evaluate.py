@@ -221,29 +221,44 @@ def evaluate_checkpoint(
     return out
 
 
-def main(argv: Sequence[str]) -> None:
+def run_command(fn, required: dict[str, str], more: tuple = ()):
+    """A command's main (this one's, `gspo_jax.export`'s): ``fn(flags)`` once
+    ``--config`` and the ``required`` flags (name: what it is) are given and each GPU's
+    memory is claimed as in training. A config, checkpoint or file error (or one of
+    ``more``) is printed in one line, and the process exits with status 2 for the
+    config, else 1."""
     from absl import flags, logging
 
     from gspo_jax import config as config_lib
+    from gspo_jax.checkpoint import CheckpointError
+    from gspo_jax.multihost import claim_device_memory
 
-    del argv
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
     if f.config is None:
         raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
-    if not f.checkpoint:
-        raise config_lib.ConfigError("--checkpoint is required: a workdir or a HF directory")
-    from gspo_jax.checkpoint import CheckpointError
-    from gspo_jax.multihost import claim_device_memory
-
+    for name, what in required.items():
+        if not f[name].value:
+            raise config_lib.ConfigError(f"--{name} is required: {what}")
     claim_device_memory()  # 95% of each GPU for XLA, as in training
     try:
-        result = evaluate_checkpoint(
-            f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
-        )
-    except (config_lib.ConfigError, CheckpointError, FileNotFoundError) as e:
+        return fn(f)
+    except (config_lib.ConfigError, CheckpointError, FileNotFoundError, *more) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(e, config_lib.ConfigError) else 1)
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import flags
+
+    del argv
+    result = run_command(
+        lambda f: evaluate_checkpoint(
+            f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
+        ),
+        {"checkpoint": "a workdir or a HF directory"},
+    )
+    f = flags.FLAGS
     text = json.dumps(result, indent=2, sort_keys=True)
     if f.out:
         os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)

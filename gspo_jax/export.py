@@ -98,31 +98,22 @@ def export_run(
 
 
 def main(argv: Sequence[str]) -> None:
-    from absl import flags, logging
-
-    from gspo_jax import config as config_lib
-    from gspo_jax.checkpoint import CheckpointError
+    from gspo_jax.evaluate import run_command
     from gspo_jax.lora_rl import BaseMismatch
 
     del argv
-    logging.set_verbosity(logging.WARNING)
-    f = flags.FLAGS
-    if f.config is None:
-        raise config_lib.ConfigError("--config is required: the run's, e.g. configs/default.py")
-    if not f.workdir or not f.out:
-        raise config_lib.ConfigError("--workdir (the run's) and --out (a folder) are required")
-    try:
-        result = export_run(
+    result = run_command(
+        lambda f: export_run(
             f.config,
             f.workdir,
             f.out,
             format=f.format,
             dtype=f.dtype or None,
             max_shard_size=f.max_shard_size,
-        )
-    except (config_lib.ConfigError, CheckpointError, OSError, ValueError, BaseMismatch) as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(e, config_lib.ConfigError) else 1)
+        ),
+        {"workdir": "the run's", "out": "the folder to write"},
+        (OSError, ValueError, BaseMismatch),
+    )
     print(json.dumps(result, indent=2, sort_keys=True), flush=True)
 
 
