@@ -6,7 +6,8 @@
 ``--checkpoint`` is either
 
 * a workdir of ours (it has ``checkpoints/``): the parameters of its newest RL
-  checkpoint that restores, else of its newest warm-start (SFT) one. ``--config`` must
+  checkpoint that restores (a LoRA run's adapters on its frozen base, rebuilt from its
+  source and checked as a resume checks it), else of its newest warm-start (SFT) one. ``--config`` must
   be the run's (the same config file and arguments): before anything is built it is
   compared with the config the run recorded (``<workdir>/config.json``, else its newest
   RL checkpoint's record), as a resume compares it (`gspo_jax.safety`), and a
@@ -146,9 +147,9 @@ def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 def open_workdir(c: ml_collections.ConfigDict, workdir: str):
     """(the run's `Trainer` on ``workdir``, a temporary directory to delete afterwards
-    or None), read-only: ``c`` (a copy) is first checked against the run's config
-    (`check_run_config`); the prompts are the run's prepared data, else prepared in
-    that temporary directory."""
+    or None), read-only: ``c`` (changed here: pass a copy) is first checked against the
+    run's config (`check_run_config`); the prompts are the run's prepared data, else
+    prepared in that temporary directory."""
     from gspo_jax.trainer import Trainer
 
     if not is_workdir(workdir):
