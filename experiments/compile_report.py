@@ -3,6 +3,8 @@
     python -m experiments.compile_report --target h200 --layers 16 \\
         --parts train,logprob,prefill,decode,sampler --batches 64,256,1024
     python -m experiments.compile_report --target v5p:2x2x1 --size flagship --parts train
+    python -m experiments.compile_report --target h200 --size flagship --parts train \\
+        --lora 16,q,k,v,o,expert_gate,expert_up,expert_down
 
 It compiles the programs of `experiments/programs.py` (the ones
 `experiments/bench/bench_accelerator.py` runs on a device) for a compile-only target
@@ -24,6 +26,11 @@ devices; TPU slices through libtpu) and prints for each program:
   active matmul parameters per token forward, 6 x for a train step (attention's
   products run in cuDNN's custom calls and are not in either figure); beside it the
   ratio expected with the recompute the design implies (`recompute_flops`).
+
+``--lora rank[,target,...]``: the train and log-prob programs of the RL phase with LoRA
+(`experiments/programs.py`: the base frozen in the compute dtype, adapters and their
+optimizer state in f32); the model's FLOPs are then those of a frozen base (no weight
+gradient: 4 x its active parameters per token) and trained adapters (6 x theirs).
 
 No timings: the compiler does not run the program. On a GPU target, the CUDA plugin
 must be installed (``pip install -e '.[compile]'``); without it the report says so
@@ -50,6 +57,8 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from experiments import hlo, programs, targets  # noqa: E402
+from gspo_jax import fields  # noqa: E402
+from gspo_jax.lora_rl import LoRAConfig  # noqa: E402
 from gspo_jax.models import dispatch  # noqa: E402
 
 GIB = 2**30
@@ -70,11 +79,14 @@ def mesh_for(target: targets.Target, mesh_shape: dict[str, int] | None) -> Mesh:
 def model_flops(sh: programs.Shape, part: str, batch: int) -> float:
     """The model's matmul FLOPs for one call of ``part`` (module docstring)."""
     active = programs.matmul_params(sh.cfg, active=True)
+    adapters = programs.adapter_params(sh.cfg, sh.lora, active=True)
     head = sh.cfg.vocab_size * sh.cfg.d_model
-    if part == "train":
+    if part == "train" and sh.trainable == "all":
         return 6.0 * active * sh.rows * sh.seq_len
+    if part == "train":  # the base's products forward and into x; the adapters' all three
+        return (4.0 * active + 6.0 * adapters) * sh.rows * sh.seq_len
     if part == "logprob":
-        return 2.0 * active * (sh.logprob_rows or sh.rows) * sh.seq_len
+        return 2.0 * (active + adapters) * (sh.logprob_rows or sh.rows) * sh.seq_len
     if part == "prefill":  # the head on the last position only
         return 2.0 * (active - head) * batch * sh.prompt_len + 2.0 * head * batch
     if part == "decode":
@@ -135,6 +147,8 @@ class Labeller:
             name = re.sub(r"[^a-z_]+", "_", name.lower()).strip("_")
             if name.startswith(("state_opt_state", "opt_state")):
                 return "optimizer state"
+            if "_lora_a" in name or "_lora_b" in name:
+                return "adapter"
             if name.startswith(("state_params", "params", "state__")):
                 return "parameter"
             if name.startswith("cache"):
@@ -256,6 +270,7 @@ def report_one(
         moe_backend=sh.cfg.moe_backend,
         moe_block_size=sh.cfg.moe_block_size,
         mu_dtype=sh.mu_dtype,
+        lora=_lora_row(sh),
         batch=(
             batch
             if part in ("prefill", "decode", "sampler")
@@ -289,12 +304,32 @@ def report_one(
     )
 
 
+def _lora_row(sh: programs.Shape) -> dict | None:
+    if not (sh.lora and sh.lora.rank):
+        return None
+    return dict(rank=sh.lora.rank, targets=list(sh.lora.targets), trainable=sh.trainable)
+
+
+def parse_lora(text: str):
+    """``--lora rank[,target,...]`` as a `LoRAConfig` (the targets default to its own),
+    checked as the run's config is (unknown targets, a negative rank: named)."""
+    rank, *names = [x.strip() for x in text.split(",") if x.strip()]
+    node = fields.defaults(LoRAConfig)
+    node.rank = int(rank)
+    if names:
+        node.targets = tuple(names)
+    fields.check(LoRAConfig, node, "--lora ")
+    return fields.build(LoRAConfig, node)
+
+
 def render(r: dict) -> str:
     mem = r["memory"]
+    lo = r.get("lora")
     lines = [
         f"## {r['part']} — {r['device']} x{r['devices']} ({r['target']}), "
-        f"{r['layers']} layers, {r['moe_backend']}, batch {r['batch']}  "
-        f"(compiled in {r['compile_s']} s)",
+        f"{r['layers']} layers, {r['moe_backend']}, batch {r['batch']}"
+        + (f", LoRA rank {lo['rank']} on {','.join(lo['targets'])}" if lo else "")
+        + f"  (compiled in {r['compile_s']} s)",
         f"peak {mem['peak_gib']:.2f} GiB = arguments {mem['arguments_gib']:.2f} + outputs "
         f"{mem['outputs_gib']:.2f} + temporaries {mem['temporaries_gib']:.2f} - aliased "
         f"{mem['aliased_gib']:.2f}; usable {mem['usable_gib']:.1f} GiB: "
@@ -385,6 +420,13 @@ def main(argv=None) -> list[dict]:
         help="a ModelConfig field or shape setting (rows, micro_batches, "
         "logprob_micro_batches, ...), repeatable",
     )
+    ap.add_argument(
+        "--lora",
+        default="",
+        metavar="RANK[,TARGET,...]",
+        help="the RL phase with LoRA adapters (train, logprob): e.g. "
+        "16,q,k,v,o,expert_gate,expert_up,expert_down",
+    )
     ap.add_argument("--mesh", default="", help="e.g. data=1,fsdp=-1,expert=1,tensor=1")
     ap.add_argument("--mem-fraction", type=float, default=0.95)
     ap.add_argument("--top", type=int, default=8, help="largest buffers listed")
@@ -403,6 +445,8 @@ def main(argv=None) -> list[dict]:
             overrides[k] = json.loads(v)
         except json.JSONDecodeError:
             overrides[k] = v
+    if args.lora:
+        overrides["lora"] = parse_lora(args.lora)
     mesh_shape = None
     if args.mesh:
         mesh_shape = {k: int(v) for k, v in (x.split("=") for x in args.mesh.split(","))}
@@ -418,7 +462,13 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(
         f"# {target.kind} x{mesh.size} ({args.target}), jax {jax.__version__}, "
-        f"{sh.cfg.num_layers} layers, {sh.cfg.num_params() / 1e9:.2f}B parameters",
+        f"{sh.cfg.num_layers} layers, {sh.cfg.num_params() / 1e9:.2f}B parameters"
+        + (
+            f", LoRA rank {sh.lora.rank} ({programs.adapter_params(sh.cfg, sh.lora) / 1e6:.1f}M "
+            f"adapter parameters, trains {sh.trainable!r})"
+            if sh.lora and sh.lora.rank
+            else ""
+        ),
         flush=True,
     )
     for part in [p for p in args.parts.split(",") if p]:

@@ -1,6 +1,7 @@
 """Markdown tables of committed compile reports (`experiments/compile_report.py --json`):
-peak memory per program before and after a change, at every layer count, and the
-report beside what the H200 itself recorded.
+peak memory per program before and after a change, at every layer count, the report
+beside what the H200 itself recorded, and the LoRA train steps beside full fine-tuning
+(``lora_*.json``).
 
     python -m experiments.compile_tables experiments/accelerator/compile
 """
@@ -74,6 +75,44 @@ def against_h200(folder: str) -> str:
     return "\n".join(lines)
 
 
+def _gib(r: dict, *kinds: str) -> str:
+    return f"{sum(r['peak_by_kind_gib'].get(k, 0.0) for k in kinds):.2f}"
+
+
+def lora_table(folder: str) -> str:
+    """The train steps of ``lora_*.json``, per target: peak, and what it holds by kind
+    (arguments, and XLA's heap slots by their largest array)."""
+    lines = [
+        "| target | dispatch | trains | peak GiB (% of usable) | parameters (of them adapters) | "
+        "optimizer state | gradients | weights in compute dtype | activations, logits, "
+        "dispatch copies |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for path in sorted(glob.glob(os.path.join(folder, "lora_*.json"))):
+        for r in json.load(open(path))["rows"]:
+            if r["part"] != "train":
+                continue
+            lo, m = r.get("lora"), r["memory"]
+            trains = (
+                f"LoRA r{lo['rank']} ({lo['trainable']})"
+                if lo
+                else f"all (Adam's first moment {r['mu_dtype']})"
+            )
+            flag = " **no**" if m["fraction_of_usable"] > 0.9 else ""
+            backend = {"auto": "auto (ragged)"}.get(r["moe_backend"], r["moe_backend"]) + (
+                f" {r['moe_block_size']}" if r["moe_backend"] == "blocked" else ""
+            )
+            lines.append(
+                f"| {r['device']} x{r['devices']}, {r['layers']} layers | {backend} | {trains} | "
+                f"{m['peak_gib']:.2f} ({100 * m['fraction_of_usable']:.0f}%){flag} | "
+                f"{_gib(r, 'parameter', 'adapter')} ({_gib(r, 'adapter')}) | "
+                f"{_gib(r, 'optimizer state')} | {_gib(r, 'gradient')} | "
+                f"{_gib(r, 'weights in compute dtype')} | "
+                f"{_gib(r, 'activation / other', 'logits', 'dispatch copy of expert weights')} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder")
@@ -85,6 +124,8 @@ def main(argv=None):
     print(before_after(args.folder))
     print("\nThe report beside the H200's own figures\n")
     print(against_h200(args.folder))
+    print("\nThe train step with LoRA beside full fine-tuning (GiB per device)\n")
+    print(lora_table(args.folder))
 
 
 if __name__ == "__main__":

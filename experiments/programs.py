@@ -23,6 +23,13 @@ The programs:
 
 The sampler-side programs take the parameters as one copy in the compute dtype
 (`inference_params`), as a rollout holds them.
+
+With ``Shape.lora`` (a `gspo_jax.lora_rl.LoRAConfig` of rank > 0) the train and
+log-prob programs are the RL phase's with LoRA, built by the trainer's own functions:
+adapters attached after the base (`lora_rl.attach`), the base frozen in the compute
+dtype and the adapters in f32 (`lora_rl.rl_params`), the optimizer's state for the
+trainable parameters only (`lora.partition`, as `Trainer.new_state`) and the step's
+``StepConfig.trainable`` (`lora_rl.trainable`).
 """
 
 from __future__ import annotations
@@ -38,8 +45,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import passes, step
-from gspo_jax.models import ModelConfig
+from gspo_jax import lora_rl, passes, step
+from gspo_jax.models import ModelConfig, lora
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
 from gspo_jax.models.transformer import Transformer, init_sharded
@@ -162,6 +169,12 @@ class Shape:
     logprob_micro_batches: int = 1
     logprob_rows: int = 0  # rows of the log-prob pass (0: a mini-batch's, ``rows``)
     mu_dtype: str = "float32"  # Adam's first moment (`step.make_optimizer`)
+    lora: lora_rl.LoRAConfig | None = None  # the RL phase with these adapters
+
+    @property
+    def trainable(self) -> str:
+        """What the train step updates (`gspo_jax.models.lora.TRAINABLE`)."""
+        return lora_rl.trainable(self.lora or lora_rl.LoRAConfig(), "rl")
 
     @property
     def seq_len(self) -> int:  # the model reads all but the last token
@@ -214,6 +227,26 @@ def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
     return n
 
 
+def adapter_params(cfg: ModelConfig, lc: lora_rl.LoRAConfig | None, *, active=False) -> int:
+    """The LoRA adapters' parameters (r (in + out) per adapted weight): of every
+    expert, or of the top-K only (``active``: those that take part per token)."""
+    if not (lc and lc.rank):
+        return 0
+    d, hd, r = cfg.d_model, cfg.head_dim, lc.rank
+    attn = {"q": cfg.num_heads * hd, "k": cfg.num_kv_heads * hd, "v": cfg.num_kv_heads * hd}
+    attn["o"] = cfg.num_heads * hd
+    n = 0
+    for moe in cfg.layer_kinds:
+        n += sum(r * (d + attn[t]) for t in attn if t in lc.targets)
+        if moe:
+            experts = cfg.top_k if active else cfg.num_experts
+            mlp = [t for t in ("expert_gate", "expert_up", "expert_down") if t in lc.targets]
+            n += experts * len(mlp) * r * (d + cfg.moe_d_ff)
+        else:
+            n += sum(r * (d + cfg.d_ff) for t in ("gate", "up", "down") if t in lc.targets)
+    return n
+
+
 def on_mesh(sh: Shape, mesh: Mesh) -> Shape:
     """``sh`` as the trainer runs it on ``mesh``: each batch shard dispatches its own
     tokens to the experts (``ModelConfig.moe_groups``, `gspo_jax.trainer.Trainer`)."""
@@ -249,6 +282,31 @@ def model_params(cfg: ModelConfig, mesh: Mesh, *, abstract: bool):
     if abstract:
         return abstract_params(cfg, mesh)
     return nnx.split(init_sharded(cfg, mesh, seed=0))
+
+
+def policy_params(sh: Shape, mesh: Mesh, *, abstract: bool):
+    """(graphdef, the parameters the RL phase trains from): `model_params`, or with
+    ``sh.lora`` the model with its adapters attached (`lora_rl.attach`, seed 0) and
+    the base frozen in the compute dtype (`lora_rl.rl_params`), as `gspo_jax.rl` has
+    them."""
+    cfg, lc = sh.cfg, sh.lora
+    if not (lc and lc.rank):
+        return model_params(cfg, mesh, abstract=abstract)
+    if not abstract:
+        model = lora_rl.attach(init_sharded(cfg, mesh, seed=0), lc, 0, mesh, cfg)
+        graphdef, params = nnx.split(model)
+        return graphdef, lora_rl.rl_params(params, cfg, sh.trainable)
+
+    def build():
+        return lora_rl.attach(Transformer(cfg, rngs=nnx.Rngs(0)), lc, 0, mesh, cfg)
+
+    graphdef, params = nnx.split(nnx.eval_shape(build))
+    params = jax.tree.map(_abstract, params, param_shardings(params, mesh, cfg))
+    rl = jax.eval_shape(
+        functools.partial(lora_rl.rl_params, model_cfg=cfg, kind=sh.trainable), params
+    )
+    # Each array keeps its sharding through the cast (as `rl_params` does on devices).
+    return graphdef, jax.tree.map(lambda o, p: _abstract(o, p.sharding), rl, params)
 
 
 def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0, rows: int = 0) -> dict:
@@ -294,7 +352,7 @@ def _logprob_fn(sh: Shape, graphdef):
 
 def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None):
     if graphdef is None:
-        graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
+        graphdef, params = policy_params(sh, mesh, abstract=abstract)
     fn = _logprob_fn(sh, graphdef)
     rows = sh.logprob_rows or sh.rows
     return fn, (params, rollout_batch(sh, mesh, abstract=abstract, rows=rows))
@@ -319,21 +377,23 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
     """The train step and (state, batch, rng). ``old``: the log-prob pass's outputs on
     the batch (computed here when not given; abstractly, by `jax.eval_shape`)."""
     if graphdef is None:
-        graphdef, params = model_params(sh.cfg, mesh, abstract=abstract)
+        graphdef, params = policy_params(sh, mesh, abstract=abstract)
     optimizer, sched = make_optimizer(sh.mu_dtype)
     batch = rollout_batch(sh, mesh, abstract=abstract)
     lp = _logprob_fn(sh, graphdef)
     lp_args = (params, batch)
+    # The moments of the trainable parameters only (`Trainer.new_state`).
+    trained = lora.partition(params, sh.trainable)[0]
     if abstract:
-        opt_state = jax.eval_shape(optimizer.init, params)
+        opt_state = jax.eval_shape(optimizer.init, trained)
         # The optimizer state takes its parameter's sharding (what `jit(init)` gives).
-        opt_shard = jax.jit(optimizer.init).trace(params).out_info
+        opt_shard = jax.jit(optimizer.init).trace(trained).out_info
         opt_state = jax.tree.map(lambda a, i: _abstract(a, i.sharding), opt_state, opt_shard)
         old = old or jax.eval_shape(lp, *lp_args)
         old = {k: _abstract(v, _rows_sharding(mesh, v.ndim)) for k, v in old.items()}
         rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     else:
-        opt_state = jax.jit(optimizer.init)(params)
+        opt_state = jax.jit(optimizer.init)(trained)
         old = old or lp(*lp_args)
         rng = jax.random.key(0)
     state = step.TrainState.create(params, opt_state)
@@ -355,7 +415,10 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
     )
     # GRPO without its KL term (no reference pass in a throughput figure).
     scfg = step.StepConfig(
-        objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=sh.micro_batches
+        objective="grpo",
+        hparams=(("kl_coef", 0.0),),
+        micro_batches=sh.micro_batches,
+        trainable=sh.trainable,
     )
     train = jax.jit(
         functools.partial(
@@ -504,6 +567,11 @@ class _SamplerJit:
 
 def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):
     """(jitted, args) of one part of `PARTS` (``batch``: the sampler-side batch)."""
+    if sh.lora and sh.lora.rank and part not in ("train", "logprob"):
+        raise ValueError(
+            f"part {part!r}: with LoRA only the train and logprob programs are built "
+            "(the sampler's would be the merged weights' or the base's with adapters)"
+        )
     if part == "train":
         return train_program(sh, mesh, abstract=abstract)
     if part == "logprob":

@@ -512,6 +512,16 @@ def validate(
                     "model.fields.num_experts=0 is a dense model",
                 )
 
+    if c.lora.peft_adapter:  # RL starts from a PEFT adapter on the Hugging Face base
+        if not c.lora.rank or not c.model.pretrained or c.sft.steps > 0:
+            raise _err(
+                "lora.peft_adapter",
+                "loads an adapter onto the pretrained base RL starts from: it needs "
+                f"lora.rank > 0 (got {c.lora.rank}), model.pretrained (got "
+                f"{c.model.pretrained!r}) and no warm start, which would train the base "
+                f"under the adapter (sft.steps=0, got {c.sft.steps})",
+            )
+
     # The sampler's own devices (rollout.devices) are not the training mesh's.
     shape = mesh_shape(c, offpolicy.check(c, num_devices))
     _check_batches(c, shape)

@@ -6,7 +6,8 @@
 ``--checkpoint`` is either
 
 * a workdir of ours (it has ``checkpoints/``): the parameters of its newest RL
-  checkpoint that restores, else of its newest warm-start (SFT) one. ``--config`` must
+  checkpoint that restores (a LoRA run's adapters on its frozen base, rebuilt from its
+  source and checked as a resume checks it), else of its newest warm-start (SFT) one. ``--config`` must
   be the run's (the same config file and arguments): before anything is built it is
   compared with the config the run recorded (``<workdir>/config.json``, else its newest
   RL checkpoint's record), as a resume compares it (`gspo_jax.safety`), and a
@@ -63,27 +64,63 @@ def is_workdir(path: str) -> bool:
 
 def restore_params(trainer) -> tuple[Any, str]:
     """(parameters, ``"rl/<step>"`` or ``"sft/<step>"``) of a workdir's newest RL
-    checkpoint that restores, else of its newest warm-start one. Read-only: nothing
-    under the workdir is written, and each checkpointer is closed on every way out."""
-    from gspo_jax import offpolicy, rl, sft
-    from gspo_jax.checkpoint import PhaseCheckpointer, step_dirs
+    checkpoint that restores, else of its newest warm-start one; for a LoRA run the
+    adapters on the frozen base rebuilt from its source, as a resume rebuilds it
+    (`gspo_jax.lora_rl`). Read-only: nothing under the workdir is written, and each
+    checkpointer is closed on every way out."""
+    from gspo_jax.checkpoint import step_dirs
 
-    workdir, keep = trainer.workdir, int(trainer.c.keep_checkpoints)
-    for phase in ("rl", "sft"):
-        if not step_dirs(os.path.join(workdir, "checkpoints", phase)):
-            continue
-        with PhaseCheckpointer(workdir, phase, every=1, keep=keep, read_only=True) as ckpt:
-            if phase == "rl":  # the state train.py saves: parameters and the RL moments
-                target = trainer.new_state(trainer.init_params, rl.rl_optimizer(trainer.cfg)[0])
-                tree, _, step = ckpt.restore(offpolicy.checkpoint_target(trainer, target))
-                state = tree["train"] if trainer.cfg.rollout.staleness else tree
-            else:
-                target = trainer.new_state(trainer.init_params, sft.sft_optimizer(trainer.cfg)[0])
-                state, _, step = ckpt.restore(target)
-        return state.params, f"{phase}/{step}"
+    workdir = trainer.workdir
+    for phase, restore in (("rl", _restore_rl), ("sft", _restore_sft)):
+        if step_dirs(os.path.join(workdir, "checkpoints", phase)):
+            params, step = restore(trainer)
+            return params, f"{phase}/{step}"
     raise FileNotFoundError(
         f"{workdir}: no RL or warm-start checkpoint under {os.path.join(workdir, 'checkpoints')}"
     )
+
+
+def _reader(trainer, phase: str):
+    from gspo_jax.checkpoint import PhaseCheckpointer
+
+    keep = int(trainer.c.keep_checkpoints)
+    return PhaseCheckpointer(trainer.workdir, phase, every=1, keep=keep, read_only=True)
+
+
+def _restore_sft(trainer, step: int | None = None) -> tuple[Any, int]:
+    """(parameters, step) of the newest warm-start checkpoint that restores (or ``step``)."""
+    from gspo_jax import lora_rl, sft
+
+    kind = lora_rl.trainable(trainer.cfg.lora, "sft")
+    target = trainer.new_state(trainer.init_params, sft.sft_optimizer(trainer.cfg)[0], kind)
+    with _reader(trainer, "sft") as ckpt:
+        state, _, step = ckpt.restore(target, step)
+    return state.params, step
+
+
+def _restore_rl(trainer) -> tuple[Any, int]:
+    """(parameters, step) of the newest RL checkpoint that restores: the state train.py
+    saves (`gspo_jax.rl.RLPhase.checkpoint_items`), with LoRA onto its base."""
+    from gspo_jax import lora_rl, offpolicy, rl
+
+    cfg = trainer.cfg
+    kind = lora_rl.trainable(cfg.lora, "rl")
+    params = trainer.init_params
+    if kind != "all" and cfg.sft.steps > 0:  # LoRA's frozen base: the warm start's result
+        try:
+            params = _restore_sft(trainer, cfg.sft.steps)[0]
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{trainer.workdir}: the LoRA run's frozen base is its warm start's result, "
+                f"but its last checkpoint (checkpoints/sft/{cfg.sft.steps}) is gone"
+            ) from None
+    params, base = lora_rl.rl_start(trainer, params, kind)
+    state = trainer.new_state(params, rl.rl_optimizer(cfg)[0], kind)
+    target = offpolicy.checkpoint_target(trainer, lora_rl.saved_state(state, kind))
+    with _reader(trainer, "rl") as ckpt:
+        tree, meta, step = ckpt.restore(target)
+    saved = tree["train"] if cfg.rollout.staleness else tree
+    return lora_rl.loaded_state(saved, meta, state, kind, base).params, step
 
 
 def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
@@ -106,6 +143,29 @@ def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
         + f"\nGive the run's values (recorded in {path}). Fields that may differ: "
         + ", ".join(config_lib.resumable_fields())
     )
+
+
+def open_workdir(c: ml_collections.ConfigDict, workdir: str):
+    """(the run's `Trainer` on ``workdir``, a temporary directory to delete afterwards
+    or None), read-only: ``c`` (changed here: pass a copy) is first checked against the
+    run's config (`check_run_config`); the prompts are the run's prepared data, else
+    prepared in that temporary directory."""
+    from gspo_jax.trainer import Trainer
+
+    if not is_workdir(workdir):
+        raise FileNotFoundError(f"{workdir}: not a workdir (no checkpoints/)")
+    check_run_config(c, workdir)  # before anything is built or read
+    tmp = None
+    if not c.task.data_dir:  # the run's prepared data, else prepared outside
+        c.task.data_dir = os.path.join(workdir, "data")
+        if not os.path.isdir(c.task.data_dir):
+            c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
+    try:
+        return Trainer(c, workdir), tmp
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def evaluate_checkpoint(
@@ -143,12 +203,7 @@ def evaluate_checkpoint(
             trainer = Trainer(c, tmp)
             params, restored = trainer.init_params, "pretrained"
         else:
-            check_run_config(c, checkpoint)  # before anything is built or read
-            if not c.task.data_dir:  # the run's prepared data, else prepared outside
-                c.task.data_dir = os.path.join(checkpoint, "data")
-                if not os.path.isdir(c.task.data_dir):
-                    c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
-            trainer = Trainer(c, checkpoint)
+            trainer, tmp = open_workdir(c, checkpoint)
             params, restored = restore_params(trainer)
         data = trainer.eval_data if split == "test" else trainer.train_data
         count = len(data) if num_prompts < 0 else num_prompts or config_lib.typed(c).task.eval_size
@@ -167,29 +222,44 @@ def evaluate_checkpoint(
     return out
 
 
-def main(argv: Sequence[str]) -> None:
+def run_command(fn, required: dict[str, str], more: tuple = ()):
+    """A command's main (this one's, `gspo_jax.export`'s): ``fn(flags)`` once
+    ``--config`` and the ``required`` flags (name: what it is) are given and each GPU's
+    memory is claimed as in training. A config, checkpoint or file error (or one of
+    ``more``) is printed in one line, and the process exits with status 2 for the
+    config, else 1."""
     from absl import flags, logging
 
     from gspo_jax import config as config_lib
+    from gspo_jax.checkpoint import CheckpointError
+    from gspo_jax.multihost import claim_device_memory
 
-    del argv
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
     if f.config is None:
         raise config_lib.ConfigError("--config is required, e.g. --config=configs/default.py")
-    if not f.checkpoint:
-        raise config_lib.ConfigError("--checkpoint is required: a workdir or a HF directory")
-    from gspo_jax.checkpoint import CheckpointError
-    from gspo_jax.multihost import claim_device_memory
-
+    for name, what in required.items():
+        if not f[name].value:
+            raise config_lib.ConfigError(f"--{name} is required: {what}")
     claim_device_memory()  # 95% of each GPU for XLA, as in training
     try:
-        result = evaluate_checkpoint(
-            f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
-        )
-    except (config_lib.ConfigError, CheckpointError, FileNotFoundError) as e:
+        return fn(f)
+    except (config_lib.ConfigError, CheckpointError, FileNotFoundError, *more) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(e, config_lib.ConfigError) else 1)
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import flags
+
+    del argv
+    result = run_command(
+        lambda f: evaluate_checkpoint(
+            f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
+        ),
+        {"checkpoint": "a workdir or a HF directory"},
+    )
+    f = flags.FLAGS
     text = json.dumps(result, indent=2, sort_keys=True)
     if f.out:
         os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)

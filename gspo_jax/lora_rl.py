@@ -23,6 +23,8 @@ With ``lora.rank`` > 0 the trainer attaches adapters to the model it builds
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import zlib
 
 import jax
@@ -30,12 +32,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gspo_jax.fields import setting
+from gspo_jax.fields import err, setting
 from gspo_jax.models import lora, quantized
+from gspo_jax.models.hf_peft import load_peft, read_peft_config
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
 
 DEFAULT_TARGETS = tuple(lora.TARGETS)
+
+
+def _peft_folder(v) -> str | None:
+    if not isinstance(v, str):
+        return f"must be a path (a string), got {v!r}"
+    for name in ("adapter_config.json", "adapter_model.safetensors") if v else ():
+        if not os.path.isfile(os.path.join(v, name)):
+            return f"{v!r} is not a PEFT adapter folder (no {name})"
+    return None
 
 
 def _targets(v) -> str | None:
@@ -72,6 +84,13 @@ class LoRAConfig:
     train_router: bool = setting(
         False, doc="train the routers in full (f32) besides the adapters; frozen otherwise"
     )
+    peft_adapter: str = setting(
+        "",
+        check=_peft_folder,
+        domain="'' or a PEFT adapter folder",
+        doc="RL starts from this PEFT LoRA adapter (its rank, alpha, targets: lora's) "
+        "on the model.pretrained base, not from fresh adapters",
+    )
     base_quantization: str = setting(
         "none",
         choices=quantized.SCHEMES,
@@ -82,8 +101,6 @@ class LoRAConfig:
 
 def check_config(c) -> None:
     """``config.lora``'s checks across its fields."""
-    from gspo_jax.fields import err
-
     lc = c.lora
     if lc.base_quantization != "none" and not lc.rank:
         raise err(
@@ -114,14 +131,47 @@ ADAPTER_KEY = 0x10A
 def attach(model: nnx.Module, lc: LoRAConfig, seed: int, mesh, model_cfg) -> nnx.Module:
     """``model`` with ``lc``'s adapters, placed in their sharding on ``mesh``
     (ConfigError naming ``lora.targets`` when none of them is in the model)."""
-    from gspo_jax.fields import err
-
     lora.add_adapters(model, spec(lc), jax.random.fold_in(jax.random.key(seed), ADAPTER_KEY))
     adapters = nnx.state(model, lora.LoRAParam)
     if not jax.tree.leaves(adapters):
         raise err("lora.targets", f"{list(lc.targets)} adapt no weight of this model")
     nnx.update(model, jax.device_put(adapters, param_shardings(adapters, mesh, model_cfg)))
+    if lc.peft_adapter:
+        load_adapter(model, lc)
     return model
+
+
+def load_adapter(model: nnx.Module, lc: LoRAConfig) -> None:
+    """Set the model's adapters from the PEFT adapter ``lc.peft_adapter``, whose rank
+    and alpha must be ``lc``'s, and its targets those of the model's adapters
+    (ConfigError naming the field)."""
+
+    path = lc.peft_adapter
+    try:
+        got = read_peft_config(path, model.cfg)
+    except ValueError as e:
+        raise err("lora.peft_adapter", str(e)) from None
+    for field, want, have in (("rank", got.rank, lc.rank), ("alpha", got.alpha, lc.alpha)):
+        if not math.isclose(want, have, rel_tol=1e-9):
+            raise err(
+                f"lora.{field}",
+                f"{have!r}, but the PEFT adapter {path!r} (lora.peft_adapter) has "
+                f"{field} {want!r}: set lora.{field}={want!r}",
+            )
+    try:
+        load_peft(path, model)  # its targets must be those the model holds adapters for
+    except ValueError as e:
+        raise err("lora.peft_adapter", f"{e} (the model's adapters: lora.targets)") from None
+
+
+def rl_start(trainer, params, kind: str):
+    """(the parameters RL starts from, the base's `identity`): `rl_params` of
+    ``params`` with LoRA; ``(params, None)`` without."""
+    if kind == "all":
+        return params, None
+    quantization = trainer.cfg.lora.base_quantization
+    params = rl_params(params, trainer.model_cfg, kind, trainer.graphdef, quantization)
+    return params, identity(trainer, params, kind)
 
 
 def rl_params(params, model_cfg, kind: str, graphdef=None, quantization: str = "none"):
@@ -235,6 +285,16 @@ def saved_state(state, kind: str):
 def restored_state(saved, state, kind: str):
     """`saved_state`'s tree back onto the full state ``state`` (its frozen base)."""
     return saved.replace(params=lora.join(saved.params, lora.partition(state.params, kind)[1]))
+
+
+def loaded_state(saved, meta: dict, state, kind: str, base: dict | None):
+    """The train state from an RL checkpoint's ``saved`` state (`saved_state`'s tree)
+    and ``meta``, onto ``state``'s frozen base, whose identity ``base`` must be the
+    checkpoint's (`check_identity`); ``saved`` itself without LoRA."""
+    if kind == "all":
+        return saved
+    check_identity(meta.get("lora_base"), base)
+    return restored_state(saved, state, kind)
 
 
 def sizes(params, opt_state, kind: str) -> dict[str, float]:

@@ -169,14 +169,7 @@ class RLPhase:
         # frozen base itself, the adapters off (gspo_jax.lora_rl), and no copy.
         self.lora = self.step_cfg.trainable != "all"
         if self.lora:
-            params = lora_rl.rl_params(
-                params,
-                trainer.model_cfg,
-                self.step_cfg.trainable,
-                trainer.graphdef,
-                cfg.lora.base_quantization,
-            )
-            self.base = lora_rl.identity(trainer, params, self.step_cfg.trainable)
+            params, self.base = lora_rl.rl_start(trainer, params, self.step_cfg.trainable)
             trained_routers = cfg.lora.train_router and trainer.kl_coef
             self.ref_routers = lora_rl.routers(params) if trained_routers else None
         kl = trainer.kl_coef and not self.lora
@@ -447,8 +440,9 @@ class RLPhase:
         LoRA onto the frozen base rebuilt from its source, checked against its checksum."""
         state = tree if not self.cfg.rollout.staleness else tree["train"]
         if self.lora:
-            lora_rl.check_identity(meta.get("lora_base"), self.base)
-            state = lora_rl.restored_state(state, self.state, self.step_cfg.trainable)
+            state = lora_rl.loaded_state(
+                state, meta, self.state, self.step_cfg.trainable, self.base
+            )
         self.state = state
         if not self.cfg.rollout.staleness:
             return

@@ -54,19 +54,23 @@ def config_differences(
     saved: Mapping[str, Any], current: Mapping[str, Any], exempt: Sequence[str] | None = None
 ) -> list[str]:
     """``config.<field>: <saved> -> <current>`` for every field whose value differs (or
-    exists on one side only), but those declared ``resume=True``: the run's length, how
+    exists on one side only, but for a field the saved config predates, requested at
+    its default), but those declared ``resume=True``: the run's length, how
     it is logged, evaluated and checkpointed, where its data lives, how it is laid out
     on devices, and safety limits (`gspo_jax.config.resumable_fields`); and the
     removed keys (`gspo_jax.old_keys.REMOVED_KEYS`). ``exempt``: other field patterns
     than the resumable ones to leave out."""
     resumable = config_lib.resumable_fields() if exempt is None else exempt
     a, b = _flatten(saved), _flatten(current)
+    defaults = _flatten(config_record(config_lib.base_config()))
     out = []
     for key in sorted(set(a) | set(b)):
         if key in old_keys.REMOVED_KEYS or any(
             fnmatch.fnmatchcase(key, pattern) for pattern in resumable
         ):
             continue
+        if key not in a and key in defaults and b[key] == defaults[key]:
+            continue  # a field added since, at its default: what the saved run ran
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
         if va != vb:
             out.append(f"config.{key}: {va!r} -> {vb!r}")

@@ -270,3 +270,79 @@ def test_tpu_matmul_flops_through_an_inferred_trip_count():
     mms = hlo.matmuls(comps, counts)
     assert {m.kind for m in mms} == {"convolution"}
     assert not unknown and sum(m.flops * m.count for m in mms) == 3 * 2 * 256 * 512 * 512
+
+
+LORA_TARGETS = "q,k,v,o,expert_gate,expert_up,expert_down"
+
+
+@pytest.mark.parametrize("rank", [8, 16])
+def test_grouped_matmul_takes_rank_wide_adapters_on_the_gpu(h200, rank):
+    """LoRA's expert adapters through the grouped-matmul kernel: x A with A [E, D, r]
+    (an output only r wide) and (x A) B with B [E, r, F] (a contraction over r), forward
+    and backward, each product one kernel call with its FLOPs counted."""
+    from gspo_jax.models import dispatch, lora
+
+    d, f, e, rows = 256, 128, 8, 200
+
+    def loss(x, w, a, b, sizes):
+        y = dispatch.grouped_lora(x, lora.LoRAWeight(w, a, b), sizes)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    with targets.compiling_for(h200):
+        _, comps, counts, _ = _compile(
+            jax.grad(loss, argnums=(0, 2, 3)),
+            ((rows, d), jnp.bfloat16),
+            ((e, d, f), jnp.bfloat16),
+            ((e, d, rank), jnp.bfloat16),
+            ((e, rank, f), jnp.bfloat16),
+            ((e,), jnp.int32),
+            device=h200.devices[0],
+        )
+    grouped = [m for m in hlo.matmuls(comps, counts) if m.kind == "grouped"]
+    padded = -(-rows // dispatch.GROUPED_ROW_TILE) * dispatch.GROUPED_ROW_TILE
+    # The base: forward and dx (no weight gradient); x A and (x A) B: all three each.
+    flops = sorted(m.flops for m in grouped)
+    assert flops == sorted([2 * padded * d * f] * 2 + [2 * padded * d * rank] * 3
+                           + [2 * padded * rank * f] * 3)
+
+
+def test_lora_train_step_compiles_for_the_gpu(h200):
+    """The RL phase's train step with rank-8 LoRA on attention and the experts, the
+    ragged dispatch ('auto' on a GPU): the base frozen in bf16 (routers f32), adapters
+    and their two moments only in f32, and no weight gradient of the base in the
+    program's matmuls."""
+    lc = compile_report.parse_lora("8," + LORA_TARGETS)
+    sh = programs.shape("tiny", "auto", platform="cuda", dtype="bfloat16", lora=lc)
+    assert sh.trainable == "lora"
+    mesh = compile_report.mesh_for(h200, {"data": 1})
+    r = compile_report.report_one("train", sh, h200, mesh, batch=0, mem_fraction=0.95, top=10_000)
+    assert r["lora"] == {"rank": 8, "targets": LORA_TARGETS.split(","), "trainable": "lora"}
+    args = [b for b in r["largest_buffers"] if not b["name"].startswith("heap slot")]
+    base = [b for b in args if b["what"] == "parameter"]
+    adapters = [b for b in args if b["what"] == "adapter"]
+    assert {b["shape"].split("[")[0] for b in base if "router" not in b["name"]} == {"bf16"}
+    assert {b["shape"].split("[")[0] for b in adapters} == {"f32"}
+    assert sum(b["bytes"] for b in adapters) == 4 * programs.adapter_params(sh.cfg, lc)
+    state = [b for b in args if b["what"] == "optimizer state" and b["shape"] != "s32[]"]
+    assert sorted((b["shape"], b["bytes"]) for b in state) == sorted(
+        2 * [(b["shape"], b["bytes"]) for b in adapters]
+    )
+    inv = r["inventory"]
+    assert inv["ragged_dot_dense"] == [] and inv["custom_calls"].get("mosaic_gpu_v2", 0) > 0
+    # A weight gradient of the base would add 2 x its active parameters per token
+    # (program / model near 1.5x the expected ratio).
+    assert 1 <= r["hlo_over_model"] <= 1.15 * r["expected_over_model"]
+    assert "LoRA rank 8" in compile_report.render(r)
+
+
+def test_lora_option_is_checked_and_limited_to_the_trained_programs(h200):
+    from gspo_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--lora targets.*unknown.*'qq'"):
+        compile_report.parse_lora("8,q,qq")
+    lc = compile_report.parse_lora("4")
+    assert lc.rank == 4 and lc.targets == programs.lora_rl.DEFAULT_TARGETS
+    sh = programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16", lora=lc)
+    mesh = compile_report.mesh_for(h200, {"data": 1})
+    with pytest.raises(ValueError, match="part 'prefill': with LoRA only the train and logprob"):
+        programs.program("prefill", sh, mesh, abstract=True, batch=8)

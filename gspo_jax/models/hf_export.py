@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gspo_jax import multihost
+from gspo_jax.models import lora
 from gspo_jax.models.hf_layout import config_to_hf, dotted_attr, hf_shape, layer_slots, layer_table
 from gspo_jax.models.hf_peft import (
     ADAPTER_CONFIG,
@@ -30,7 +31,6 @@ from gspo_jax.models.hf_peft import (
     adapter_config,
     block_adapters,
     check_exportable,
-    merged_weight,
     model_targets,
     to_peft,
 )
@@ -75,15 +75,16 @@ class _Merged:
         self.dtype, self.scaling, self.key, self.value = dtype, scaling, None, None
         self.w, self.a, self.b = _Fetch(np.float32), _Fetch(np.float32), _Fetch(np.float32)
 
-    def __call__(self, module, w: str, r, experts: bool) -> np.ndarray:
+    def __call__(self, module, w: str, r) -> np.ndarray:
         p = getattr(module, w)
         if self.key != (id(p), r):
             self.key, self.value = None, None
             a, b = getattr(module, f"{w}_lora_a"), getattr(module, f"{w}_lora_b")
-            m = merged_weight(self.w(p, r), self.a(a, r), self.b(b, r), self.scaling, experts)
+            dims = module.LORA_WEIGHTS[w][1:]  # (n_lead, n_in, n_dims)
+            m = lora.merged(self.w(p, r), self.a(a, r), self.b(b, r), self.scaling, dims)
             for f in (self.w, self.a, self.b):  # hold the merged layer only
                 f.key, f.value = None, None
-            self.key, self.value = (id(p), r), m.astype(self.dtype)
+            self.key, self.value = (id(p), r), np.asarray(m.astype(self.dtype))
         return self.value
 
 
@@ -104,7 +105,7 @@ def _export_entries(model: Transformer, dtype: np.dtype, scaling=None) -> list[t
             if (id(getattr(blk, mod, None)), w) in adapted:
 
                 def produce(m=getattr(blk, mod), w=w, r=r, to_hf=to_hf):
-                    return to_hf(merged(m, w, r, False))
+                    return to_hf(merged(m, w, r))
 
                 out.append((pre + suffix, hf_shape(to_hf, p.shape[1:]), produce))
                 continue
@@ -120,7 +121,7 @@ def _export_entries(model: Transformer, dtype: np.dtype, scaling=None) -> list[t
                 p = getattr(blk.mlp, attr)
                 _, e, a, b = p.shape
                 if (id(blk.mlp), attr) in adapted:
-                    get = lambda p, r, m=blk.mlp, w=attr: merged(m, w, r, True)  # noqa: E731
+                    get = lambda p, r, m=blk.mlp, w=attr: merged(m, w, r)  # noqa: E731
                 else:
                     get = fetch
                 for x in range(e):
@@ -163,7 +164,7 @@ def export_pretrained(
       lora: for a model with LoRA adapters, its rank, alpha and targets (config.lora,
         or any object with those attributes; `hf_peft.PeftLora`).
       lora_format: with adapters, "merged" writes the checkpoint with every adapted
-        weight merged, W + (alpha/r)·A·B (computed per weight in f32 on the host,
+        weight merged, W + (alpha/r)·A·B (computed per weight in f32, one layer at a time,
         then cast); "peft" writes the adapters alone in PEFT's format
         (`export_peft`; ``dtype`` is then theirs, default float32).
 

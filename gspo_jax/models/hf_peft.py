@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gspo_jax.models import lora
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.hf_layout import layer_slots
 from gspo_jax.models.safetensors_io import TensorReader, tensor_infos
@@ -83,38 +84,11 @@ class PeftLora:
 
 
 # ---------------------------------------------------------------- the layout
-def lora_delta(a, b, experts: bool):
-    """A·B contracted over the rank, in the weight's layout: a [in..., r] and
-    b [r, out...] give [in..., out...]; with ``experts`` a [E, in, r] and b [E, r, out]
-    give [E, in, out]. numpy or jax arrays, computed in f32."""
-    a, b = a.astype(np.float32), b.astype(np.float32)
-    r = a.shape[-1]
-    if experts:
-        e = a.shape[0]
-        d = a.reshape(e, -1, r) @ b.reshape(e, r, -1)
-        return d.reshape(a.shape[:-1] + b.shape[2:])
-    return (a.reshape(-1, r) @ b.reshape(r, -1)).reshape(a.shape[:-1] + b.shape[1:])
-
-
-def merged_weight(w, a, b, scaling: float, experts: bool):
-    """W + scaling·A·B in f32 (the caller casts)."""
-    return w.astype(np.float32) + scaling * lora_delta(a, b, experts)
-
-
 def merge_lora(model: Transformer, scaling: float) -> None:
     """Fold the adapters into their weights in place: W <- W + scaling·A·B (in f32,
-    cast to W's dtype), then B <- 0, so the model computes what the merged
-    weights compute with the adapters on or off."""
-    for seg in model.segments:
-        for blk in seg.blocks:
-            for target, module, w in block_adapters(blk):
-                p, a, b = (getattr(module, n) for n in (w, f"{w}_lora_a", f"{w}_lora_b"))
-
-                def layer(w_, a_, b_, experts=target in EXPERT_TARGETS):
-                    return merged_weight(w_, a_, b_, scaling, experts)
-
-                p.set_value(jax.vmap(layer)(p[...], a[...], b[...]).astype(p[...].dtype))
-                b.set_value(jnp.zeros_like(b[...]))
+    cast to W's dtype; `lora.fold`), then B <- 0, so the model computes what the
+    merged weights compute with the adapters on or off."""
+    lora.fold(model, scaling, drop=False)
 
 
 def block_adapters(blk) -> Iterator[tuple[str, object, str]]:

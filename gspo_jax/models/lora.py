@@ -22,7 +22,8 @@ with their experts.
 
 `add_adapters` attaches adapters to a built model (after its base parameters, so the
 base's initialisation, and its RNG stream, is the same with LoRA as without);
-`merge` folds them into the base (tests, the merged export); `adapters_off` is the
+`merge` folds them into the base (tests, the merged export; `fold` in place, the one
+fold of W + (alpha/r) A B, which the Hugging Face export uses too); `adapters_off` is the
 reference policy's parameters: the same arrays with every B zeroed (no copy of the
 base).
 """
@@ -181,7 +182,8 @@ def _adapted(model: nnx.Module):
 
 
 def delta(a, b, scale: float, n_lead: int, n_in: int, n_dims: int, w_shape):
-    """scale * A B as an f32 array of the weight's shape (stack + lead + in + out)."""
+    """scale * A B as an f32 array of the weight's shape (stack + lead + in + out); A and
+    B jax or numpy arrays, with the weight's stack dims or without (one layer's)."""
     st = len(w_shape) - n_dims
     lead = a.shape[: st + n_lead]
     a2 = a.reshape(lead + (-1, a.shape[-1])).astype(jnp.float32)  # [..., I, r]
@@ -189,23 +191,57 @@ def delta(a, b, scale: float, n_lead: int, n_in: int, n_dims: int, w_shape):
     return (scale * jnp.matmul(a2, b2, precision="highest")).reshape(w_shape)
 
 
+def merged(w, a, b, scale: float, dims: tuple[int, int, int]):
+    """W + scale * A B, summed in f32 (the caller casts); ``dims`` the weight's
+    (n_lead, n_in, n_dims) of its module's ``LORA_WEIGHTS``."""
+    return w.astype(jnp.float32) + delta(a, b, scale, *dims, w.shape)
+
+
+def fold(model: nnx.Module, scale: float | None = None, *, drop: bool = True) -> nnx.Module:
+    """Fold every adapter of ``model`` into its weight, in place: W <- W + scale A B
+    (`merged`, stored in W's dtype; ``scale`` by default each module's alpha / r); then
+    the adapters are removed (``drop``) or every B zeroed, so the model computes the
+    same with the adapters on or off."""
+    for module, name, n_lead, n_in, n_dims in list(_adapted(model)):
+        w = getattr(module, name)
+        a, b = getattr(module, f"{name}_lora_a"), getattr(module, f"{name}_lora_b")
+        s = module.lora.scale if scale is None else scale
+        dims = (n_lead, n_in, n_dims)
+        if quantized.is_quantized(w.get_value()):  # dequantized; the merged weight f32
+            w.set_value(merged(quantized.read(w, jnp.float32), a[...], b[...], s, dims))
+        else:
+            w[...] = merged(w[...], a[...], b[...], s, dims).astype(w.dtype)
+        if drop:
+            delattr(module, f"{name}_lora_a")
+            delattr(module, f"{name}_lora_b")
+        else:
+            b[...] = jnp.zeros_like(b[...])
+    if drop:
+        _drop_spec(model)
+    return model
+
+
+def _drop_spec(model: nnx.Module) -> None:
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "lora"):
+            del module.lora
+
+
+def without_adapters(model: nnx.Module) -> nnx.Module:
+    """``model`` (in place; also returned) with its adapters removed: the base alone."""
+    for module, name, *_ in list(_adapted(model)):
+        delattr(module, f"{name}_lora_a")
+        delattr(module, f"{name}_lora_b")
+    _drop_spec(model)
+    return model
+
+
 def merge(model: nnx.Module) -> nnx.Module:
     """A copy of ``model`` with every adapter folded into its weight (W + (alpha/r) A B,
     summed in f32, stored in W's dtype) and no adapters: the model a LoRA model
     computes, as a plain model (tests; the merged Hugging Face export).  A quantized
-    weight is dequantized first and the merged weight stored in f32."""
-    model = nnx.clone(model)
-    for module, name, n_lead, n_in, n_dims in list(_adapted(model)):
-        w = getattr(module, name)
-        a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
-        d = delta(a, b, module.lora.scale, n_lead, n_in, n_dims, w.shape)
-        w.set_value((quantized.read(w, jnp.float32) + d).astype(w.dtype))
-        delattr(module, f"{name}_lora_a")
-        delattr(module, f"{name}_lora_b")
-    for _, module in nnx.iter_modules(model):
-        if hasattr(module, "lora"):
-            del module.lora
-    return model
+    weight (`gspo_jax.models.quantized`) is dequantized first, the merged weight f32."""
+    return fold(nnx.clone(model))
 
 
 def merge_params(graphdef, params):

@@ -1,0 +1,140 @@
+"""Export a run's model in the Hugging Face layout, or its LoRA adapters in PEFT's.
+
+    python -m gspo_jax.export --config=configs/default.py:lora --workdir=runs/lora \\
+        --out=runs/lora/hf [--format=merged|peft|base] [--dtype=bfloat16] [--max_shard_size=5GB]
+
+The parameters are those `gspo_jax.evaluate` scores: the workdir's newest RL checkpoint
+that restores, else its newest warm-start one; a LoRA run's adapters on the frozen base
+rebuilt from its source (the warm start's last checkpoint, ``model.pretrained`` or the
+seed), its checksum checked as a resume checks it. Read-only like the evaluation:
+``--config`` must be the run's (a ``ConfigError`` names every field that differs), and
+nothing under the workdir is written (``--out`` may be inside it).
+
+``--format``:
+
+* ``merged`` (the default): ``config.json`` and ``model.safetensors`` (shards with an
+  index past ``--max_shard_size``), which transformers and vLLM load; a LoRA run's
+  adapted weights are written merged, W + (alpha/r) A B (`export_pretrained`);
+* ``peft`` (LoRA runs): ``adapter_model.safetensors`` and ``adapter_config.json``, for
+  ``peft.PeftModel.from_pretrained`` (or vLLM's LoRA loader) on the base;
+* ``base`` (LoRA runs): the frozen base alone, in the layout of ``merged``: the model the
+  ``peft`` adapters load onto when the base is not a Hugging Face checkpoint already
+  (a warm start, or the seed's initialisation).
+
+With ``config.tokenizer`` a directory, its tokenizer files are copied beside the
+weights of ``merged`` and ``base``. Prints one JSON object (``workdir``, ``restored``,
+``format``, ``out``, ``files``). A config, checkpoint or file error is printed in one
+message, exit status 2 for the config, else 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+
+FORMATS = ("merged", "peft", "base")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def export_run(
+    c: ml_collections.ConfigDict,
+    workdir: str,
+    out: str,
+    *,
+    format: str = "merged",
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+) -> dict[str, Any]:
+    """Write the model of the run in ``workdir`` (config ``c``) to ``out`` in
+    ``format`` (module docstring); returns what `main` prints."""
+    from flax import nnx
+
+    from gspo_jax import config as config_lib
+    from gspo_jax.evaluate import open_workdir, restore_params
+    from gspo_jax.models import export_peft, export_pretrained, lora
+
+    if format not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {format!r}")
+    if format != "merged" and not c.lora.rank:
+        raise config_lib.ConfigError(
+            f"--format={format} exports LoRA adapters or their base, but the run trains "
+            "every parameter (config.lora.rank=0): export it with --format=merged"
+        )
+    workdir, out = os.path.abspath(workdir), os.path.abspath(out)
+    trainer, tmp = open_workdir(copy.deepcopy(c), workdir)
+    try:
+        params, restored = restore_params(trainer)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    model, lc, cfg = nnx.merge(trainer.graphdef, params), trainer.cfg.lora, trainer.cfg
+    if format == "peft":  # the base's name: the HF checkpoint, if RL started from it
+        base = cfg.model.pretrained if cfg.sft.steps == 0 else ""
+        files = export_peft(
+            model, out, lc, dtype=dtype or "float32", base_model_name_or_path=base or None
+        )
+    else:
+        if format == "base":
+            lora.without_adapters(model)
+        kw = dict(lora=lc) if lc.rank and format == "merged" else {}
+        files = export_pretrained(model, out, dtype=dtype, max_shard_size=max_shard_size, **kw)
+        if cfg.tokenizer != "char":
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(cfg.tokenizer, name)):
+                    shutil.copyfile(os.path.join(cfg.tokenizer, name), os.path.join(out, name))
+    return {"workdir": workdir, "restored": restored, "format": format, "out": out, "files": files}
+
+
+def main(argv: Sequence[str]) -> None:
+    from gspo_jax.evaluate import run_command
+    from gspo_jax.lora_rl import BaseMismatch
+
+    del argv
+    result = run_command(
+        lambda f: export_run(
+            f.config,
+            f.workdir,
+            f.out,
+            format=f.format,
+            dtype=f.dtype or None,
+            max_shard_size=f.max_shard_size,
+        ),
+        {"workdir": "the run's", "out": "the folder to write"},
+        (OSError, ValueError, BaseMismatch),
+    )
+    print(json.dumps(result, indent=2, sort_keys=True), flush=True)
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file(
+        "config", None, "The run's config file (configs/*.py[:arg]).", lock_config=True
+    )
+    flags.DEFINE_string("workdir", "", "The run's workdir.")
+    flags.DEFINE_string("out", "", "The folder to write.")
+    flags.DEFINE_enum("format", "merged", list(FORMATS), "merged, peft (LoRA) or base (LoRA).")
+    flags.DEFINE_string("dtype", "", "The files' dtype (default: the parameters').")
+    flags.DEFINE_string("max_shard_size", "5GB", "Bytes per weight file (merged, base).")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from gspo_jax.train import _parse_flags
+
+    _define_flags()
+    sys.exit(app.run(main, flags_parser=_parse_flags))
