@@ -63,7 +63,7 @@ def export_run(
 
     from gspo_jax import config as config_lib
     from gspo_jax.evaluate import open_workdir, restore_params
-    from gspo_jax.models import export_peft, export_pretrained, lora
+    from gspo_jax.models import export_peft, export_pretrained, lora, quantized
 
     if format not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {format!r}")
@@ -80,6 +80,7 @@ def export_run(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     model, lc, cfg = nnx.merge(trainer.graphdef, params), trainer.cfg.lora, trainer.cfg
+    quantized.dequantize_base(model)  # a quantized base (lora.base_quantization) in f32
     if format == "peft":  # the base's name: the HF checkpoint, if RL started from it
         base = cfg.model.pretrained if cfg.sft.steps == 0 else ""
         files = export_peft(

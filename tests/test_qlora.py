@@ -43,11 +43,7 @@ def _weights(model):
 def _dequantized_model(model):
     """``model`` (quantized) with each quantized weight replaced by its dequantized f32
     value: the plain model the quantized one should compute."""
-    model = nnx.clone(model)
-    for module, name, *_ in _weights(model):
-        var = getattr(module, name)
-        var.set_value(quantized.read(var, jnp.float32))
-    return model
+    return quantized.dequantize_base(nnx.clone(model))
 
 
 def _as_matrix(a, n_lead, n_in, n_dims):
@@ -263,3 +259,34 @@ def test_rl_step_on_a_quantized_base(data_dir, tmp_path, scheme):
     )
     assert sizes["frozen_stored_bytes"] < plain["frozen_stored_bytes"]
     assert set(rl.checkpoint_items()[1]["lora_base"]) == {"source", "checksum"}
+
+
+def test_export_of_a_quantized_run(data_dir, tmp_path):
+    """A LoRA smoke run on an int8 base, restored as the evaluation and the export read
+    it (the base rebuilt, quantized again and its checksum checked): the exported base
+    (HF layout) is the dequantized base, and the merged export the run's model with its
+    adapters, both loaded in transformers."""
+    pytest.importorskip("transformers")
+    from test_export import _hf, _restored, _tokens
+    from test_lora import _lora_smoke
+    from test_peft import _ours, _torch_logits
+
+    from gspo_jax import train
+    from gspo_jax.export import export_run
+    from gspo_jax.models.lora import adapters_off
+
+    workdir = str(tmp_path / "run")
+    c = _lora_smoke(data_dir, base_quantization="int8")
+    train.run(c, workdir)
+    model, restored = _restored(c, workdir)
+    assert restored == "rl/2"
+    q = model.segments[0].blocks[0].attn.q.get_value()
+    assert quantized.is_quantized(q) and q.qvalue.dtype == jnp.int8
+    tokens = _tokens(model)
+    ours = _ours(model, tokens)
+    graphdef, state = nnx.split(model)
+    off = _ours(nnx.merge(graphdef, adapters_off(state)), tokens)
+    base = export_run(c, workdir, str(tmp_path / "base"), format="base")
+    merged = export_run(c, workdir, str(tmp_path / "merged"), format="merged")
+    np.testing.assert_allclose(_torch_logits(_hf(base["out"]), tokens), off, atol=1e-4)
+    np.testing.assert_allclose(_torch_logits(_hf(merged["out"]), tokens), ours, atol=1e-4)

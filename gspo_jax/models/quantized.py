@@ -88,6 +88,17 @@ def quantize_base(model: nnx.Module, scheme: str) -> nnx.Module:
     return model
 
 
+def dequantize_base(model: nnx.Module) -> nnx.Module:
+    """Every quantized weight of ``model`` replaced, in place, by its dequantized f32
+    value (the export of a quantized run: the base its adapters were trained on)."""
+    for _, module in nnx.iter_modules(model):
+        for name in getattr(module, "LORA_WEIGHTS", None) or {}:
+            var = getattr(module, name)
+            if is_quantized(var.get_value()):
+                var.set_value(read(var, jnp.float32))
+    return model
+
+
 def read(var: nnx.Variable, dtype) -> jax.Array:
     """The weight ``var`` in ``dtype``: dequantized (in f32, then rounded) when quantized,
     ``var[...].astype(dtype)`` otherwise."""
