@@ -37,7 +37,6 @@ from flax import nnx
 
 SCHEMES = ("none", "int8", "int4")
 QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
-BITS = {"int8": 8, "int4": 4}
 # int4's group size along the last input dim (QLoRA's NF4 uses 64; 32 keeps the scale
 # overhead at 1 f32 per 32 weights, 1 bit per weight).
 INT4_GROUP = 32
