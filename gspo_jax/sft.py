@@ -145,17 +145,21 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
 
 def reference_for_resume(trainer: Trainer):
     """RL resumes and its KL term needs pi_ref (or LoRA its frozen base), the warm
-    start's final parameters: from the warm start's last checkpoint. The warm start is never repeated once RL has
-    begun; if that checkpoint is gone (or does not restore), the run stops and says so.
+    start's final parameters: from the warm start's last checkpoint. The warm start is
+    never repeated once RL has begun; if that checkpoint is gone (or does not restore),
+    the run stops and says so, naming what needs it.
     """
     params = final_params(trainer)
     if params is None:
         path = os.path.join(trainer.workdir, "checkpoints", "sft", str(trainer.cfg.sft.steps))
+        needs = []
+        if trainer.kl_coef:
+            needs.append(f"the KL term (kl_coef={trainer.kl_coef}) needs the reference policy")
+        if trainer.cfg.lora.rank:
+            needs.append(f"LoRA (lora.rank={trainer.cfg.lora.rank}) needs its frozen base")
         raise FileNotFoundError(
             f"RL resumes from its checkpoint, but the warm start's last checkpoint ({path}) "
-            f"is gone or does not restore, and the KL term (kl_coef={trainer.kl_coef}) or "
-            f"LoRA's frozen base (lora.rank={trainer.cfg.lora.rank}) needs the parameters it "
-            "holds. Restore that checkpoint to resume (a warm start is never repeated once RL "
-            "has begun)."
+            f"is gone or does not restore, and {' and '.join(needs)} it holds. Restore that "
+            "checkpoint to resume (a warm start is never repeated once RL has begun)."
         )
     return params
