@@ -187,7 +187,7 @@ def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
         moe=trainer.model_cfg.num_moe_layers > 0,
     )
     records = []
-    for b, host_batch in enumerate(host_batches):
+    for b, host_batch in enumerate(host_batches, start=int(sc.get("batch_offset", 0))):
         phase.state = trainer.new_state(jax.tree.map(jnp.copy, params0), phase.optimizer)
         batch, _ = phase.prepare(host_batch, 0)
         old_lp = full_logprobs(params0, batch, graphdef=graphdef, temperature=kw["temperature"])
@@ -245,13 +245,14 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                     )
                 phase = RLPhase(trainer, params0)
                 if host_batches is None:  # one set of rollouts per warm start, shared
+                    first = int(sc.get("batch_offset", 0))  # stage 5 skips stage 1's
                     host_batches = [
                         phase.queued(
                             *phase.collect(params0, b, jax.random.fold_in(jax.random.key(seed), b)),
                             step=b,
                             version=0,
                         )
-                        for b in range(int(sc.batches))
+                        for b in range(first, first + int(sc.batches))
                     ]
                 records = run_probe(trainer, phase, params0, host_batches, sc, ranges)
                 meta = dict(arm=arm, objective=obj, lr=float(lr), seed=int(seed))

@@ -182,3 +182,107 @@ def fisher_one_sided(a_hits: int, a_n: int, b_hits: int, b_n: int) -> float:
     total = math.comb(n, a_n)
     lo = max(0, k - b_n)
     return sum(math.comb(k, x) * math.comb(n - k, a_n - x) for x in range(lo, a_hits + 1)) / total
+
+
+# --------------------------------------------------------------------------
+# Stage 5's detector: a collapse that counts only after the policy has learned
+# (README, "Stage 5", fixed before any stage-5 run; tests/test_stability_stage5.py).
+
+LEARN_FACTOR = 1.25  # the held-out reward the policy must reach, × its warm start's
+LEARN_MIN_GAIN = 0.05  # ... and at least this much above it (a warm start near 0)
+EVAL_WINDOW = 2  # evaluations averaged for "learned" (one evaluation is noisy)
+
+# A run's outcome under the rule, one of:
+LEARNED_COLLAPSED = "learned, then collapsed"
+LEARNED_HELD = "learned, held"
+EARLY_COLLAPSE = "collapsed before learning"  # stages 2-3's regime
+NEVER_LEARNED = "never learned, no collapse"
+OUTCOMES = (LEARNED_COLLAPSED, LEARNED_HELD, EARLY_COLLAPSE, NEVER_LEARNED)
+
+
+def learned_step(
+    eval_rewards: Sequence[float],
+    eval_start: float,
+    *,
+    factor: float = LEARN_FACTOR,
+    min_gain: float = LEARN_MIN_GAIN,
+    window: int = EVAL_WINDOW,
+) -> int | None:
+    """Index (into ``eval_rewards``, the run's held-out evaluations in order) of the
+    first evaluation at which the trailing ``window``-evaluation mean reaches
+    max(``factor`` × ``eval_start``, ``eval_start`` + ``min_gain``), ``eval_start``
+    being the warm start's held-out reward; None if it never does. The first
+    ``window - 1`` evaluations are averaged over fewer."""
+    if not factor > 1 or window < 1 or not min_gain > 0:
+        raise ValueError(
+            f"factor={factor} must be > 1, min_gain={min_gain} > 0, window={window} >= 1"
+        )
+    if not (math.isfinite(eval_start) and eval_start >= 0):
+        raise ValueError(f"eval_start={eval_start}: expected a held-out reward >= 0")
+    x = np.asarray(eval_rewards, np.float64)
+    if x.ndim != 1 or not np.all(np.isfinite(x)):
+        raise ValueError("eval_rewards: expected a finite 1-D sequence")
+    target = max(factor * eval_start, eval_start + min_gain)
+    hits = np.nonzero(moving_average(x, window) >= target)[0]
+    return int(hits[0]) if len(hits) else None
+
+
+def learned_collapse(
+    steps: Sequence[int],
+    rewards: Sequence[float],
+    eval_steps: Sequence[int],
+    eval_rewards: Sequence[float],
+    eval_start: float,
+    *,
+    frac: float = 0.3,
+    factor: float = LEARN_FACTOR,
+    window: int = 3,
+    patience: int = 5,
+    min_peak: float = 0.1,
+) -> dict:
+    """Stage 5's reading of one run (README, "Stage 5", "Detector").
+
+    * *Learned* at RL step ``t_learn``: the first held-out evaluation at which the
+      mean of the last two evaluations reaches ``factor`` × the warm start's, and at
+      least 0.05 above it (`learned_step`).
+    * *Collapsed after learning*: stage 2's detector (`collapse_step`, threshold
+      ``frac``) on the training reward from ``t_learn`` on, its running maximum taken
+      from ``t_learn`` on, so the peak it falls from is one the learned policy reached.
+    * A run that never learned but which stage 2's detector calls collapsed on its
+      whole curve is ``EARLY_COLLAPSE`` (the regime of stages 2 and 3); one that
+      learned is ``LEARNED_HELD`` unless it collapsed after learning.
+
+    ``steps``/``rewards``: the training reward per RL step; ``eval_steps`` /
+    ``eval_rewards``: the held-out evaluations and their RL steps. Returns
+    ``dict(outcome, learned_at, collapse_at, peak_eval)`` (RL steps, or None).
+    """
+    steps = [int(s) for s in steps]
+    if len(steps) != len(rewards):
+        raise ValueError(f"steps ({len(steps)}) and rewards ({len(rewards)}): unequal lengths")
+    if len(eval_steps) != len(eval_rewards):
+        raise ValueError(
+            f"eval_steps ({len(eval_steps)}) and eval_rewards ({len(eval_rewards)}): "
+            "unequal lengths"
+        )
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ValueError("steps: expected strictly ascending RL steps")
+    kw = dict(frac=frac, window=window, patience=patience, min_peak=min_peak)
+    i = learned_step(eval_rewards, eval_start, factor=factor) if len(eval_rewards) else None
+    peak = float(np.max(eval_rewards)) if len(eval_rewards) else None
+    if i is None:
+        early = collapse_step(rewards, **kw) if len(rewards) else None
+        return dict(
+            outcome=NEVER_LEARNED if early is None else EARLY_COLLAPSE,
+            learned_at=None,
+            collapse_at=None if early is None else steps[early],
+            peak_eval=peak,
+        )
+    t_learn = int(eval_steps[i])
+    start = next((j for j, s in enumerate(steps) if s >= t_learn), len(steps))
+    after = collapse_step(rewards[start:], **kw) if start < len(steps) else None
+    return dict(
+        outcome=LEARNED_HELD if after is None else LEARNED_COLLAPSED,
+        learned_at=t_learn,
+        collapse_at=None if after is None else steps[start + after],
+        peak_eval=peak,
+    )
