@@ -369,3 +369,39 @@ def test_gsm8k_bad_files_are_refused_even_for_a_prepared_dataset(tmp_path, gsm8k
   bad = _write_gsm8k(tmp_path / "bad", (_GOOD + "\n" + _GOOD.replace("#### 72", "#### 72 clips")).encode())
   with pytest.raises(ValueError, match=r"line 2: GSM8K final answer is not a plain number: '72 clips'"):
     gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=bad)
+
+
+def test_two_runs_preparing_one_dataset_at_once_both_succeed(tmp_path, monkeypatch):
+  """Two runs started together on a fresh data dir (a sweep's points, a study's two
+  pinned processes): the second waits for the first's preparation and reuses it. Without
+  the lock both generate, and the second fails renaming into the folder the first made."""
+  import threading
+  import time
+
+  from gspo_jax.data import source
+
+  real = countdown.GspoCountdown.download_and_prepare
+  inside = []
+
+  def slow(self, *a, **kw):  # both threads inside at once, unless one waits
+    inside.append(threading.get_ident())
+    time.sleep(0.5)
+    return real(self, *a, **kw)
+
+  monkeypatch.setattr(countdown.GspoCountdown, "download_and_prepare", slow)
+  errors, builders = [], []
+
+  def prepare():
+    try:
+      b = countdown.GspoCountdown(data_dir=str(tmp_path), config=SMALL_CD)
+      builders.append(source.prepared(b))
+    except Exception as e:  # noqa: BLE001 - reported below
+      errors.append(e)
+
+  threads = [threading.Thread(target=prepare) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  assert len(inside) == 2 and all(len(b.as_data_source("test")) == 40 for b in builders)

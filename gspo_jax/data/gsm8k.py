@@ -36,6 +36,7 @@ from tensorflow_datasets.core.download import resource as tfds_resource
 from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
 
 from gspo_jax.answers import REFERENCE_LIMITS, parse_number
+from gspo_jax.data import source
 
 SPLITS = ("train", "test", "train_socratic", "test_socratic")
 
@@ -214,10 +215,18 @@ def prepare_gsm8k(
     builder = gsm8k_builder(data_dir)
     download_dir = epath.Path(download_dir or epath.Path(data_dir) / "downloads")
     if files_dir is None:
-        builder.download_and_prepare(download_dir=download_dir, file_format="array_record")
+        with source.prepare_lock(builder):
+            builder = source.current(builder, lambda: gsm8k_builder(data_dir))
+            builder.download_and_prepare(download_dir=download_dir, file_format="array_record")
         return builder
     examples = read_gsm8k_files(files_dir)  # Every line checked before anything else.
     digests = _file_digests(files_dir)
+    with source.prepare_lock(builder):
+        builder = source.current(builder, lambda: gsm8k_builder(data_dir))
+        return _prepare_from_files(builder, examples, digests, files_dir, download_dir)
+
+
+def _prepare_from_files(builder, examples, digests, files_dir, download_dir):
     record = epath.Path(builder.data_dir) / _SOURCES_FILE
     if builder.is_prepared() and record.exists():
         if json.loads(record.read_text()) != digests:

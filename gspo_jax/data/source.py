@@ -11,19 +11,58 @@ so a resumed run draws exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import inspect
 import os
 from typing import Any
 
 import numpy as np
+from tensorflow_datasets.core.file_adapters import FileFormat
 
 from gspo_jax import tasks
 from gspo_jax.data import prompts
 
 
+@contextlib.contextmanager
+def prepare_lock(builder):
+    """Held while ``builder``'s dataset is prepared: one process (or thread) at a time
+    per dataset and data dir, so that runs started together on a fresh data dir (a
+    sweep's points, a study's two pinned processes) do not both generate it and fail
+    renaming into the folder the other one made. A remote data dir (``gs://``) is not
+    locked."""
+    path = os.fspath(builder.data_dir).rstrip("/")
+    if "://" in path:
+        yield
+        return
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{os.path.basename(path)}.prepare.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+ARRAY_RECORD = FileFormat.ARRAY_RECORD
+
+
 def prepared(builder):
     """``builder`` prepared as array_record: generated on first use, reused after."""
-    builder.download_and_prepare(file_format="array_record")
+    with prepare_lock(builder):
+        builder = current(builder)
+        builder.download_and_prepare(file_format="array_record")
+    return builder
+
+
+def current(builder, make=None):
+    """``builder``, or one made again (``make()``; by default as TFDS copies a builder,
+    from its constructor's arguments) when it was made before another run prepared its
+    data, while this one waited for `prepare_lock`: its info is then an empty folder's,
+    which names TFDS's default file format, not the array_record every task writes."""
+    if builder.is_prepared() and builder.info.file_format != ARRAY_RECORD:
+        return make() if make is not None else type(builder)(**builder._original_state)
     return builder
 
 

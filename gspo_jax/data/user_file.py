@@ -76,7 +76,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 
 from gspo_jax import verifiers
-from gspo_jax.data import prompts
+from gspo_jax.data import prompts, source
 
 BAD_ROWS = ("skip", "refuse")
 EXTENSIONS = (".jsonl", ".parquet")
@@ -426,11 +426,17 @@ def prepare(spec: FileTask, data_dir: os.PathLike | str, prompt_check=None) -> G
     where given) and bad rows reported only when that dataset is not prepared yet."""
     if spec.bad_rows not in BAD_ROWS:
         raise ValueError(f"bad_rows must be one of {BAD_ROWS}, got {spec.bad_rows!r}")
-    builder = GspoUserFile(spec=spec, data_dir=os.fspath(data_dir), check=prompt_check)
-    if not builder.is_prepared():
-        builder.rows = _splits(spec, prompt_check)
-        builder.download_and_prepare(file_format="array_record")
-        _write_json(os.path.join(builder.data_dir, ROW_KEYS), _row_keys(builder.rows))
+
+    def make():
+        return GspoUserFile(spec=spec, data_dir=os.fspath(data_dir), check=prompt_check)
+
+    builder = make()
+    with source.prepare_lock(builder):
+        builder = source.current(builder, make)
+        if not builder.is_prepared():
+            builder.rows = _splits(spec, prompt_check)
+            builder.download_and_prepare(file_format="array_record")
+            _write_json(os.path.join(builder.data_dir, ROW_KEYS), _row_keys(builder.rows))
     _note_change(spec, builder)
     return builder
 
