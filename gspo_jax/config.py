@@ -522,6 +522,14 @@ def validate(
                 f"under the adapter (sft.steps=0, got {c.sft.steps})",
             )
 
+    if c.rollout.sampler_quantization != "none" and c.lora.base_quantization != "none":
+        raise _err(
+            "rollout.sampler_quantization",
+            f"{c.rollout.sampler_quantization!r}: the frozen base is already quantized "
+            f"(lora.base_quantization={c.lora.base_quantization!r}) and the sampler reads "
+            "it as it is; use 'none'",
+        )
+
     # The sampler's own devices (rollout.devices) are not the training mesh's.
     shape = mesh_shape(c, offpolicy.check(c, num_devices))
     _check_batches(c, shape)

@@ -129,6 +129,21 @@ class RolloutConfig:
         "controlled train-inference routing mismatch (experiments/router_noise.md); 0 for "
         "a dense model",
     )
+    # The sampler's own precision (gspo_jax.models.precision.SamplerPrecision): an
+    # inference engine computing in bf16, or reading int8 weights, while the trainer
+    # computes in f32 -- a train-inference mismatch that comes from numerics.
+    sampler_dtype: str = setting(
+        "",
+        choices=("", "float32", "bfloat16"),
+        doc="the sampler's compute dtype ('' = model.dtype, the trainer's); evaluation "
+        "samples with it too",
+    )
+    sampler_quantization: str = setting(
+        "none",
+        choices=("none", "int8", "int4"),
+        doc="the sampler reads the linear weights quantized (QLoRA's schemes), "
+        "re-quantized from the policy at every step",
+    )
     # One prompt shape for the sampler, the log-prob passes and the train step (and
     # SFT) over the whole run, so no batch recompiles them. 64 fits Countdown's and
     # arithmetic's compact prompts (at most 52 characters with BOS, at every

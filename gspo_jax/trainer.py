@@ -27,6 +27,7 @@ from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import PromptCheck, encode_prompt, fit_prompts
 from gspo_jax.models import from_pretrained, init_sharded, lora
+from gspo_jax.models.precision import SamplerPrecision
 from gspo_jax.models.sharding import BATCH_AXES, make_mesh, on_mesh
 from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
@@ -109,8 +110,17 @@ class Trainer:
         self.graphdef = graphdef
         # One prompt length for the whole run: one program per batch size.
         self.max_prompt_len = cfg.rollout.max_prompt_len
-        self.sampler = Sampler(
+        # The sampler's precision, where it is not the trainer's (rollout.sampler_dtype,
+        # rollout.sampler_quantization): its own graph, and a copy of the parameters.
+        self.sampler_precision = SamplerPrecision(
             graphdef,
+            params,
+            self.model_cfg,
+            cfg.rollout.sampler_dtype,
+            cfg.rollout.sampler_quantization,
+        )
+        self.sampler = Sampler(
+            self.sampler_precision.graphdef,
             params,
             vocab_size=self.model_cfg.vocab_size,
             mesh=self.sampler_mesh,
@@ -118,7 +128,7 @@ class Trainer:
         )
         # Where the sampler reads the parameters (a copy on its own devices, if any).
         self.sampler_devices = offpolicy.SamplerDevices(
-            self.mesh, self.sampler_mesh, self.model_cfg
+            self.mesh, self.sampler_mesh, self.sampler_precision.cfg
         )
         self.init_params = params  # where the warm start (or RL, without one) starts
         # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
@@ -222,7 +232,7 @@ class Trainer:
             eos_id=list(tok.stop_ids),
             pad_id=tok.pad_id,
             prompt_ids=[ex.index for ex in examples] if prompt_ids is None else prompt_ids,
-            state=self.sampler_devices.publish(params),
+            state=self.sampler_devices.publish(self.sampler_precision.view(params)),
             router_noise_std=cfg.rollout.router_noise_std if router_noise else 0.0,
             routing=routing,
         )

@@ -81,6 +81,9 @@ BASE_CONFIG = {'advantage': 'group',
              'max_prompt_len': 64,
              'prompts_per_step': 64,
              'router_noise_std': 0.0,
+             # the sampler's own precision (gspo_jax.models.precision.SamplerPrecision)
+             'sampler_dtype': '',
+             'sampler_quantization': 'none',
              'temperature': 1.0,
              # off-policy (docs/offpolicy.md)
              'staleness': 0,

@@ -3,13 +3,19 @@
 `F32_PARAMS` are read in float32 whatever the compute dtype; `head_logits` is
 the output projection with f32 logits and a backward in the compute dtype;
 `inference_params` casts a model's parameters to the compute dtype once, ahead
-of the forward passes that would cast them every time.
+of the forward passes that would cast them every time; `SamplerPrecision` is the
+sampler's own precision (``rollout.sampler_dtype``, ``rollout.sampler_quantization``),
+the numerical train-inference mismatch of an inference engine that computes in bf16
+or reads quantized weights while the trainer computes in f32.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from gspo_jax.models import quantized
 from gspo_jax.models.config import ModelConfig
@@ -69,3 +75,52 @@ def inference_params(params, cfg: ModelConfig):
         return jnp.copy(a) if a.dtype == dt else a.astype(dt)
 
     return jax.tree_util.tree_map_with_path(cast, params, is_leaf=quantized.is_quantized)
+
+
+def with_compute_dtype(graphdef, params, dtype: str):
+    """The graphdef of the model ``graphdef`` computing in ``dtype``: every module's
+    ``cfg`` (the one place the modules keep the compute dtype) with ``dtype``, the
+    parameters' paths and structure (adapters included) unchanged."""
+    model = nnx.merge(graphdef, params)
+    for _, module in nnx.iter_modules(model):
+        cfg = getattr(module, "cfg", None)
+        if isinstance(cfg, ModelConfig):
+            module.cfg = dataclasses.replace(cfg, dtype=dtype)
+    return nnx.split(model)[0]
+
+
+class SamplerPrecision:
+    """The parameters and graph the sampler computes with, when its precision is not
+    the trainer's: compute in ``dtype`` ('' or the model's: the trainer's) and the linear
+    weights ``quantization`` ('none', 'int8', 'int4'; `gspo_jax.models.quantized`, the
+    same weights and schemes as QLoRA's base), re-quantized from the current
+    parameters at each publication, as an inference engine loads each new policy.
+    Routers, norms and embeddings keep their precision (`inference_params`).
+
+    ``view(params)`` is the sampler's copy (one jitted cast and quantization); with
+    the trainer's own precision it is ``params`` itself and ``graphdef`` the model's."""
+
+    def __init__(self, graphdef, params, model_cfg: ModelConfig, dtype: str, quantization: str):
+        if quantization not in quantized.SCHEMES:
+            raise ValueError(
+                f"sampler_quantization: expected one of {quantized.SCHEMES}, got {quantization!r}"
+            )
+        dtype = dtype or model_cfg.dtype
+        self.cfg = dataclasses.replace(model_cfg, dtype=dtype)
+        self.same = dtype == model_cfg.dtype and quantization == "none"
+        self.graphdef = (
+            graphdef if dtype == model_cfg.dtype else with_compute_dtype(graphdef, params, dtype)
+        )
+        cfg, gd = self.cfg, self.graphdef
+
+        def view(p):
+            p = inference_params(p, cfg)
+            if quantization == "none":
+                return p
+            model = quantized.quantize_base(nnx.merge(gd, p), quantization)
+            return nnx.split(model)[1]
+
+        self._view = jax.jit(view)
+
+    def view(self, params):
+        return params if self.same else self._view(params)
