@@ -470,3 +470,41 @@ def test_the_hard_task_is_its_own_setting_with_its_own_warm_starts():
     assert common.warm_start_dir("/r", "moe2", 1, "hard") == "/r/warm/hard/moe2_s1"
     with pytest.raises(ValueError, match="task 'medium': expected one of small, hard"):
         common.base_config("moe2", 0, task="medium")
+
+
+def test_stage8_is_stage2s_frontier_at_depth_in_bf16(tmp_path):
+    """scale=gpu (stage 8): the 12-layer, 64-expert top-8 MoE and its dense twin, GRPO
+    only, in bf16, results in results/stage8; its smoke runs the same plumbing on a
+    2-layer model."""
+    from experiments.stability import stage2_config, stage2_frontier
+    from gspo_jax import config as config_lib
+
+    sc = stage2_config.get_config("scale=gpu")
+    assert sc.arms == ("moe12e64k8", "dense12") and sc.variants == ("grpo",)
+    assert sc.lrs == (3e-4, 5.5e-4, 1e-3) and len(sc.seeds) == 3 and sc.task == "small"
+    assert stage2_frontier.stage_name(sc) == "stage8"
+    fields = common.arm_fields("moe12e64k8")
+    assert (fields["num_experts"], fields["top_k"], fields["moe_d_ff"] * fields["top_k"]) == (64, 8, 256)
+    assert common.arm_fields("dense12")["d_ff"] == 256  # the same active FFN width
+    runs = list(stage2_frontier.grid(sc))
+    assert len(runs) == 2 * 3 * 3
+    for r in runs:
+        c = common.rl_config(r.arm, r.seed, "/tmp/unused")
+        common.apply_overrides(c, r.overrides)
+        config_lib.validate(c, num_devices=1)
+        assert c.model.dtype == "bfloat16" and r.meta["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="no setting search"):
+        stage2_config.get_config("scale=gpu,search=moe4")
+    with pytest.raises(ValueError, match="top-3 does not divide"):
+        common.arm_fields("moe2k3")
+
+    root, out = tmp_path / "root", tmp_path / "s8"
+    cfg = os.path.join(REPO, "experiments", "stability", "stage2_config.py") + ":scale=gpu,smoke"
+    stage2_frontier.main(["--root", str(root), "--out", str(out), "--config", cfg])
+    names = sorted(os.listdir(out / "runs"))
+    assert names == ["dense2_grpo_lr0.001_s0.jsonl", "moe2e8k4_grpo_lr0.001_s0.jsonl"]
+    summary = common.read_jsonl(str(out / "runs" / names[1]))[0]
+    assert summary["dtype"] == "bfloat16" and summary["steps"] == [1, 2]
+    assert (root / "stage8" / "moe2e8k4_grpo_lr0.001_s0" / "metrics.jsonl").exists()
+    stage2_frontier.main(["--report", "--out", str(out), "--config", cfg])
+    assert "| moe2e8k4 | grpo | 0.001 | 0 / 1 |" in (out / "frontier.md").read_text()

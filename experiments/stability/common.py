@@ -5,9 +5,10 @@
   twin: the same attention, embeddings and depth, and one SwiGLU MLP as wide as the K
   active experts together (``d_ff = K * moe_d_ff``), so that both spend the same
   FFN compute per token. ``moe<L>k1`` routes top-1 to experts twice as wide (the same
-  active parameters as top-2). ``moe<L>e<E>`` has E experts in place of 8 (the GPU
-  replication's ``moe12e64``; its dense twin is ``dense<L>``, the active width being
-  the same).
+  active parameters as top-2), and ``moe<L>k<K>`` top-K to experts of width 256 / K.
+  ``moe<L>e<E>`` has E experts in place of 8 (the GPU replication's ``moe12e64``,
+  stage 8's ``moe12e64k8``; its dense twin is ``dense<L>``, the active width being the
+  same).
 * **Warm starts**: one supervised warm start per (arm, seed), shared by every probe and
   RL run of that arm and seed, in ``<root>/warm/<arm>_s<seed>``.
 * **RL runs** start from a copy of their warm start (`copy_warm_start`) and resume from
@@ -46,34 +47,46 @@ NUM_EXPERTS = 8
 TOP_K = 2
 MOE_D_FF = 128
 
-_ARM = re.compile(r"^(moe|dense)(\d+)(?:e(\d+))?(k1)?$")
+_ARM = re.compile(r"^(moe|dense)(\d+)(?:e(\d+))?(?:k(\d+))?$")
 
 
 def arm_fields(arm: str, *, smoke: bool = False) -> dict:
     """ModelConfig fields of an arm name (see the module docstring).
 
+    ``moe<L>[e<E>][k<K>]``: top-K routing (default 2) over E experts (default 8) whose
+    width makes the active FFN width K x width the study's (2 x 128 = 256): ``k1`` has
+    experts of width 256, ``moe12e64k8`` 64 experts of width 32 top-8 (stage 8). Its
+    dense twin is ``dense<L>``, one MLP of that active width.
+
     >>> arm_fields("dense4")["d_ff"], arm_fields("dense4")["num_experts"]
     (256, 0)
+    >>> f = arm_fields("moe12e64k8"); f["num_experts"], f["top_k"], f["moe_d_ff"], f["d_ff"]
+    (64, 8, 32, 256)
     """
     m = _ARM.match(arm)
     if not m or (m.group(1) == "dense" and (m.group(3) or m.group(4))):
         raise ValueError(
-            f"arm {arm!r}: expected moe<layers>, moe<layers>k1, moe<layers>e<experts> or "
-            "dense<layers> (e.g. moe2, moe8, moe2k1, moe12e64, dense4)"
+            f"arm {arm!r}: expected moe<layers>, moe<layers>k<top-K>, moe<layers>e<experts>"
+            "[k<top-K>] or dense<layers> (e.g. moe2, moe8, moe2k1, moe12e64, moe12e64k8, dense4)"
         )
-    kind, layers, top1 = m.group(1), int(m.group(2)), bool(m.group(4))
+    kind, layers = m.group(1), int(m.group(2))
     if layers < 1:
         raise ValueError(f"arm {arm!r}: needs at least one layer")
     e, k, f = (4, 2, 32) if smoke else (NUM_EXPERTS, TOP_K, MOE_D_FF)
+    active = k * f  # the active FFN width every arm keeps
+    if kind == "dense":
+        return dict(num_layers=layers, num_experts=0, d_ff=active)
+    top = int(m.group(4)) if m.group(4) else k
     if m.group(3):
         e = int(m.group(3))
-        if e < (1 if top1 else k):
-            raise ValueError(f"arm {arm!r}: {e} experts, fewer than the top-K it routes to")
-    if kind == "dense":
-        return dict(num_layers=layers, num_experts=0, d_ff=k * f)
-    if top1:  # top-1 over experts twice as wide: the same active FFN width as top-2
-        return dict(num_layers=layers, num_experts=e, top_k=1, moe_d_ff=k * f, d_ff=k * f)
-    return dict(num_layers=layers, num_experts=e, top_k=k, moe_d_ff=f, d_ff=k * f)
+    if top < 1 or e < top:
+        raise ValueError(f"arm {arm!r}: {e} experts, fewer than the top-{top} it routes to")
+    if active % top:
+        raise ValueError(
+            f"arm {arm!r}: top-{top} does not divide the active FFN width {active} into "
+            "equal experts"
+        )
+    return dict(num_layers=layers, num_experts=e, top_k=top, moe_d_ff=active // top, d_ff=active)
 
 
 def is_moe(arm: str) -> bool:

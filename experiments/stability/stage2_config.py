@@ -8,6 +8,14 @@ The learning rates and GSPO's calibrated range come from stage 1's report
         --config experiments/stability/stage2_config.py:smoke          # seconds
     python -m experiments.stability.stage2_frontier --root runs/stability \
         --config experiments/stability/stage2_config.py:search=moe4    # stage 3's search
+    python -m experiments.stability.stage2_frontier --root /tmp/s8 \
+        --config experiments/stability/stage2_config.py:scale=gpu      # stage 8, on a GPU
+
+``scale=gpu`` is stage 8 (README, "Stage 8: depth on a GPU"): the frontier of a
+12-layer MoE with 64 experts top-8 (``moe12e64k8``, experts of width 32: the study's
+active FFN width) and its dense twin ``dense12``, GRPO only, three learning rates
+around the CPU critical rate, 3 seeds, bf16 compute (warm starts in f32, as every
+warm start), the small task. Its results go to ``results/stage8``.
 """
 
 import json
@@ -35,14 +43,21 @@ SEARCH = {
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     from gspo_jax import config as config_lib
 
-    args = config_lib.parse_arg(arg, known=("smoke", "search"))
+    args = config_lib.parse_arg(arg, known=("smoke", "search", "scale"))
     search = str(args.get("search", ""))
+    scale = str(args.get("scale", "cpu"))
+    if scale not in ("cpu", "gpu"):
+        raise ValueError(f"stage2_config: scale={scale!r}; expected cpu or gpu")
+    if scale == "gpu" and search:
+        raise ValueError("stage2_config: scale=gpu is stage 8, which has no setting search")
     if search and search not in SEARCH:
         raise ValueError(
             f"stage2_config: search={search!r} is not a fallback; known: {', '.join(SEARCH)}"
         )
     c = ml_collections.ConfigDict()
     c.search = search
+    c.scale = scale
+    c.dtype = "float32"  # the RL runs' compute dtype (model.dtype)
     c.task = "small"  # common.TASKS
     c.arms = ("moe2", "dense2")
     c.variants = ("grpo", "grpo_dual", "gspo")
@@ -52,6 +67,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.dual_clip = 3.0
     c.grpo_eps = (0.2, 0.28)
     c.smoke = bool(args.get("smoke", False))
+    if scale == "gpu":
+        c.arms = ("moe2e8k4", "dense2") if c.smoke else ("moe12e64k8", "dense12")
+        c.variants = ("grpo",)
+        c.dtype = "bfloat16"
+        # Around the CPU critical rate 5.5e-4 (stage 2): its grid points either side and it.
+        c.lrs = (3e-4, 5.5e-4, 1e-3)
+        if c.smoke:
+            c.seeds, c.steps, c.updates, c.lrs = (0,), 2, 2, (1e-3,)
+        return c
     if search:
         c.variants = ("grpo",)
         c.update(SEARCH[search])

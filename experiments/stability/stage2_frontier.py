@@ -26,7 +26,10 @@ OUT = os.path.join(common.RESULTS, "stage2")
 
 def stage_name(sc) -> str:
     """Where the grid's runs live under ``--root`` and its results under ``results/``:
-    ``stage2``, or ``stage2_search/<fallback>`` for stage 3's setting search."""
+    ``stage2``, ``stage2_search/<fallback>`` for stage 3's setting search, or
+    ``stage8`` for the GPU frontier (``scale=gpu``)."""
+    if sc.get("scale", "cpu") == "gpu":
+        return "stage8"
     return f"stage2_search/{sc.search}" if sc.search else "stage2"
 
 
@@ -35,20 +38,23 @@ def overrides(sc, variant: str, lr: float) -> dict:
     lo, hi = sc.grpo_eps
     grpo = {"eps_low": float(lo), "eps_high": float(hi), "kl_coef": 0.0}
     objective = {
-        "grpo": ("grpo", grpo),
-        "grpo_dual": ("grpo", dict(grpo, dual_clip=float(sc.dual_clip))),
-        "gspo": (
+        "grpo": lambda: ("grpo", grpo),
+        "grpo_dual": lambda: ("grpo", dict(grpo, dual_clip=float(sc.dual_clip))),
+        "gspo": lambda: (
             "gspo",
             {"eps_low": float(sc.gspo_eps[0]), "eps_high": float(sc.gspo_eps[1]), "kl_coef": 0.0},
         ),
     }
     if variant not in objective:
         raise ValueError(f"variant {variant!r}: expected one of {sorted(objective)}")
-    return {
-        "objective": objective[variant],
+    o = {
+        "objective": objective[variant](),
         "optimizer.lr": float(lr),
         "updates.num_minibatches": int(sc.updates),
     }
+    if sc.get("dtype", "float32") != "float32":  # stage 8's bf16 compute
+        o["model.dtype"] = sc.dtype
+    return o
 
 
 def run_name(arm: str, variant: str, lr: float, seed: int) -> str:
@@ -88,6 +94,8 @@ def grid(sc):
                         updates=int(sc.updates),
                         task=sc.task,
                     )
+                    if sc.get("dtype", "float32") != "float32":
+                        meta["dtype"] = sc.dtype
                     yield common.GridRun(
                         run_name(arm, variant, lr, seed),
                         arm,
@@ -118,7 +126,7 @@ def main(argv=None) -> None:
     only = ("arms", "variants", "lrs", "seeds")
     args = common.stage_parser(__doc__, OUT, "stage2_config.py", only).parse_args(argv)
     sc = common.stage_config(args, only)
-    if sc.search and args.out == OUT:
+    if (sc.search or sc.scale == "gpu") and args.out == OUT:
         args.out = os.path.join(common.RESULTS, stage_name(sc))
     if args.report:
         stage2_report.report(args.out, sc)
