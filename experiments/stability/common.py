@@ -351,6 +351,9 @@ SERIES = (
     "mismatch_kl",
     "mismatch_f2",
     "mismatch_route",
+    "behaviour_kl",
+    "behaviour_f2",
+    "staleness_mean",
     "no_signal_minibatches",
     "step_time",
 )
