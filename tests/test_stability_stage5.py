@@ -221,6 +221,10 @@ def test_stage5_runs_probes_and_reports_on_smoke(tmp_path):
     runs = common.read_records(str(out / "runs"))
     assert sorted(r["arm"] for r in runs) == ["dense2", "moe2"]
     assert all(r["steps"] == [1, 2, 3] and r["variant"] == "grpo" for r in runs)
+    # A second invocation resumes: every run has its summary of this setting.
+    sc = sweep.load_config(CFG5 + ":smoke")
+    sc.variants = ("grpo",)
+    assert stage5_learn_collapse.run_all(sc, str(root), str(out), common.Budget(None)) == 0
     # A summary of another setting stops the grid by name.
     path = out / "runs" / "moe2_grpo_lr0.001_s0.jsonl"
     old = common.read_jsonl(str(path))[0]

@@ -102,6 +102,13 @@ def test_stage7_measures_runs_and_reports_on_smoke(tmp_path):
     kl = [x for x in runs["bf16_r3"]["series"]["mismatch_kl"] if x is not None]
     assert kl and all(x > 1e-10 for x in kl)
     assert max(runs["f32"]["series"]["mismatch_kl"]) < 1e-10
+    # Resumed: nothing left to run, each summary checked against its setting.
+    sc = sweep.load_config(CFG7 + ":smoke")
+    sc.arms, sc.variants = ("moe2",), ("f32", "bf16_r3")
+    assert stage7_numerics.run_all(sc, str(root), str(out), common.Budget(None)) == 0
+    sc.steps = 3
+    with pytest.raises(SystemExit, match="another setting"):
+        stage7_numerics.run_all(sc, str(root), str(out), common.Budget(None))
     stage7_numerics.main(args + ["--report"])
     text = (out / "table.md").read_text()
     assert "## The mismatch of each precision" in text and "| moe2 | bf16_r3 | 1 |" in text

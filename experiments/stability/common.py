@@ -402,6 +402,23 @@ class GridRun:
     task: str = "small"
 
 
+def same_setting(path: str, old: dict, run: GridRun) -> None:
+    """Stops the grid (SystemExit naming the fields) when the summary ``old`` on disk
+    at ``path`` is not of ``run``'s setting: the grid changed after it ran, and a report
+    would mix settings. A summary's ``steps`` is the list of its RL steps
+    (`summarize_run` writes it over the meta's step count), so the run's step count
+    is compared with the last of them."""
+    diff = {k: (old.get(k), v) for k, v in run.meta.items() if k != "steps" and old.get(k) != v}
+    logged = old.get("steps") or [None]
+    if logged[-1] != run.steps:
+        diff["steps"] = (logged[-1], run.steps)
+    if diff:
+        raise SystemExit(
+            f"{path}: summarised under another setting ({diff}, as (on disk, now)); "
+            "move it aside to rerun"
+        )
+
+
 def collapse_line(summary: dict) -> str:
     """A finished run in one line: its collapse and held-out reward."""
     return (

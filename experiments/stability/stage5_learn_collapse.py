@@ -80,17 +80,6 @@ def grid(sc):
                     )
 
 
-def same_setting(path: str, old: dict, run: common.GridRun) -> None:
-    """A summary on disk must be of this run's setting: otherwise the grid changed
-    after it ran, and the report would mix settings."""
-    diff = {k: (old.get(k), v) for k, v in run.meta.items() if old.get(k) != v}
-    if diff:
-        raise SystemExit(
-            f"{path}: summarised under another setting ({diff}, as (on disk, now)); "
-            "move it aside to rerun"
-        )
-
-
 def describe(summary: dict) -> str:
     from experiments.stability.stage5_report import outcome
 
@@ -111,7 +100,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
         os.path.join(out, "runs"),
         budget,
         smoke=sc.smoke,
-        check=same_setting,
+        check=common.same_setting,
         describe=describe,
         log=log,
     )

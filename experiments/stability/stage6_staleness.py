@@ -114,22 +114,6 @@ def grid(sc):
                     )
 
 
-def same_setting(path: str, old: dict, run: common.GridRun) -> None:
-    """A summary on disk must be of this run's setting: otherwise the grid changed
-    after it ran, and the report would mix settings. A summary's ``steps`` is the list
-    of its RL steps (`common.summarize_run`), so the run's step count is compared with
-    the last of them."""
-    diff = {k: (old.get(k), v) for k, v in run.meta.items() if k != "steps" and old.get(k) != v}
-    logged = old.get("steps") or [None]
-    if logged[-1] != run.meta["steps"]:
-        diff["steps"] = (logged[-1], run.meta["steps"])
-    if diff:
-        raise SystemExit(
-            f"{path}: summarised under another setting ({diff}, as (on disk, now)); "
-            "move it aside to rerun"
-        )
-
-
 def describe(summary: dict) -> str:
     """A finished run in one line: its staleness, behaviour KL, collapse and held-out
     reward."""
@@ -148,7 +132,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
         os.path.join(out, "runs"),
         budget,
         smoke=sc.smoke,
-        check=same_setting,
+        check=common.same_setting,
         describe=describe,
         log=log,
     )

@@ -101,15 +101,6 @@ def grid(sc):
                 )
 
 
-def same_setting(path: str, old: dict, run: common.GridRun) -> None:
-    diff = {k: (old.get(k), v) for k, v in run.meta.items() if old.get(k) != v}
-    if diff:
-        raise SystemExit(
-            f"{path}: summarised under another setting ({diff}, as (on disk, now)); "
-            "move it aside to rerun"
-        )
-
-
 def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
     return common.run_grid(
         grid(sc),
@@ -118,7 +109,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
         os.path.join(out, "runs"),
         budget,
         smoke=sc.smoke,
-        check=same_setting,
+        check=common.same_setting,
         log=log,
     )
 
