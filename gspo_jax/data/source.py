@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import numpy as np
+from etils import epath
 from tensorflow_datasets.core.file_adapters import FileFormat
 
 from gspo_jax import tasks
@@ -35,9 +36,13 @@ def prepare_lock(builder):
     if "://" in path:
         yield
         return
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    with open(os.path.join(parent, f".{os.path.basename(path)}.prepare.lock"), "a") as f:
+    # Beside the data sets, not inside one: TFDS reads every entry of a data set's
+    # folder as a version of it.
+    root = os.fspath(builder.data_dir_root)
+    locks = os.path.join(root, ".prepare_locks")
+    os.makedirs(locks, exist_ok=True)
+    name = os.path.relpath(path, root).replace(os.sep, "__")
+    with open(os.path.join(locks, name + ".lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -61,7 +66,8 @@ def current(builder, make=None):
     from its constructor's arguments) when it was made before another run prepared its
     data, while this one waited for `prepare_lock`: its info is then an empty folder's,
     which names TFDS's default file format, not the array_record every task writes."""
-    if builder.is_prepared() and builder.info.file_format != ARRAY_RECORD:
+    written = epath.Path(builder.data_dir) / "dataset_info.json"  # is_prepared() warns
+    if builder.info.file_format != ARRAY_RECORD and written.exists():
         return make() if make is not None else type(builder)(**builder._original_state)
     return builder
 
