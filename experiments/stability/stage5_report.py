@@ -330,6 +330,7 @@ def plot_probes(records, path: str) -> None:
     )
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_ylim(bottom=0)  # a share: nothing below 0 to show
     ax.set_xlabel("KL(π_old‖π_θ), nats/token")
     ax.set_ylabel("F(τ=2)")
     ax.legend()
