@@ -157,7 +157,13 @@ def summary(arm, variant, lr, seed, kind):
         lr=lr,
         seed=seed,
         steps=STEPS,
-        series=dict(reward_mean=list(train), eval_reward_mean=ev),
+        series=dict(
+            reward_mean=list(train),
+            eval_reward_mean=ev,
+            # the per-rollout KL: 0.3 at RL step 1, then 0.1 + seed / 100; a missing step
+            ppo_kl_klast=[0.3] + [0.1 + seed / 100] * 98 + [None],
+            frac_ratio_gt_2_klast=[0.2] + [0.05] * 99,
+        ),
         eval_start=0.2,
         eval_final=float(np.mean(evals[-2:])),
     )
@@ -174,6 +180,9 @@ def test_grid_rules_count_outcomes_and_compare_moe_with_dense(tmp_path):
     g = stage5_report.grid_rules(runs, sc)
     row = g["table"][("grpo", "moe2", 4.2e-4)]
     assert row["counts@0.3"][stats.LEARNED_COLLAPSED] == 4 and row["reproduces"]
+    assert row["kl_step1"][0] == pytest.approx(0.3)
+    assert row["kl_median"][0] == pytest.approx(0.1 + np.mean(sc.seeds) / 100)
+    assert row["f2_median"][0] == pytest.approx(0.05)
     dense = g["table"][("grpo", "dense2", 4.2e-4)]["counts@0.3"]
     assert (dense[stats.LEARNED_HELD], dense[stats.EARLY_COLLAPSE]) == (3, 1)
     r2 = g["rule2"]["grpo"]

@@ -108,6 +108,25 @@ def outcome(summary: dict, *, frac: float = 0.3) -> dict:
     )
 
 
+REGIME = ("kl_step1", "kl_median", "f2_median")
+
+
+def regime(runs) -> dict[str, list[float]]:
+    """Per run, where it trains (README, "The regime the study ran in"): KL(pi_old ||
+    pi_theta) after a rollout's last update at RL step 1 and its median over the run's
+    steps, and the median share of tokens at a probability ratio above 2."""
+    out = defaultdict(list)
+    for r in runs:
+        kl = [x for x in r["series"].get("ppo_kl_klast", ()) if x is not None]
+        f2 = [x for x in r["series"].get("frac_ratio_gt_2_klast", ()) if x is not None]
+        if not (kl and f2):
+            continue  # a run that logged neither (none of the stage's own)
+        out["kl_step1"].append(float(kl[0]))
+        out["kl_median"].append(float(np.median(kl)))
+        out["f2_median"].append(float(np.median(f2)))
+    return dict(out)
+
+
 def cells(runs):
     """Runs grouped by (variant, arm, lr), seeds in order."""
     out = defaultdict(list)
@@ -140,6 +159,8 @@ def grid_rules(runs, sc) -> dict:
         row["eval_start"] = [r["eval_start"] for r in rs]
         row["eval_final"] = stats.bootstrap_ci([r["eval_final"] for r in rs])
         row["peak_eval"] = stats.bootstrap_ci([o["peak_eval"] for o in row["outcomes@0.3"]])
+        for name, value in regime(rs).items():
+            row[name] = stats.bootstrap_ci(value)
         lc = row["counts@0.3"][stats.LEARNED_COLLAPSED]
         row["reproduces"] = lc >= 2
         row["complete"] = len(rs) >= planned
@@ -225,6 +246,19 @@ def grid_markdown(g: dict, sc) -> list[str]:
             + ("" if row["complete"] else " (preliminary)")
             + " |"
         )
+    lines += [
+        "",
+        "### The regime: per-rollout KL(π_old‖π_θ) after the last update, nats/token",
+        "",
+        "Seed means [95% bootstrap over seeds] of each run's value at RL step 1 and of its "
+        "median over RL steps; F(τ=2), the share of tokens at a ratio above 2, its median.",
+        "",
+        "| objective | arm | lr | KL at RL step 1 | KL, median | F(τ=2), median |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (v, a, lr), row in g["table"].items():
+        cols = [stats.fmt_ci(*row[k]) if k in row else "n/a" for k in REGIME]
+        lines.append(f"| {v} | {a} | {lr:g} | " + " | ".join(cols) + " |")
     lines += ["", "### Rule 2: MoE against its dense twin (learned collapses, both lrs pooled)", ""]
     for v, r in g["rule2"].items():
         verdict = (
