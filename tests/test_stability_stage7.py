@@ -83,6 +83,12 @@ def test_rules_on_hand_made_runs():
     assert "**hurts**" in text and "(preliminary)" not in text
     few = stage7_report.rules([r for r in runs if r["seed"] < 2], sc)
     assert "(preliminary)" in "\n".join(stage7_report.grid_markdown(few))
+    # One seed gives an interval of zero width: no rule calls a verdict on it.
+    one = stage7_report.rules([r for r in runs if r["seed"] == 0], sc)
+    verdicts = [one["r1"][k]["verdict"] for k in one["r1"]] + [
+        one[r][k]["verdict"] for r in ("r2", "r3", "r4") for k in one[r]
+    ]
+    assert len(verdicts) == 7 and set(verdicts) == {stage7_report.ONE_SEED}  # 3 + 2 + 1 + 1
 
 
 def test_stage7_measures_runs_and_reports_on_smoke(tmp_path):

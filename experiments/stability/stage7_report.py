@@ -36,7 +36,16 @@ def paired(a: dict, b: dict, key=lambda r: r["eval_final"]):
     return [key(a[s]) - key(b[s]) for s in sorted(set(a) & set(b))]
 
 
-def effect_verdict(ci, *, up: str, down: str, none: str = "no effect shown") -> str:
+# A bootstrap over one seed has an interval of zero width: no verdict below two seeds.
+MIN_SEEDS = 2
+ONE_SEED = "no verdict (one seed)"
+
+
+def effect_verdict(ci, *, up: str, down: str, none: str = "no effect shown", n: int) -> str:
+    """``up`` if the interval is above 0, ``down`` if below, else ``none``; `ONE_SEED`
+    when it comes from fewer than `MIN_SEEDS` seeds."""
+    if n < MIN_SEEDS:
+        return ONE_SEED
     _, lo, hi = ci
     return up if lo > 0 else (down if hi < 0 else none)
 
@@ -86,7 +95,7 @@ def rules(runs, sc) -> dict:
             r1[(arm, p)] = dict(
                 d=d,
                 ci=ci,
-                verdict=effect_verdict(ci, up="helps", down="hurts"),
+                verdict=effect_verdict(ci, up="helps", down="hurts", n=len(d)),
                 collapsed=(hits, len(cur)),
                 control_collapsed=(chits, len(ctrl)),
                 p_more_collapses=stats.fisher_one_sided(chits, len(ctrl), hits, len(cur)),
@@ -101,7 +110,11 @@ def rules(runs, sc) -> dict:
             r2[p] = dict(
                 ratio=float(ratio),
                 apart=bool(apart),
-                verdict="R3 removes it" if ratio >= R3_FACTOR and apart else "not shown",
+                verdict=(
+                    ONE_SEED
+                    if min(a["n"], b["n"]) < MIN_SEEDS
+                    else ("R3 removes it" if ratio >= R3_FACTOR and apart else "not shown")
+                ),
                 complete=a["complete"] and b["complete"],
             )
     tis, base = arms.get((moe, "bf16_tis"), {}), arms.get((moe, "bf16"), {})
@@ -111,7 +124,9 @@ def rules(runs, sc) -> dict:
         r3["bf16"] = dict(
             d=d,
             ci=ci,
-            verdict=effect_verdict(ci, up="TIS helps", down="TIS hurts", none="not shown"),
+            verdict=effect_verdict(
+                ci, up="TIS helps", down="TIS hurts", none="not shown", n=len(d)
+            ),
             complete=len(d) >= planned,
         )
     for p in ("bf16", "int8"):
@@ -125,6 +140,7 @@ def rules(runs, sc) -> dict:
                     up="hurts the dense twin more",
                     down="hurts the MoE more",
                     none="no difference shown",
+                    n=min(len(dm), len(dd)),
                 ),
                 complete=min(len(dm), len(dd)) >= planned,
             )
