@@ -133,13 +133,25 @@ def test_rules_on_hand_made_summaries():
 
 
 def test_r1_reads_the_interval_and_the_margin():
-    assert stage6_report.r1_verdict((-0.05, -0.08, -0.01)) == "degrades"
-    assert stage6_report.r1_verdict((-0.01, -0.03, 0.02)) == "holds"
+    assert stage6_report.r1_verdict((-0.05, -0.08, -0.01), 3) == "degrades"
+    assert stage6_report.r1_verdict((-0.01, -0.03, 0.02), 3) == "holds"
     # The interval contains 0 but the mean is below -0.02: not resolved.
-    assert stage6_report.r1_verdict((-0.03, -0.10, 0.02)) == "not resolved"
+    assert stage6_report.r1_verdict((-0.03, -0.10, 0.02), 3) == "not resolved"
     # The interval above 0 (staleness helped): neither degrades nor contains 0.
-    assert stage6_report.r1_verdict((0.05, 0.02, 0.08)) == "not resolved"
-    assert stage6_report.r1_verdict(None) == "no runs"
+    assert stage6_report.r1_verdict((0.05, 0.02, 0.08), 3) == "not resolved"
+    assert stage6_report.r1_verdict(None, 0) == "no runs"
+    # One seed: its bootstrap interval has zero width, below 0 or not; no verdict.
+    assert stage6_report.r1_verdict((-0.05, -0.05, -0.05), 1) == stats.ONE_SEED
+
+
+def test_one_seed_gives_no_verdict_in_any_rule():
+    sc = sweep.load_config(CFG6)
+    g = stage6_report.rules(hand_made(sc, seeds=(0,)), sc)
+    verdicts = [r["verdict"] for rule in ("r1", "r2", "r3", "r4") for r in g[rule].values()]
+    assert verdicts and set(verdicts) == {stats.ONE_SEED}
+    # Two seeds of the same hand-made curves are enough for the rules to read them.
+    g = stage6_report.rules(hand_made(sc, seeds=(0, 1)), sc)
+    assert g["r1"][("moe2", "behaviour")]["verdict"] == "degrades (preliminary)"
 
 
 def test_fewer_seeds_than_planned_are_preliminary():

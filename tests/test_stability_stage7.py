@@ -88,7 +88,7 @@ def test_rules_on_hand_made_runs():
     verdicts = [one["r1"][k]["verdict"] for k in one["r1"]] + [
         one[r][k]["verdict"] for r in ("r2", "r3", "r4") for k in one[r]
     ]
-    assert len(verdicts) == 7 and set(verdicts) == {stage7_report.ONE_SEED}  # 3 + 2 + 1 + 1
+    assert len(verdicts) == 7 and set(verdicts) == {stats.ONE_SEED}  # 3 + 2 + 1 + 1
 
 
 def test_stage7_measures_runs_and_reports_on_smoke(tmp_path):

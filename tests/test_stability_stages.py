@@ -508,3 +508,14 @@ def test_stage8_is_stage2s_frontier_at_depth_in_bf16(tmp_path):
     assert (root / "stage8" / "moe2e8k4_grpo_lr0.001_s0" / "metrics.jsonl").exists()
     stage2_frontier.main(["--report", "--out", str(out), "--config", cfg])
     assert "| moe2e8k4 | grpo | 0.001 | 0 / 1 |" in (out / "frontier.md").read_text()
+
+
+def test_sign_verdict_reads_the_interval_and_refuses_one_seed():
+    words = dict(above="up", below="down", neither="none")
+    assert stats.sign_verdict((0.2, 0.1, 0.3), 3, **words) == "up"
+    assert stats.sign_verdict((-0.2, -0.3, -0.1), 3, **words) == "down"
+    assert stats.sign_verdict((0.1, -0.1, 0.3), 3, **words) == "none"
+    # One seed: the bootstrap of one value is that value, an interval of zero width.
+    one = stats.bootstrap_ci([-0.2])
+    assert one[1] == one[2] == -0.2
+    assert stats.sign_verdict(one, 1, **words) == stats.ONE_SEED

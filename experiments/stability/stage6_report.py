@@ -156,11 +156,14 @@ def cell_table(runs, sc) -> dict[tuple[str, str, int], dict]:
 # The decision rules (README, "Stage 6", "Decision rules"; fixed before any run).
 
 
-def r1_verdict(d: tuple[float, float, float] | None) -> str:
-    """R1 on D(k) = (mean, lower, upper): "degrades" if the interval is below 0,
-    "holds" if it contains 0 and the mean is >= -`HOLD_MARGIN`, else "not resolved"."""
+def r1_verdict(d: tuple[float, float, float] | None, n: int) -> str:
+    """R1 on D(k) = (mean, lower, upper) over ``n`` seeds: "degrades" if the interval is
+    below 0, "holds" if it contains 0 and the mean is >= -`HOLD_MARGIN`, else "not
+    resolved"; `stats.ONE_SEED` from fewer than `stats.MIN_SEEDS` seeds."""
     if d is None:
         return "no runs"
+    if n < stats.MIN_SEEDS:
+        return stats.ONE_SEED
     mean, lo, hi = d
     if hi < 0:
         return "degrades"
@@ -170,13 +173,8 @@ def r1_verdict(d: tuple[float, float, float] | None) -> str:
 
 
 def _mark(verdict: str, n_min: int, planned: int) -> str:
-    return verdict if n_min >= planned or verdict == "no runs" else f"{verdict} (preliminary)"
-
-
-def _sign(d, above: str, below: str, neither: str) -> str:
-    if d is None:
-        return "no runs"
-    return above if d[1] > 0 else (below if d[2] < 0 else neither)
+    final = n_min >= planned or verdict in ("no runs", stats.ONE_SEED)
+    return verdict if final else f"{verdict} (preliminary)"
 
 
 def rules(runs, sc) -> dict:
@@ -191,7 +189,8 @@ def rules(runs, sc) -> dict:
     independently (`stats.bootstrap_diff_ci`); below 0: the MoE is more sensitive. R4
     on the MoE, per arm b without replay: G = the seed mean of eval_final(b with R3, 8)
     - eval_final(b, 8); above 0: R3 helps, below: R3 hurts. A verdict on fewer seeds
-    than planned is marked "(preliminary)"."""
+    than planned is marked "(preliminary)"; from one seed there is none
+    (`stats.ONE_SEED`)."""
     idx = index(runs)
     planned = len(common.planned_seeds(sc))
     table = arm_table(sc)
@@ -215,8 +214,8 @@ def rules(runs, sc) -> dict:
                 d=d,
                 n=len(ds),
                 values=ds,
-                verdict=_mark(r1_verdict(d), len(ds), planned),
-                plain=r1_verdict(d),
+                verdict=_mark(r1_verdict(d, len(ds)), len(ds), planned),
+                plain=r1_verdict(d, len(ds)),
             )
 
     r2 = {}
@@ -232,6 +231,8 @@ def rules(runs, sc) -> dict:
         holds = r1[(arm, b)]["plain"] == "degrades" and r1[(arm, dt)]["plain"] == "holds"
         verdict = "the decoupled loss holds where the naive one degrades" if holds else "not shown"
         n_min = min(r1[(arm, b)]["n"], r1[(arm, dt)]["n"], len(e_vals))
+        if n_min < stats.MIN_SEEDS:
+            verdict = stats.ONE_SEED
         r2[arm] = dict(
             naive=b,
             decoupled=dt,
@@ -248,11 +249,12 @@ def rules(runs, sc) -> dict:
             if not a or not b or not a["values"] or not b["values"]:
                 continue
             delta = stats.bootstrap_diff_ci(list(a["values"].values()), list(b["values"].values()))
-            verdict = _sign(
+            verdict = stats.sign_verdict(
                 delta,
-                "the dense twin is more sensitive to staleness",
-                "the MoE is more sensitive to staleness",
-                "no difference shown",
+                min(a["n"], b["n"]),
+                above="the dense twin is more sensitive to staleness",
+                below="the MoE is more sensitive to staleness",
+                neither="no difference shown",
             )
             r3[v] = dict(
                 delta=delta,
@@ -270,7 +272,9 @@ def rules(runs, sc) -> dict:
             if not g_vals:
                 continue
             g = ci(g_vals)
-            verdict = _sign(g, "R3 helps", "R3 hurts", "no difference shown")
+            verdict = stats.sign_verdict(
+                g, len(g_vals), above="R3 helps", below="R3 hurts", neither="no difference shown"
+            )
             r4[b] = dict(r3=twin, g=g, n=len(g_vals), verdict=_mark(verdict, len(g_vals), planned))
     return dict(staleness=kr, d=d_table, r1=r1, r2=r2, r3=r3, r4=r4)
 

@@ -36,20 +36,6 @@ def paired(a: dict, b: dict, key=lambda r: r["eval_final"]):
     return [key(a[s]) - key(b[s]) for s in sorted(set(a) & set(b))]
 
 
-# A bootstrap over one seed has an interval of zero width: no verdict below two seeds.
-MIN_SEEDS = 2
-ONE_SEED = "no verdict (one seed)"
-
-
-def effect_verdict(ci, *, up: str, down: str, none: str = "no effect shown", n: int) -> str:
-    """``up`` if the interval is above 0, ``down`` if below, else ``none``; `ONE_SEED`
-    when it comes from fewer than `MIN_SEEDS` seeds."""
-    if n < MIN_SEEDS:
-        return ONE_SEED
-    _, lo, hi = ci
-    return up if lo > 0 else (down if hi < 0 else none)
-
-
 def rules(runs, sc) -> dict:
     """The stage's rules on the runs so far (README, "Stage 7", "Decision rules").
 
@@ -95,7 +81,9 @@ def rules(runs, sc) -> dict:
             r1[(arm, p)] = dict(
                 d=d,
                 ci=ci,
-                verdict=effect_verdict(ci, up="helps", down="hurts", n=len(d)),
+                verdict=stats.sign_verdict(
+                    ci, len(d), above="helps", below="hurts", neither="no effect shown"
+                ),
                 collapsed=(hits, len(cur)),
                 control_collapsed=(chits, len(ctrl)),
                 p_more_collapses=stats.fisher_one_sided(chits, len(ctrl), hits, len(cur)),
@@ -111,8 +99,8 @@ def rules(runs, sc) -> dict:
                 ratio=float(ratio),
                 apart=bool(apart),
                 verdict=(
-                    ONE_SEED
-                    if min(a["n"], b["n"]) < MIN_SEEDS
+                    stats.ONE_SEED
+                    if min(a["n"], b["n"]) < stats.MIN_SEEDS
                     else ("R3 removes it" if ratio >= R3_FACTOR and apart else "not shown")
                 ),
                 complete=a["complete"] and b["complete"],
@@ -124,8 +112,8 @@ def rules(runs, sc) -> dict:
         r3["bf16"] = dict(
             d=d,
             ci=ci,
-            verdict=effect_verdict(
-                ci, up="TIS helps", down="TIS hurts", none="not shown", n=len(d)
+            verdict=stats.sign_verdict(
+                ci, len(d), above="TIS helps", below="TIS hurts", neither="not shown"
             ),
             complete=len(d) >= planned,
         )
@@ -135,12 +123,12 @@ def rules(runs, sc) -> dict:
             ci = stats.bootstrap_diff_ci(dm, dd)
             r4[p] = dict(
                 ci=ci,
-                verdict=effect_verdict(
+                verdict=stats.sign_verdict(
                     ci,
-                    up="hurts the dense twin more",
-                    down="hurts the MoE more",
-                    none="no difference shown",
-                    n=min(len(dm), len(dd)),
+                    min(len(dm), len(dd)),
+                    above="hurts the dense twin more",
+                    below="hurts the MoE more",
+                    neither="no difference shown",
                 ),
                 complete=min(len(dm), len(dd)) >= planned,
             )

@@ -1,7 +1,8 @@
 """The stability study's statistics (experiments/stability/README.md, "Decision rules"),
 fixed before any run and tested on hand-made curves (tests/test_stability_stages.py):
 the collapse detector, bootstrap intervals, the critical learning rate and the
-one-sided Fisher exact test. Pure functions of numbers: no runs, files or configs.
+one-sided Fisher exact test, and the one-seed guard of every interval-sign rule
+(`sign_verdict`). Pure functions of numbers: no runs, files or configs.
 """
 
 from __future__ import annotations
@@ -159,6 +160,22 @@ def fmt_ci(est: float, lo: float, hi: float, spec: str = ".3f") -> str:
         return "> grid" if math.isinf(v) else format(v, spec)
 
     return f"{one(est)} [{one(lo)}, {one(hi)}]"
+
+
+# A bootstrap over one seed has an interval of zero width, so every interval-sign rule
+# of the stages refuses a verdict from fewer than two seeds.
+MIN_SEEDS = 2
+ONE_SEED = "no verdict (one seed)"
+
+
+def sign_verdict(ci, n: int, *, above: str, below: str, neither: str) -> str:
+    """``above`` if the interval ``ci`` = (estimate, lower, upper) lies above 0, ``below``
+    if it lies below, else ``neither``; `ONE_SEED` when it rests on fewer than
+    `MIN_SEEDS` seeds (``n``)."""
+    if n < MIN_SEEDS:
+        return ONE_SEED
+    _, lo, hi = ci
+    return above if lo > 0 else (below if hi < 0 else neither)
 
 
 # --------------------------------------------------------------------------
