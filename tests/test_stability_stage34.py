@@ -510,8 +510,8 @@ def _groups(out) -> dict[str, list[dict]]:
 # End to end on the smoke settings.
 
 
-def test_stage3_runs_end_to_end_on_smoke(tmp_path):
-    root, out = tmp_path / "root", tmp_path / "out"
+def test_stage3_runs_end_to_end_on_smoke(tmp_path, smoke_root):
+    root, out = smoke_root(("moe2",)), tmp_path / "out"
     stage3_replay.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"])
     runs = sorted(os.listdir(out / "runs"))
     assert runs == ["grpo_r3_s0.jsonl", "grpo_s0.jsonl", "rspo_g0.5_s0.jsonl"]
@@ -553,8 +553,8 @@ def test_the_gpu_replication_runs_end_to_end_on_smoke(tmp_path):
     assert "task hard, bfloat16 compute" in (out / "table.md").read_text()
 
 
-def test_stage4_calibrates_runs_and_reports_on_smoke(tmp_path):
-    root, out = tmp_path / "root", tmp_path / "out"
+def test_stage4_calibrates_runs_and_reports_on_smoke(tmp_path, smoke_root):
+    root, out = smoke_root(("moe2",)), tmp_path / "out"
     cfg = CFG4 + ":smoke"
     stage4_mismatch.main(["--root", str(root), "--out", str(out), "--config", cfg, "--calibrate"])
     calib = json.loads((out / "calibration.json").read_text())

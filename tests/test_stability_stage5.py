@@ -219,8 +219,8 @@ def test_stage5_config_is_below_stage2s_critical_rate_and_valid():
     assert len(names) == len(set(names)) == 2 * 2 * 2 * 4
 
 
-def test_stage5_runs_probes_and_reports_on_smoke(tmp_path):
-    root, out = tmp_path / "root", tmp_path / "out"
+def test_stage5_runs_probes_and_reports_on_smoke(tmp_path, smoke_root):
+    root, out = smoke_root(), tmp_path / "out"
     args = ["--root", str(root), "--out", str(out), "--config", CFG5 + ":smoke"]
     stage5_learn_collapse.main(args + ["--probes"])
     probes = common.read_records(str(out / "probes"))

@@ -222,8 +222,8 @@ def test_the_grid_cells_order_and_configs():
 # The script end to end.
 
 
-def test_stage6_runs_resumes_and_reports_on_smoke(tmp_path, capsys):
-    root, out = tmp_path / "root", tmp_path / "out"
+def test_stage6_runs_resumes_and_reports_on_smoke(tmp_path, capsys, smoke_root):
+    root, out = smoke_root(("moe2",)), tmp_path / "out"
     args = ["--root", str(root), "--out", str(out), "--config", CFG6 + ":smoke", "--only-arms", "moe2"]
     stage6_staleness.main(args)
     runs = common.read_records(str(out / "runs"))

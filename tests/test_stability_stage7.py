@@ -91,8 +91,8 @@ def test_rules_on_hand_made_runs():
     assert len(verdicts) == 7 and set(verdicts) == {stats.ONE_SEED}  # 3 + 2 + 1 + 1
 
 
-def test_stage7_measures_runs_and_reports_on_smoke(tmp_path):
-    root, out = tmp_path / "root", tmp_path / "out"
+def test_stage7_measures_runs_and_reports_on_smoke(tmp_path, smoke_root):
+    root, out = smoke_root(), tmp_path / "out"
     args = ["--root", str(root), "--out", str(out), "--config", CFG7 + ":smoke"]
     stage7_numerics.main(args + ["--measure"])
     measured = common.read_jsonl(str(out / "measure.jsonl"))
