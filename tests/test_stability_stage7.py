@@ -89,6 +89,9 @@ def test_rules_on_hand_made_runs():
         one[r][k]["verdict"] for r in ("r2", "r3", "r4") for k in one[r]
     ]
     assert len(verdicts) == 7 and set(verdicts) == {stats.ONE_SEED}  # 3 + 2 + 1 + 1
+    # ... and no verdict is not a preliminary one.
+    one_text = "\n".join(stage7_report.grid_markdown(one))
+    assert f"**{stats.ONE_SEED}**" in one_text and "(preliminary)" not in one_text
 
 
 def test_stage7_measures_runs_and_reports_on_smoke(tmp_path, smoke_root):

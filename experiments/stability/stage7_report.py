@@ -145,8 +145,11 @@ def _outcome(summary: dict) -> str:
 # Writing it out.
 
 
-def _pre(ok: bool) -> str:
-    return "" if ok else " (preliminary)"
+def _verdict(r: dict) -> str:
+    """The rule's verdict in bold, "(preliminary)" after it on fewer seeds than planned
+    (none after `stats.ONE_SEED`, which is no verdict)."""
+    final = r["complete"] or r["verdict"] == stats.ONE_SEED
+    return f"**{r['verdict']}**" + ("" if final else " (preliminary)")
 
 
 def measure_markdown(records) -> list[str]:
@@ -201,20 +204,20 @@ def grid_markdown(g: dict) -> list[str]:
             f"- {arm}, {p}: {stats.fmt_ci(*r['ci'])}; collapsed {r['collapsed'][0]}/"
             f"{r['collapsed'][1]} against the control's {r['control_collapsed'][0]}/"
             f"{r['control_collapsed'][1]} (p = {r['p_more_collapses']:.3g}): "
-            f"**{r['verdict']}**{_pre(r['complete'])}"
+            f"{_verdict(r)}"
         )
     lines += ["", "### R2: does R3 remove it? (MoE, seed-mean train-inference KL)", ""]
     for p, r in g["r2"].items():
         lines.append(
             f"- {p}: {p} / {p}+R3 = {r['ratio']:.3g}, intervals "
-            f"{'apart' if r['apart'] else 'overlap'}: **{r['verdict']}**{_pre(r['complete'])}"
+            f"{'apart' if r['apart'] else 'overlap'}: {_verdict(r)}"
         )
     lines += ["", "### R3: does token TIS help? (MoE, bf16 + TIS minus bf16, paired)", ""]
     for p, r in g["r3"].items():
-        lines.append(f"- {p}: {stats.fmt_ci(*r['ci'])}: **{r['verdict']}**{_pre(r['complete'])}")
+        lines.append(f"- {p}: {stats.fmt_ci(*r['ci'])}: {_verdict(r)}")
     lines += ["", "### R4: the MoE against its dense twin (R1's effect, MoE minus dense)", ""]
     for p, r in g["r4"].items():
-        lines.append(f"- {p}: {stats.fmt_ci(*r['ci'])}: **{r['verdict']}**{_pre(r['complete'])}")
+        lines.append(f"- {p}: {stats.fmt_ci(*r['ci'])}: {_verdict(r)}")
     return lines + [""]
 
 
