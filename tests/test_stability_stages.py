@@ -472,7 +472,7 @@ def test_the_hard_task_is_its_own_setting_with_its_own_warm_starts():
         common.base_config("moe2", 0, task="medium")
 
 
-def test_stage8_is_stage2s_frontier_at_depth_in_bf16(tmp_path):
+def test_stage8_is_stage2s_frontier_at_depth_in_bf16(tmp_path, smoke_root):
     """scale=gpu (stage 8): the 12-layer, 64-expert top-8 MoE and its dense twin, GRPO
     only, in bf16, results in results/stage8; its smoke runs the same plumbing on a
     2-layer model."""
@@ -498,7 +498,8 @@ def test_stage8_is_stage2s_frontier_at_depth_in_bf16(tmp_path):
     with pytest.raises(ValueError, match="top-3 does not divide"):
         common.arm_fields("moe2k3")
 
-    root, out = tmp_path / "root", tmp_path / "s8"
+    # The dense twin's warm start is stage 2's (bf16 is the RL runs' compute dtype only).
+    root, out = smoke_root(("dense2",)), tmp_path / "s8"
     cfg = os.path.join(REPO, "experiments", "stability", "stage2_config.py") + ":scale=gpu,smoke"
     stage2_frontier.main(["--root", str(root), "--out", str(out), "--config", cfg])
     names = sorted(os.listdir(out / "runs"))
