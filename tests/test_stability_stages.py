@@ -520,3 +520,20 @@ def test_sign_verdict_reads_the_interval_and_refuses_one_seed():
     one = stats.bootstrap_ci([-0.2])
     assert one[1] == one[2] == -0.2
     assert stats.sign_verdict(one, 1, **words) == stats.ONE_SEED
+
+
+def test_a_warm_start_of_another_config_is_refused_by_name(smoke_root):
+    """The runs restore a warm start's checkpoints by shape: one built under other SFT
+    settings is refused, not reused."""
+    root = str(smoke_root(("dense2",)))
+    assert common.ensure_warm_start(root, "dense2", 0, smoke=True) == os.path.join(
+        root, "warm", "dense2_s0"
+    )
+    path = os.path.join(root, "warm", "dense2_s0", "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    saved["sft"]["steps"] = 3
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    with pytest.raises(ValueError, match=r"another config \(config.sft.steps: 3 -> 2, in .*config.json\)"):
+        common.ensure_warm_start(root, "dense2", 0, smoke=True)

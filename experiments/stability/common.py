@@ -168,13 +168,24 @@ def ensure_warm_start(
     root: str, arm: str, seed: int, *, smoke: bool = False, task: str = "small"
 ) -> str:
     """`warm_start_dir`: the supervised warm start of that arm, seed and task (trained
-    here unless already finished), with its held-out evaluation at RL step 0."""
-    from gspo_jax import train
+    here unless already finished), with its held-out evaluation at RL step 0.
+
+    A warm start found there of another config (the study's SFT settings changed since
+    it was built) is refused, naming the fields: the runs restore its checkpoints by
+    shape, so reusing it would start them from what the current settings do not build."""
+    from gspo_jax import safety, train
+    from gspo_jax.config import ConfigError
 
     workdir = warm_start_dir(root, arm, seed, task)
+    c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"), task=task)
+    c.total_rl_steps = 0
+    found = safety.saved_config_differences(c, workdir)
+    if found is not None and found[0]:
+        raise ConfigError(
+            f"{workdir}: a warm start of another config ({'; '.join(found[0])}, in "
+            f"{found[1]}); move it away to build this config's, or use another --root"
+        )
     if not finished(workdir, 0):
-        c = base_config(arm, seed, smoke=smoke, data_dir=os.path.join(root, "data"), task=task)
-        c.total_rl_steps = 0
         train.run(c, workdir)
     return workdir
 
