@@ -222,6 +222,9 @@ def grid_markdown(g: dict) -> list[str]:
 
 
 def plot(runs, path: str) -> None:
+    """Per architecture: the seed-mean held-out reward against RL step, and the seed-mean
+    train-inference KL (a 10-step moving average; the f32 control's ~1e-13 is left off
+    the axis and named in the title). One colour per variant in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,10 +232,14 @@ def plot(runs, path: str) -> None:
 
     arms = by_arm(runs)
     archs = sorted({a for a, _ in arms}, key=lambda a: (not common.is_moe(a), a))
+    variants = sorted({v for _, v in arms}, key=lambda v: (v != CONTROL, v))
+    colour = {v: f"C{i}" for i, v in enumerate(variants)}
     fig, axes = plt.subplots(2, len(archs), figsize=(6 * len(archs), 7), squeeze=False)
     for j, arch in enumerate(archs):
-        for (arm, v), per in sorted(arms.items()):
-            if arm != arch:
+        control_kl = None
+        for v in variants:
+            per = arms.get((arch, v))
+            if not per:
                 continue
             rs = list(per.values())
             steps = rs[0]["steps"]
@@ -250,21 +257,29 @@ def plot(runs, path: str) -> None:
                 ys = [np.mean([r["eval_start"] for r in rs])] + [
                     float(np.mean([e[i][1] for e in ev])) for i in range(n)
                 ]
-                axes[0][j].plot(xs, ys, label=v)
+                axes[0][j].plot(xs, ys, label=v, color=colour[v])
             kl = [r["series"].get("mismatch_kl") for r in rs]
-            if all(k is not None for k in kl):
-                m = len(steps)
-                axes[1][j].plot(
-                    steps,
-                    [float(np.mean([k[i] or 0.0 for k in kl])) for i in range(m)],
-                    label=v,
-                    lw=0.8,
-                )
+            if any(k is None for k in kl):
+                continue
+            mean = np.array([np.mean([k[i] or 0.0 for k in kl]) for i in range(len(steps))])
+            if v == CONTROL:
+                control_kl = float(np.mean(mean))
+                continue
+            smooth = stats.moving_average(mean, 10)
+            axes[1][j].plot(steps, smooth, label=v, color=colour[v], lw=1.0)
         axes[0][j].set_title(f"{arch}: held-out reward (seed mean)")
-        axes[1][j].set_title(f"{arch}: train-inference KL (seed mean)")
+        title = f"{arch}: train-inference KL (seed mean, 10-step average)"
+        if control_kl is not None:
+            title += f"\n{CONTROL} control: {control_kl:.1e}, off the axis"
+        axes[1][j].set_title(title, fontsize=10)
         axes[1][j].set_yscale("log")
         axes[1][j].set_xlabel("RL step")
         axes[0][j].legend(fontsize=7)
+        axes[1][j].legend(fontsize=7)
+    # One KL scale across architectures, so that their levels compare at a glance.
+    lims = [ax.get_ylim() for ax in axes[1]]
+    for ax in axes[1]:
+        ax.set_ylim(min(lo for lo, _ in lims), max(hi for _, hi in lims))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
