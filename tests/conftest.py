@@ -29,6 +29,8 @@
   events.
 * ``fake_stage_runs``: the stability study's RL runs replaced by a record of their
   arguments, for tests of what a stage script runs.
+* ``smoke_root``: a stability ``--root`` holding the smoke warm starts and data, trained
+  once per test process (the stage tests after stages 1 and 2 start from it).
 """
 
 import collections

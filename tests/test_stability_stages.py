@@ -535,5 +535,5 @@ def test_a_warm_start_of_another_config_is_refused_by_name(smoke_root):
     saved["sft"]["steps"] = 3
     with open(path, "w") as f:
         json.dump(saved, f)
-    with pytest.raises(ValueError, match=r"another config \(config.sft.steps: 3 -> 2, in .*config.json\)"):
+    with pytest.raises(ValueError, match=r"another config \(saved -> now: config.sft.steps: 3 -> 2; from .*config.json\)"):
         common.ensure_warm_start(root, "dense2", 0, smoke=True)

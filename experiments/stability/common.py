@@ -182,8 +182,9 @@ def ensure_warm_start(
     found = safety.saved_config_differences(c, workdir)
     if found is not None and found[0]:
         raise ConfigError(
-            f"{workdir}: a warm start of another config ({'; '.join(found[0])}, in "
-            f"{found[1]}); move it away to build this config's, or use another --root"
+            f"{workdir}: a warm start of another config (saved -> now: "
+            f"{'; '.join(found[0])}; from {found[1]}); move it away to build this "
+            "config's, or use another --root"
         )
     if not finished(workdir, 0):
         train.run(c, workdir)
