@@ -162,14 +162,14 @@ def r1_verdict(d: tuple[float, float, float] | None, n: int) -> str:
     resolved"; `stats.ONE_SEED` from fewer than `stats.MIN_SEEDS` seeds."""
     if d is None:
         return "no runs"
-    if n < stats.MIN_SEEDS:
-        return stats.ONE_SEED
     mean, lo, hi = d
     if hi < 0:
-        return "degrades"
-    if lo <= 0 <= hi and mean >= -HOLD_MARGIN:
-        return "holds"
-    return "not resolved"
+        verdict = "degrades"
+    elif lo <= 0 <= hi and mean >= -HOLD_MARGIN:
+        verdict = "holds"
+    else:
+        verdict = "not resolved"
+    return stats.seeds_allow(verdict, n)
 
 
 def _mark(verdict: str, n_min: int, planned: int) -> str:
@@ -231,8 +231,7 @@ def rules(runs, sc) -> dict:
         holds = r1[(arm, b)]["plain"] == "degrades" and r1[(arm, dt)]["plain"] == "holds"
         verdict = "the decoupled loss holds where the naive one degrades" if holds else "not shown"
         n_min = min(r1[(arm, b)]["n"], r1[(arm, dt)]["n"], len(e_vals))
-        if n_min < stats.MIN_SEEDS:
-            verdict = stats.ONE_SEED
+        verdict = stats.seeds_allow(verdict, n_min)
         r2[arm] = dict(
             naive=b,
             decoupled=dt,

@@ -98,10 +98,9 @@ def rules(runs, sc) -> dict:
             r2[p] = dict(
                 ratio=float(ratio),
                 apart=bool(apart),
-                verdict=(
-                    stats.ONE_SEED
-                    if min(a["n"], b["n"]) < stats.MIN_SEEDS
-                    else ("R3 removes it" if ratio >= R3_FACTOR and apart else "not shown")
+                verdict=stats.seeds_allow(
+                    "R3 removes it" if ratio >= R3_FACTOR and apart else "not shown",
+                    min(a["n"], b["n"]),
                 ),
                 complete=a["complete"] and b["complete"],
             )

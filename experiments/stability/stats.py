@@ -172,10 +172,13 @@ def sign_verdict(ci, n: int, *, above: str, below: str, neither: str) -> str:
     """``above`` if the interval ``ci`` = (estimate, lower, upper) lies above 0, ``below``
     if it lies below, else ``neither``; `ONE_SEED` when it rests on fewer than
     `MIN_SEEDS` seeds (``n``)."""
-    if n < MIN_SEEDS:
-        return ONE_SEED
     _, lo, hi = ci
-    return above if lo > 0 else (below if hi < 0 else neither)
+    return seeds_allow(above if lo > 0 else (below if hi < 0 else neither), n)
+
+
+def seeds_allow(verdict: str, n: int) -> str:
+    """``verdict``, or `ONE_SEED` when it rests on fewer than `MIN_SEEDS` seeds."""
+    return ONE_SEED if n < MIN_SEEDS else verdict
 
 
 # --------------------------------------------------------------------------
