@@ -218,6 +218,48 @@ def test_the_grid_cells_order_and_configs():
     assert stage6_report.k0_variant(sc, "behaviour_r3") == "decoupled_tis_r3"
 
 
+def test_the_small_steps_control_is_its_own_grid():
+    """Control C1: the dense twin's two arms at k = 0 and 8 with 4 updates per rollout,
+    in a folder of its own (its run names equal the grid's)."""
+    sc = stage6_config.get_config("small_steps")
+    main = stage6_config.get_config()
+    runs = list(stage6_staleness.grid(sc))
+    assert [r.name for r in runs] == [
+        f"dense2_{v}_k{k}_s{s}"
+        for k, s, v in [(0, s, "decoupled_tis") for s in (0, 1, 2)]
+        + [(8, s, v) for s in (0, 1, 2) for v in ("behaviour", "decoupled_tis")]
+    ]
+    assert all(r.overrides["updates.num_minibatches"] == 4 for r in runs)
+    assert all(r.meta["updates"] == 4 for r in runs)
+    assert (sc.lr, sc.steps, sc.seeds) == (main.lr, main.steps, main.seeds)
+    assert sc.name != main.name
+    assert stage6_staleness.out_dir(sc) != stage6_staleness.out_dir(main)
+
+
+def test_movement_table_reads_windows_and_counts_the_last_ten_from_the_end():
+    sc = stage6_config.get_config()
+    run = next(r for r in stage6_staleness.grid(sc) if r.name == "dense2_decoupled_tis_k8_s0")
+    rec = summary(run.meta, 0.3)
+    kl = [0.0] * 10 + [0.5] * 10 + [1.0] * 30 + [2.0] * 10
+    rec["series"].update(
+        behaviour_kl=kl,
+        ppo_kl_klast=[0.1] * 60,
+        clip_frac=[0.03] * 59 + [None],
+        rc_truncated_frac=[0.02] * 60,
+        rc_weight_mean=[0.9] * 60,
+    )
+    other = dict(rec, seed=1, series=dict(rec["series"], ppo_kl_klast=[0.3] * 60))
+    row = stage6_report.movement_table([rec, other], sc)[("dense2", "decoupled_tis", 8)]
+    assert row["behaviour_kl, steps 11-20"] == pytest.approx(0.5)
+    assert row["behaviour_kl, last 10"] == pytest.approx(2.0)
+    assert row["ppo_kl_klast"] == pytest.approx(0.2)  # the seed mean of 0.1 and 0.3
+    assert row["clip_frac"] == pytest.approx(0.03)  # a step that did not log is left out
+    assert row["rc_weight_mean"] == pytest.approx(0.9)
+    # A series no run logged (the behaviour arm's weight) is nan, printed "n/a".
+    beh = summary(next(r for r in stage6_staleness.grid(sc) if r.name == "dense2_behaviour_k8_s0").meta, 0.3)
+    assert math.isnan(stage6_report.movement_table([beh], sc)[("dense2", "behaviour", 8)]["rc_weight_mean"])
+
+
 # --------------------------------------------------------------------------
 # The script end to end.
 
@@ -250,9 +292,25 @@ def test_stage6_runs_resumes_and_reports_on_smoke(tmp_path, capsys, smoke_root):
     with pytest.raises(SystemExit, match="another setting"):
         stage6_staleness.main(args)
     common.write_jsonl(str(path), [old])
+    # --resummarize adds a series a summary lacks from the run's logs, and refuses a
+    # summary whose numbers its logs do not give.
+    path = out / "runs" / "moe2_decoupled_tis_k2_s0.jsonl"
+    full = common.read_jsonl(str(path))[0]
+    assert "rc_weight_mean" in full["series"]
+    series = {k: v for k, v in full["series"].items() if k != "rc_weight_mean"}
+    common.write_jsonl(str(path), [dict(full, series=series)])
+    stage6_staleness.main(args + ["--resummarize"])
+    assert "stage 6: 1 summaries rewritten" in capsys.readouterr().out
+    assert common.read_jsonl(str(path))[0] == full
+    common.write_jsonl(str(path), [dict(full, eval_final=0.999)])
+    with pytest.raises(SystemExit, match="'eval_final' differs"):
+        stage6_staleness.main(args + ["--resummarize"])
+    common.write_jsonl(str(path), [full])
     stage6_staleness.main(args + ["--report"])
     text = (out / "table.md").read_text()
     assert "## R1: does the held-out reward degrade at k = 2?" in text
     assert "| moe2 | behaviour | 2 | 1 |" in text and "- moe2, behaviour: D(2) =" in text
+    assert "## What the trust regions let the policy do" in text
+    assert "| moe2 | decoupled_tis | 2 | " in text.split("## What the trust regions")[1]
     for name in ("reward_vs_k.png", "kl_vs_k.png"):
         assert (out / name).exists(), name

@@ -365,6 +365,8 @@ SERIES = (
     "mismatch_route",
     "behaviour_kl",
     "behaviour_f2",
+    "rc_truncated_frac",
+    "rc_weight_mean",
     "staleness_mean",
     "no_signal_minibatches",
     "step_time",
@@ -412,6 +414,38 @@ class GridRun:
     steps: int
     meta: dict
     task: str = "small"
+
+
+def resummarize(
+    runs: Iterable[GridRun], root: str, stage: str, folder: str, log=print
+) -> int:
+    """Rewrites the summary in ``folder`` of every run of ``runs`` that has one, from
+    its logs in ``<root>/<stage>/<name>``, so that a series added to `SERIES` after a
+    run finished reaches its summary. Everything the old summary holds must come out
+    the same (SystemExit naming the first difference otherwise): this adds series, it
+    never changes a result. Runs without a summary or without their logs are left.
+    Returns the number rewritten."""
+    n = 0
+    for run in runs:
+        path = os.path.join(folder, run.name + ".jsonl")
+        workdir = os.path.join(root, stage, run.name)
+        if not os.path.exists(path) or not finished(workdir, run.steps):
+            continue
+        old = read_jsonl(path)[0]
+        new = summarize_run(workdir, run.meta)
+        for key, value in old.items():
+            if key == "series":
+                for name, v in value.items():
+                    if new["series"].get(name) != v:
+                        raise SystemExit(f"{path}: series {name!r} differs from {workdir}'s logs")
+            elif new.get(key) != value:
+                raise SystemExit(f"{path}: {key!r} differs from {workdir}'s logs")
+        added = sorted(set(new["series"]) - set(old["series"]))
+        if added:
+            write_jsonl(path, [new])
+            log(f"{run.name}: added {', '.join(added)}")
+            n += 1
+    return n
 
 
 def same_setting(path: str, old: dict, run: GridRun) -> None:

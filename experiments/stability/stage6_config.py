@@ -25,7 +25,14 @@ every arm of its architecture with the same replay: ``behaviour`` at k = 0 is
 (`stage6_report.k0_variant`). The dense twin runs the arms without R3 only. The grid:
 moe2 2 + 4 × 4 = 18 cells, dense2 1 + 2 × 4 = 9, × 3 seeds = 81 runs.
 
-Arguments (comma-separated): ``smoke``.
+The control ``small_steps`` (README, "Stage 6", "Control C1"; fixed after the grid's
+first 23 runs and before any run of its own): the dense twin, the two arms without R3,
+k in {0, 8}, with 4 updates per rollout instead of 16, so that one RL step moves the
+policy about 0.015 nats per token instead of about 0.08 and eight steps stay within the
+behaviour arm's distance from its sampler. Its runs go to ``<root>/stage6_small_steps``
+and ``results/stage6_small_steps``.
+
+Arguments (comma-separated): ``smoke``, ``small_steps``.
 """
 
 import ml_collections
@@ -46,9 +53,10 @@ ARMS = (
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     from gspo_jax import config as config_lib
 
-    args = config_lib.parse_arg(arg, known=("smoke",))
+    args = config_lib.parse_arg(arg, known=("smoke", "small_steps"))
     c = ml_collections.ConfigDict()
     c.smoke = bool(args.get("smoke", False))
+    c.name = "stage6"  # the runs' folder under --root, and the results' under results/
     c.task = "small"
     c.arms = ("moe2", "dense2")  # the architectures (common.arm_fields)
     c.variants = tuple(row[0] for row in ARMS)  # the arms of the table, by name
@@ -65,6 +73,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The staleness the rules R1-R4 read (README, "Stage 6", "Decision rules").
     c.rule_staleness = 8
     c.tis_cap = 2.0  # rollout_correction.cap: the truncation of token_tis's weight
+    if args.get("small_steps", False):
+        c.name = "stage6_small_steps"
+        c.arms = ("dense2",)
+        c.variants = ("behaviour", "decoupled_tis")
+        c.stalenesses = (0, 8)
+        # KL(pi_proximal || pi after m updates), k = 0 runs of the grid, RL steps 6-60:
+        # about 0.015 after 4 updates, 0.07-0.11 after 15 (README, "Control C1").
+        c.updates = 4
     if c.smoke:
         c.seeds = (0,)
         c.steps = 3

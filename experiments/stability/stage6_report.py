@@ -152,6 +152,50 @@ def cell_table(runs, sc) -> dict[tuple[str, str, int], dict]:
     return out
 
 
+def window_mean(run: dict, key: str, lo: int, hi: int | None) -> float:
+    """A run's mean of a per-step series over its RL steps ``lo`` to ``hi`` (1-based,
+    inclusive; None: to the end), nan if none logged there."""
+    v = (run["series"].get(key) or [])[lo - 1 : hi]
+    v = [float(x) for x in v if x is not None and math.isfinite(float(x))]
+    return float(np.mean(v)) if v else math.nan
+
+
+# What each trust region lets the policy do (described, no rule): (column, series,
+# first RL step, last RL step or None for the end).
+MOVEMENT = (
+    ("behaviour_kl, steps 11-20", "behaviour_kl", 11, 20),
+    ("behaviour_kl, last 10", "behaviour_kl", -9, None),
+    ("ppo_kl_klast", "ppo_kl_klast", 1, None),
+    ("clip_frac", "clip_frac", 1, None),
+    ("rc_truncated_frac", "rc_truncated_frac", 1, None),
+    ("rc_weight_mean", "rc_weight_mean", 1, None),
+)
+
+
+def movement_table(runs, sc) -> dict[tuple[str, str, int], dict[str, float]]:
+    """Per cell (architecture, arm, k): the seed means of `MOVEMENT`'s per-run window
+    means. ``ppo_kl_klast`` is KL(π_old‖π) before the step's last update: under
+    'decoupled' (π_old = π_proximal) how far one RL step moves the policy, under
+    'behaviour' (π_old = π_behaviour) how far the policy is from the sampler by then.
+    A negative first step counts from the end (-9: the last ten steps)."""
+    idx = index(runs)
+    order = {v: i for i, v in enumerate(arm_table(sc))}
+    archs = {a: i for i, a in enumerate(sc.arms)}
+    out = {}
+    for key in sorted(idx, key=lambda t: (archs.get(t[0], 99), order.get(t[1], 99), t[2])):
+        row = {}
+        for col, series, lo, hi in MOVEMENT:
+            per = []
+            for r in idx[key].values():
+                n = len(r["series"].get(series) or [])
+                start = lo if lo > 0 else max(n + lo, 1)
+                per.append(window_mean(r, series, start, hi))
+            per = [x for x in per if math.isfinite(x)]
+            row[col] = float(np.mean(per)) if per else math.nan
+        out[key] = row
+    return out
+
+
 # --------------------------------------------------------------------------
 # The decision rules (README, "Stage 6", "Decision rules"; fixed before any run).
 
@@ -290,8 +334,9 @@ def _g(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.3g}"
 
 
-def markdown(cells: dict, g: dict, sc) -> list[str]:
-    """The report's text: the cells' table, D(k) and the rules' verdicts with their
+def markdown(cells: dict, g: dict, sc, movement: dict | None = None) -> list[str]:
+    """The report's text: the cells' table, what the trust regions let the policy do
+    (``movement``, `movement_table`), D(k) and the rules' verdicts with their
     numbers."""
     kr = g["staleness"]
     planned = common.planned_seeds(sc)
@@ -318,6 +363,26 @@ def markdown(cells: dict, g: dict, sc) -> list[str]:
             + f" | {_g(row['behaviour_kl'])} | {_g(row['behaviour_f2'])} | "
             f"{_g(row['staleness_mean'])} | {_g(row.get('mismatch_route', math.nan))} |"
         )
+    if movement:
+        cols = [m[0] for m in MOVEMENT]
+        lines += [
+            "",
+            "## What the trust regions let the policy do (described, no rule)",
+            "",
+            "Seed means of per-run means. behaviour_kl: KL(π_behaviour‖π_proximal) at the "
+            "step's start, over RL steps 11-20 and the last 10. ppo_kl_klast: KL(π_old‖π) "
+            "before the step's last update; π_old is π_proximal under `decoupled` (how far "
+            "one RL step moves the policy) and π_behaviour under `behaviour` (how far from "
+            "the sampler the policy has gone by then). clip_frac: the share of tokens "
+            "whose gradient the clip removes. rc_truncated_frac, rc_weight_mean: the "
+            "share of tokens whose behaviour weight π_proximal / π_behaviour is truncated "
+            "at the cap, and the weight's mean (`decoupled_tis` only).",
+            "",
+            "| architecture | arm | k | " + " | ".join(cols) + " |",
+            "|---|---|---:|" + "---:|" * len(cols),
+        ]
+        for (arm, v, k), row in movement.items():
+            lines.append(f"| {arm} | {v} | {k} | " + " | ".join(_g(row[c]) for c in cols) + " |")
     ks = sorted({k for row in g["d"].values() for k in row})
     lines += [
         "",
@@ -458,7 +523,8 @@ def report(out: str, sc) -> None:
     """``<out>/table.md`` (printed), ``reward_vs_k.png`` and ``kl_vs_k.png`` from the
     summaries in ``<out>/runs``."""
     runs = common.read_records(os.path.join(out, "runs"))
-    lines = ["# Stage 6: staleness", ""]
+    title = "Stage 6: staleness" + ("" if sc.name == "stage6" else f" ({sc.name})")
+    lines = [f"# {title}", ""]
     if runs:
         lrs = ", ".join(sorted({format(r["lr"], "g") for r in runs}))
         lines += [
@@ -466,7 +532,7 @@ def report(out: str, sc) -> None:
             f"{sc.steps} RL steps.",
             "",
         ]
-        lines += markdown(cell_table(runs, sc), rules(runs, sc), sc)
+        lines += markdown(cell_table(runs, sc), rules(runs, sc), sc, movement_table(runs, sc))
         plot_reward(runs, sc, os.path.join(out, "reward_vs_k.png"))
         plot_kl(runs, sc, os.path.join(out, "kl_vs_k.png"))
     else:

@@ -15,6 +15,9 @@ own checkpoints in ``<root>/stage6/<name>``; its compact summary goes to
     taskset -c 1 python -m experiments.stability.stage6_staleness --root runs/stability \
         --only-arms dense2 --max-minutes 55
     python -m experiments.stability.stage6_staleness --report
+    python -m experiments.stability.stage6_staleness --root runs/stability --resummarize
+    python -m experiments.stability.stage6_staleness --root runs/stability \
+        --config experiments/stability/stage6_config.py:small_steps     # control C1
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import os
 from experiments.stability import common, stage6_report
 from experiments.stability.stage6_report import arm_table
 
-OUT = os.path.join(common.RESULTS, "stage6")
-STAGE = "stage6"
+def out_dir(sc) -> str:
+    """The committed results of the config's grid: ``results/<sc.name>``."""
+    return os.path.join(common.RESULTS, sc.name)
 
 
 def runs_cell(sc, arm: str, variant: str, k: int) -> bool:
@@ -128,7 +132,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
     return common.run_grid(
         grid(sc),
         root,
-        STAGE,
+        sc.name,
         os.path.join(out, "runs"),
         budget,
         smoke=sc.smoke,
@@ -140,14 +144,25 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
 
 def main(argv=None) -> None:
     only = ("arms", "seeds", "stalenesses")
-    ap = common.stage_parser(__doc__, OUT, "stage6_config.py", only)
+    ap = common.stage_parser(__doc__, None, "stage6_config.py", only)
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="rewrite the finished runs' summaries from their logs under --root, adding "
+        "series added to common.SERIES since (nothing that they hold may change)",
+    )
     args = ap.parse_args(argv)
     sc = common.stage_config(args, only)
-    if args.report:
-        stage6_report.report(args.out, sc)
+    out = args.out or out_dir(sc)
+    if args.resummarize:
+        n = common.resummarize(grid(sc), args.root, sc.name, os.path.join(out, "runs"))
+        print(f"stage 6: {n} summaries rewritten in {out}")
         return
-    n = run_all(sc, args.root, args.out, common.Budget(args.max_minutes))
-    print(f"stage 6: {n} runs finished into {args.out}")
+    if args.report:
+        stage6_report.report(out, sc)
+        return
+    n = run_all(sc, args.root, out, common.Budget(args.max_minutes))
+    print(f"stage 6: {n} runs finished into {out}")
 
 
 if __name__ == "__main__":
