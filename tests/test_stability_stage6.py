@@ -38,12 +38,15 @@ def final_of(arm, variant, k, seed):
         return base
     if arm == "dense2":
         return base + NOISE[seed] - (0.01 if variant == "behaviour" else 0.0) * (seed == 0)
-    return base + {
-        "behaviour": -0.02 * k,
-        "behaviour_r3": -0.01 * k,
-        "decoupled_tis": NOISE[seed],
-        "decoupled_tis_r3": NOISE[seed] - 0.05,
-    }[variant]
+    return (
+        base
+        + {
+            "behaviour": -0.02 * k,
+            "behaviour_r3": -0.01 * k,
+            "decoupled_tis": NOISE[seed],
+            "decoupled_tis_r3": NOISE[seed] - 0.05,
+        }[variant]
+    )
 
 
 def summary(meta, final, *, fall=False):
@@ -190,7 +193,11 @@ def test_the_grid_cells_order_and_configs():
     # k = 0 and k = 8 first, then 4, 2, 1; within a k seed by seed, moe2 before dense2.
     ks = [r.meta["staleness"] for r in runs]
     assert [k for i, k in enumerate(ks) if i == 0 or ks[i - 1] != k] == [0, 8, 4, 2, 1]
-    assert names[:3] == ["moe2_decoupled_tis_k0_s0", "moe2_decoupled_tis_r3_k0_s0", "dense2_decoupled_tis_k0_s0"]
+    assert names[:3] == [
+        "moe2_decoupled_tis_k0_s0",
+        "moe2_decoupled_tis_r3_k0_s0",
+        "dense2_decoupled_tis_k0_s0",
+    ]
     assert names[9] == "moe2_behaviour_k8_s0"
     # The overrides: token TIS truncated at 2 through rollout_correction.cap (c_high is
     # the mask modes' bound), no weight under the behaviour trust region.
@@ -210,7 +217,9 @@ def test_the_grid_cells_order_and_configs():
         assert c.rollout_correction.cap == 2.0 and c.optimizer.lr == 3e-4
     # The validation is not vacuous: a weight under the behaviour trust region is refused.
     c = common.rl_config("moe2", 0, "/tmp/unused")
-    common.apply_overrides(c, dict(by["moe2_behaviour_k8_s0"].overrides, **{"rollout_correction.mode": "token_tis"}))
+    common.apply_overrides(
+        c, dict(by["moe2_behaviour_k8_s0"].overrides, **{"rollout_correction.mode": "token_tis"})
+    )
     with pytest.raises(config_lib.ConfigError, match="rollout_correction.mode"):
         config_lib.validate(c, num_devices=1)
     # Each arm's k = 0 point: the decoupled arm with its replay.
@@ -236,6 +245,41 @@ def test_the_small_steps_control_is_its_own_grid():
     assert stage6_staleness.out_dir(sc) != stage6_staleness.out_dir(main)
 
 
+def test_c1_rule_reads_precondition_r1_and_the_kl_bound():
+    sc = stage6_config.get_config("small_steps")
+    runs = hand_made(sc)  # dense2: decoupled_tis holds at k = 8, behaviour_kl 0.008
+
+    def verdict(rs):
+        return stage6_report.c1_verdict(rs, sc, stage6_report.rules(rs, sc))["verdict"]
+
+    assert verdict(runs) == "the hypothesis is supported"
+
+    def edit(fn):
+        return [fn(dict(r, series=dict(r["series"]))) for r in runs]
+
+    def far(r):  # the decoupled arm 0.5 nats from its sampler at k = 8
+        if r["variant"] == "decoupled_tis" and r["staleness"] == 8:
+            r["series"]["behaviour_kl"] = [0.5] * 60
+        return r
+
+    assert verdict(edit(far)) == "not resolved"
+
+    def worse(r):  # the decoupled arm 0.1 below its k = 0 run at k = 8
+        if r["variant"] == "decoupled_tis" and r["staleness"] == 8:
+            r["eval_final"] -= 0.1
+        return r
+
+    assert verdict(edit(worse)) == "the hypothesis is refuted"
+    # k = 0 ends 0.04 above its warm start: the control says nothing.
+    flat = edit(lambda r: dict(r, eval_start=r["eval_final"] - 0.04) if r["staleness"] == 0 else r)
+    assert verdict(flat) == "says nothing (the k = 0 runs did not learn)"
+    assert verdict([r for r in runs if r["seed"] == 0]) == stats.ONE_SEED
+    assert (
+        verdict([r for r in runs if r["seed"] < 2]) == "the hypothesis is supported (preliminary)"
+    )
+    assert verdict([]) == "no runs"
+
+
 def test_movement_table_reads_windows_and_counts_the_last_ten_from_the_end():
     sc = stage6_config.get_config()
     run = next(r for r in stage6_staleness.grid(sc) if r.name == "dense2_decoupled_tis_k8_s0")
@@ -256,8 +300,12 @@ def test_movement_table_reads_windows_and_counts_the_last_ten_from_the_end():
     assert row["clip_frac"] == pytest.approx(0.03)  # a step that did not log is left out
     assert row["rc_weight_mean"] == pytest.approx(0.9)
     # A series no run logged (the behaviour arm's weight) is nan, printed "n/a".
-    beh = summary(next(r for r in stage6_staleness.grid(sc) if r.name == "dense2_behaviour_k8_s0").meta, 0.3)
-    assert math.isnan(stage6_report.movement_table([beh], sc)[("dense2", "behaviour", 8)]["rc_weight_mean"])
+    beh = summary(
+        next(r for r in stage6_staleness.grid(sc) if r.name == "dense2_behaviour_k8_s0").meta, 0.3
+    )
+    assert math.isnan(
+        stage6_report.movement_table([beh], sc)[("dense2", "behaviour", 8)]["rc_weight_mean"]
+    )
 
 
 # --------------------------------------------------------------------------
@@ -266,7 +314,16 @@ def test_movement_table_reads_windows_and_counts_the_last_ten_from_the_end():
 
 def test_stage6_runs_resumes_and_reports_on_smoke(tmp_path, capsys, smoke_root):
     root, out = smoke_root(("moe2",)), tmp_path / "out"
-    args = ["--root", str(root), "--out", str(out), "--config", CFG6 + ":smoke", "--only-arms", "moe2"]
+    args = [
+        "--root",
+        str(root),
+        "--out",
+        str(out),
+        "--config",
+        CFG6 + ":smoke",
+        "--only-arms",
+        "moe2",
+    ]
     stage6_staleness.main(args)
     runs = common.read_records(str(out / "runs"))
     assert sorted(r["variant"] + str(r["staleness"]) for r in runs) == [

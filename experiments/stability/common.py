@@ -416,9 +416,7 @@ class GridRun:
     task: str = "small"
 
 
-def resummarize(
-    runs: Iterable[GridRun], root: str, stage: str, folder: str, log=print
-) -> int:
+def resummarize(runs: Iterable[GridRun], root: str, stage: str, folder: str, log=print) -> int:
     """Rewrites the summary in ``folder`` of every run of ``runs`` that has one, from
     its logs in ``<root>/<stage>/<name>``, so that a series added to `SERIES` after a
     run finished reaches its summary. Everything the old summary holds must come out

@@ -322,6 +322,43 @@ def rules(runs, sc) -> dict:
     return dict(staleness=kr, d=d_table, r1=r1, r2=r2, r3=r3, r4=r4)
 
 
+C1_LEARNED = 0.05  # C1's precondition: k = 0 ends this far above the warm start
+C1_KL = 0.3  # C1's bound on the decoupled arm's behaviour KL over the last 10 steps
+
+
+def c1_verdict(runs, sc, g: dict) -> dict:
+    """Control C1's rule (README, "Stage 6", "Control C1") on the small-steps runs and
+    their rules ``g``: the precondition (the k = 0 runs' final held-out reward above
+    their warm start's by `C1_LEARNED` in the seed mean), then "supported" if R1 says
+    ``decoupled_tis`` holds at k = 8 with its behaviour KL over the last 10 steps below
+    `C1_KL`, "refuted" if it degrades with that KL below `C1_KL`, else "not resolved"."""
+    idx = index(runs)
+    k0 = [
+        r["eval_final"] - r["eval_start"]
+        for r in cell_runs(idx, sc, sc.arms[0], "decoupled_tis", 0).values()
+        if r.get("eval_final") is not None and r.get("eval_start") is not None
+    ]
+    gain = float(np.mean(k0)) if k0 else math.nan
+    kr = int(sc.rule_staleness)
+    kl = movement_table(runs, sc).get((sc.arms[0], "decoupled_tis", kr), {})
+    kl_last = kl.get("behaviour_kl, last 10", math.nan)
+    r1 = g["r1"].get((sc.arms[0], "decoupled_tis"))
+    if r1 is None or not k0:
+        verdict = "no runs"
+    elif not gain >= C1_LEARNED:
+        verdict = "says nothing (the k = 0 runs did not learn)"
+    elif r1["plain"] == "holds" and kl_last < C1_KL:
+        verdict = "the hypothesis is supported"
+    elif r1["plain"] == "degrades" and kl_last < C1_KL:
+        verdict = "the hypothesis is refuted"
+    else:
+        verdict = "not resolved"
+    n = r1["n"] if r1 else 0
+    if r1 is not None:
+        verdict = _mark(stats.seeds_allow(verdict, n), n, len(common.planned_seeds(sc)))
+    return dict(gain=gain, kl_last=kl_last, r1=r1["plain"] if r1 else None, n=n, verdict=verdict)
+
+
 # --------------------------------------------------------------------------
 # Writing it out.
 
@@ -532,7 +569,19 @@ def report(out: str, sc) -> None:
             f"{sc.steps} RL steps.",
             "",
         ]
-        lines += markdown(cell_table(runs, sc), rules(runs, sc), sc, movement_table(runs, sc))
+        g = rules(runs, sc)
+        lines += markdown(cell_table(runs, sc), g, sc, movement_table(runs, sc))
+        if sc.name == "stage6_small_steps":
+            c1 = c1_verdict(runs, sc, g)
+            lines += [
+                '## Control C1: small steps (README, "Stage 6")',
+                "",
+                f"- k = 0 runs' final held-out minus their warm start's: {_g(c1['gain'])} "
+                f"(precondition: at least {C1_LEARNED}); decoupled_tis at k = "
+                f"{g['staleness']}: R1 {c1['r1']}, behaviour_kl over the last 10 steps "
+                f"{_g(c1['kl_last'])} (bound {C1_KL}), {c1['n']} seeds: **{c1['verdict']}**",
+                "",
+            ]
         plot_reward(runs, sc, os.path.join(out, "reward_vs_k.png"))
         plot_kl(runs, sc, os.path.join(out, "kl_vs_k.png"))
     else:

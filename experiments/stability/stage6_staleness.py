@@ -27,6 +27,7 @@ import os
 from experiments.stability import common, stage6_report
 from experiments.stability.stage6_report import arm_table
 
+
 def out_dir(sc) -> str:
     """The committed results of the config's grid: ``results/<sc.name>``."""
     return os.path.join(common.RESULTS, sc.name)
