@@ -484,7 +484,11 @@ def test_stage8_is_stage2s_frontier_at_depth_in_bf16(tmp_path, smoke_root):
     assert sc.lrs == (3e-4, 5.5e-4, 1e-3) and len(sc.seeds) == 3 and sc.task == "small"
     assert stage2_frontier.stage_name(sc) == "stage8"
     fields = common.arm_fields("moe12e64k8")
-    assert (fields["num_experts"], fields["top_k"], fields["moe_d_ff"] * fields["top_k"]) == (64, 8, 256)
+    assert (fields["num_experts"], fields["top_k"], fields["moe_d_ff"] * fields["top_k"]) == (
+        64,
+        8,
+        256,
+    )
     assert common.arm_fields("dense12")["d_ff"] == 256  # the same active FFN width
     runs = list(stage2_frontier.grid(sc))
     assert len(runs) == 2 * 3 * 3
@@ -520,6 +524,11 @@ def test_sign_verdict_reads_the_interval_and_refuses_one_seed():
     one = stats.bootstrap_ci([-0.2])
     assert one[1] == one[2] == -0.2
     assert stats.sign_verdict(one, 1, **words) == stats.ONE_SEED
+    # "(preliminary)" marks a verdict on fewer seeds than planned, never a non-verdict.
+    assert stats.preliminary("up", complete=False) and not stats.preliminary("up", complete=True)
+    assert not stats.preliminary(stats.ONE_SEED, complete=False)
+    assert not stats.preliminary("no runs", complete=False)
+    assert (stats.seeds_text(1), stats.seeds_text(3)) == ("1 seed", "3 seeds")
 
 
 def test_a_warm_start_of_another_config_is_refused_by_name(smoke_root):
@@ -535,5 +544,8 @@ def test_a_warm_start_of_another_config_is_refused_by_name(smoke_root):
     saved["sft"]["steps"] = 3
     with open(path, "w") as f:
         json.dump(saved, f)
-    with pytest.raises(ValueError, match=r"another config \(saved -> now: config.sft.steps: 3 -> 2; from .*config.json\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"another config \(saved -> now: config.sft.steps: 3 -> 2; from .*config.json\)",
+    ):
         common.ensure_warm_start(root, "dense2", 0, smoke=True)

@@ -217,8 +217,9 @@ def r1_verdict(d: tuple[float, float, float] | None, n: int) -> str:
 
 
 def _mark(verdict: str, n_min: int, planned: int) -> str:
-    final = n_min >= planned or verdict in ("no runs", stats.ONE_SEED)
-    return verdict if final else f"{verdict} (preliminary)"
+    """``verdict``, "(preliminary)" after it on fewer seeds than planned
+    (`stats.preliminary`)."""
+    return f"{verdict} (preliminary)" if stats.preliminary(verdict, n_min >= planned) else verdict
 
 
 def rules(runs, sc) -> dict:
@@ -441,7 +442,7 @@ def markdown(cells: dict, g: dict, sc, movement: dict | None = None) -> list[str
     lines += ["", f"## R1: does the held-out reward degrade at k = {kr}?", ""]
     for (arm, v), r in g["r1"].items():
         lines.append(
-            f"- {arm}, {v}: D({kr}) = {_ci(r['d'], '+.3f')} over {r['n']} seeds "
+            f"- {arm}, {v}: D({kr}) = {_ci(r['d'], '+.3f')} over {stats.seeds_text(r['n'])} "
             f"{_seeds(r['values'])}: **{r['verdict']}**"
         )
     lines += ["", f"## R2: AReaL's comparison at k = {kr}", ""]
@@ -451,7 +452,7 @@ def markdown(cells: dict, g: dict, sc, movement: dict | None = None) -> list[str
         lines.append(
             f"- {arm}: R1 says {r['naive']} {r['r1'][0]}, {r['decoupled']} {r['r1'][1]}; "
             f"E = final({r['decoupled']}) - final({r['naive']}) = {_ci(r['e'], '+.3f')} over "
-            f"{r['n']} seeds: **{r['verdict']}**"
+            f"{stats.seeds_text(r['n'])}: **{r['verdict']}**"
         )
     lines += ["", f"## R3: the MoE against its dense twin, D_moe({kr}) - D_dense({kr})", ""]
     if not g["r3"]:
@@ -467,7 +468,7 @@ def markdown(cells: dict, g: dict, sc, movement: dict | None = None) -> list[str
     for b, r in g["r4"].items():
         lines.append(
             f"- {b}: G = final({r['r3']}) - final({b}) = {_ci(r['g'], '+.3f')} over "
-            f"{r['n']} seeds: **{r['verdict']}**"
+            f"{stats.seeds_text(r['n'])}: **{r['verdict']}**"
         )
     lines += [
         "",
@@ -579,7 +580,7 @@ def report(out: str, sc) -> None:
                 f"- k = 0 runs' final held-out minus their warm start's: {_g(c1['gain'])} "
                 f"(precondition: at least {C1_LEARNED}); decoupled_tis at k = "
                 f"{g['staleness']}: R1 {c1['r1']}, behaviour_kl over the last 10 steps "
-                f"{_g(c1['kl_last'])} (bound {C1_KL}), {c1['n']} seeds: **{c1['verdict']}**",
+                f"{_g(c1['kl_last'])} (bound {C1_KL}), {stats.seeds_text(c1['n'])}: **{c1['verdict']}**",
                 "",
             ]
         plot_reward(runs, sc, os.path.join(out, "reward_vs_k.png"))

@@ -147,8 +147,8 @@ def _outcome(summary: dict) -> str:
 def _verdict(r: dict) -> str:
     """The rule's verdict in bold, "(preliminary)" after it on fewer seeds than planned
     (none after `stats.ONE_SEED`, which is no verdict)."""
-    final = r["complete"] or r["verdict"] == stats.ONE_SEED
-    return f"**{r['verdict']}**" + ("" if final else " (preliminary)")
+    marked = stats.preliminary(r["verdict"], r["complete"])
+    return f"**{r['verdict']}**" + (" (preliminary)" if marked else "")
 
 
 def measure_markdown(records) -> list[str]:

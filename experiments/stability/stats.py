@@ -181,6 +181,17 @@ def seeds_allow(verdict: str, n: int) -> str:
     return ONE_SEED if n < MIN_SEEDS else verdict
 
 
+def preliminary(verdict: str, complete: bool) -> bool:
+    """Whether a report marks ``verdict`` "(preliminary)": it rests on fewer seeds than
+    planned (not ``complete``) and is a verdict (not `ONE_SEED`, not "no runs")."""
+    return not complete and verdict not in (ONE_SEED, "no runs")
+
+
+def seeds_text(n: int) -> str:
+    """ "1 seed", "3 seeds"."""
+    return f"{n} seed" + ("" if n == 1 else "s")
+
+
 # --------------------------------------------------------------------------
 # Counts: a one-sided Fisher exact test.
 
