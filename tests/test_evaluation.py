@@ -13,6 +13,7 @@ from math import comb
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from gspo_jax import config as config_lib
 from gspo_jax import evaluation, tasks
@@ -217,7 +218,7 @@ def test_evaluate_a_workdir(smoke_workdir, tmp_path):
 def test_evaluate_command_line(smoke_workdir, data_dir, tmp_path):
     workdir, _ = smoke_workdir
     out_file = tmp_path / "m.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = subprocess_env(1)
     cmd = [sys.executable, "-m", "gspo_jax.evaluate", "--config=configs/default.py:smoke",
            f"--checkpoint={workdir}", "--split=test", f"--out={out_file}",
            f"--config.task.data_dir={data_dir}"]
@@ -351,7 +352,7 @@ def test_evaluate_names_the_config_fields_that_differ(smoke_workdir, data_dir, t
         evaluate_checkpoint(other, forked)
 
     # On the command line: the message alone, in a few lines, exit status 2.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = subprocess_env(1)
     cmd = [sys.executable, "-m", "gspo_jax.evaluate", "--config=configs/default.py:smoke",
            f"--checkpoint={workdir}", f"--config.task.data_dir={data_dir}", "--config.model.fields.moe_d_ff=48"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 from flax import nnx
 
 torch = pytest.importorskip("torch")
@@ -88,7 +89,7 @@ def test_export_a_lora_run_as_peft_and_merged(lora_workdir, data_dir, tmp_path):
 
     # The command line, in PEFT's format.
     peft_dir = tmp_path / "peft"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = subprocess_env(1)
     cmd = [sys.executable, "-m", "gspo_jax.export", "--config=configs/default.py:lora,smoke",
            f"--workdir={workdir}", f"--out={peft_dir}", "--format=peft",
            f"--config.task.data_dir={data_dir}", "--config.entropy_coef=0.05",
@@ -154,7 +155,7 @@ def test_bad_input_is_refused_by_name(lora_workdir, full_workdir, data_dir, tmp_
     # A workdir without checkpoints: the command line says so in one line, exit status 1.
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = subprocess_env(1)
     cmd = [sys.executable, "-m", "gspo_jax.export", "--config=configs/default.py:smoke",
            f"--workdir={empty}", f"--out={tmp_path / 'out'}", f"--config.task.data_dir={data_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

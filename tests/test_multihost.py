@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from gspo_jax import config as config_lib
 from gspo_jax import multihost
@@ -28,7 +29,6 @@ TIMING = {
     "sample_time",
     "tokens_per_s",
 }
-CPU_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"  # as conftest's
 
 
 # --------------------------------------------------------------------------
@@ -142,8 +142,7 @@ ARGS = [
 
 
 def _start(workdir, devices, data_dir, *, process_id=None, port=None, extra=()):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {CPU_FLAGS}"
+    env = subprocess_env(devices)
     cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.task.data_dir={data_dir}")
     if process_id is not None:
@@ -290,8 +289,7 @@ def test_hf_export_and_load_across_two_processes_match_one(tmp_path):
     worker = os.path.join(REPO, "tests", "hf_export_worker.py")
 
     def start(out, devices, *extra):
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {CPU_FLAGS}"
+        env = subprocess_env(devices)
         log = open(f"{out}.{extra[-1] if extra else 0}.log", "w")
         cmd = [sys.executable, worker, str(out), *map(str, extra)]
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_env
 from flax import nnx
 
 from gspo_jax import config as config_lib
@@ -146,7 +147,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(data_dir, tmp_path):
     args = [sys.executable, "-m", "gspo_jax.train", "--config=configs/default.py:smoke",
             f"--workdir={tmp_path}", f"--config.task.data_dir={data_dir}", "--config.sft.steps=60",
             "--config.checkpoint_every=1000", "--config.total_rl_steps=1"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = subprocess_env(1)
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
@@ -302,7 +303,7 @@ def test_kills_and_corrupted_checkpoints_resume_to_the_uninterrupted_metrics(dat
     args = [sys.executable, "-m", "gspo_jax.train", "--config=configs/default.py:smoke",
             f"--config.task.data_dir={data_dir}", "--config.progress_bar=False", "--config.total_rl_steps=6",
             "--config.sft.steps=6", "--config.checkpoint_every=1", "--config.keep_checkpoints=3"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = subprocess_env(1)
     full, cut = tmp_path / "full", tmp_path / "cut"
     out = subprocess.run(args + [f"--workdir={full}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=900)

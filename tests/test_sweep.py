@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from conftest import xla_flags
 
 from gspo_jax import sweep
 
@@ -68,7 +69,7 @@ def test_summarize_means_over_seeds(tmp_path):
 
 def test_sweep_interrupted_then_resumed(tmp_path, tmp_path_factory, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     data_dir = str(tmp_path_factory.mktemp("tfds"))
     w = str(tmp_path / "sweep")

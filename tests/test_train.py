@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from gspo_jax import config as config_lib
 from gspo_jax import objectives
@@ -162,12 +163,7 @@ def test_every_objective_config_is_valid():
 
 
 def _run_subprocess(workdir, args, devices, *, data_dir, wait=True):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (  # conftest's flags, another device count
-        f"--xla_force_host_platform_device_count={devices} "
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env(devices)
     # absl wants --config=... before any --config.<field>=... override.
     cmd = [sys.executable, "-m", "gspo_jax.train", f"--workdir={workdir}"] + list(args) + [
         f"--config.task.data_dir={data_dir}", "--config.progress_bar=False"]
