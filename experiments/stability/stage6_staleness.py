@@ -7,8 +7,9 @@ k in {0, 1, 2, 4, 8}, under two trust regions: the clip around the sampler's pol
 behaviour weight truncated at 2 (``decoupled_tis``, AReaL's decoupled loss), each
 with and without R3 on the MoE; moe2 and its dense twin, 3 seeds, 60 RL steps, from the
 same warm starts as every stage (the arms: `stage6_config`). Each run resumes from its
-own checkpoints in ``<root>/stage6/<name>``; its compact summary goes to
-``<out>/runs/<name>.jsonl`` when it finishes, and a run with a summary is skipped.
+own checkpoints in ``<root>/<config name>/<name>`` (``stage6``, or ``stage6_small_steps``
+for control C1); its compact summary goes to ``<out>/runs/<name>.jsonl`` (``--out``,
+by default ``results/<config name>``) when it finishes, and a run with a summary is skipped.
 
     taskset -c 0 python -m experiments.stability.stage6_staleness --root runs/stability \
         --only-arms moe2 --max-minutes 55                               # beside dense2
