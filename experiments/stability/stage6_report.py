@@ -61,7 +61,14 @@ def r3_twin(sc, variant: str) -> str | None:
 
 def run_mean(run: dict, key: str) -> float:
     """A run's mean of a per-step series over its RL steps (nan if never logged)."""
-    v = [float(x) for x in (run["series"].get(key) or []) if x is not None]
+    return window_mean(run, key, slice(None))
+
+
+def window_mean(run: dict, key: str, steps: slice) -> float:
+    """A run's mean of a per-step series over the RL steps ``steps`` selects (a slice
+    of the series: ``slice(10, 20)`` is steps 11-20, ``slice(-10, None)`` the last ten),
+    logged and finite values only; nan if there are none."""
+    v = [float(x) for x in (run["series"].get(key) or [])[steps] if x is not None]
     v = [x for x in v if math.isfinite(x)]
     return float(np.mean(v)) if v else math.nan
 
@@ -72,6 +79,14 @@ def index(runs) -> dict[tuple[str, str, int], dict[int, dict]]:
     for r in runs:
         out[(r["arm"], r["variant"], int(r["staleness"]))][int(r["seed"])] = r
     return out
+
+
+def cell_order(idx, sc) -> list[tuple[str, str, int]]:
+    """The cells of ``idx`` in the report's order: architecture as in ``sc.arms``, arm
+    as in the table, then k."""
+    order = {v: i for i, v in enumerate(arm_table(sc))}
+    archs = {a: i for i, a in enumerate(sc.arms)}
+    return sorted(idx, key=lambda t: (archs.get(t[0], 99), order.get(t[1], 99), t[2]))
 
 
 def cell_runs(idx, sc, arm: str, variant: str, k: int) -> dict[int, dict]:
@@ -124,10 +139,8 @@ def cell_table(runs, sc) -> dict[tuple[str, str, int], dict]:
     mismatch_route."""
     idx = index(runs)
     planned = len(common.planned_seeds(sc))
-    order = {v: i for i, v in enumerate(arm_table(sc))}
-    archs = {a: i for i, a in enumerate(sc.arms)}
     out = {}
-    for key in sorted(idx, key=lambda t: (archs.get(t[0], 99), order.get(t[1], 99), t[2])):
+    for key in cell_order(idx, sc):
         arm, variant, k = key
         rs = [idx[key][s] for s in sorted(idx[key])]
         outs = [outcome(r) for r in rs]
@@ -152,23 +165,15 @@ def cell_table(runs, sc) -> dict[tuple[str, str, int], dict]:
     return out
 
 
-def window_mean(run: dict, key: str, lo: int, hi: int | None) -> float:
-    """A run's mean of a per-step series over its RL steps ``lo`` to ``hi`` (1-based,
-    inclusive; None: to the end), nan if none logged there."""
-    v = (run["series"].get(key) or [])[lo - 1 : hi]
-    v = [float(x) for x in v if x is not None and math.isfinite(float(x))]
-    return float(np.mean(v)) if v else math.nan
-
-
 # What each trust region lets the policy do (described, no rule): (column, series,
-# first RL step, last RL step or None for the end).
+# the RL steps as a slice of the series).
 MOVEMENT = (
-    ("behaviour_kl, steps 11-20", "behaviour_kl", 11, 20),
-    ("behaviour_kl, last 10", "behaviour_kl", -9, None),
-    ("ppo_kl_klast", "ppo_kl_klast", 1, None),
-    ("clip_frac", "clip_frac", 1, None),
-    ("rc_truncated_frac", "rc_truncated_frac", 1, None),
-    ("rc_weight_mean", "rc_weight_mean", 1, None),
+    ("behaviour_kl, steps 11-20", "behaviour_kl", slice(10, 20)),
+    ("behaviour_kl, last 10", "behaviour_kl", slice(-10, None)),
+    ("ppo_kl_klast", "ppo_kl_klast", slice(None)),
+    ("clip_frac", "clip_frac", slice(None)),
+    ("rc_truncated_frac", "rc_truncated_frac", slice(None)),
+    ("rc_weight_mean", "rc_weight_mean", slice(None)),
 )
 
 
@@ -176,20 +181,13 @@ def movement_table(runs, sc) -> dict[tuple[str, str, int], dict[str, float]]:
     """Per cell (architecture, arm, k): the seed means of `MOVEMENT`'s per-run window
     means. ``ppo_kl_klast`` is KL(π_old‖π) before the step's last update: under
     'decoupled' (π_old = π_proximal) how far one RL step moves the policy, under
-    'behaviour' (π_old = π_behaviour) how far the policy is from the sampler by then.
-    A negative first step counts from the end (-9: the last ten steps)."""
+    'behaviour' (π_old = π_behaviour) how far the policy is from the sampler by then."""
     idx = index(runs)
-    order = {v: i for i, v in enumerate(arm_table(sc))}
-    archs = {a: i for i, a in enumerate(sc.arms)}
     out = {}
-    for key in sorted(idx, key=lambda t: (archs.get(t[0], 99), order.get(t[1], 99), t[2])):
+    for key in cell_order(idx, sc):
         row = {}
-        for col, series, lo, hi in MOVEMENT:
-            per = []
-            for r in idx[key].values():
-                n = len(r["series"].get(series) or [])
-                start = lo if lo > 0 else max(n + lo, 1)
-                per.append(window_mean(r, series, start, hi))
+        for col, series, steps in MOVEMENT:
+            per = [window_mean(r, series, steps) for r in idx[key].values()]
             per = [x for x in per if math.isfinite(x)]
             row[col] = float(np.mean(per)) if per else math.nan
         out[key] = row
