@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import subprocess_env
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -209,8 +210,7 @@ def test_one_gb_checkpoint_streams_onto_an_fsdp_expert_mesh(tmp_path):
         largest, data_bytes = max(i.nbytes for i in infos), sum(i.nbytes for i in infos)
 
         out = tmp_path / "result.json"
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = subprocess_env(8)
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(ckpt), str(out)], env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]

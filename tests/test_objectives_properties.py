@@ -5,7 +5,6 @@ shapes and scales drawn by hypothesis; example counts are kept small for CPU CI.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import given, settings, assume
 from hypothesis import strategies as st
 

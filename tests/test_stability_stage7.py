@@ -4,7 +4,6 @@ measurement, the runs and the report end to end on the smoke setting."""
 
 import os
 
-import numpy as np
 import pytest
 
 from experiments.stability import common, stage7_config, stage7_numerics, stage7_report, stats

@@ -8,7 +8,6 @@ import pathlib
 import random
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np

@@ -69,7 +69,7 @@ def right_forms(rng, d):
 
 
 def wrong_forms(rng, d):
-  a, g = _text(d), format(d, ",f")
+  a = _text(d)
   x = rng.randint(1, 999)
   w = _text(rng.choice(_near_misses(rng, d)))
   forms = [
