@@ -335,6 +335,12 @@ def plot_curves(runs, path: str) -> None:
             ax_e.set_title(f"{arm}, lr {lr:g}: held-out reward")
             ax_t.set_title(f"{arm}, lr {lr:g}: training reward (3-step mean)")
             ax_t.set_xlabel("RL step")
+    # One scale per quantity, so the cells' panels compare at a glance.
+    for row in (0, 1):
+        panels = [ax for i in range(len(lrs)) for ax in axes[2 * i + row]]
+        top = max((ax.get_ylim()[1] for ax in panels if ax.has_data()), default=1.0)
+        for ax in panels:
+            ax.set_ylim(0, top)
     handles = [
         plt.Line2D([], [], color=c, label=v.upper()) for v, c in colors.items() if v in variants
     ]
