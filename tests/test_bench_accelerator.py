@@ -3,7 +3,6 @@ the same code as on a GPU), and its FLOP and byte counts are the model's."""
 
 import math
 
-
 from experiments.bench import bench_accelerator as bench
 
 
