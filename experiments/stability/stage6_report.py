@@ -183,15 +183,18 @@ def movement_table(runs, sc) -> dict[tuple[str, str, int], dict[str, float]]:
     'decoupled' (π_old = π_proximal) how far one RL step moves the policy, under
     'behaviour' (π_old = π_behaviour) how far the policy is from the sampler by then."""
     idx = index(runs)
-    out = {}
-    for key in cell_order(idx, sc):
-        row = {}
-        for col, series, steps in MOVEMENT:
-            per = [window_mean(r, series, steps) for r in idx[key].values()]
-            per = [x for x in per if math.isfinite(x)]
-            row[col] = float(np.mean(per)) if per else math.nan
-        out[key] = row
-    return out
+    return {key: movement_row(idx[key].values()) for key in cell_order(idx, sc)}
+
+
+def movement_row(cell) -> dict[str, float]:
+    """One cell's `MOVEMENT` columns: over its runs ``cell``, the seed mean of each
+    run's window mean (nan where no run logged the series)."""
+    row = {}
+    for col, series, steps in MOVEMENT:
+        per = [window_mean(r, series, steps) for r in cell]
+        per = [x for x in per if math.isfinite(x)]
+        row[col] = float(np.mean(per)) if per else math.nan
+    return row
 
 
 # --------------------------------------------------------------------------
@@ -339,8 +342,9 @@ def c1_verdict(runs, sc, g: dict) -> dict:
     ]
     gain = float(np.mean(k0)) if k0 else math.nan
     kr = int(sc.rule_staleness)
-    kl = movement_table(runs, sc).get((sc.arms[0], "decoupled_tis", kr), {})
-    kl_last = kl.get("behaviour_kl, last 10", math.nan)
+    kl_last = movement_row(idx.get((sc.arms[0], "decoupled_tis", kr), {}).values())[
+        "behaviour_kl, last 10"
+    ]
     r1 = g["r1"].get((sc.arms[0], "decoupled_tis"))
     if r1 is None or not k0:
         verdict = "no runs"
