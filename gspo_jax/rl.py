@@ -103,6 +103,20 @@ def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
     return adv_lib.gae(token_rewards, values, mask, gamma=gamma, lam=lam)
 
 
+GROUP_ESTIMATORS = {
+    "group": adv_lib.group,
+    "group_no_std": adv_lib.group_no_std,
+    "rloo": adv_lib.rloo,
+}
+
+
+def _group_batch(rewards, *, estimator: str, group_size: int):
+    """A group estimator over the batch's rows, f32[N] -> f32[N]: row i is sample
+    i % G of prompt i // G, as the rollout lays them out."""
+    per_prompt = GROUP_ESTIMATORS[estimator](rewards.reshape(-1, group_size))
+    return per_prompt.reshape(-1)
+
+
 def _permutations(key, *, n: int, epochs: int) -> jax.Array:
     """int32[epochs, n]: the mini-batch order of each epoch of one rollout's updates
     (epoch e: ``permutation(fold_in(key, e), n)``)."""
@@ -205,6 +219,12 @@ class RLPhase:
             ref_pass = lora_rl.reference_pass(ref_pass)
         self.ref_logp_fn = on_mesh(jax.jit(ref_pass), trainer.mesh)
         self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
+        if self.c.advantage in GROUP_ESTIMATORS:
+            self.group_fn = jax.jit(
+                functools.partial(
+                    _group_batch, estimator=self.c.advantage, group_size=cfg.rollout.group_size
+                )
+            )
         self.trust_region_fn = jax.jit(
             functools.partial(
                 offpolicy.trust_region_inputs,
@@ -461,12 +481,8 @@ class RLPhase:
         critic's ``values`` of the old pass (the sequence reward on the last token).
         Returns ``advantages`` (and for GAE ``returns`` and ``old_values``)."""
         c = self.c
-        cfg = self.cfg
-        rg = np.asarray(rewards).reshape(-1, cfg.rollout.group_size)
+        rows = self.t.put_rows(np.asarray(rewards, np.float32).reshape(-1))
         if c.advantage == "gae":
-            seq_rewards = self.t.put_rows(rg.reshape(-1).astype(np.float32))
-            a, returns = self.gae_fn(seq_rewards, values, mask)
+            a, returns = self.gae_fn(rows, values, mask)
             return {"advantages": a, "returns": returns, "old_values": values}
-        group = {"group": adv_lib.group, "group_no_std": adv_lib.group_no_std, "rloo": adv_lib.rloo}
-        a = group[c.advantage](jnp.asarray(rg))
-        return {"advantages": self.t.put_rows(np.asarray(a, np.float32).reshape(-1))}
+        return {"advantages": self.group_fn(rows)}

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
 from gspo_jax import rl as rl_lib
 from gspo_jax import sft, trainer as trainer_lib
@@ -127,6 +128,30 @@ def test_routing_record_never_reaches_the_host(data_dir, tmp_path, monkeypatch):
     # Two collections and one update phase in all: token ids, lengths, flags and
     # metrics, less than half of one R3 record (4 bytes * 16 * 79 * 2 * 2).
     assert sum(x.nbytes for x in fetched) < rows * (P + T - 1) * L * K * 4 / 2
+
+
+@pytest.mark.parametrize("estimator", ["group", "rloo"])
+def test_group_advantages_are_one_program_on_the_devices(
+    estimator, data_dir, tmp_path, monkeypatch, compile_counts
+):
+    """The host's rewards go to the devices once, sharded over rows; the advantages
+    are computed there by one compiled program (no op-by-op dispatch) and stay there."""
+    c = _config(data_dir, advantage=estimator)
+    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    rl = rl_lib.RLPhase(trainer, trainer.init_params)
+    G = int(c.rollout.group_size)
+    rewards = np.array([1.0, 0.0, 0.0, 1.0] * (int(c.rollout.prompts_per_step) - 1) + [0.5] * G)
+    rewards[:G] = [0.0, 0.25, 0.5, 1.0]
+    fetched = _record_host_fetches(monkeypatch)
+    compile_counts.clear()
+    out = [rl.advantages(rewards, None, None)["advantages"] for _ in range(2)]
+    assert fetched == [] and dict(compile_counts) == {"jit(_group_batch)": 1}
+    rows = trainer.put_rows(rewards.astype(np.float32))
+    assert out[0].sharding.is_equivalent_to(rows.sharding, 1)
+    monkeypatch.undo()
+    want = getattr(adv_lib, estimator)(rewards.reshape(-1, G)).reshape(-1)
+    np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-6)
+    assert (np.asarray(out[0])[-G:] == 0.0).all()  # identical rewards: exactly 0
 
 
 def test_fit_prompts_refuses_or_truncates():
