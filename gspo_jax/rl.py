@@ -259,8 +259,8 @@ class RLPhase:
         correction weighs pi_old / pi_behaviour; 'behaviour' takes pi_old to be the
         sampler's own log-probs and routing (`BEHAVIOUR_REFERENCES`), and the old pass
         runs only for what nothing else gives: the critic's values, R2's routing.
-        Nothing here waits for the devices: group advantages are computed first, so
-        that their host part never queues behind the pass."""
+        Nothing here waits for the devices: the host's rewards go to them, and the
+        advantages are computed there (`_group_batch`, or GAE), nothing coming back."""
         c = self.c
         dev = self.t.put_batch(queued.device)
         batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")}
