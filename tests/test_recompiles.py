@@ -91,8 +91,10 @@ def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_pat
 
 def _record_host_fetches(monkeypatch) -> list:
     """Every jax.Array value fetched to the host from now on, explicit
-    (``jax.device_get``) or implicit (``np.asarray``, ``float``, ...): all go through
-    ``ArrayImpl._value``. (JAX's transfer guard does not see them on CPU.)"""
+    (``jax.device_get``) or implicit (``np.asarray``, ``float``, ...), of an array
+    sharded over the mesh: all go through ``ArrayImpl._value``. ``np.asarray`` of a
+    single-device array on the CPU reads its buffer directly and is not seen (nor does
+    JAX's transfer guard see fetches on the CPU); the batch's arrays are sharded."""
     from jax._src.array import ArrayImpl
 
     fetched, value = [], ArrayImpl._value
