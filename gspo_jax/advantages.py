@@ -91,6 +91,10 @@ def rloo(rewards: Array) -> Array:
     return jax.vmap(_rloo_one)(_check_rewards(rewards, "rloo", 2))
 
 
+# The group estimators by their ``config.advantage`` name (``gae`` is the other one).
+GROUP_ESTIMATORS = {"group": group, "group_no_std": group_no_std, "rloo": rloo}
+
+
 def gae(
     rewards: Array, values: Array, mask: Array, *, gamma: float, lam: float
 ) -> tuple[Array, Array]:

@@ -103,17 +103,10 @@ def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
     return adv_lib.gae(token_rewards, values, mask, gamma=gamma, lam=lam)
 
 
-GROUP_ESTIMATORS = {
-    "group": adv_lib.group,
-    "group_no_std": adv_lib.group_no_std,
-    "rloo": adv_lib.rloo,
-}
-
-
 def _group_batch(rewards, *, estimator: str, group_size: int):
     """A group estimator over the batch's rows, f32[N] -> f32[N]: row i is sample
     i % G of prompt i // G, as the rollout lays them out."""
-    per_prompt = GROUP_ESTIMATORS[estimator](rewards.reshape(-1, group_size))
+    per_prompt = adv_lib.GROUP_ESTIMATORS[estimator](rewards.reshape(-1, group_size))
     return per_prompt.reshape(-1)
 
 
@@ -219,7 +212,7 @@ class RLPhase:
             ref_pass = lora_rl.reference_pass(ref_pass)
         self.ref_logp_fn = on_mesh(jax.jit(ref_pass), trainer.mesh)
         self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
-        if self.c.advantage in GROUP_ESTIMATORS:
+        if self.c.advantage in adv_lib.GROUP_ESTIMATORS:
             self.group_fn = jax.jit(
                 functools.partial(
                     _group_batch, estimator=self.c.advantage, group_size=cfg.rollout.group_size

@@ -13,7 +13,7 @@ import dataclasses
 import ml_collections
 
 from gspo_jax import reward_plugins
-from gspo_jax.advantages import GaeConfig
+from gspo_jax.advantages import GROUP_ESTIMATORS, GaeConfig
 from gspo_jax.fields import err, is_int, section, setting
 from gspo_jax.lora_rl import LoRAConfig
 from gspo_jax.metrics_log import WandbConfig
@@ -26,7 +26,7 @@ from gspo_jax.rollout import RolloutConfig
 from gspo_jax.shaping import DapoConfig
 from gspo_jax.step import UpdatesConfig
 
-GROUP_ADVANTAGES = ("group", "group_no_std", "rloo")
+GROUP_ADVANTAGES = tuple(GROUP_ESTIMATORS)
 ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
 
 
