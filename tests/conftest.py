@@ -24,19 +24,29 @@
 * ``slow``: a test that took `SLOW_SECONDS` or more in the last measurement of the whole
   suite (tests/durations.json, from an empty compilation cache on two cores) is marked
   ``slow``; ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
-  ``--record-durations=tests/durations.json`` (it writes every test of 1 s or more).
+  ``--record-durations=tests/durations.json`` (it writes every test).
 * ``compile_counts``: the compilations during a test, from JAX's own monitoring
   events.
 * ``fake_stage_runs``: the stability study's RL runs replaced by a record of their
   arguments, for tests of what a stage script runs.
 * ``smoke_root``: a stability ``--root`` holding the smoke warm starts and data, trained
-  once per test process (the stage tests after stages 1 and 2 start from it).
+  once per test session (the stage tests after stages 1 and 2 start from it).
+* ``shared_once``: a directory built once per test session, whichever xdist worker asks
+  first (the others wait on a file lock and read it); ``tfds_dir`` is the one TFDS data
+  directory of the session (the generated tasks are prepared once, under their own lock).
+* The suite's budget: every worker sums JAX's compilations and their backend seconds; the
+  controller prints the totals and, for a whole-suite run (no test selected by name, file,
+  ``-k`` or ``-m``), fails the session when they or the session's seconds exceed
+  ``tests/budget.json``, so that the suite's time cannot drift back up unnoticed.
 """
 
 import collections
+import fcntl
 import json
 import os
+import shutil
 import tempfile
+import time
 
 # The session's XLA:CPU flags besides the device count (the docstring says why).
 CPU_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_backend_optimization_level=0"
@@ -82,7 +92,7 @@ def pytest_addoption(parser):
         "--record-durations",
         metavar="PATH",
         default=None,
-        help="write each test's seconds (setup + call + teardown, 1 s or more) to PATH",
+        help="write each test's seconds (setup + call + teardown) and the session's totals to PATH",
     )
 
 
@@ -102,14 +112,128 @@ def pytest_runtest_logreport(report):  # in the controlling process under xdist 
     _durations[report.nodeid] += report.duration
 
 
+# The suite's compilations: every process that runs tests counts them (the trainer
+# subprocesses a test starts are not counted, as in experiments/restructuring.md).
+_compiles = {"compilations": 0, "compile_seconds": 0.0}
+
+
+def _count_compile(event, duration, **kwargs):
+    del kwargs
+    if event == COMPILE_EVENT:
+        _compiles["compilations"] += 1
+        _compiles["compile_seconds"] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+BUDGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "budget.json")
+_session = {}
+
+
+def pytest_sessionstart(session):
+    _session["start"] = time.monotonic()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist's controller: a worker's totals
+    out = getattr(node, "workeroutput", {})
+    for key in _compiles:
+        _compiles[key] += out.get(key, 0)
+
+
+def _whole_suite(config) -> bool:
+    """Whether this session runs every test: no path, -k, -m, --deselect or --lf."""
+    o = config.option
+    return (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not o.keyword
+        and not o.markexpr
+        and not getattr(o, "deselect", None)
+        and not getattr(o, "lf", False)
+        and not getattr(o, "exitfirst", False)
+    )
+
+
 def pytest_sessionfinish(session):
-    path = session.config.getoption("--record-durations")
-    if path and not hasattr(session.config, "workerinput"):  # the controller writes
-        seconds = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 1.0}
+    config = session.config
+    if hasattr(config, "workerinput"):  # an xdist worker: hand its totals to the controller
+        config.workeroutput.update(_compiles)
+        return
+    totals = dict(_compiles, session_seconds=time.monotonic() - _session.get("start", 0.0))
+    _session["totals"] = totals
+    path = config.getoption("--record-durations")
+    if path:
+        seconds = {k: round(v, 2) for k, v in sorted(_durations.items())}
         with open(path, "w") as f:
             about = "seconds per test, setup + call + teardown (tests/conftest.py)"
-            json.dump({"_about": about, "seconds": seconds}, f, indent=1)
+            json.dump({"_about": about, "totals": _rounded(totals), "seconds": seconds}, f, indent=1)
             f.write("\n")
+    if _whole_suite(config) and session.testscollected:
+        with open(BUDGET) as f:
+            budget = json.load(f)
+        over = [f"{k} {totals[k]:,.0f} > budget {budget[k]:,}" for k in budget if not k.startswith("_")
+                and totals[k] > budget[k]]
+        _session["over"] = over
+        if over and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _rounded(totals):
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in totals.items()}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if "totals" not in _session:
+        return
+    t = _session["totals"]
+    terminalreporter.write_line(
+        f"suite budget: {t['compilations']:,} compilations, {t['compile_seconds']:,.0f} s of backend "
+        f"compile in the test processes, {t['session_seconds']:,.0f} s (tests/budget.json)"
+    )
+    for line in _session.get("over", []):
+        terminalreporter.write_line(f"OVER BUDGET: {line}", red=True)
+
+
+def _shared_root(tmp_path_factory) -> str:
+    """A folder of this test session seen by every xdist worker (the parent of the
+    workers' own temporary folders)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return str(root / "shared")
+
+
+@pytest.fixture(scope="session")
+def shared_once(tmp_path_factory):
+    """``shared_once(name, build)``: the path of a directory ``build(path)`` filled, built
+    once per test session by whichever worker asks first; the others wait for it. A
+    failed build leaves nothing behind, and the next asker builds again."""
+    root = _shared_root(tmp_path_factory)
+    os.makedirs(root, exist_ok=True)
+
+    def once(name, build):
+        path = os.path.join(root, name)
+        with open(os.path.join(root, f".{name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not os.path.exists(os.path.join(path, ".built")):
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.makedirs(path)
+                    build(path)
+                    open(os.path.join(path, ".built"), "w").close()
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return path
+
+    return once
+
+
+@pytest.fixture(scope="session")
+def tfds_dir(tmp_path_factory):
+    """The session's one TFDS data directory: each generated task is prepared once, by
+    the first test that needs it, under gspo_jax.data.source's own lock."""
+    path = os.path.join(_shared_root(tmp_path_factory), "tfds")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 @pytest.fixture
