@@ -21,6 +21,8 @@
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
   Only compile time changes: an executable loaded from the cache is the one the
   compiler produced for the same program.
+* Files run longest first (by tests/durations.json), so that under xdist the session
+  ends on short tests rather than on one long file.
 * ``slow``: a test that took `SLOW_SECONDS` or more in the last measurement of the whole
   suite (tests/durations.json, from an empty compilation cache on two cores) is marked
   ``slow``; ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
@@ -103,6 +105,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS:
             item.add_marker(pytest.mark.slow)
+    # Longest files first, each file's tests in their own order: xdist hands out tests in
+    # this order, so the last minutes run short tests on both workers instead of one long
+    # file on one of them while the other waits.
+    per_file = collections.Counter()
+    for item in items:
+        per_file[item.nodeid.split("::")[0]] += seconds.get(item.nodeid, 0.0)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-per_file[item.nodeid.split("::")[0]], order[id(item)]))
 
 
 _durations = collections.Counter()
