@@ -29,7 +29,7 @@ from gspo_jax.trainer import Trainer
 
 @dataclasses.dataclass
 class _Round:
-    """One sampling round of :meth:`Trainer.collect`."""
+    """One sampling round of :meth:`Collector.collect`."""
 
     rollout: Any  # the Rollout, on the devices
     host: dict[str, np.ndarray]  # lengths and truncation flags of every row (Trainer.score)
@@ -59,7 +59,7 @@ def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
 
     ``parts``: per round, a dict of the Rollout's arrays (`_BATCH_FIELDS`, plus
     ``experts`` and ``prompt_experts`` where the sampler kept them); a fixed number of
-    them (`Trainer.fill_batch` repeats round 0 for rounds not sampled), so that one
+    them (`Collector.fill_batch` repeats round 0 for rounds not sampled), so that one
     program serves every step. Returns the batch layout of :mod:`gspo_jax.step`:
     ``prompt_tokens``, ``prompt_mask`` (f32), ``tokens``, ``mask`` (overlong
     filtering applied), ``rollout_logp`` (the sampler's log-probs of the

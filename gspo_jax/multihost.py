@@ -33,7 +33,7 @@ DISTRIBUTED_MODES = ("auto", "on", "off")
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """``config.distributed``: several processes (hosts) in one run
-    (`gspo_jax.train.maybe_initialize_distributed`). May change on resume."""
+    (`maybe_initialize_distributed`). May change on resume."""
 
     mode: str = setting(
         "auto",

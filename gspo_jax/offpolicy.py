@@ -2,7 +2,7 @@
 (docs/offpolicy.md).
 
     rollout.staleness = k    RL step t trains on the batch that the policy of step t - k
-                             sampled: a queue of k scored batches (`RolloutQueue`),
+                             sampled: a queue of k scored batches (`RLPhase.queue`),
                              checkpointed with the train state. The first k steps' batches
                              are the warm start's policy's. k = 0 is the on-policy loop.
     rollout.devices = n      the sampler runs on n devices of its own (`split_devices`), the
@@ -15,7 +15,7 @@
                              'behaviour' (`gspo_jax.rl.RLPhase.prepare`).
 
 A batch of the queue is what `gspo_jax.rl.RLPhase.collect` returns: the device arrays of the
-batch layout (`gspo_jax.rl._assemble`; ``policy_version`` int32[N], the RL step whose
+batch layout (`gspo_jax.collect._assemble`; ``policy_version`` int32[N], the RL step whose
 parameters sampled each row), the rows' shaped rewards and the host metrics of its
 collection. The RNG and the data of batch j are those of step j whatever k is: only the
 parameters that sample it differ.

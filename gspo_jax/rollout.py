@@ -31,7 +31,7 @@ How it runs
 2. Device side, one ``jax.jit``-compiled function per (B, P, max_new_tokens, G,
    greedy or not, routing record): one prefill of the [b, P] prompts into a KV
    cache, then a ``lax.while_loop`` that samples token t from the last logits,
-   records it and feeds it back through ``model.decode`` (one token per row),
+   records it and feeds it back through ``Transformer.decode`` (one token per row),
    until every row has stopped or ``max_new_tokens`` tokens are out.  Nothing
    returns to the host between tokens.
 

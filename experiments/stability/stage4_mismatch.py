@@ -6,7 +6,7 @@ noise σ on the sampler's router logits only (``rollout.router_noise_std``), cal
 (``--calibrate``) on the MoE's warm start to the target routing disagreements by
 bisection on log σ. The disagreement is measured as the trainer measures its
 ``mismatch_route``: the sampler's record against the trainer's free routing of the same
-sequences (``Trainer.collect`` then ``RLPhase.prepare``, at the warm start's
+sequences (``RLPhase.collect`` then ``RLPhase.prepare``, at the warm start's
 parameters, on the first RL rollout(s) of the calibration seed).
 
 Then GRPO, GRPO+R3, GRPO+token TIS (cap 2) and GRPO+R3+TIS, at 1 and 8 updates per

@@ -73,9 +73,9 @@ def current(builder, make=None):
 
 
 def _prepare(task: tasks.Task, data_dir, options: dict[str, Any], prompt_check=None):
-    """``task.prepare(data_dir, **options)``, with a ValueError naming an option the
-    task does not take (and the tasks that take it) or a required one not given; with
-    ``prompt_check=`` where the task's ``prepare`` takes it."""
+    """The task's ``prepare(data_dir, **options)`` (`Task.prepare`), with a ValueError
+    naming an option the task does not take (and the tasks that take it) or a required
+    one not given; with ``prompt_check=`` where the task's ``prepare`` takes it."""
     params = list(inspect.signature(task.prepare).parameters.values())[1:]
     if prompt_check is not None and "prompt_check" in [p.name for p in params]:
         options = {**options, "prompt_check": prompt_check}

@@ -350,5 +350,5 @@ def backend_for(backend: str, platform: str) -> str:
 
 def _platform() -> str:
     """'cpu', 'gpu' or 'tpu': the device programs are compiled for (JAX's default
-    device, which `experiments/targets.compiling_for` sets to a compile-only one)."""
+    device, which `experiments.targets.compiling_for` sets to a compile-only one)."""
     return jax.extend.backend.get_default_device().platform

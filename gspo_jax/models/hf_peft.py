@@ -205,9 +205,9 @@ def read_peft(path: str, cfg: ModelConfig):
     ``(lora, {(layer, target): (A, B)})`` with A [(E,) in..., rank] and
     B [(E,) rank, out...] as f32 host arrays (experts the file leaves out are zero).
 
-    One rank and one scaling for all: ``lora.rank`` is the largest rank in the file
+    One rank and one scaling for all: ``PeftLora.rank`` is the largest rank in the file
     (smaller adapters are padded with zeros, which changes nothing), and each B is
-    scaled by its module's scaling over ``lora.scaling`` (the file's lora_alpha / r,
+    scaled by its module's scaling over ``PeftLora.scaling`` (the file's lora_alpha / r,
     or / sqrt(r) with use_rslora), so per-module rank_pattern / alpha_pattern and
     PEFT's rank-2r gate_up_proj are exact. A gate_up_proj adapter that is
     block-diagonal over gate and up (PEFT's conversion of per-expert adapters)
