@@ -313,7 +313,11 @@ def test_evaluate_a_read_only_workdir(smoke_workdir, data_dir, tmp_path):
     # With the run's prepared data in <workdir>/data.
     with_data = str(tmp_path / "with_data")
     shutil.copytree(workdir, with_data, ignore=shutil.ignore_patterns(".lock", ".built"))
-    shutil.copytree(data_dir, os.path.join(with_data, "data"))
+    # The smoke run's data set (the session's data directory may hold others, being
+    # prepared by another worker right now).
+    kept = ("gspo_countdown", ".prepare_locks", "downloads")
+    shutil.copytree(data_dir, os.path.join(with_data, "data"),
+                    ignore=lambda d, names: [n for n in names if d == data_dir and n not in kept])
     before = {w: _tree(w) for w in (bare, with_data)}
     for w in before:
         _chmod_tree(w, write=False)
