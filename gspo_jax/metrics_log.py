@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from gspo_jax import multihost
+from gspo_jax import event_file, multihost
 from gspo_jax.background import BackgroundWriter
 from gspo_jax.fields import ConfigError, setting
 
@@ -176,28 +176,21 @@ class MetricsWriter:
 
 
 class EventFile:
-    """A TensorBoard event file, written and flushed record by record by the thread of a
-    `BackgroundWriter` (tensorboardX's own writer thread dies on a write error and then
-    blocks the caller for ever, its queue full)."""
+    """A TensorBoard event file (`gspo_jax.event_file`), written and flushed record by
+    record by the thread of a `BackgroundWriter`, so that a write error or a hung file
+    system never blocks the run (tensorboardX's own writer thread died on a write error
+    and then blocked the caller for ever, its queue full)."""
 
     def __init__(self):
         self._writer = None
 
     def open(self, logdir: str) -> None:
-        from tensorboardX.event_file_writer import EventsWriter
-
-        os.makedirs(logdir, exist_ok=True)
-        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        self._writer = event_file.EventWriter(logdir)
 
     def write(self, step: int, values: list[tuple[str, float]], wall_time: float) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
-        from tensorboardX.summary import scalar
-
         if not values:
             return
-        summary = Summary(value=[v for tag, x in values for v in scalar(tag, x).value])
-        self._writer.write_event(Event(wall_time=wall_time, step=step, summary=summary))
+        self._writer.scalars(step, values, wall_time)
         self._writer.flush()
 
     def close(self) -> None:

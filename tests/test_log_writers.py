@@ -4,8 +4,9 @@ one message while the run goes on; SIGTERM is honoured while a writer is stuck; 
 metrics.jsonl that cannot be written stops the run naming it.
 
 The faults are a full file system (a small tmpfs, where this user may mount one) and
-the same errors injected into tensorboardX's record writer, the file under every
-TensorBoard event write. Before the writers had threads of their own, each of these
+the same errors injected into the event file's record writer
+(`gspo_jax.event_file.EventWriter.write_record`), the file under every TensorBoard event
+write. Before the writers had threads of their own, each of these
 tests hung: tensorboardX's writer thread died on the error, its queue filled, and
 ``add_scalar`` blocked for ever (SIGTERM only set a flag that the loop never read).
 Each wait here is bounded, so a hang fails the test instead.
@@ -21,9 +22,9 @@ import threading
 import time
 
 import pytest
-from tensorboardX import record_writer
 
 from configs import default as default_config
+from gspo_jax import event_file
 from gspo_jax.metrics_log import MetricsWriter, WandbWriter, read_metrics
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -69,7 +70,7 @@ def _switched_off(err):
 @pytest.fixture
 def events_fail(monkeypatch):
     """Every TensorBoard event write after its file's first record raises ENOSPC."""
-    write = record_writer.RecordWriter.write
+    write = event_file.EventWriter.write_record
 
     def failing(self, data):
         self.test_writes = getattr(self, "test_writes", 0) + 1
@@ -77,7 +78,7 @@ def events_fail(monkeypatch):
             raise ENOSPC
         return write(self, data)
 
-    monkeypatch.setattr(record_writer.RecordWriter, "write", failing)
+    monkeypatch.setattr(event_file.EventWriter, "write_record", failing)
 
 
 class Stuck:
@@ -90,7 +91,7 @@ class Stuck:
         self.released = threading.Event()
         self.expired = False
         self.blocked = 0
-        write = record_writer.RecordWriter.write
+        write = event_file.EventWriter.write_record
 
         def stuck(writer, data):
             self.blocked += 1
@@ -101,7 +102,7 @@ class Stuck:
                 self.released.set()  # only once: the cap shows the hang already
             return write(writer, data)
 
-        monkeypatch.setattr(record_writer.RecordWriter, "write", stuck)
+        monkeypatch.setattr(event_file.EventWriter, "write_record", stuck)
 
 
 def test_a_tensorboard_write_error_switches_it_off_once_and_the_run_finishes(
