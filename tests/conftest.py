@@ -31,8 +31,8 @@
   events.
 * ``fake_stage_runs``: the stability study's RL runs replaced by a record of their
   arguments, for tests of what a stage script runs.
-* ``smoke_root``: a stability ``--root`` holding the smoke warm starts and data, trained
-  once per test session (the stage tests after stages 1 and 2 start from it).
+* The stability study's ``smoke_root`` and ``stability_stage1`` are in
+  tests/stability_fixtures.py (stage 1's smoke run, once per session).
 * ``shared_once``: a directory built once per test session, whichever xdist worker asks
   first (the others wait on a file lock and read it); ``tfds_dir`` is the one TFDS data
   directory of the session (the generated tasks are prepared once, under their own lock).
@@ -309,41 +309,3 @@ def fake_stage_runs(monkeypatch):
     monkeypatch.setattr(common, "run_rl", run_rl)
     monkeypatch.setattr(common, "summarize_run", summarize_run)
     return calls
-
-
-class _SmokeWarmStarts:
-    """The stability study's smoke warm starts (small task), each trained once per test
-    process in one root and copied into the root of each test that asks for it."""
-
-    def __init__(self, root):
-        self.root = str(root)
-
-    def root_with(self, dst, arms, seed=0):
-        """``dst`` as a stage's ``--root`` holding the prepared data and the finished
-        smoke warm starts of ``arms`` (seed ``seed``), as if the stage had built them."""
-        import shutil
-
-        from experiments.stability import common
-
-        for arm in arms:
-            common.ensure_warm_start(self.root, arm, seed, smoke=True)
-        os.makedirs(os.path.join(dst, "warm"), exist_ok=True)
-        shutil.copytree(os.path.join(self.root, "data"), os.path.join(dst, "data"))
-        for arm in arms:
-            name = os.path.join("warm", f"{arm}_s{seed}")
-            shutil.copytree(os.path.join(self.root, name), os.path.join(dst, name))
-        return dst
-
-
-@pytest.fixture(scope="session")
-def _smoke_warm_starts(tmp_path_factory):
-    return _SmokeWarmStarts(tmp_path_factory.mktemp("stability_warm"))
-
-
-@pytest.fixture
-def smoke_root(tmp_path, _smoke_warm_starts):
-    """``smoke_root(arms)``: a stability ``--root`` (``tmp_path/root``) that already holds
-    the smoke warm starts of ``arms`` (seed 0) and the data. Every stage test but the
-    first (stages 1 and 2, which build their own) starts from these, so that a test
-    process trains each warm start once."""
-    return lambda arms=("moe2", "dense2"): _smoke_warm_starts.root_with(tmp_path / "root", arms)
