@@ -16,6 +16,11 @@
   small programs and runs each a few times, so compile time is most of its time: on two
   cores tests/test_step.py's fast tests took 108 s at the default level and 72 s at 0,
   from an empty compilation cache. Only the tests are compiled this way.
+* A collective that waits 600 s for its devices' threads aborts the process (XLA's own
+  limit is shorter): with the trainer runs in the test processes, two xdist workers and
+  a two-process run share two cores, and a sharded program's threads can wait long for
+  a core without being deadlocked (a whole-suite run on 2026-11-29 lost a worker, cause
+  not seen; this is the suspected one). A real deadlock still fails, later.
 * One persistent XLA compilation cache for the session, its xdist workers and
   the trainer subprocesses they start: the trainer tests run the same programs
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
@@ -25,7 +30,8 @@
   ends on short tests rather than on one long file.
 * ``slow``: a test that took `SLOW_SECONDS` or more in the last measurement of the whole
   suite (tests/durations.json, from an empty compilation cache on two cores) is marked
-  ``slow``; ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
+  ``slow``, and so is every test that reads a run built once per session
+  (`SHARED_RUNS`); ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
   ``--record-durations=tests/durations.json`` (it writes every test).
 * ``compile_counts``: the compilations during a test, from JAX's own monitoring
   events.
@@ -51,7 +57,10 @@ import tempfile
 import time
 
 # The session's XLA:CPU flags besides the device count (the docstring says why).
-CPU_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_backend_optimization_level=0"
+CPU_FLAGS = (
+    "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_backend_optimization_level=0"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+)
 
 
 def xla_flags(devices: int) -> str:
@@ -86,6 +95,9 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # A test this slow or slower (seconds, tests/durations.json) is marked `slow`.
 SLOW_SECONDS = 3.0
+# A test that reads a run built once per session is marked `slow` too: in the whole suite
+# another test may have paid for the run, in the fast loop it would pay itself.
+SHARED_RUNS = {"shared_once", "stability_stage1", "smoke_root"}
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 
 
@@ -103,7 +115,7 @@ def pytest_collection_modifyitems(config, items):
     with open(DURATIONS) as f:
         seconds = json.load(f)["seconds"]
     for item in items:
-        if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS:
+        if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS or SHARED_RUNS & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
     # Longest files first, each file's tests in their own order: xdist hands out tests in
     # this order, so the last minutes run short tests on both workers instead of one long

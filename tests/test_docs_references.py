@@ -92,6 +92,7 @@ EXTERNAL_NAMES = {
     "SecurityError",  # jinja2.sandbox
     "PyThreadState_SetAsyncExc",  # CPython's C API
     "DatasetInfo",  # tensorflow_datasets.core
+    "Event",  # TensorBoard's event.proto (gspo_jax.event_file encodes it)
 }
 
 # Spans that look like references and are not, on purpose: (file, text) -> why.

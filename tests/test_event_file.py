@@ -12,7 +12,11 @@ import pytest
 
 from gspo_jax import event_file
 
-tbx = pytest.importorskip("tensorboardX")
+
+@pytest.fixture(autouse=True)
+def _tensorboardx():
+    # Imported by the tests that need it, not at collection (it imports torch).
+    pytest.importorskip("tensorboardX")
 
 SCALARS = [("rl/loss", 0.25), ("rl/x/0", -3.5e-7), ("sft/ü", 1e30), ("rl/nan", float("nan"))]
 
