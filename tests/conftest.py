@@ -26,19 +26,16 @@
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
   Only compile time changes: an executable loaded from the cache is the one the
   compiler produced for the same program.
-* Files run longest first (by tests/durations.json), so that under xdist the session
-  ends on short tests rather than on one long file.
 * ``slow``: a test that took `SLOW_SECONDS` or more in the last measurement of the whole
   suite (tests/durations.json, from an empty compilation cache on two cores) is marked
-  ``slow``, and so is every test that reads a run built once per session
-  (`SHARED_RUNS`); ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
+  ``slow``; ``pytest -m "not slow" -n 2`` is the fast loop. Measure again with
   ``--record-durations=tests/durations.json`` (it writes every test).
 * ``compile_counts``: the compilations during a test, from JAX's own monitoring
   events.
 * ``fake_stage_runs``: the stability study's RL runs replaced by a record of their
   arguments, for tests of what a stage script runs.
-* The stability study's ``smoke_root`` and ``stability_stage1`` are in
-  tests/stability_fixtures.py (stage 1's smoke run, once per session).
+* ``smoke_root``: a stability ``--root`` holding the smoke warm starts and data, trained
+  once per test process (the stage tests after stages 1 and 2 start from it).
 * ``shared_once``: a directory built once per test session, whichever xdist worker asks
   first (the others wait on a file lock and read it); ``tfds_dir`` is the one TFDS data
   directory of the session (the generated tasks are prepared once, under their own lock).
@@ -95,9 +92,6 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # A test this slow or slower (seconds, tests/durations.json) is marked `slow`.
 SLOW_SECONDS = 3.0
-# A test that reads a run built once per session is marked `slow` too: in the whole suite
-# another test may have paid for the run, in the fast loop it would pay itself.
-SHARED_RUNS = {"shared_once", "stability_stage1", "smoke_root"}
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 
 
@@ -115,16 +109,8 @@ def pytest_collection_modifyitems(config, items):
     with open(DURATIONS) as f:
         seconds = json.load(f)["seconds"]
     for item in items:
-        if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS or SHARED_RUNS & set(item.fixturenames):
+        if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS:
             item.add_marker(pytest.mark.slow)
-    # Longest files first, each file's tests in their own order: xdist hands out tests in
-    # this order, so the last minutes run short tests on both workers instead of one long
-    # file on one of them while the other waits.
-    per_file = collections.Counter()
-    for item in items:
-        per_file[item.nodeid.split("::")[0]] += seconds.get(item.nodeid, 0.0)
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-per_file[item.nodeid.split("::")[0]], order[id(item)]))
 
 
 _durations = collections.Counter()
@@ -321,3 +307,41 @@ def fake_stage_runs(monkeypatch):
     monkeypatch.setattr(common, "run_rl", run_rl)
     monkeypatch.setattr(common, "summarize_run", summarize_run)
     return calls
+
+
+class _SmokeWarmStarts:
+    """The stability study's smoke warm starts (small task), each trained once per test
+    process in one root and copied into the root of each test that asks for it."""
+
+    def __init__(self, root):
+        self.root = str(root)
+
+    def root_with(self, dst, arms, seed=0):
+        """``dst`` as a stage's ``--root`` holding the prepared data and the finished
+        smoke warm starts of ``arms`` (seed ``seed``), as if the stage had built them."""
+        import shutil
+
+        from experiments.stability import common
+
+        for arm in arms:
+            common.ensure_warm_start(self.root, arm, seed, smoke=True)
+        os.makedirs(os.path.join(dst, "warm"), exist_ok=True)
+        shutil.copytree(os.path.join(self.root, "data"), os.path.join(dst, "data"))
+        for arm in arms:
+            name = os.path.join("warm", f"{arm}_s{seed}")
+            shutil.copytree(os.path.join(self.root, name), os.path.join(dst, name))
+        return dst
+
+
+@pytest.fixture(scope="session")
+def _smoke_warm_starts(tmp_path_factory):
+    return _SmokeWarmStarts(tmp_path_factory.mktemp("stability_warm"))
+
+
+@pytest.fixture
+def smoke_root(tmp_path, _smoke_warm_starts):
+    """``smoke_root(arms)``: a stability ``--root`` (``tmp_path/root``) that already holds
+    the smoke warm starts of ``arms`` (seed 0) and the data. Every stage test but the
+    first (stages 1 and 2, which build their own) starts from these, so that a test
+    process trains each warm start once."""
+    return lambda arms=("moe2", "dense2"): _smoke_warm_starts.root_with(tmp_path / "root", arms)

@@ -25,9 +25,9 @@ def test_full_config_is_valid_and_realistic():
         bench_rl_step.load_config("configs/missing.py")
 
 
-def test_tiny_variant_runs_a_whole_step(tfds_dir, capsys):
+def test_tiny_variant_runs_a_whole_step(tmp_path, capsys):
     bench_rl_step.main(
-        ["--config", "configs/bench_rl_h200.py:tiny", "--steps", "1", "--data_dir", tfds_dir]
+        ["--config", "configs/bench_rl_h200.py:tiny", "--steps", "1", "--data_dir", str(tmp_path)]
     )
     out = capsys.readouterr().out
     assert "prompts=8 G=4 max_new_tokens=16 updates/step=4" in out

@@ -35,10 +35,7 @@ def h200():
 def _compile(fn, *shapes, device):
     sh = jax.sharding.SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes]
-    # As compile_report does: the machine code is never run, so it is not optimised (the
-    # optimised HLO read here is fixed before it is assembled).
-    gpu = {"xla_gpu_disable_gpuasm_optimizations": True} if device.platform != "tpu" else {}
-    c = jax.jit(fn).lower(*args).compile(gpu)
+    c = jax.jit(fn).lower(*args).compile()
     comps = hlo.parse_module(c.as_text())
     counts, unknown = hlo.execution_counts(comps)
     return c, comps, counts, unknown

@@ -2,9 +2,7 @@
 error naming its ``config.`` path; `closest_key` / `unknown_key_message`; and every
 config file with its documented arguments still validating."""
 
-import copy
 import dataclasses
-import functools
 import importlib
 import math
 import pathlib
@@ -35,15 +33,8 @@ def _set(c, path, value):
     return c
 
 
-@functools.lru_cache(maxsize=None)
-def _smoke_config(objective):
-    return default_config.get_config(f"objective={objective},smoke")
-
-
 def _smoke(objective="gspo"):
-    """A fresh smoke config of ``objective`` (a copy of one built once per objective:
-    the field sweeps below build over a thousand)."""
-    return copy.deepcopy(_smoke_config(objective))
+    return default_config.get_config(f"objective={objective},smoke")
 
 
 def _raises(c, path, *, num_devices=8, **kw):

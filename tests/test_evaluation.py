@@ -14,7 +14,6 @@ from math import comb
 import numpy as np
 import pytest
 from conftest import subprocess_env
-from smoke_runs import smoke_run
 
 from gspo_jax import config as config_lib
 from gspo_jax import evaluation, tasks
@@ -166,18 +165,19 @@ METRIC_KEYS = {"eval/pass@1", "eval/pass@2", "eval/maj@1", "eval/maj@2", "eval/m
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds_eval"))
 
 
 @pytest.fixture(scope="module")
-def smoke_workdir(shared_once, data_dir):
-    """The session's smoke run (tests/smoke_runs.py: configs/default.py:smoke, trained
-    in a test process); the tests that write into it copy it."""
-    from gspo_jax.metrics_log import read_metrics
+def smoke_workdir(tmp_path_factory, data_dir):
+    from gspo_jax import train
 
-    workdir, c = smoke_run(shared_once, data_dir)
-    rl = [r for r in read_metrics(workdir) if r["phase"] == "rl"]
+    c = default_config.get_config("smoke")
+    c.task.data_dir = data_dir
+    workdir = str(tmp_path_factory.mktemp("smoke_run"))
+    records = train.run(c, workdir)
+    rl = [r for r in records if r["phase"] == "rl"]
     assert METRIC_KEYS <= set(rl[-1]), METRIC_KEYS - set(rl[-1])  # logged during training
     return workdir, c
 
@@ -205,7 +205,7 @@ def test_evaluate_a_workdir(smoke_workdir, tmp_path):
 
     # Without RL checkpoints: the warm start's newest; another split and size.
     sft_only = str(tmp_path / "sft_only")
-    shutil.copytree(workdir, sft_only, ignore=shutil.ignore_patterns(".lock", ".built"))
+    shutil.copytree(workdir, sft_only, ignore=shutil.ignore_patterns(".lock"))
     shutil.rmtree(os.path.join(sft_only, "checkpoints", "rl"))
     out = evaluate_checkpoint(c, sft_only, split="train", num_prompts=3)
     assert out["restored"] == "sft/2" and out["split"] == "train" and out["num_prompts"] == 3
@@ -304,7 +304,7 @@ def test_evaluate_a_read_only_workdir(smoke_workdir, data_dir, tmp_path):
 
     # Without prepared data in the workdir, and step 2 damaged: step 1, nothing moved aside.
     bare = str(tmp_path / "bare")
-    shutil.copytree(workdir, bare, ignore=shutil.ignore_patterns(".lock", ".built"))
+    shutil.copytree(workdir, bare, ignore=shutil.ignore_patterns(".lock"))
     state = os.path.join(bare, "checkpoints", "rl", "2", "state")
     big = max((os.path.join(d, f) for d, _, fs in os.walk(state) for f in fs), key=os.path.getsize)
     with open(big, "r+b") as f:
@@ -312,12 +312,8 @@ def test_evaluate_a_read_only_workdir(smoke_workdir, data_dir, tmp_path):
         f.write(b"\xff" * 64)
     # With the run's prepared data in <workdir>/data.
     with_data = str(tmp_path / "with_data")
-    shutil.copytree(workdir, with_data, ignore=shutil.ignore_patterns(".lock", ".built"))
-    # The smoke run's data set (the session's data directory may hold others, being
-    # prepared by another worker right now).
-    kept = ("gspo_countdown", ".prepare_locks", "downloads")
-    shutil.copytree(data_dir, os.path.join(with_data, "data"),
-                    ignore=lambda d, names: [n for n in names if d == data_dir and n not in kept])
+    shutil.copytree(workdir, with_data, ignore=shutil.ignore_patterns(".lock"))
+    shutil.copytree(data_dir, os.path.join(with_data, "data"))
     before = {w: _tree(w) for w in (bare, with_data)}
     for w in before:
         _chmod_tree(w, write=False)
@@ -351,7 +347,7 @@ def test_evaluate_names_the_config_fields_that_differ(smoke_workdir, data_dir, t
     assert "Move these" not in msg  # the checkpoints are not blamed
     # Without config.json: the newest RL checkpoint's own record.
     forked = str(tmp_path / "forked")
-    shutil.copytree(workdir, forked, ignore=shutil.ignore_patterns(".lock", ".built", "config.json"))
+    shutil.copytree(workdir, forked, ignore=shutil.ignore_patterns(".lock", "config.json"))
     with pytest.raises(config_lib.ConfigError, match=r"(?s)config\.model\.fields\.moe_d_ff: 32 -> 48.*rl/2/meta/metadata"):
         evaluate_checkpoint(other, forked)
 

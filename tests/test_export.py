@@ -21,36 +21,39 @@ from configs import default as default_config  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax.export import export_run  # noqa: E402
 from gspo_jax.models.lora import adapters_off  # noqa: E402
-from smoke_runs import smoke_config, smoke_run  # noqa: E402
 from test_peft import _add_adapters, _adapters, _ours, _torch_logits  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds_export"))
 
 
-def _lora_config(data_dir):
-    # Updates that move the adapters whatever the (smoke) rewards.
-    return smoke_config(data_dir, "lora,smoke", **{
-        "entropy_coef": 0.05, "updates.update_without_signal": True, "optimizer.warmup_steps": 0})
-
-
-@pytest.fixture(scope="module")
-def lora_workdir(shared_once, data_dir):
-    """The LoRA smoke run, trained once per session (by whichever worker asks first)."""
+def _run(data_dir, workdir, arg):
     from gspo_jax import train
 
-    workdir = shared_once("test_export.lora_run", lambda path: train.run(_lora_config(data_dir), path))
-    return workdir, _lora_config(data_dir)
+    c = default_config.get_config(arg)
+    c.task.data_dir = data_dir
+    if "lora" in arg:  # updates that move the adapters whatever the (smoke) rewards
+        c.entropy_coef = 0.05
+        c.updates.update_without_signal = True
+        c.optimizer.warmup_steps = 0
+    train.run(c, workdir)
+    return c
 
 
 @pytest.fixture(scope="module")
-def full_workdir(shared_once, data_dir):
-    """The session's smoke run (tests/smoke_runs.py: configs/default.py:smoke)."""
-    return smoke_run(shared_once, data_dir)
+def lora_workdir(tmp_path_factory, data_dir):
+    workdir = str(tmp_path_factory.mktemp("lora_run"))
+    return workdir, _run(data_dir, workdir, "lora,smoke")
+
+
+@pytest.fixture(scope="module")
+def full_workdir(tmp_path_factory, data_dir):
+    workdir = str(tmp_path_factory.mktemp("full_run"))
+    return workdir, _run(data_dir, workdir, "smoke")
 
 
 def _restored(c, workdir):

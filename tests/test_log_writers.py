@@ -31,13 +31,11 @@ ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 def _smoke(data_dir, **overrides):
-    # The step counts are those of other tests' smoke runs (two, or three SFT or RL
-    # steps), so that the train steps are programs the session has compiled already.
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.update_from_flattened_dict(overrides)
@@ -113,7 +111,7 @@ def test_a_tensorboard_write_error_switches_it_off_once_and_the_run_finishes(
     its end and metrics.jsonl holds every step."""
     from gspo_jax import train
 
-    c = _smoke(data_dir)  # two SFT and two RL steps
+    c = _smoke(data_dir, **{"sft.steps": 1, "total_rl_steps": 1})
     _bounded(lambda: train.run(c, str(tmp_path)), 300)
     err = capsys.readouterr().err
     off = _switched_off(err)
@@ -335,7 +333,7 @@ def test_a_full_disk_under_metrics_jsonl_keeps_the_checkpoints_and_resumes(
         f = open(path, mode, **kw)
         return FillsUp(f) if path.endswith("metrics.jsonl") and mode == "a" else f
 
-    c = _smoke(data_dir, **{"total_rl_steps": 3})
+    c = _smoke(data_dir, **{"sft.steps": 1, "total_rl_steps": 3})
     monkeypatch.setattr(metrics_log, "open", open_, raising=False)
     with pytest.raises(OSError, match=re.escape(str(tmp_path / "metrics.jsonl"))):
         train.run(c, str(tmp_path))

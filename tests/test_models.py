@@ -31,19 +31,13 @@ def _left_pad_mask():
   return mask, pos
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(graphdef, method, static):
-  """One jitted function per model structure, method and static arguments: the tests
-  that run the same model's method share its compiled program."""
-  return jax.jit(lambda st, a, k: getattr(nnx.merge(graphdef, st), method)(*a, **k, **dict(static)))
-
-
 def _fwd(model, method="__call__", *args, **kw):
   """Jitted `getattr(model, method)(*args, **kw)` (eager op-by-op is slow)."""
   graphdef, state = nnx.split(model)
   static = {k: v for k, v in kw.items() if v is None or isinstance(v, (int, float))}
   arrays = {k: v for k, v in kw.items() if k not in static}
-  return _jitted(graphdef, method, tuple(sorted(static.items())))(state, args, arrays)
+  f = jax.jit(lambda st, a, k: getattr(nnx.merge(graphdef, st), method)(*a, **k, **static))
+  return f(state, args, arrays)
 
 
 def _value_and_grad(model, loss, has_aux=False):
@@ -58,34 +52,6 @@ def _max_tree_diff(a, b):
 
 
 # ------------------------------------------------------------------ dispatch
-DISPATCHES = {
-    "ragged": dispatch.dispatch_ragged,
-    "blocked": lambda *a: dispatch.dispatch_blocked(*a, max_block=64),  # small-batch rule
-    "blocked4": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4),
-    "blocked16": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=16),
-    "blocked64": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=64),
-    # both ways of ordering assignments within an expert
-    "blocked4_sort": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
-    "blocked4_compare": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare"),
-    # both backwards of the per-block weight gather (CPU's default: scatter)
-    "blocked4_matmul": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, weight_grad="matmul"),
-    "blocked_matmul": lambda *a: dispatch.dispatch_blocked(*a, max_block=64, weight_grad="matmul"),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _dispatch_grad(name):
-  """Jitted gradient (x, gates, weights) and output of sum(sin(dispatch)), the expert
-  choices an argument: one program per dispatch, whatever the routing."""
-  fn = dispatch.dispatch_dense if name == "dense" else DISPATCHES[name]
-
-  def loss(x, idx, gates, ws):
-    y = fn(x, idx, gates, *ws)
-    return jnp.sum(jnp.sin(y)), y
-
-  return jax.jit(jax.grad(loss, (0, 2, 3), has_aux=True))
-
-
 @pytest.mark.parametrize("skew", [False, True])
 def test_dispatch_backends_equal_dense_values_and_grads(skew):
   rs = np.random.RandomState(1)
@@ -99,11 +65,26 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
   gates = jnp.asarray(rs.rand(n, k), jnp.float32)
   ws = [jnp.asarray(rs.randn(*s) * 0.3, jnp.float32) for s in [(e, d, f), (e, d, f), (e, f, d)]]
 
-  ref_g, ref_y = _dispatch_grad("dense")(x, idx, gates, ws)
-  for name in DISPATCHES:
-    g, y = _dispatch_grad(name)(x, idx, gates, ws)
-    np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5, err_msg=name)
-    assert _max_tree_diff(g, ref_g) < 1e-5, name
+  def loss(fn, x, gates, ws):
+    y = fn(x, idx, gates, *ws)
+    return jnp.sum(jnp.sin(y)), y
+
+  ref_g, ref_y = jax.jit(jax.grad(lambda *a: loss(dispatch.dispatch_dense, *a), (0, 1, 2), has_aux=True))(
+      x, gates, ws)
+  for fn in [dispatch.dispatch_ragged,
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64),  # small-batch rule
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=16),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=64),
+             # both ways of ordering assignments within an expert
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare"),
+             # both backwards of the per-block weight gather (CPU's default: scatter)
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, weight_grad="matmul"),
+             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, weight_grad="matmul")]:
+    g, y = jax.jit(jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True))(x, gates, ws)
+    np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
+    assert _max_tree_diff(g, ref_g) < 1e-5
 
 
 def test_block_size_shrinks_for_few_rows():

@@ -3,8 +3,6 @@ replay and router noise, at ragged group sizes with empty experts, on one device
 and on 8 CPU devices (batch groups, expert parallelism, tensor parallelism); and
 what the ragged dispatch compiles to for an H200."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,13 +78,6 @@ def _layer_loss_and_grads(cfg, b, t, *, mesh=None, seed=0, rows=P(("data", "fsdp
         return fn(state, *jax.device_put(args[1:], NamedSharding(mesh, rows)))
 
 
-@functools.lru_cache(maxsize=None)
-def _dense_reference(b, t):
-    """`_layer_loss_and_grads` of the dense dispatch on one device (seed 0), computed
-    once per shape: the reference of every test below."""
-    return _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), b, t)
-
-
 def _assert_same(out, ref):
     (loss, (y, idx)), grads = out
     (loss_r, (y_r, idx_r)), grads_r = ref
@@ -99,7 +90,7 @@ def _assert_same(out, ref):
 @pytest.mark.parametrize("backend", ["blocked", "ragged"])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_layer_with_replay_and_noise_equals_dense(backend, groups):
-    ref = _dense_reference(8, 6)
+    ref = _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), 8, 6)
     out = _layer_loss_and_grads(ModelConfig.tiny(moe_backend=backend, moe_groups=groups), 8, 6)
     _assert_same(out, ref)
     (_, (_, idx)), _ = out
@@ -130,7 +121,7 @@ def test_ragged_dispatch_on_a_mesh_equals_one_device(mesh_shape):
     mesh = Mesh(devices, AXES)
     b, t = 6 if mesh_shape[0] * mesh_shape[1] < 4 else 8, 5
     groups = mesh_shape[0] * mesh_shape[1]
-    ref = _dense_reference(b, t)
+    ref = _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), b, t)
     cfg = ModelConfig.tiny(moe_backend="ragged", moe_groups=groups)
     _assert_same(_layer_loss_and_grads(cfg, b, t, mesh=mesh), ref)
 
@@ -151,7 +142,7 @@ def test_ragged_dispatch_with_rows_split_or_shared_over_the_expert_axis(
         (name, batch if name == "batch" else target)
         for name, target in ModelConfig.tiny().axis_rules
     )
-    ref = _dense_reference(8, 5)
+    ref = _layer_loss_and_grads(ModelConfig.tiny(moe_backend="dense"), 8, 5)
     cfg = ModelConfig.tiny(moe_backend="ragged", axis_rules=rules)
     _assert_same(_layer_loss_and_grads(cfg, 8, 5, mesh=mesh, rows=P(batch)), ref)
 

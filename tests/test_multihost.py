@@ -1,11 +1,7 @@
 """Runs with several processes: the host-side helpers (`gspo_jax.multihost`), the
 detection of a cluster, and a real two-process run on localhost (jax.distributed with
 gloo CPU collectives, 4 fake devices each) against a one-process 8-device run, with one
-process killed and both resumed.
-
-The one-process runs are trained in the test process (8 fake devices, as the
-subprocess of a one-process run would have); the sharded smoke run is the session's
-shared one (tests/smoke_runs.py), which tests/test_train.py compares with one device."""
+process killed and both resumed."""
 
 import json
 import os
@@ -19,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 from conftest import subprocess_env
-from smoke_runs import mesh222_run, smoke_config
 
 from gspo_jax import config as config_lib
 from gspo_jax import multihost
@@ -136,15 +131,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
-
-
-# tests/smoke_runs.py's mesh222_config: the smoke run (two SFT and two RL steps) on a
-# (data=2, fsdp=2, expert=2) mesh.
 ARGS = [
     "--config=configs/default.py:smoke",
+    "--config.total_rl_steps=3",
     "--config.mesh.data=2",
     "--config.mesh.fsdp=2",
     "--config.mesh.expert=2",
@@ -193,10 +182,10 @@ def _saved_rl_steps(workdir) -> list[int]:
     ]
 
 
-def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path, data_dir, shared_once):
-    one, c = mesh222_run(shared_once, data_dir)  # the one-process run of ARGS
-    assert (c.mesh.data, c.mesh.fsdp, c.mesh.expert) == (2, 2, 2) and c.total_rl_steps == 2
-    two = str(tmp_path / "two")
+def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path):
+    data_dir = str(tmp_path / "data")
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    _wait([_start(one, 8, data_dir)], one)
 
     # Two processes; once an RL step is saved, process 1 dies (SIGKILL), and the launcher
     # then stops process 0, which cannot go on without it.
@@ -215,7 +204,7 @@ def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path, data_d
     except subprocess.TimeoutExpired:
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
-    assert killed_after is not None and killed_after < 2, "the run ended before the kill"
+    assert killed_after is not None and killed_after < 3, "the run ended before the kill"
     assert "process 0 of 2, 4 of 8 devices" in _log(two, 0)
     assert "process 1 of 2, 4 of 8 devices" in _log(two, 1)
 
@@ -226,9 +215,9 @@ def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path, data_d
     b_all = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
     b = {r["step"]: r for r in b_all if r["phase"] == "rl"}
     # Written once, by process 0: one line per step, none repeated by the resume.
-    assert [r["step"] for r in b_all if r["phase"] == "rl"] == [0, 1, 2]
+    assert [r["step"] for r in b_all if r["phase"] == "rl"] == [0, 1, 2, 3]
     assert [r["step"] for r in b_all if r["phase"] == "sft"] == [1, 2]
-    assert sorted(a) == [0, 1, 2]
+    assert sorted(a) == [0, 1, 2, 3]
     for s in a:
         assert set(a[s]) == set(b[s]), (s, set(a[s]) ^ set(b[s]))
         for k in sorted(set(a[s]) - TIMING - {"phase"}):
@@ -240,7 +229,7 @@ def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path, data_d
                 err_msg=f"step {s} metric {k}",
             )
     # The sampled rewards are the same rewards of the same responses.
-    for s in (1, 2):
+    for s in (1, 2, 3):
         assert b[s]["reward_mean"] == a[s]["reward_mean"], s
 
     # Process 1 opened no log of its own: as many TensorBoard files per launch as in one
@@ -251,34 +240,29 @@ def test_two_processes_match_one_and_resume_after_one_is_killed(tmp_path, data_d
     assert len(events(two)) == 2 * len(events(one)) > 0
 
 
-# The sampler on 2 devices of each process, overlapped with training on 2 + 2.
-OVERLAP_FIELDS = {
-    "rollout.staleness": 1,
-    "rollout.devices": 4,
-    "rollout.overlap": True,
-    "mesh.data": 2,
-    "mesh.fsdp": 1,
-    "mesh.expert": 2,
-}
-OVERLAP = [f"--config.{k}={v}" for k, v in OVERLAP_FIELDS.items()]
+OVERLAP = [  # the sampler on 2 devices of each process, overlapped with training on 2 + 2
+    "--config.rollout.staleness=1",
+    "--config.rollout.devices=4",
+    "--config.rollout.overlap=True",
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=1",
+    "--config.mesh.expert=2",
+]
 
 
-def test_two_processes_overlap_sampling_with_training_as_one_does(tmp_path, data_dir):
+def test_two_processes_overlap_sampling_with_training_as_one_does(tmp_path):
     """rollout.overlap across two processes: each gives 2 of its 4 devices to the sampler
-    and scores its own rollout rows; process 0 writes. The metrics are one process's
-    (run here, in the test process: 8 fake devices)."""
-    from gspo_jax import train
-
+    and scores its own rollout rows; process 0 writes. The metrics are one process's."""
+    data_dir = str(tmp_path / "data")
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    train.run(smoke_config(data_dir, **OVERLAP_FIELDS), one)  # ARGS + OVERLAP, one process
+    _wait([_start(one, 8, data_dir, extra=OVERLAP)], one)
     port = _free_port()
     _wait([_start(two, 4, data_dir, process_id=i, port=port, extra=OVERLAP) for i in (0, 1)], two)
     a = {r["step"]: r for r in read_metrics(one) if r["phase"] == "rl"}
     b_all = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
-    assert [r["step"] for r in b_all if r["phase"] == "rl"] == [0, 1, 2]
+    assert [r["step"] for r in b_all if r["phase"] == "rl"] == [0, 1, 2, 3]
     b = {r["step"]: r for r in b_all if r["phase"] == "rl"}
-    assert sorted(a) == [0, 1, 2]
-    for s in (1, 2):  # staleness 0, then 1: step 2's batch sampled while step 1 trained
+    for s in (1, 2, 3):
         assert b[s]["staleness_max"] == a[s]["staleness_max"] == min(s - 1, 1)
         assert b[s]["reward_mean"] == a[s]["reward_mean"], s  # the same responses, scored
         for k in sorted(set(a[s]) - TIMING - {"phase", "collect_time", "train_wait_time"}):
@@ -299,10 +283,7 @@ def test_a_process_stopped_for_another_says_so(capsys):
 def test_hf_export_and_load_across_two_processes_match_one(tmp_path):
     """Parameters spread over two processes export to the files one process writes
     (every gather collective, process 0 writing), and load back onto the mesh of both
-    processes: exporting the loaded model gives the same files again. The one-process
-    run is the worker's function in the test process (8 fake devices)."""
-    from hf_export_worker import export_and_load
-
+    processes: exporting the loaded model gives the same files again."""
     from gspo_jax.models.safetensors_io import read_safetensors
 
     worker = os.path.join(REPO, "tests", "hf_export_worker.py")
@@ -319,12 +300,11 @@ def test_hf_export_and_load_across_two_processes_match_one(tmp_path):
 
     one, two = tmp_path / "one", tmp_path / "two"
     port = _free_port()
-    procs = [start(two, 4, port, i) for i in (0, 1)]
-    r1 = json.loads(json.dumps(export_and_load(str(one))))  # as the processes report it
-    for p, name in zip(procs, ("two.0", "two.1")):
+    procs = [start(one, 8)] + [start(two, 4, port, i) for i in (0, 1)]
+    for p, name in zip(procs, ("one.0", "two.0", "two.1")):
         rc = p.wait(timeout=600)
         assert rc == 0, open(tmp_path / f"{name}.log").read()[-4000:]
-    p0, p1 = reports(two, [0, 1])
+    (r1,), (p0, p1) = reports(one, [0]), reports(two, [0, 1])
     assert not r1["spread"] and p0["spread"] and p1["spread"]
     assert p0["files_a"] == r1["files_a"] and len(p0["files_a"]) > 2  # shards and the index
     assert p1["files_a"] == p1["files_b"] == []  # process 1 wrote nothing

@@ -48,8 +48,8 @@ def smoke(data_dir, **overrides):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 # --------------------------------------------------------------------------

@@ -221,8 +221,8 @@ def test_config_field_is_checked(rank, value, message):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -32,8 +32,8 @@ SAMPLER, LOGP, TRAIN = "jit(_generate)", "jit(logprob_pass)", "jit(train_step)"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 def _config(data_dir, **overrides):

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 from flax import nnx
-from smoke_runs import KILL_ARGS, copy_run, grpo_paths_run, kill_reference_run, smoke_run
 
 from gspo_jax import config as config_lib
 from gspo_jax import safety
@@ -29,8 +28,8 @@ from configs import default as default_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 def _smoke(data_dir, objective="gspo", **overrides):
@@ -144,11 +143,10 @@ def test_second_signal_exits_at_once():
 def test_sigterm_finishes_the_step_checkpoints_and_resumes(data_dir, tmp_path):
     """SIGTERM during the warm start: the trainer finishes its step, saves a checkpoint
     of it, says so and exits with 128 + 15; the same command then resumes after that
-    step and completes, with each SFT step logged once. (No RL step: the run is the
-    warm start and the RL phase's first evaluation.)"""
+    step and completes, with each SFT step logged once."""
     args = [sys.executable, "-m", "gspo_jax.train", "--config=configs/default.py:smoke",
             f"--workdir={tmp_path}", f"--config.task.data_dir={data_dir}", "--config.sft.steps=60",
-            "--config.checkpoint_every=1000", "--config.total_rl_steps=0"]
+            "--config.checkpoint_every=1000", "--config.total_rl_steps=1"]
     env = subprocess_env(1)
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "metrics.jsonl"
@@ -168,44 +166,35 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(data_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     sft = [r["step"] for r in read_metrics(str(tmp_path)) if r["phase"] == "sft"]
     assert sft == list(range(1, 61))
-    assert [r["step"] for r in read_metrics(str(tmp_path)) if r["phase"] == "rl"] == [0]
 
 
 # --------------------------------------------------------------------------
 # Deleted warm-start checkpoints, non-finite parameters.
 
 
-def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path, shared_once):
+def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path):
     """RL has begun; the warm start's checkpoints are deleted. Without a KL term RL
     resumes from its own checkpoint and the warm start is not repeated (its records
-    appear once); with one, the run stops and names the checkpoint it needs.
-
-    The runs are copies of the session's shared smoke runs (tests/smoke_runs.py) with
-    their last RL checkpoint removed too: each resumes after RL step 1 of 2."""
+    appear once); with one, the run stops and names the checkpoint it needs."""
     import shutil
 
     from gspo_jax import train
 
-    def begun(workdir, dst):
-        copy_run(workdir, dst)
-        shutil.rmtree(dst / "checkpoints" / "rl" / "2")
-        assert (dst / "checkpoints" / "rl" / "1").is_dir()
-        shutil.rmtree(dst / "checkpoints" / "sft")
-
-    shared, c = smoke_run(shared_once, data_dir)
-    begun(shared, tmp_path / "gspo")
-    records = train.run(c, str(tmp_path / "gspo"))
-    assert [r["step"] for r in records if r["phase"] == "rl"] == [2]  # resumed after step 1
-    recs = read_metrics(str(tmp_path / "gspo"))
+    c = _smoke(data_dir, **{"total_rl_steps": 1, "progress_bar": False})
+    train.run(c, str(tmp_path))
+    shutil.rmtree(tmp_path / "checkpoints" / "sft")
+    c = _smoke(data_dir, **{"total_rl_steps": 2, "progress_bar": False})
+    train.run(c, str(tmp_path))
+    recs = read_metrics(str(tmp_path))
     assert [r["step"] for r in recs if r["phase"] == "sft"] == [1, 2]
     assert [r["step"] for r in recs if r["phase"] == "rl"] == [0, 1, 2]
-    sft_dir = tmp_path / "gspo" / "checkpoints" / "sft"
-    assert not sft_dir.exists() or not os.listdir(sft_dir)
+    assert not (tmp_path / "checkpoints" / "sft").exists() or not os.listdir(tmp_path / "checkpoints" / "sft")
 
-    shared, c = grpo_paths_run(shared_once, data_dir)  # KL to pi_ref on
-    assert c.objective.name == "grpo" and c.objective.hparams.kl_coef > 0
     g = tmp_path / "grpo"
-    begun(shared, g)
+    c = _smoke(data_dir, "grpo", **{"total_rl_steps": 1, "progress_bar": False})  # KL to pi_ref on
+    train.run(c, str(g))
+    shutil.rmtree(g / "checkpoints" / "sft")
+    c = _smoke(data_dir, "grpo", **{"total_rl_steps": 2, "progress_bar": False})
     with pytest.raises(FileNotFoundError, match=r"reference policy.*Restore that checkpoint"):
         train.run(c, str(g))
 
@@ -306,18 +295,19 @@ def _corrupt(step_dir, rs):
     return path
 
 
-def test_kills_and_corrupted_checkpoints_resume_to_the_uninterrupted_metrics(data_dir, tmp_path, shared_once):
+def test_kills_and_corrupted_checkpoints_resume_to_the_uninterrupted_metrics(data_dir, tmp_path):
     """Five times: start the run, SIGKILL it at a random point after it makes progress,
     and flip 64 bytes in its newest checkpoint. Then let it finish. Every resume skips
     the corrupted checkpoint (set aside as <step>.unusable) for the one before, and the
     RL records equal an uninterrupted run's bit for bit, each step logged once."""
-    # Six warm-start and six RL steps, a checkpoint after each, three kept. The
-    # uninterrupted run is the session's shared one (tests/smoke_runs.py).
-    args = [sys.executable, "-m", "gspo_jax.train", *KILL_ARGS, f"--config.task.data_dir={data_dir}"]
-    assert {"--config.total_rl_steps=6", "--config.sft.steps=6", "--config.checkpoint_every=1",
-            "--config.keep_checkpoints=3"} <= set(args)
+    args = [sys.executable, "-m", "gspo_jax.train", "--config=configs/default.py:smoke",
+            f"--config.task.data_dir={data_dir}", "--config.progress_bar=False", "--config.total_rl_steps=6",
+            "--config.sft.steps=6", "--config.checkpoint_every=1", "--config.keep_checkpoints=3"]
     env = subprocess_env(1)
-    full, cut = kill_reference_run(shared_once, data_dir), tmp_path / "cut"
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    out = subprocess.run(args + [f"--workdir={full}"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
 
     rs = np.random.RandomState(0)
     corrupted = []
@@ -378,9 +368,7 @@ def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_pat
         write_manifest(step_dir)
 
     monkeypatch.setattr(checkpoint, "write_manifest", slow_write)
-    # The step after the save of step 2 fails: three steps of the phase (the smoke run's
-    # other step counts, so that the programs are those other tests run).
-    c = _smoke(data_dir, **({"total_rl_steps": 3} if phase == "rl" else {"sft.steps": 3}))
+    c = _smoke(data_dir, **{"total_rl_steps": 4, "sft.steps": 4})
     if phase == "rl":
         step = rl_lib.RLPhase.step
 
@@ -406,17 +394,14 @@ def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_pat
     assert not [d for d in os.listdir(ckpt) if "tmp" in d]
 
 
-def test_without_config_json_resume_reads_the_checkpoints_own_config(data_dir, tmp_path, shared_once):
+def test_without_config_json_resume_reads_the_checkpoints_own_config(data_dir, tmp_path):
     """config.json deleted (checkpoints copied to another cluster, a run forked from
     them): the newest checkpoint records the config it was made with, and a resume with
-    another is refused, naming the fields and that record; the same config resumes.
-    The run is a copy of the session's shared smoke run (tests/smoke_runs.py)."""
+    another is refused, naming the fields and that record; the same config resumes."""
     from gspo_jax import train
 
-    shared, c = smoke_run(shared_once, data_dir)
-    assert c.objective.name == "gspo"
-    tmp_path = tmp_path / "run"
-    copy_run(shared, tmp_path)
+    c = _smoke(data_dir, "gspo")
+    train.run(c, str(tmp_path))
     os.remove(tmp_path / "config.json")
     other = _smoke(data_dir, "grpo", **{"model.fields.d_model": 64})
     with pytest.raises(config_lib.ConfigError) as e:

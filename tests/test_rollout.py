@@ -204,20 +204,12 @@ def test_logp_and_experts_match_teacher_forced_forward(model, sampler, compile_c
                                   np.asarray(rollout.replay_r3(r.prompt_experts, r.experts)))
     assert np.all(np.asarray(r.replay()[:, -1]) == -1)
     tokens, positions, mask = _sequence(r)
-    lp, replay_mismatch = _jit_replayed_logprobs(sampler.graphdef, sampler.state, tokens, positions, mask,
-                                                 r.replay())
+    lp, _, aux = nnx.merge(sampler.graphdef, sampler.state).token_logprobs(
+        tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask,
+        replay=r.replay())
     P = r.prompt_tokens.shape[1]
     np.testing.assert_allclose(np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0), r.logp, atol=1e-5)
-    assert float(jnp.max(replay_mismatch)) == 0.0
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jit_replayed_logprobs(graphdef, state, tokens, positions, mask, replay):
-    """The teacher-forced token log-probs with the routing forced to ``replay``, and
-    the router aux's replay mismatch."""
-    lp, _, aux = nnx.merge(graphdef, state).token_logprobs(
-        tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask, replay=replay)
-    return lp, aux.replay_mismatch
+    assert float(jnp.max(aux.replay_mismatch)) == 0.0
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))

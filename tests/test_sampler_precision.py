@@ -98,16 +98,9 @@ def test_a_quantized_sampler_over_a_quantized_base_is_refused():
         config_lib.validate(c, num_devices=1)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
-
-
-def _rl_mismatch(tmp_path, data_dir, name, **rollout):
+def _rl_mismatch(tmp_path, name, **rollout):
     c = stability_config.get_config("smoke")
-    c.task.data_dir = data_dir
     c.total_rl_steps = 1
-    c.sft.steps = 0  # the mismatch is the sampler's against the trainer's, warm start or not
     for k, v in rollout.items():
         c.rollout[k] = v
     train.run(c, str(tmp_path / name))
@@ -116,8 +109,8 @@ def _rl_mismatch(tmp_path, data_dir, name, **rollout):
     return rec["mismatch_kl"]
 
 
-def test_an_rl_run_with_a_bf16_sampler_measures_the_mismatch(tmp_path, data_dir):
-    same = _rl_mismatch(tmp_path, data_dir, "same")
-    bf16 = _rl_mismatch(tmp_path, data_dir, "bf16", sampler_dtype="bfloat16")
+def test_an_rl_run_with_a_bf16_sampler_measures_the_mismatch(tmp_path):
+    same = _rl_mismatch(tmp_path, "same")
+    bf16 = _rl_mismatch(tmp_path, "bf16", sampler_dtype="bfloat16")
     assert same < 1e-12 < 1e-9 < bf16
     assert os.path.exists(tmp_path / "bf16" / "config.json")

@@ -230,8 +230,8 @@ def test_mismatch_metrics_hand_values():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 def _config(data_dir, **overrides):

@@ -10,7 +10,6 @@ import re
 
 import numpy as np
 import pytest
-from stability_fixtures import smoke_root, stability_stage1  # noqa: F401 (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

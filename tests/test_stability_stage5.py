@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-from stability_fixtures import smoke_root, stability_stage1  # noqa: F401 (fixtures)
 
 from experiments.stability import common, stage5_config, stage5_learn_collapse, stage5_report, stats
 from gspo_jax import sweep

@@ -5,7 +5,6 @@ measurement, the runs and the report end to end on the smoke setting."""
 import os
 
 import pytest
-from stability_fixtures import smoke_root, stability_stage1  # noqa: F401 (fixtures)
 
 from experiments.stability import common, stage7_config, stage7_numerics, stage7_report, stats
 from gspo_jax import config as config_lib

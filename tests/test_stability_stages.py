@@ -6,12 +6,9 @@ settings."""
 import json
 import math
 import os
-import shutil
 
 import numpy as np
 import pytest
-import stability_fixtures
-from stability_fixtures import smoke_root, stability_stage1  # noqa: F401 (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -332,18 +329,12 @@ def test_drift_metrics_match_numpy():
 # Stages 1 and 2 end to end on their smoke settings.
 
 
-def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path, stability_stage1):
-    """Stage 1's smoke run from an empty root (the session's, `stability_stage1`: it
-    trained the warm starts every later stage test starts from) and its report, then
-    stage 2 from that root."""
+def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
     from experiments.stability import stage1_probes, stage2_frontier
 
     root, out1, out2 = tmp_path / "root", tmp_path / "s1", tmp_path / "s2"
-    # Copies: the resume, the report and stage 2 write into them.
-    shutil.copytree(os.path.join(stability_stage1, "root"), root)
-    shutil.copytree(os.path.join(stability_stage1, "s1"), out1)
-    cfg1 = stability_fixtures.CFG1
-    assert sorted(os.listdir(root / "warm")) == ["dense2_s0", "moe2_s0"]  # stage 1 built them
+    cfg1 = os.path.join(REPO, "experiments", "stability", "stage1_config.py") + ":smoke"
+    stage1_probes.main(["--root", str(root), "--out", str(out1), "--config", cfg1])
     probes = sorted(os.listdir(out1 / "probes"))
     assert len(probes) == 4  # moe2 and dense2 x grpo and gspo
     recs = common.read_jsonl(str(out1 / "probes" / "moe2_grpo_lr0.001_s0.jsonl"))

@@ -20,24 +20,12 @@ from gspo_jax.models import ModelConfig, Transformer
 
 CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
                   moe_d_ff=16, num_experts=4, top_k=2)
-# The stand-in policy of the tests of the step's plumbing (objectives, micro-batches,
-# optimizer, skipping): one dense layer, whose train step compiles faster than CFG's.
-# The tests where the MoE matters (the router shift, the router losses, the routing
-# record and its replay) keep CFG.
-DENSE = ModelConfig(vocab_size=24, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
 N, P, T = 8, 4, 5
-# The router losses' coefficients of the tests that do not check them (both losses are
-# 0 on a dense model): one value, so that those tests share their compiled steps.
-ROUTER_COEFS = (0.01, 0.001)
-
-# The log-prob pass jitted once per model and batch shape (run eagerly, op by op, it
-# compiles every op of the model).
-_logprob_pass = jax.jit(passes.logprob_pass,
-                        static_argnames=("graphdef", "replay_key", "values", "temperature", "micro_batches"))
 
 
-def _setup(cfg):
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+@pytest.fixture(scope="module")
+def setup():
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     rs = np.random.RandomState(0)
     prompt_mask = np.ones((N, P), np.float32)
@@ -51,7 +39,7 @@ def _setup(cfg):
         "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
         "mask": jnp.asarray(mask),
     }
-    old = _logprob_pass(params, batch, graphdef=graphdef)
+    old = passes.logprob_pass(params, batch, graphdef=graphdef)
     batch.update(
         old_logp=old["logp"] + jnp.asarray(rs.normal(0, 0.05, (N, T)), jnp.float32),  # slightly off-policy
         old_topk=old["topk_resp"],
@@ -60,33 +48,7 @@ def _setup(cfg):
         ref_logp=old["logp"] - 0.1,  # GRPO's default KL term needs it
         advantages=jnp.asarray(rs.normal(size=N), jnp.float32),
     )
-    # The old router slightly off-policy too: RSPO's router shift gamma is not 1.
-    shape = batch["old_router_logp"].shape
-    batch["old_router_logp"] = batch["old_router_logp"] + jnp.asarray(rs.normal(0, 0.05, shape), jnp.float32)
     return graphdef, params, batch
-
-
-@pytest.fixture(scope="module")
-def setup():
-    """The MoE model CFG and a batch of it."""
-    return _setup(CFG)
-
-
-@pytest.fixture(scope="module")
-def dense():
-    """The dense stand-in DENSE and the same batch, its old-policy records DENSE's."""
-    return _setup(DENSE)
-
-
-@functools.lru_cache(maxsize=None)
-def _sgd_step(graphdef, objective, micro, lr, hparams, router_coefs):
-    """(optimizer, jitted train step): one per setting, so that the tests that run the
-    same setting share one compiled step."""
-    opt = optax.sgd(lr)
-    cfg = step.StepConfig(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
-                          z_loss_coef=router_coefs[1])
-    return opt, jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
-                                          schedule=optax.constant_schedule(lr), cfg=cfg))
 
 
 def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coefs=(0.0, 0.0)):
@@ -94,56 +56,54 @@ def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coe
     batch = base if batch is None else batch
     # Plain SGD: the update is linear in the gradient, so comparing parameters
     # compares gradients (Adam's g/sqrt(v) would amplify rounding where g ~ 0).
-    opt, fn = _sgd_step(graphdef, objective, micro, lr, hparams, tuple(router_coefs))
+    opt = optax.sgd(lr)
     state = step.TrainState.create(params, opt.init(params))
+    cfg = step.StepConfig(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
+                          z_loss_coef=router_coefs[1])
+    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
+                                   schedule=optax.constant_schedule(lr), cfg=cfg))
     state, m = fn(state, batch, jax.random.key(0))
     return state, compute_all(m)
 
 
 @pytest.mark.parametrize("objective", ["grpo", "gspo", "rspo", "cispo"])
-def test_micro_batches_equal_whole_mini_batch(setup, dense, objective):
+def test_micro_batches_equal_whole_mini_batch(setup, objective):
     """Splitting into 4 micro-batches gives the same loss, gradient norm, update and
-    metrics (a per-micro-batch denominator would change them all). RSPO, whose loss
-    reads the router shift, on the MoE model: the router z-loss is in the identity;
-    the load-balancing loss, a product of two means over a batch's tokens, is taken
-    per micro-batch (as everywhere) and is not: its coefficient is 0. The other
-    objectives on the dense stand-in (no router: both router losses are 0)."""
-    s, coefs = (setup, (0.0, 0.01)) if objective == "rspo" else (dense, ROUTER_COEFS)
-    s1, m1 = _run(s, objective, 1, router_coefs=coefs)
+    metrics (a per-micro-batch denominator would change them all). The router z-loss
+    is in the identity; the load-balancing loss, a product of two means over a batch's
+    tokens, is taken per micro-batch (as everywhere) and is not: its coefficient is 0."""
+    s1, m1 = _run(setup, objective, 1, router_coefs=(0.0, 0.01))
     for micro in (4,):
-        s2, m2 = _run(s, objective, micro, router_coefs=coefs)
+        s2, m2 = _run(setup, objective, micro, router_coefs=(0.0, 0.01))
         np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
         chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-7)
         assert set(m1) == set(m2)
         for key in sorted(set(m1) - {"aux_loss"}):
             np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-7, err_msg=key)
-    if objective == "rspo":  # the MoE's router terms are in the identity checked
-        assert float(m1["z_loss"]) > 0 and float(m1["router_shift_raw"]) > 0
 
 
 def _on_policy_batch(cfg, n, *, seed, mask):
     """A fresh model of ``cfg`` and n unpadded prompts with responses, their old-policy
-    records taken from that model, the reference's 0.1 below them and random
-    advantages (the structure of the setup's batches)."""
+    records taken from that model and random advantages."""
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     rs = np.random.RandomState(seed)
     batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (n, P)), jnp.int32), "prompt_mask": jnp.ones((n, P)),
              "tokens": jnp.asarray(rs.randint(3, 24, (n, T)), jnp.int32), "mask": mask}
-    old = _logprob_pass(params, batch, graphdef=graphdef)
+    old = passes.logprob_pass(params, batch, graphdef=graphdef)
     batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
-                 old_free_topk=old["free_topk_resp"], ref_logp=old["logp"] - 0.1,
-                 advantages=jnp.asarray(rs.normal(size=n), jnp.float32))
+                 old_free_topk=old["free_topk_resp"], advantages=jnp.asarray(rs.normal(size=n), jnp.float32))
     return graphdef, params, batch
 
 
 def test_dense_model_trains():
     """A model with no MoE layer (num_experts=0): no router, so gamma = 1, nothing
-    flips, and every objective's step runs (RSPO is then GMPO), in micro-batches."""
-    graphdef, params, batch = _on_policy_batch(DENSE, N, seed=1, mask=jnp.ones((N, T)).at[2, 2:].set(0.0))
+    flips, and every objective's step runs (RSPO is then GMPO)."""
+    cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
+    graphdef, params, batch = _on_policy_batch(cfg, N, seed=1, mask=jnp.ones((N, T)).at[2, 2:].set(0.0))
     assert batch["old_topk"].shape == (N, T, 0, 0)
     for objective in ("gspo", "rspo"):
-        state, m = _run((graphdef, params, None), objective, 4, batch=batch, router_coefs=ROUTER_COEFS)
+        state, m = _run((graphdef, params, None), objective, 2, batch=batch, router_coefs=(0.01, 0.001))
         assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0 and int(state.skipped) == 0
         # γ is exactly 1 at every token (the minimum says so exactly); its mean is a
         # quotient of two f32 sums, which an H200 gave as 0.99999994 (one ulp).
@@ -154,15 +114,13 @@ def test_dense_model_trains():
 
 
 @pytest.mark.parametrize("objective", objectives.names())
-def test_every_objective_trains(setup, dense, objective):
+def test_every_objective_trains(setup, objective):
     """One jitted step per objective: finite loss and gradient, the parameters
-    move, and the objective's metrics come out of the step. RSPO, whose loss reads
-    the router shift, on the MoE model; the others on the dense stand-in."""
-    s = setup if objective == "rspo" else dense
-    graphdef, params, batch = s
+    move, and the objective's metrics come out of the step."""
+    graphdef, params, batch = setup
     if objective == "ppo":
         batch = dict(batch, advantages=jnp.broadcast_to(batch["advantages"][:, None], (N, T)))  # per token
-    state, m = _run(s, objective, 1, batch=batch, router_coefs=ROUTER_COEFS)
+    state, m = _run(setup, objective, 1, batch=batch, router_coefs=(0.01, 0.001))
     assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
     assert int(state.skipped) == 0 and float(m["update_norm"]) > 0
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params))]
@@ -172,48 +130,43 @@ def test_every_objective_trains(setup, dense, objective):
     expected |= {"sapo_gate_mean"} if objective == "sapo" else set()
     expected |= {"is_weight_mean"} if objective == "cispo" else set()
     assert expected <= set(m), expected - set(m)
-    if objective == "rspo":  # the MoE's router shift and router losses in the step
-        assert float(m["router_shift_raw"]) > 0 and float(m["aux_loss"]) > 0 and float(m["z_loss"]) > 0
 
 
-@functools.lru_cache(maxsize=None)
-def _adam_step(graphdef, mu_dtype):
-    """(optimizer, jitted train step) of GSPO (bounds 0.2) under AdamW at lr 1e-2, its
-    first moment stored in ``mu_dtype``: the Adam tests share the float32 one."""
-    opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
-                                     weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0, mu_dtype=mu_dtype)
-    cfg = step.StepConfig(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
-    return opt, jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
-
-
-def test_update_raises_log_prob_of_positive_advantage(dense):
+def test_update_raises_log_prob_of_positive_advantage(setup):
     """One sample with A > 0, the rest A < 0: after a few steps its sequence
     log-prob rises and the others fall (a sign error would do the opposite)."""
-    graphdef, params, batch = dense
+    graphdef, params, batch = setup
     adv = np.full(N, -1.0 / (N - 1), np.float32)
     adv[0] = 1.0
-    b = dict(batch, advantages=jnp.asarray(adv), old_logp=_logprob_pass(params, batch, graphdef=graphdef)["logp"])
-    opt, fn = _adam_step(graphdef, "float32")
+    b = dict(batch, advantages=jnp.asarray(adv), old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
+                                     weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0)
+    cfg = step.StepConfig(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
+    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
     state = step.TrainState.create(params, opt.init(params))
     for _ in range(3):
         state, _ = fn(state, b, jax.random.key(0))
-    new = _logprob_pass(state.params, b, graphdef=graphdef)["logp"]
+    new = passes.logprob_pass(state.params, b, graphdef=graphdef)["logp"]
     d = np.sum((np.asarray(new) - np.asarray(b["old_logp"])) * np.asarray(b["mask"]), axis=1)
     assert d[0] > 0.1 and np.all(d[1:] < 0), d
 
 
-def test_bfloat16_first_moment(dense):
+def test_bfloat16_first_moment(setup):
     """optimizer.mu_dtype: Adam's first moment stored in bf16 (the parameters and the second
     moment stay f32); the update is the f32-moment one to bf16's rounding."""
-    graphdef, params, batch = dense
-    b = dict(batch, old_logp=_logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    graphdef, params, batch = setup
+    b = dict(batch, old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    cfg = step.StepConfig(objective="grpo", hparams=(("kl_coef", 0.0),))
     out = {}
     for mu in ("float32", "bfloat16"):
-        opt, fn = _adam_step(graphdef, mu)
+        opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
+                                         end_lr_ratio=1.0, weight_decay=0.0, b1=0.9, b2=0.99,
+                                         grad_clip=1.0, mu_dtype=mu)
+        fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
         state = step.TrainState.create(params, opt.init(params))
         for _ in range(2):
             state, _ = fn(state, b, jax.random.key(0))
-        adam = state.opt_state[-1][0]  # AdamW, the last of the chain
+        adam = state.opt_state[1][0]
         assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(mu)}
         assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype("float32")}
         out[mu] = state.params
@@ -223,15 +176,15 @@ def test_bfloat16_first_moment(dense):
     chex.assert_trees_all_close(out["bfloat16"], out["float32"], atol=2e-2 * 2**-8, rtol=0)
 
 
-def test_non_finite_loss_skips_update(dense):
-    graphdef, params, batch = dense
+def test_non_finite_loss_skips_update(setup):
+    graphdef, params, batch = setup
     bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))
-    state, m = _run(dense, "grpo", 1, batch=bad, router_coefs=ROUTER_COEFS)
+    state, m = _run(setup, "grpo", 1, batch=bad, router_coefs=(0.01, 0.001))
     assert not np.isfinite(m["loss"])
     assert int(state.skipped) == 1 and float(m["skipped_update"]) == 1.0 and float(m["update_norm"]) == 0.0
     chex.assert_trees_all_equal(state.params, params)
     # The optimizer moments are untouched too, so the next good step is unaffected.
-    s_good, _ = _run(dense, "grpo", 1, router_coefs=ROUTER_COEFS)  # the same compiled step
+    s_good, _ = _run(setup, "grpo", 1)
     assert int(s_good.skipped) == 0
 
 
@@ -256,12 +209,12 @@ def test_logprob_pass_in_pieces_is_the_whole_pass(setup, values):
     graphdef, params, batch = setup
     if values:
         graphdef, params = nnx.split(Transformer(dataclasses.replace(CFG, value_head=True), rngs=nnx.Rngs(1)))
-    first = _logprob_pass(params, batch, graphdef=graphdef)
+    first = passes.logprob_pass(params, batch, graphdef=graphdef)
     # A replay record unlike the free routing: R3's experts shifted by one.
     b = dict(batch, replay_r3=(first["topk"] + 1) % CFG.num_experts)
-    run = functools.partial(_logprob_pass, graphdef=graphdef, replay_key="replay_r3", values=values)
-    whole = run(params, b)
-    pieces = run(params, b, micro_batches=4)
+    run = functools.partial(passes.logprob_pass, graphdef=graphdef, replay_key="replay_r3", values=values)
+    whole = jax.jit(run)(params, b)
+    pieces = jax.jit(functools.partial(run, micro_batches=4))(params, b)
     assert set(pieces) == set(whole) and ("values" in whole) == values
     np.testing.assert_array_equal(whole["topk"], b["replay_r3"])
     for key in whole:
@@ -278,7 +231,8 @@ def test_logprob_pass_in_pieces_keeps_the_work_on_every_batch_device():
     """Strided pieces hold rows of every device: per-device FLOPs of the compiled
     pass are a quarter of one device's, in pieces as whole."""
     rows = _four_row_shards()
-    graphdef, params, batch = _on_policy_batch(DENSE, 128, seed=3, mask=jnp.ones((128, T)))
+    cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
+    graphdef, params, batch = _on_policy_batch(cfg, 128, seed=3, mask=jnp.ones((128, T)))
     for micro in (1, 4):
         fn = jax.jit(functools.partial(passes.logprob_pass, graphdef=graphdef, micro_batches=micro))
         ratio = _flops_per_device(fn, params, jax.device_put(batch, rows)) / _flops_per_device(fn, params, batch)
@@ -292,7 +246,8 @@ def test_micro_batches_keep_the_work_on_every_batch_device():
     made XLA gather the whole mini-batch to every device, which then computed all of
     it: 1.0x.)"""
     rows = _four_row_shards()
-    graphdef, params, batch = _on_policy_batch(DENSE, 128, seed=2, mask=jnp.ones((128, T)))
+    cfg = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32)
+    graphdef, params, batch = _on_policy_batch(cfg, 128, seed=2, mask=jnp.ones((128, T)))
     opt = optax.sgd(1e-3)
     state = step.TrainState.create(params, opt.init(params))
 

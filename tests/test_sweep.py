@@ -67,11 +67,11 @@ def test_summarize_means_over_seeds(tmp_path):
     assert not sweep.finished(os.path.join(w, "eps_high=0.28__seed=1"), 1)
 
 
-def test_sweep_interrupted_then_resumed(tmp_path, tfds_dir, monkeypatch, capsys):
+def test_sweep_interrupted_then_resumed(tmp_path, tmp_path_factory, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("XLA_FLAGS", xla_flags(1))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    data_dir = tfds_dir
+    data_dir = str(tmp_path_factory.mktemp("tfds"))
     w = str(tmp_path / "sweep")
     argv = [
         "--config=configs/default.py:smoke", f"--workdir={w}",

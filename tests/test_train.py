@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 from conftest import subprocess_env
-from smoke_runs import KILL_ARGS, grpo_paths_run, kill_reference_run, mesh222_run, smoke_run
 
 from gspo_jax import config as config_lib
 from gspo_jax import objectives
@@ -193,9 +192,9 @@ def _assert_same_metrics(a, b, *, rtol, atol, steps):
                                            err_msg=f"step {s} metric {k}")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 REQUIRED = {"step", "phase", "reward_mean", "entropy", "grad_norm", "clip_frac", "flip_frac", "flip_frac_k0",
@@ -207,33 +206,26 @@ REQUIRED = {"step", "phase", "reward_mean", "entropy", "grad_norm", "clip_frac",
 # gradient accumulation over a mesh, DAPO's data shaping, R2 and R3 replay, RSPO's
 # router shift (PPO's critic has its own test below). Every objective's train
 # step is exercised in tests/test_step.py; the loop around it is the same.
-# The default objective's run and GRPO's (with gradient accumulation over a
-# (data, expert, tensor) mesh and the old-policy and reference passes in 4 pieces,
-# tests/smoke_runs.py) are the session's shared runs, which other files read too.
 @pytest.mark.parametrize(
     "objective, replay",
     [("gspo", "none"), ("grpo", "none"), ("dapo", "none"), ("gspo", "R2"), ("rspo", "R3")],
 )
-def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_path, shared_once):
+def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_path):
     from gspo_jax import train
 
-    if (objective, replay) == ("gspo", "none"):
-        workdir, c = smoke_run(shared_once, data_dir)
-    elif objective == "grpo":
-        workdir, c = grpo_paths_run(shared_once, data_dir)
-        assert c.updates.micro_batches == 2 and c.updates.logprob_micro_batches == 4
-        assert (c.mesh.data, c.mesh.expert, c.mesh.tensor) == (2, 2, -1)
-    else:
-        c = default_config.get_config(f"objective={objective},smoke")
-        c.task.data_dir = data_dir
-        c.updates.routing_replay = replay
-        c.progress_bar = False
-        if replay == "R3":
-            c.updates.logprob_micro_batches = 2  # the R3 record split with the rows
-        workdir = str(tmp_path)
-        train.run(c, workdir)
-    assert c.objective.name == objective and c.updates.routing_replay == replay
-    records = read_metrics(workdir)  # each line of this run, written once
+    c = default_config.get_config(f"objective={objective},smoke")
+    c.task.data_dir = data_dir
+    c.updates.routing_replay = replay
+    c.progress_bar = False
+    if objective == "grpo":
+        c.updates.micro_batches = 2  # gradient accumulation through the full loop
+        # Micro-batches of 4 rows over the 4 batch shards (data x expert); experts over 2,
+        # their width over the tensor axis.
+        c.mesh.data, c.mesh.expert, c.mesh.tensor = 2, 2, -1
+        c.updates.logprob_micro_batches = 4  # the old-policy and reference passes in 4 pieces
+    if replay == "R3":
+        c.updates.logprob_micro_batches = 2  # the R3 record split with the rows
+    records = train.run(c, str(tmp_path))
     rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0]
     assert [r["step"] for r in rl] == [1, 2]
     for r in rl:
@@ -243,8 +235,9 @@ def test_smoke_trainer_paths_and_replay_modes(objective, replay, data_dir, tmp_p
         if replay != "none":
             assert "replay_mismatch" in r
     assert "eval_reward_mean" in rl[-1]
-    assert {r["phase"] for r in records} == {"sft", "rl"}
-    assert os.path.isdir(os.path.join(workdir, "checkpoints", "rl", "2"))
+    lines = read_metrics(str(tmp_path))
+    assert {r["phase"] for r in lines} == {"sft", "rl"}
+    assert os.path.isdir(tmp_path / "checkpoints" / "rl" / "2")
 
 
 def test_rl_step_summary_of_updates():
@@ -388,26 +381,24 @@ def test_smoke_ppo_with_critic(data_dir, tmp_path):
     assert last["value_loss"] > 0
 
 
-def test_sharded_run_matches_single_device(data_dir, tmp_path, shared_once):
-    """(data=2, fsdp=2, expert=2) on 8 fake devices == one device, per metric. The
-    sharded run is the session's shared one (tests/smoke_runs.py, trained in a test
-    process: 8 fake devices), the reference of the two-process runs too."""
+def test_sharded_run_matches_single_device(data_dir, tmp_path):
+    """(data=2, fsdp=2, expert=2) on 8 fake devices == one device, per metric."""
+    cfg = "--config=configs/default.py:smoke"
     one = tmp_path / "one"
-    _run_subprocess(one, ["--config=configs/default.py:smoke"], 1, data_dir=data_dir)
-    eight, c = mesh222_run(shared_once, data_dir)
-    assert (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor) == (2, 2, 2, 1)
+    eight = tmp_path / "eight"
+    _run_subprocess(one, [cfg], 1, data_dir=data_dir)
+    _run_subprocess(eight, [cfg, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.expert=2"], 8,
+                    data_dir=data_dir)
     a, b = _rl_records(one), _rl_records(eight)
     assert sorted(a) == sorted(b) == [0, 1, 2]
     # Float tolerance: reductions are split differently across devices.
     _assert_same_metrics(a, b, rtol=2e-3, atol=2e-4, steps=[1, 2])
 
 
-def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path, shared_once):
-    # Six RL steps, a checkpoint after each; the uninterrupted run is the session's shared
-    # one (tests/smoke_runs.py), the reference of tests/test_reliability.py's kills too.
-    args = KILL_ARGS
-    assert "--config.total_rl_steps=6" in args and "--config.checkpoint_every=1" in args
-    full, cut = kill_reference_run(shared_once, data_dir), tmp_path / "cut"
+def test_sigkill_and_resume_matches_uninterrupted(data_dir, tmp_path):
+    args = ["--config=configs/default.py:smoke", "--config.total_rl_steps=6", "--config.checkpoint_every=1"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    _run_subprocess(full, args, 1, data_dir=data_dir)
 
     proc = _run_subprocess(cut, args, 1, data_dir=data_dir, wait=False)
     ckpt = cut / "checkpoints" / "rl"

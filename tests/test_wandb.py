@@ -107,8 +107,8 @@ def test_config_validation():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tfds_dir):
-    return tfds_dir
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
 
 
 def test_smoke_training_run_writes_an_offline_wandb_run(data_dir, tmp_path):
@@ -117,7 +117,7 @@ def test_smoke_training_run_writes_an_offline_wandb_run(data_dir, tmp_path):
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.progress_bar = False
-    # The smoke run's two SFT and two RL steps: the programs of the session's other runs.
+    c.sft.steps, c.total_rl_steps = 1, 1
     c.wandb.enabled, c.wandb.mode = True, "offline"
     workdir = str(tmp_path / "run")
     train.run(c, workdir)
