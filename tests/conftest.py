@@ -16,11 +16,6 @@
   small programs and runs each a few times, so compile time is most of its time: on two
   cores tests/test_step.py's fast tests took 108 s at the default level and 72 s at 0,
   from an empty compilation cache. Only the tests are compiled this way.
-* A collective that waits 600 s for its devices' threads aborts the process (XLA's own
-  limit is shorter): with the trainer runs in the test processes, two xdist workers and
-  a two-process run share two cores, and a sharded program's threads can wait long for
-  a core without being deadlocked (a whole-suite run on 2026-11-29 lost a worker, cause
-  not seen; this is the suspected one). A real deadlock still fails, later.
 * One persistent XLA compilation cache for the session, its xdist workers and
   the trainer subprocesses they start: the trainer tests run the same programs
   (SFT step, sampler, log-prob pass) many times, and each is compiled once.
@@ -36,9 +31,6 @@
   arguments, for tests of what a stage script runs.
 * ``smoke_root``: a stability ``--root`` holding the smoke warm starts and data, trained
   once per test process (the stage tests after stages 1 and 2 start from it).
-* ``shared_once``: a directory built once per test session, whichever xdist worker asks
-  first (the others wait on a file lock and read it); ``tfds_dir`` is the one TFDS data
-  directory of the session (the generated tasks are prepared once, under their own lock).
 * The suite's budget: every worker sums JAX's compilations and their backend seconds; the
   controller prints the totals and, for a whole-suite run (no test selected by name, file,
   ``-k`` or ``-m``), fails the session when they or the session's seconds exceed
@@ -46,18 +38,13 @@
 """
 
 import collections
-import fcntl
 import json
 import os
-import shutil
 import tempfile
 import time
 
 # The session's XLA:CPU flags besides the device count (the docstring says why).
-CPU_FLAGS = (
-    "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_backend_optimization_level=0"
-    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
-)
+CPU_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false --xla_backend_optimization_level=0"
 
 
 def xla_flags(devices: int) -> str:
@@ -200,48 +187,6 @@ def pytest_terminal_summary(terminalreporter):
     )
     for line in _session.get("over", []):
         terminalreporter.write_line(f"OVER BUDGET: {line}", red=True)
-
-
-def _shared_root(tmp_path_factory) -> str:
-    """A folder of this test session seen by every xdist worker (the parent of the
-    workers' own temporary folders)."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return str(root / "shared")
-
-
-@pytest.fixture(scope="session")
-def shared_once(tmp_path_factory):
-    """``shared_once(name, build)``: the path of a directory ``build(path)`` filled, built
-    once per test session by whichever worker asks first; the others wait for it. A
-    failed build leaves nothing behind, and the next asker builds again."""
-    root = _shared_root(tmp_path_factory)
-    os.makedirs(root, exist_ok=True)
-
-    def once(name, build):
-        path = os.path.join(root, name)
-        with open(os.path.join(root, f".{name}.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not os.path.exists(os.path.join(path, ".built")):
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.makedirs(path)
-                    build(path)
-                    open(os.path.join(path, ".built"), "w").close()
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-        return path
-
-    return once
-
-
-@pytest.fixture(scope="session")
-def tfds_dir(tmp_path_factory):
-    """The session's one TFDS data directory: each generated task is prepared once, by
-    the first test that needs it, under gspo_jax.data.source's own lock."""
-    path = os.path.join(_shared_root(tmp_path_factory), "tfds")
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 @pytest.fixture
