@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import zlib
 from typing import Any
 
 import jax
@@ -154,6 +155,51 @@ def check_finite(tree: Any) -> str | None:
         if not ok:
             return jax.tree_util.keystr(path, simple=True, separator="/")
     return None
+
+
+# ---------------------------------------------------------------------------
+# What a resume rebuilds from a source that can change on disk.
+
+
+class SourceChanged(RuntimeError):
+    """Parameters a resumed run rebuilds from their source (the reference policy of a KL
+    term from the warm start's checkpoint or ``model.pretrained``; LoRA's frozen base)
+    differ from those its RL checkpoint was trained against."""
+
+
+@jax.jit
+def _leaf_sums(leaves):
+    """Per array: a sum over its bits, as uint32, weighted by position (mod 2^32: the
+    same on any mesh, as integer sums do not depend on their order)."""
+
+    def one(a):
+        if a.dtype == jnp.int4:  # a quantized base's int4 values: 1 byte each
+            a = a.astype(jnp.int8)
+        bits = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
+        u = bits.reshape(-1).astype(jnp.uint32)
+        w = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        return jnp.sum(u * w, dtype=jnp.uint32) ^ jnp.sum(u, dtype=jnp.uint32)
+
+    return [one(a) for a in leaves]
+
+
+def tree_checksum(tree: Any) -> str:
+    """A checksum of a tree of arrays: their bits, dtypes, shapes and paths (one device
+    round trip of a few bytes per array)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    sums = jax.device_get(_leaf_sums([a for _, a in flat]))
+    crc = 0
+    for (path, a), s in zip(flat, sums):
+        crc = zlib.crc32(
+            f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}:{int(s)};".encode(), crc
+        )
+    return f"{crc:08x}"
+
+
+def identity(source: str, tree: Any) -> dict[str, str]:
+    """What an RL checkpoint records of parameters rebuilt on resume: where they come
+    from (``source``, for the message) and `tree_checksum`."""
+    return {"source": source, "checksum": tree_checksum(tree)}
 
 
 # ---------------------------------------------------------------------------
@@ -294,7 +340,11 @@ class PhaseCheckpointer:
             return f"incomplete: no {' or '.join(d + '/' for d in missing)} directory"
         return None
 
-    def _restore_step(self, step: int, abstract: Any) -> tuple[Any, dict]:
+    def _restore_step(self, step: int, target: Any) -> tuple[Any, dict]:
+        if callable(target):  # the target depends on what this step recorded
+            meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            target = target(dict(meta["meta"]))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         out = self._mngr.restore(
             step,
             args=ocp.args.Composite(
@@ -304,7 +354,9 @@ class PhaseCheckpointer:
         return out["state"], dict(out["meta"])
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict, int]:
-        """Restore onto the shapes, dtypes and shardings of ``target_state``.
+        """Restore onto the shapes, dtypes and shardings of ``target_state``, or of
+        ``target_state(meta)`` when it is a function of the step's JSON record (a
+        tree whose shapes were the config's at that save, such as a queue of batches).
 
         Without ``step``, tries the checkpoints newest first and restores the
         first that is complete, matches its checksums, restores without error and
@@ -331,14 +383,13 @@ class PhaseCheckpointer:
             self._remove_empty_step_dirs()
         multihost.barrier(f"checkpoints/{self.phase}: empty directories removed")
         self._mngr.reload()  # see the directories as they are now
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         skipped: list[tuple[int, str]] = []
         first_error = None  # the newest restore failure, chained for its traceback
         for s in sorted(steps, reverse=True):
             why = self._problem(steps[s])
             if why is None:
                 try:
-                    state, meta = self._restore_step(s, abstract)
+                    state, meta = self._restore_step(s, target_state)
                 except Exception as e:  # any orbax/TensorStore failure: try the next one
                     why = f"restore failed: {_summary(e)}"
                     first_error = first_error or e

@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gspo_jax import checkpoint
 from gspo_jax.fields import err, setting
 from gspo_jax.models import lora, quantized
 from gspo_jax.models.hf_peft import load_peft, read_peft_config
@@ -215,49 +215,29 @@ def reference_pass(logp_pass):
     return ref_pass
 
 
-@jax.jit
-def _leaf_sums(leaves):
-    """Per array: sum over its bits, as uint32, weighted by position (mod 2^32)."""
-
-    def one(a):
-        if a.dtype == jnp.int4:  # a quantized base's int4 values: 1 byte each
-            a = a.astype(jnp.int8)
-        bits = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
-        u = bits.reshape(-1).astype(jnp.uint32)
-        w = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-        return jnp.sum(u * w, dtype=jnp.uint32) ^ jnp.sum(u, dtype=jnp.uint32)
-
-    return [one(a) for a in leaves]
-
-
 def checksum(frozen) -> str:
-    """A checksum of the frozen base's arrays (their bits, dtypes, shapes and paths)."""
-    flat = jax.tree_util.tree_flatten_with_path(frozen)[0]
-    sums = jax.device_get(_leaf_sums([a for _, a in flat]))
-    crc = 0
-    for (path, a), s in zip(flat, sums):
-        crc = zlib.crc32(
-            f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}:{int(s)};".encode(), crc
-        )
-    return f"{crc:08x}"
+    """A checksum of the frozen base's arrays (`gspo_jax.checkpoint.tree_checksum`)."""
+    return checkpoint.tree_checksum(frozen)
+
+
+def source(trainer) -> str:
+    """Where the policy RL starts from comes from: the warm start's last checkpoint, the
+    Hugging Face checkpoint, or the seed's initialisation."""
+    cfg = trainer.cfg
+    if cfg.sft.steps > 0:
+        return f"warm start checkpoint sft/{cfg.sft.steps}"
+    if trainer.c.model.pretrained:
+        return f"pretrained {trainer.c.model.pretrained}"
+    return f"initialised, seed {trainer.c.seed}"
 
 
 def identity(trainer, params, kind: str) -> dict:
-    """The identity of the base (the parameters ``kind`` freezes): its source (the warm
-    start's last checkpoint, the Hugging Face checkpoint, or the seed's initialisation)
-    and `checksum`."""
-    cfg = trainer.cfg
-    frozen = lora.partition(params, kind)[1]
-    if cfg.sft.steps > 0:
-        source = f"warm start checkpoint sft/{cfg.sft.steps}"
-    elif trainer.c.model.pretrained:
-        source = f"pretrained {trainer.c.model.pretrained}"
-    else:
-        source = f"initialised, seed {trainer.c.seed}"
-    return {"source": source, "checksum": checksum(frozen)}
+    """The identity of the base (the parameters ``kind`` freezes): its `source` and
+    `checksum`."""
+    return {"source": source(trainer), "checksum": checksum(lora.partition(params, kind)[1])}
 
 
-class BaseMismatch(RuntimeError):
+class BaseMismatch(checkpoint.SourceChanged):
     """A resumed LoRA run's base is not the one its checkpoint was trained on."""
 
 

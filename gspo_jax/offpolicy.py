@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.fields import err
+from gspo_jax.fields import ConfigError, err
 from gspo_jax.models.config import MESH_AXES
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES
@@ -279,22 +279,64 @@ def routing_record(cfg, model_cfg) -> str:
 
 def checkpoint_target(trainer, state):
     """The restore target of an RL checkpoint: the train state ``state`` alone, or with
-    ``rollout.staleness`` = k, ``{"train": state, "queue": [k batches]}`` (the tree
-    `gspo_jax.rl.RLPhase.checkpoint_items` saves)."""
+    ``rollout.staleness`` = k, a function of the checkpoint's record giving
+    ``{"train": state, "queue": [k batches]}`` (the tree
+    `gspo_jax.rl.RLPhase.checkpoint_items` saves), its batches shaped with the
+    ``rollout.max_prompt_len`` they were sampled with (a field a resume may change;
+    `fit_queue` brings them to this run's)."""
     cfg, mc = trainer.cfg, trainer.model_cfg
     if not cfg.rollout.staleness:
         return state
     record = routing_record(cfg, mc)
     route = (mc.num_moe_layers, mc.top_k) if record != "none" else None
-    template = batch_template(
-        rows=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        prompt_len=trainer.max_prompt_len,
-        resp_len=cfg.rollout.max_new_tokens,
-        route=route,
-        replay_r3=record == "all",
-        sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
-    )
-    return {"train": state, "queue": [template] * cfg.rollout.staleness}
+
+    def target(meta: dict[str, Any]):
+        saved = meta.get("config", {}).get("rollout", {}).get("max_prompt_len")
+        template = batch_template(
+            rows=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+            prompt_len=int(saved or trainer.max_prompt_len),
+            resp_len=cfg.rollout.max_new_tokens,
+            route=route,
+            replay_r3=record == "all",
+            sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+        )
+        return {"train": state, "queue": [template] * cfg.rollout.staleness}
+
+    return target
+
+
+PROMPT_AXIS = {"prompt_tokens": 1, "prompt_mask": 1, "replay_r3": 1}  # left-padded prompts
+PROMPT_PAD = {"prompt_mask": 0, "replay_r3": -1}  # prompt_tokens: the tokenizer's pad id
+
+
+def fit_queue(device: dict[str, jax.Array], prompt_len: int, pad_id: int) -> dict[str, jax.Array]:
+    """A queued batch sampled with another ``rollout.max_prompt_len``, with its
+    prompts left-padded to ``prompt_len`` as a batch sampled now would be (pad tokens,
+    mask 0, no routing at the pads). Raises a ConfigError when a queued prompt is
+    longer than ``prompt_len``."""
+    width = device["prompt_tokens"].shape[1]
+    if width == prompt_len:
+        return device
+    longest = int(jnp.max(jnp.sum(device["prompt_mask"], axis=1)))
+    if longest > prompt_len:
+        raise ConfigError(
+            f"config.rollout.max_prompt_len={prompt_len}: the checkpoint's queue "
+            f"(rollout.staleness) holds prompts of up to {longest} tokens, sampled with "
+            f"max_prompt_len={width}; resume with max_prompt_len >= {longest}"
+        )
+    out = dict(device)
+    for key, axis in PROMPT_AXIS.items():
+        if key not in device:
+            continue
+        x = device[key]
+        if prompt_len < width:  # the cut columns are pads in every row
+            x = jax.lax.slice_in_dim(x, width - prompt_len, x.shape[axis], axis=axis)
+        else:
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (prompt_len - width, 0)
+            x = jnp.pad(x, pad, constant_values=PROMPT_PAD.get(key, pad_id))
+        out[key] = jax.device_put(x, device[key].sharding)
+    return out
 
 
 def trust_region_inputs(trust_region: str, behaviour_logp, proximal_logp, mask, rc):

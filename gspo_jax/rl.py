@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
-from gspo_jax import lora_rl, offpolicy, passes, step
+from gspo_jax import checkpoint, lora_rl, offpolicy, passes, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
@@ -142,6 +143,33 @@ def rl_optimizer(cfg: RunConfig):
     )
 
 
+class ReferenceChanged(checkpoint.SourceChanged):
+    """A resumed run's reference policy is not the one its checkpoint trained against."""
+
+
+def check_reference(saved: dict | None, current: dict | None) -> None:
+    """Refuse a resume whose rebuilt pi_ref (``current``, `checkpoint.identity`) differs
+    from the one the RL checkpoint recorded (``saved``); a checkpoint from before the
+    record existed is resumed with a notice."""
+    if current is None:
+        return
+    if saved is None:
+        print(
+            "gspo_jax: the RL checkpoint records no checksum of the reference policy (saved "
+            f"before one was recorded): pi_ref, rebuilt from {current['source']!r}, is not "
+            "checked against the one it trained with",
+            file=sys.stderr,
+        )
+    elif saved["checksum"] != current["checksum"]:
+        raise ReferenceChanged(
+            f"the KL term's reference policy rebuilt from {current['source']!r} has checksum "
+            f"{current['checksum']}, but the RL checkpoint was trained against "
+            f"{saved['source']!r} with checksum {saved['checksum']}: its source changed "
+            "since (the warm start's checkpoint was replaced, or model.pretrained's files "
+            "changed in place); restore it to resume, or start a new run in another workdir"
+        )
+
+
 class RLPhase:
     """The RL phase of a run: its state, its compiled functions and one step
     (`RLPhase.step`). ``trainer``: the run's parts; ``params``: where RL starts (the
@@ -181,6 +209,10 @@ class RLPhase:
             self.ref_routers = lora_rl.routers(params) if trained_routers else None
         kl = trainer.kl_coef and not self.lora
         self.ref_params = inference_params(params, trainer.model_cfg) if kl else None
+        # What a checkpoint records of pi_ref, so that a resume, which rebuilds it from
+        # its source, trains against the same one (LoRA: the base's identity, self.base).
+        source = lora_rl.source(trainer)
+        self.reference = checkpoint.identity(source, self.ref_params) if kl else None
         self.state = trainer.new_state(params, self.optimizer, self.step_cfg.trainable)
         self.train_fn = trainer.jit_step(
             step.train_step,
@@ -436,6 +468,8 @@ class RLPhase:
         if self.lora:  # the trainable parameters, and the frozen base's identity
             state = lora_rl.saved_state(state, self.step_cfg.trainable)
             meta = {"lora_base": self.base}
+        if self.reference is not None:  # the KL term's pi_ref, in full fine-tuning
+            meta = {"reference": self.reference}
         if not self.cfg.rollout.staleness:
             return state, meta
         tree = {"train": state, "queue": [b.device for b in self.queue]}
@@ -452,6 +486,7 @@ class RLPhase:
         """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`); with
         LoRA onto the frozen base rebuilt from its source, checked against its checksum."""
         state = tree if not self.cfg.rollout.staleness else tree["train"]
+        check_reference(meta.get("reference"), self.reference)
         if self.lora:
             state = lora_rl.loaded_state(
                 state, meta, self.state, self.step_cfg.trainable, self.base
@@ -460,7 +495,9 @@ class RLPhase:
         if not self.cfg.rollout.staleness:
             return
         self.queue.clear()
+        pad_id = self.t.tokenizer.pad_id
         for device, record in zip(tree["queue"], meta["queue"]):
+            device = offpolicy.fit_queue(device, self.t.max_prompt_len, pad_id)
             self.queue.append(offpolicy.QueuedBatch.from_checkpoint(device, record))
         self.sampler_params = None
 

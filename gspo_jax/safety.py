@@ -90,7 +90,10 @@ def check_resume_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
     The saved config is ``config.json``; without it (checkpoints copied to another
     cluster, a run forked from them) the newest checkpoint's own record of its config
-    (`saved_checkpoint_config`)."""
+    (`saved_checkpoint_config`). A ``config.json`` that is not a run's config (a
+    Hugging Face checkpoint given as the workdir) is refused, as the run would replace
+    it."""
+    check_config_file_is_a_runs(workdir)
     if not has_checkpoints(workdir):
         return
     found = saved_config_differences(c, workdir)
@@ -147,6 +150,32 @@ def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:
         if isinstance(record, dict):
             return record, meta
     return None
+
+
+RUN_CONFIG_KEYS = ("objective", "rollout", "sft", "task")  # in every run's config.json
+
+
+def check_config_file_is_a_runs(workdir: str) -> None:
+    """A ConfigError when ``<workdir>/config.json`` exists and is not a run's config:
+    the run would overwrite another program's file (a Hugging Face checkpoint's)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        record = None
+    if isinstance(record, dict) and all(k in record for k in RUN_CONFIG_KEYS):
+        return
+    what = ""
+    if isinstance(record, dict) and "model_type" in record:
+        what = f" (model_type {record['model_type']!r}: a Hugging Face checkpoint?)"
+    raise ConfigError(
+        f"{path} is not a gspo_jax run's config{what}; a run in this workdir would "
+        "replace it. Use another --workdir (to start from that checkpoint, set "
+        "config.model.pretrained to its folder)"
+    )
 
 
 def save_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:

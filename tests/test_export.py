@@ -40,6 +40,7 @@ def _run(data_dir, workdir, arg):
         c.entropy_coef = 0.05
         c.updates.update_without_signal = True
         c.optimizer.warmup_steps = 0
+        c.lora.train_router = True  # the routers travel in the PEFT adapter too
     train.run(c, workdir)
     return c
 
@@ -93,7 +94,8 @@ def test_export_a_lora_run_as_peft_and_merged(lora_workdir, data_dir, tmp_path):
     cmd = [sys.executable, "-m", "gspo_jax.export", "--config=configs/default.py:lora,smoke",
            f"--workdir={workdir}", f"--out={peft_dir}", "--format=peft",
            f"--config.task.data_dir={data_dir}", "--config.entropy_coef=0.05",
-           "--config.updates.update_without_signal=True", "--config.optimizer.warmup_steps=0"]
+           "--config.updates.update_without_signal=True", "--config.optimizer.warmup_steps=0",
+           "--config.lora.train_router=True"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
@@ -101,6 +103,7 @@ def test_export_a_lora_run_as_peft_and_merged(lora_workdir, data_dir, tmp_path):
     conf = json.loads((peft_dir / "adapter_config.json").read_text())
     assert conf["r"] == 8 and conf["lora_alpha"] == 16.0
     assert conf["base_model_name_or_path"] is None  # the base is the warm start's result
+    assert conf["modules_to_save"] == ["mlp.gate"]  # lora.train_router: the trained routers
 
     base = export_run(c, workdir, str(tmp_path / "base"), format="base")
     merged = export_run(c, workdir, str(tmp_path / "merged"), format="merged")
@@ -162,6 +165,83 @@ def test_bad_input_is_refused_by_name(lora_workdir, full_workdir, data_dir, tmp_
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "FileNotFoundError: " in proc.stderr and "no RL or warm-start checkpoint" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_writes_only_into_a_folder_of_its_own(lora_workdir, data_dir, tmp_path):
+    """--out must be new, empty, or an earlier export of the same format (whose files
+    are replaced): not the run's workdir (its config.json), not a folder of other files,
+    not beside an export of another format (transformers with peft installed would
+    apply the adapters onto the merged weights)."""
+    workdir, c = lora_workdir
+    config_json = open(os.path.join(workdir, "config.json")).read()
+    listing = sorted(os.listdir(workdir))
+    # The command line, --out the workdir: exit status 1, one message, nothing written.
+    cmd = [sys.executable, "-m", "gspo_jax.export", "--config=configs/default.py:lora,smoke",
+           f"--workdir={workdir}", f"--out={workdir}", f"--config.task.data_dir={data_dir}",
+           "--config.entropy_coef=0.05", "--config.updates.update_without_signal=True",
+           "--config.optimizer.warmup_steps=0", "--config.lora.train_router=True"]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(1), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert f"--out={workdir} is the run's workdir" in proc.stderr, proc.stderr[-4000:]
+    assert open(os.path.join(workdir, "config.json")).read() == config_json
+    assert sorted(os.listdir(workdir)) == listing
+    for out in (os.path.dirname(workdir), os.path.join(workdir, "checkpoints")):
+        with pytest.raises(FileExistsError, match="(holds it|is not empty)"):
+            export_run(c, workdir, out)
+    # A merged export, then a PEFT one into the same folder: refused; merged again: replaced.
+    both = tmp_path / "both"
+    first = export_run(c, workdir, str(both))
+    with pytest.raises(FileExistsError, match=r"holds a --format=merged export; a --format=peft"):
+        export_run(c, workdir, str(both), format="peft")
+    assert not (both / "adapter_config.json").exists()
+    again = export_run(c, workdir, str(both), max_shard_size="20KB")  # now shards
+    assert not (both / "model.safetensors").exists() and "model.safetensors.index.json" in again["files"]
+    record = json.loads((both / "gspo_jax_export.json").read_text())
+    assert record["complete"] and record["format"] == "merged" and record["restored"] == first["restored"]
+    assert set(record["files"]) == set(os.listdir(both)) - {"gspo_jax_export.json"}
+    # A folder with other files in it.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"is not empty \(notes\.txt\) and no export of ours"):
+        export_run(c, workdir, str(other))
+    assert os.listdir(other) == ["notes.txt"]
+
+
+def test_trained_routers_travel_in_the_peft_adapter(tmp_path):
+    """With the routers trained (lora.train_router), the PEFT adapter holds them as
+    modules_to_save: PEFT on the untouched Hugging Face base is the trained model, which
+    it is not with the adapters alone; our import reads them back."""
+    from gspo_jax.models import export_peft, from_pretrained, load_peft
+    from gspo_jax.models.hf_peft import PeftLora
+    from test_evaluation import _tiny_hf_dir
+
+    hf = str(tmp_path / "hf")
+    _tiny_hf_dir(hf)
+    lora = PeftLora(8, 16.0, default_config.LORA["targets"])
+    model = from_pretrained(hf)
+    _add_adapters(model, lora.targets, lora.rank, alpha=lora.alpha)
+    rng = np.random.RandomState(0)
+    for seg in model.segments:  # routers moved by training
+        for blk in seg.blocks:
+            if blk.is_moe:
+                r = blk.mlp.router
+                r.set_value(r[...] + rng.normal(0, 0.5, r.shape).astype(np.float32))
+    tokens = _tokens(model)
+    ours = _ours(model, tokens)
+    routed, adapters_only = str(tmp_path / "routed"), str(tmp_path / "adapters_only")
+    export_peft(model, routed, lora, base_model_name_or_path=hf, routers=True)
+    export_peft(model, adapters_only, lora, base_model_name_or_path=hf)
+    assert json.loads(open(os.path.join(routed, "adapter_config.json")).read())["modules_to_save"] == ["mlp.gate"]
+    got = _torch_logits(peft.PeftModel.from_pretrained(_hf(hf), routed).eval(), tokens)
+    np.testing.assert_allclose(got, ours, atol=1e-4)
+    without = _torch_logits(peft.PeftModel.from_pretrained(_hf(hf), adapters_only).eval(), tokens)
+    assert float(np.max(np.abs(without - ours))) > 1e-2
+    back = from_pretrained(hf)
+    _add_adapters(back, lora.targets, lora.rank, alpha=lora.alpha, zero=True)
+    load_peft(routed, back)
+    np.testing.assert_allclose(_ours(back, tokens), ours, atol=1e-5)
 
 
 def test_rl_starts_from_a_peft_adapter_on_a_hugging_face_base(data_dir, tmp_path):

@@ -266,6 +266,15 @@ def test_a_run_stopped_mid_queue_resumes_to_the_uninterrupted_run(data_dir, tmp_
     _assert_same_records(_records(full), _records(cut))
     _assert_same_records(_records(full, "updates.jsonl"), _records(cut, "updates.jsonl"))
 
+    # rollout.max_prompt_len may change on resume (the remedy for a prompt too long for
+    # it): the queued batches, sampled at the old length, are re-padded to the new one.
+    longer = c.rollout.max_prompt_len + 16
+    c.rollout.max_prompt_len, c.total_rl_steps = longer, 6
+    train.run(c, cut)
+    assert [r["step"] for r in _records(cut) if r["phase"] == "rl"][-1] == 6
+    meta = json.load(open(os.path.join(cut, "checkpoints", "rl", "6", "meta", "metadata")))
+    assert meta["config"]["rollout"]["max_prompt_len"] == longer
+
 
 # --------------------------------------------------------------------------
 # The sampler on devices of its own, overlapped with training.
@@ -394,12 +403,35 @@ def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tm
     trainer = Trainer(c, str(tmp_path))
     rl = RLPhase(trainer, trainer.init_params)
     queued = rl.collect_batch(0, version=0)
-    template = rl.checkpoint_target()["queue"][0]
+    template = rl.checkpoint_target()({})["queue"][0]
     assert sorted(template) == sorted(queued.device)
     for key, spec in template.items():
         x = queued.device[key]
         assert (x.shape, x.dtype) == (spec.shape, spec.dtype), key
         assert x.sharding.is_equivalent_to(spec.sharding, x.ndim), key
+
+    # A checkpoint saved with another rollout.max_prompt_len restores at that length
+    # (its record says which), and `fit_queue` re-pads it as a batch sampled now.
+    width, pad_id = c.rollout.max_prompt_len, trainer.tokenizer.pad_id
+    saved = {"config": {"rollout": {"max_prompt_len": width + 5}}}
+    assert rl.checkpoint_target()(saved)["queue"][0]["prompt_tokens"].shape[1] == width + 5
+    grown = offpolicy.fit_queue(queued.device, width + 5, pad_id)
+    got, want = jax.device_get(grown), jax.device_get(queued.device)
+    for key, x in got.items():
+        if key in offpolicy.PROMPT_AXIS:  # five pad columns on the left, the rest as sampled
+            assert x.shape[1] == want[key].shape[1] + 5, key
+            np.testing.assert_array_equal(x[:, 5:], want[key])
+            np.testing.assert_array_equal(x[:, :5], offpolicy.PROMPT_PAD.get(key, pad_id))
+        else:
+            np.testing.assert_array_equal(x, want[key])
+        assert grown[key].sharding.is_equivalent_to(queued.device[key].sharding, x.ndim), key
+    back = jax.device_get(offpolicy.fit_queue(grown, width, pad_id))
+    for key in want:
+        np.testing.assert_array_equal(back[key], want[key])
+    longest = int(want["prompt_mask"].sum(1).max())
+    with pytest.raises(config_lib.ConfigError, match=rf"config\.rollout\.max_prompt_len={longest - 1}: "
+                       rf".*prompts of up to {longest} tokens"):
+        offpolicy.fit_queue(queued.device, longest - 1, pad_id)
 
 
 def test_the_seeded_report_applies_the_rule_written_before_the_runs(tmp_path):

@@ -172,31 +172,78 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(data_dir, tmp_path):
 # Deleted warm-start checkpoints, non-finite parameters.
 
 
+def test_a_folder_whose_config_json_is_not_a_runs_is_refused(data_dir, tmp_path):
+    """A Hugging Face checkpoint given as --workdir: its config.json would be replaced
+    by the run's. Refused before anything is written."""
+    from gspo_jax import train
+
+    hf = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(config_lib.ConfigError, match=r"config\.json is not a gspo_jax run's config "
+                       r"\(model_type 'qwen3_moe': a Hugging Face checkpoint\?\)"):
+        train.run(_smoke(data_dir), str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text()) == hf
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
 def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path):
     """RL has begun; the warm start's checkpoints are deleted. Without a KL term RL
     resumes from its own checkpoint and the warm start is not repeated (its records
-    appear once); with one, the run stops and names the checkpoint it needs."""
+    appear once); with one, the run stops and names the checkpoint it needs. Replaced by
+    another warm start's (another seed), they are refused by the checksum of pi_ref the
+    RL checkpoint recorded."""
     import shutil
 
-    from gspo_jax import train
+    from gspo_jax import rl, train
 
-    c = _smoke(data_dir, **{"total_rl_steps": 1, "progress_bar": False})
-    train.run(c, str(tmp_path))
-    shutil.rmtree(tmp_path / "checkpoints" / "sft")
-    c = _smoke(data_dir, **{"total_rl_steps": 2, "progress_bar": False})
-    train.run(c, str(tmp_path))
-    recs = read_metrics(str(tmp_path))
+    c = _smoke(data_dir, **{"total_rl_steps": 1, "progress_bar": False, "seed": 1})
+    train.run(c, str(tmp_path / "a"))
+    other_sft = tmp_path / "other_sft"  # a warm start of another seed
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "sft", other_sft)
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "sft")
+    c = _smoke(data_dir, **{"total_rl_steps": 2, "progress_bar": False, "seed": 1})
+    train.run(c, str(tmp_path / "a"))
+    recs = read_metrics(str(tmp_path / "a"))
     assert [r["step"] for r in recs if r["phase"] == "sft"] == [1, 2]
     assert [r["step"] for r in recs if r["phase"] == "rl"] == [0, 1, 2]
-    assert not (tmp_path / "checkpoints" / "sft").exists() or not os.listdir(tmp_path / "checkpoints" / "sft")
+    sft_dir = tmp_path / "a" / "checkpoints" / "sft"
+    assert not sft_dir.exists() or not os.listdir(sft_dir)
 
     g = tmp_path / "grpo"
     c = _smoke(data_dir, "grpo", **{"total_rl_steps": 1, "progress_bar": False})  # KL to pi_ref on
     train.run(c, str(g))
-    shutil.rmtree(g / "checkpoints" / "sft")
+    meta = json.loads((g / "checkpoints" / "rl" / "1" / "meta" / "metadata").read_text())
+    assert meta["reference"]["source"] == "warm start checkpoint sft/2"
+    # The warm start's checkpoints replaced by another's: refused, nothing written.
+    own = tmp_path / "own_sft"
+    shutil.move(g / "checkpoints" / "sft", own)
+    shutil.copytree(other_sft, g / "checkpoints" / "sft")
+    before = (g / "metrics.jsonl").read_text()
     c = _smoke(data_dir, "grpo", **{"total_rl_steps": 2, "progress_bar": False})
+    with pytest.raises(rl.ReferenceChanged, match=r"reference policy rebuilt from 'warm start "
+                       r"checkpoint sft/2' has checksum [0-9a-f]{8}, but .* checksum "
+                       + meta["reference"]["checksum"]):
+        train.run(c, str(g))
+    assert (g / "metrics.jsonl").read_text() == before
+    assert sorted(os.listdir(g / "checkpoints" / "rl")) == ["1"]
+    # Deleted: the run names the checkpoint it needs.
+    shutil.rmtree(g / "checkpoints" / "sft")
     with pytest.raises(FileNotFoundError, match=r"reference policy.*Restore that checkpoint"):
         train.run(c, str(g))
+
+
+def test_a_checkpoint_without_a_reference_record_is_resumed_with_a_notice(capsys):
+    from gspo_jax import rl
+
+    current = {"source": "pretrained /models/x", "checksum": "0badf00d"}
+    rl.check_reference(None, None)  # no KL term: nothing to check
+    rl.check_reference(dict(current), current)
+    assert capsys.readouterr().err == ""
+    rl.check_reference(None, current)  # saved before the record existed
+    assert "records no checksum of the reference policy" in capsys.readouterr().err
+    with pytest.raises(rl.ReferenceChanged, match=r"model\.pretrained's files changed"):
+        rl.check_reference({"source": "pretrained /models/x", "checksum": "12345678"}, current)
 
 
 def test_non_finite_parameters_stop_the_run():

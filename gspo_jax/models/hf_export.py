@@ -27,6 +27,7 @@ from gspo_jax.models.hf_peft import (
     ADAPTER_CONFIG,
     EXPERT_TARGETS,
     PREFIX,
+    ROUTER,
     TARGETS,
     adapter_config,
     block_adapters,
@@ -221,6 +222,7 @@ def export_peft(
     *,
     dtype: str = "float32",
     base_model_name_or_path: Optional[str] = None,
+    routers: bool = False,
 ) -> list[str]:
     """Write the model's LoRA adapters in PEFT's format: ``adapter_model.safetensors``
     and ``adapter_config.json`` (layout in `hf_peft`), for ``peft.PeftModel.
@@ -232,7 +234,10 @@ def export_peft(
     converts to transformers >= 5's fused expert parameters. Raises ValueError for
     what PEFT cannot express (`hf_peft.check_exportable`). Streams like
     `export_pretrained` (one layer of one adapter gathered at a time; collective
-    with several processes, process 0 writes). Returns the weight file's name.
+    with several processes, process 0 writes). ``routers``: the MoE layers' routers
+    too (trained with the adapters, ``lora.train_router``), as PEFT's
+    ``modules_to_save`` (``mlp.gate``, which replaces the base's router). Returns the
+    weight file's name.
     """
     targets = check_exportable(model, lora)
     dt = np.dtype(jnp.dtype(dtype))
@@ -254,5 +259,13 @@ def export_peft(
 
                 entries.append((f"{name}.lora_A.weight", (rank, din), lambda p=pair: p()[0]))
                 entries.append((f"{name}.lora_B.weight", (dout, rank), lambda p=pair: p()[1]))
-    config = adapter_config(lora, targets, base_model_name_or_path)
+    saved = []
+    if routers:  # [D, E] per layer -> PEFT's copy of HF's mlp.gate.weight [E, D]
+        for i, (blk, r) in enumerate(layer_slots(model)):
+            if blk.is_moe:
+                p = blk.mlp.router
+                shape = (p.shape[-1], p.shape[-2])
+                entries.append((f"{PREFIX}{i}.{ROUTER}.weight", shape, lambda p=p, r=r: fa(p, r).T))
+                saved = [ROUTER]
+    config = adapter_config(lora, targets, base_model_name_or_path, modules_to_save=saved)
     return _write(path, entries, dt, 2**62, "adapter_model", ADAPTER_CONFIG, config)

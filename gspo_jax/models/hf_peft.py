@@ -51,6 +51,7 @@ ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "base_model.model.model.layers."
 LORA_AB = ("lora_A", "lora_B")
+ROUTER = "mlp.gate"  # an MoE layer's router in HF's layout; PEFT's modules_to_save name
 
 # target -> (module in the block, weight, HF module; {e} is the expert)
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -142,8 +143,11 @@ def check_exportable(model: Transformer, lora) -> tuple[str, ...]:
     return targets
 
 
-def adapter_config(lora, targets, base_model_name_or_path: Optional[str]) -> dict:
-    """adapter_config.json for ``targets`` (what peft's LoraConfig and vLLM read)."""
+def adapter_config(
+    lora, targets, base_model_name_or_path: Optional[str], modules_to_save=()
+) -> dict:
+    """adapter_config.json for ``targets`` (what peft's LoraConfig and vLLM read), and
+    whole modules the adapter replaces (``modules_to_save``: `ROUTER`)."""
     modules = sorted({TARGETS[t][2].rsplit(".", 1)[-1] for t in targets})
     return {
         "peft_type": "LORA",
@@ -159,7 +163,7 @@ def adapter_config(lora, targets, base_model_name_or_path: Optional[str]) -> dic
         "init_lora_weights": True,
         "use_rslora": False,
         "use_dora": False,
-        "modules_to_save": None,
+        "modules_to_save": list(modules_to_save) or None,
         "rank_pattern": {},
         "alpha_pattern": {},
         "layers_to_transform": None,
@@ -217,11 +221,25 @@ def read_peft(path: str, cfg: ModelConfig):
     conf, infos = _read(path)
     roles = _fused_roles(conf)
     files: dict[tuple[int, str], dict[str, str]] = {}
-    for name in infos:
-        parsed = _parse(name)
-        if parsed is None:
-            raise ValueError(f"{path}: tensor {name!r} is not a layer's LoRA tensor")
-        files.setdefault(parsed[:2], {})[parsed[2]] = name
+    routers: dict[int, np.ndarray] = {}  # modules_to_save: layer -> router [D, E]
+    with TensorReader() as reader:
+        for name in infos:
+            parsed = _parse(name)
+            layer = _router_layer(name) if conf.get("modules_to_save") else None
+            if layer is not None:
+                w = np.asarray(reader.array(infos[name]), np.float32)
+                want = (cfg.num_experts, cfg.d_model)
+                if layer >= cfg.num_layers or w.shape != want:
+                    raise ValueError(
+                        f"{path}: {name}: a router of shape {w.shape} for layer {layer}; "
+                        f"the base's MoE layers have routers of shape {want} "
+                        f"(HF's [experts, d_model]) and there are {cfg.num_layers} layers"
+                    )
+                routers[layer] = w.T
+                continue
+            if parsed is None:
+                raise ValueError(f"{path}: tensor {name!r} is not a layer's LoRA tensor")
+            files.setdefault(parsed[:2], {})[parsed[2]] = name
     pieces: dict[tuple[int, str], tuple] = {}  # (layer, target) -> (A, B, scaling)
     with TensorReader() as reader:
         for (layer, module), names in sorted(files.items()):
@@ -244,7 +262,15 @@ def read_peft(path: str, cfg: ModelConfig):
         b = np.concatenate([b, np.zeros(b.shape[:rb] + (pad,) + b.shape[rb + 1 :], np.float32)], rb)
         out[key] = (a, b)
     targets = tuple(t for t in TARGETS if any(k[1] == t for k in out))
+    for layer, w in routers.items():
+        out[(layer, "router")] = w
     return PeftLora(rank, scaling * rank, targets), out
+
+
+def _router_layer(name: str) -> int | None:
+    """The layer of a router saved whole (modules_to_save, `ROUTER`), or None."""
+    hit = re.fullmatch(re.escape(PREFIX) + r"(\d+)\." + re.escape(ROUTER) + r"\.weight", name)
+    return int(hit.group(1)) if hit else None
 
 
 def _read(path: str):
@@ -265,9 +291,15 @@ def _read(path: str):
         raise ValueError(f"{cfg_file}: r={r!r} is not a positive integer")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{cfg_file}: lora_alpha={alpha!r} is not a number")
-    for key in ("use_dora", "lora_bias", "modules_to_save", "fan_in_fan_out"):
+    for key in ("use_dora", "lora_bias", "fan_in_fan_out"):
         if cfg.get(key):
             raise ValueError(f"{cfg_file}: {key}={cfg[key]!r} is not supported")
+    saved = cfg.get("modules_to_save") or []
+    if not isinstance(saved, list) or any(m not in (ROUTER, "gate") for m in saved):
+        raise ValueError(
+            f"{cfg_file}: modules_to_save={saved!r} is not supported (only the MoE routers, "
+            f"{ROUTER!r})"
+        )
     if cfg.get("bias", "none") not in (None, "none"):
         raise ValueError(f"{cfg_file}: bias={cfg['bias']!r} is not supported")
     for key in ("rank_pattern", "alpha_pattern"):
@@ -407,6 +439,16 @@ def load_peft(path: str, model: Transformer) -> PeftLora:
                         f"model's {values[id(p)][1][r].shape} (rank {lora.rank}?)"
                     )
                 values[id(p)][1][r] = v
+    for i, (blk, r) in enumerate(layer_slots(model)):  # routers saved whole
+        got = pieces.get((i, "router"))
+        if got is None:
+            continue
+        if not blk.is_moe:
+            raise ValueError(f"{path}: a router for layer {i}, which is not an MoE layer")
+        p = blk.mlp.router
+        values.setdefault(id(p), (p, np.array(jax.device_get(p[...]), np.float32)))
+        values[id(p)][1][r] = got
+        used.add((i, "router"))
     unused = sorted(set(pieces) - used)
     if unused:
         raise ValueError(f"{path}: adapters for weights the model does not adapt: {unused[:4]}")
