@@ -152,6 +152,22 @@ def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:
     return None
 
 
+def check_sources(meta: Mapping[str, Any], current: Mapping[str, str], where: str) -> None:
+    """Refuse a checkpoint (its JSON record ``meta``, at ``where``) trained with inputs
+    from outside the workdir that have changed on disk since (`Trainer.sources`: the
+    tokenizer); a checkpoint that predates the record is not checked."""
+    from gspo_jax.checkpoint import SourceChanged
+
+    saved = meta.get("tokenizer")
+    if saved is not None and saved != current["tokenizer"]:
+        raise SourceChanged(
+            f"{where}: config.tokenizer encodes text differently from the tokenizer this "
+            f"checkpoint was trained with (fingerprint {saved}, now {current['tokenizer']}): "
+            "its files (vocabulary, merges, chat template) changed since. Restore them to "
+            "resume, or start a new run in another workdir"
+        )
+
+
 RUN_CONFIG_KEYS = ("objective", "rollout", "sft", "task")  # in every run's config.json
 
 

@@ -78,7 +78,8 @@ def restore_state(t: Trainer):
     state = t.new_state(t.init_params, optimizer, lora_rl.trainable(cfg.lora, "sft"))
     start = 0
     if ckpt.latest_step() is not None:
-        state, _, start = ckpt.restore(state)
+        state, meta, start = ckpt.restore(state)
+        safety.check_sources(meta, t.sources(), f"{ckpt.directory}/{start}")
     return ckpt, optimizer, sched, state, start
 
 
@@ -131,7 +132,7 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
                 bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
             bar.update(1)
             stop = guard is not None and guard.requested
-            meta = {"phase": "sft", "step": i + 1, "config": safety.config_record(c)}
+            meta = {"phase": "sft", "step": i + 1, "config": safety.config_record(c), **t.sources()}
             ckpt.save(i + 1, state, meta, force=(i + 1 == steps) or stop)
             if stop:
                 ckpt.close()

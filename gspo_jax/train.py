@@ -122,6 +122,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         rl_start = 0
         if resuming_rl:  # the newest checkpoint that restores (checkpoint.PhaseCheckpointer)
             tree, meta, rl_start = rl_ckpt.restore(rl.checkpoint_target())
+            safety.check_sources(meta, trainer.sources(), f"{rl_ckpt.directory}/{rl_start}")
             rl.load_checkpoint(tree, meta)
         if writer is None:  # RL resumes at rl_start, or starts afresh (-1: no RL line kept)
             writer = open_log("rl", rl_start if resuming_rl else -1)
@@ -158,7 +159,8 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
             )
             bar.update(1)
             tree, queue_meta = rl.checkpoint_items()  # the state, and the queue with staleness
-            meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c), **queue_meta}
+            meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c)}
+            meta.update(trainer.sources(), **queue_meta)
             stop = guard.requested
             rl_ckpt.save(s + 1, tree, meta, force=(s + 1 == steps) or stop)
             if stop:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 
 import jax
@@ -195,6 +196,16 @@ class Trainer:
         return jax.device_put(x, self._batch_sharding(x))
 
     # ---- sampling and scoring (the RL step and evaluation) -----------------
+
+    def sources(self) -> dict[str, str]:
+        """What each checkpoint records of the run's inputs that live outside the
+        workdir and could change on disk under it (`safety.check_sources`): the
+        tokenizer's fingerprint (its ids, chat template, BOS), hashed once."""
+        return {"tokenizer": self._tokenizer_hash}
+
+    @functools.cached_property
+    def _tokenizer_hash(self) -> str:
+        return hashlib.sha256(self.tokenizer.fingerprint().encode()).hexdigest()[:16]
 
     def fit_prompts(self, prompts, where: str = "a prompt") -> tuple[list[list[int]], int]:
         """`fit_prompts` with this run's ``rollout.max_prompt_len`` and ``long_prompts``."""

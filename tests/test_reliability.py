@@ -227,6 +227,23 @@ def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path):
         train.run(c, str(g))
     assert (g / "metrics.jsonl").read_text() == before
     assert sorted(os.listdir(g / "checkpoints" / "rl")) == ["1"]
+    # The warm start back, but a tokenizer that encodes otherwise (its files edited in
+    # place): each checkpoint records the tokenizer's fingerprint, and it is refused.
+    from gspo_jax.checkpoint import SourceChanged
+    from gspo_jax.trainer import Trainer
+
+    shutil.rmtree(g / "checkpoints" / "sft")
+    shutil.move(own, g / "checkpoints" / "sft")
+    assert len(meta["tokenizer"]) == 16
+    sources = Trainer.sources
+    try:
+        Trainer.sources = lambda self: {"tokenizer": "0123456789abcdef"}
+        with pytest.raises(SourceChanged, match=r"checkpoints/sft/2: config\.tokenizer encodes text "
+                           rf"differently .*fingerprint {meta['tokenizer']}, now 0123456789abcdef"):
+            train.run(c, str(g))
+    finally:
+        Trainer.sources = sources
+    assert (g / "metrics.jsonl").read_text() == before
     # Deleted: the run names the checkpoint it needs.
     shutil.rmtree(g / "checkpoints" / "sft")
     with pytest.raises(FileNotFoundError, match=r"reference policy.*Restore that checkpoint"):
