@@ -486,10 +486,24 @@ def normalize_text(s: str) -> str:
 
 _TEX_FRAC_RE = re.compile(r"\\[dt]?frac(?![a-zA-Z])")
 _TEX_SIZING_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)(?![a-zA-Z])")
-_TEX_SPACES = ("\\!", "\\,", "\\;", "\\:", "\\ ", "~")
+# TeX's spacing: named spaces as the symbols they are (\thinspace is \,), then every
+# positive space as whitespace; \! (a negative thin space) closes a gap, opens none.
+_TEX_SPACE_WORD_RE = re.compile(
+    r"\\(thinspace|negthinspace|quad|qquad|enspace|medspace|thickspace)(?![a-zA-Z])\s*"
+)
+_TEX_SPACE_WORDS = {"thinspace": "\\,", "negthinspace": "\\!"}
+_TEX_SPACE_RE = re.compile(r"\\[,;:> \t\n]|~")
 _SIMPLE_PARENS_RE = re.compile(r"(?<![\w)\]}])\((-?[\w.]+)\)(?![\w(\[{])")
-# TeX's own thousands separators (1{,}000, 10,\!000): always inside one number.
-_TEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!)(?=\d{3}(?!\d))")
+# TeX's own thousands separators (1{,}000, 10,\!000, 1\,000; a space after one is
+# not typeset): always inside one number.
+_TEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,)[ \t]*(?=\d{3}(?!\d))")
+# \frac's one-character arguments, apart: "\frac 1 2" is \frac{1}{2} (TeX skips the
+# spaces), not \frac of 12.
+_TEX_FRAC_SPACED_RE = re.compile(r"(\\[dt]?frac)\s*(\w)\s+(?=\w)")
+# Either side of whitespace, a number's end ("1", "1.") and a number's start ("2",
+# ".5"): the whitespace keeps them two numbers.
+_NUMBER_END_RE = re.compile(r"[0-9]\.?$")
+_NUMBER_START_RE = re.compile(r"\.?[0-9]")
 # A whole answer that is one number with its thousands in groups of three (an
 # assignment's name may precede it): its commas are separators, not a list.
 _ONE_GROUPED_NUMBER_RE = re.compile(
@@ -538,31 +552,47 @@ def _unfrac(s: str) -> str:
         i = den[1]
 
 
+def _without_spaces(s: str) -> str:
+    """``s`` without its whitespace, except one space wherever whitespace keeps two
+    numbers apart (``1 2``, ``1 .5``): removing it would make them one (12, 1.5)."""
+    out, last = [], ""
+    for part in s.split():
+        if _NUMBER_END_RE.search(last) and _NUMBER_START_RE.match(part):
+            out.append(" ")
+        out.append(part)
+        last = part
+    return "".join(out)
+
+
 def normalize_math(s: str) -> str:
     r"""``boxed_math``'s normal form of an answer: surrounding ``$``/``\(\)``/``\[\]``
-    dropped, ``\text{x}`` as ``x``, ``\left``/``\right`` and ``\!`` ``\,`` spacing
-    dropped, ``$`` and ``\$`` dropped, all whitespace removed, ``\dfrac``/``\tfrac``
-    as ``\frac`` and ``\frac{a}{b}`` as ``a/b``, a trailing ``.0``, a final period, a
-    ``%`` after a number and degrees (``^\circ``) dropped, ``.5`` as ``0.5``, ``x^{2}``
-    as ``x^2``, parentheses around one plain atom dropped.
+    dropped, ``\text{x}`` as ``x``, ``\left``/``\right`` dropped, ``$`` and ``\$``
+    dropped, whitespace and TeX spacing (``~``, ``\ ``, ``\,``, ``\;``, ``\:``,
+    ``\>``, ``\quad``, ``\qquad``, ...) removed, ``\dfrac``/``\tfrac`` as ``\frac``
+    and ``\frac{a}{b}`` (``\frac 1 2``) as ``a/b``, a trailing ``.0``, a final period,
+    a ``%`` after a number and degrees (``^\circ``) dropped, ``.5`` as ``0.5``,
+    ``x^{2}`` as ``x^2``, parentheses around one plain atom dropped.
 
-    Thousands separators are removed only inside one number: ``{,}`` and ``,\!``
-    always (TeX's own); a plain comma only when the whole answer is one number in
-    groups of three with no space after a comma (``1,234``, ``x = 1,234,567``). Every
-    other comma separates the elements of a list: ``1, 234``, ``(1,234)``,
-    ``[1, 234]`` and ``3,4`` are pairs (:func:`gspo_jax.verifiers.verify_boxed_math`
-    compares them element by element)."""
+    Spacing never joins two numbers (``1 2``, ``2~3``, ``3\ 4``, ``1\quad 2``, ``1 .5``
+    keep one space); ``\!`` (a negative space) is dropped: ``1\!000`` is 1000.
+
+    Thousands separators are removed only inside one number: ``{,}``, ``,\!`` and a
+    thin space ``\,`` before three digits always (TeX's: ``1{,}234``, ``10,\!000``,
+    ``1\,234``; ``1\,2``, ``1 234``, ``1~234`` are two numbers); a plain comma only
+    when the whole answer is one number in groups of three with no space after a comma
+    (``1,234``, ``x = 1,234,567``). Every other comma separates list elements: ``1, 234``,
+    ``(1,234)``, ``[1, 234]`` and ``3,4`` are pairs (`gspo_jax.verifiers.verify_boxed_math`)."""
     s = s.strip()
     for open_, close in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         while len(s) >= len(open_) + len(close) and s.startswith(open_) and s.endswith(close):
             s = s[len(open_) : len(s) - len(close)].strip()
     s = _TEX_TEXT_RE.sub(r"\1", s)
-    s = _TEX_SIZING_RE.sub("", _TEX_THOUSANDS_RE.sub("", s))
-    for space in _TEX_SPACES:
-        s = s.replace(space, " ")
+    s = _TEX_SPACE_WORD_RE.sub(lambda m: _TEX_SPACE_WORDS.get(m.group(1), " "), s)
+    s = _TEX_SIZING_RE.sub("", _TEX_THOUSANDS_RE.sub("", s)).replace("\\!", "")
+    s = _TEX_SPACE_RE.sub(" ", s)
     spaced_list = re.search(r",\s", s) is not None
-    s = "".join(s.split()).replace("{,}", ",").replace("\\%", "%")
-    s = s.replace("\\$", "").replace("$", "")
+    s = s.replace("{,}", ",").replace("\\%", "%").replace("\\$", "").replace("$", "")
+    s = _without_spaces(_TEX_FRAC_SPACED_RE.sub(r"\1{\2}", s))
     if not spaced_list and _ONE_GROUPED_NUMBER_RE.fullmatch(s):
         s = s.replace(",", "")
     for degrees in _DEGREES:

@@ -20,6 +20,16 @@ releasing it (one long C routine) stalls the training thread too; only a separat
 process could bound that, at the price of a plug-in's module state (caches, counters)
 and of sending every response across, so plug-ins share the trainer's process.
 
+A plug-in that would end or interrupt the process (``sys.exit()``: SystemExit; a
+KeyboardInterrupt or GeneratorExit it raises: any exception that is no ``Exception``)
+stops the run at once, whatever the policy below: `RewardFnError` naming the function,
+the response and what it raised (a ``sys.exit(0)`` would otherwise end the trainer with
+status 0). A KeyboardInterrupt is passed on unchanged only where it may be the user's
+Ctrl-C: raised in the main thread while SIGINT's handler is Python's own (the trainer
+installs its own, `gspo_jax.safety.GracefulShutdown`, under which SIGINT raises
+nothing, and no signal is raised in the worker thread). A module that ends the process
+when imported is a load error (`load_reward_fn`).
+
 Failures (``config.task.reward_fn_all_failed``) are summarised once per batch scored (a
 step's sampling round, an evaluation batch): one warning with the count, the first
 failure's type, message and response, and its traceback only the first time. A batch
@@ -37,6 +47,7 @@ import dataclasses
 import importlib
 import logging
 import queue
+import signal
 import threading
 from typing import Any, Mapping
 
@@ -52,7 +63,36 @@ MAX_LATE_CALLS = 4  # late calls still running at once that stop the run
 
 
 class RewardFnError(RuntimeError):
-    """A plug-in reward failed on every response of a batch, or keeps hanging."""
+    """A plug-in reward failed on every response of a batch, keeps hanging, or would
+    end the process."""
+
+
+def _may_be_ctrl_c(e: BaseException) -> bool:
+    """Whether ``e``, raised in this thread while a plug-in ran here, may be the user's
+    Ctrl-C rather than the plug-in's own: a KeyboardInterrupt in the main thread while
+    SIGINT's handler is Python's, which raises it."""
+    return (
+        isinstance(e, KeyboardInterrupt)
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+
+
+def _raised(e: BaseException) -> str:
+    """What a plug-in raised, as ``SystemExit(0)``, ``KeyboardInterrupt``,
+    ``ValueError: message``."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r})"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class _Ended(Exception):
+    """A plug-in raised ``error``, an exception that is no ``Exception`` (SystemExit,
+    KeyboardInterrupt, GeneratorExit, ...) and not the user's Ctrl-C."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(_raised(error))
+        self.error = error
 
 
 def is_reward_fn(verifier: str) -> bool:
@@ -74,8 +114,9 @@ def load_reward_fn(spec: str):
     """The function ``module:function`` names (imported once, then cached).
 
     Raises:
-      ValueError: if ``spec`` is malformed, the module cannot be imported, or the
-        attribute is missing or not callable.
+      ValueError: if ``spec`` is malformed, the module cannot be imported (or ends
+        the process when imported: SystemExit), or the attribute is missing or not
+        callable.
     """
     if spec in _REWARD_FNS:
         return _REWARD_FNS[spec]
@@ -86,6 +127,14 @@ def load_reward_fn(spec: str):
         mod = importlib.import_module(module)
     except Exception as e:
         raise ValueError(f"cannot import module {module!r} of {spec!r}: {e}") from None
+    except BaseException as e:  # sys.exit() at import (a script's argument parser)
+        if _may_be_ctrl_c(e):
+            raise
+        raise ValueError(
+            f"cannot import module {module!r} of {spec!r}: it raised {_raised(e)} when "
+            "imported (it would end the process); import nothing that exits or parses "
+            "the command line at the module's top level"
+        ) from None
     fn = mod
     for part in name.split("."):
         fn = getattr(fn, part, None)
@@ -187,7 +236,8 @@ class RewardFnCalls:
         and REWARD_FN_ERROR or REWARD_FN_TIMEOUT, recorded for `end_batch`.
 
         Raises:
-          RewardFnError: when `MAX_LATE_CALLS` timed-out calls are still running.
+          RewardFnError: when `MAX_LATE_CALLS` timed-out calls are still running, or
+            the plug-in raised an exception that is no ``Exception`` (``sys.exit()``).
         """
         formatted = extract_answer(text) is not None
         self._calls += 1
@@ -198,6 +248,12 @@ class RewardFnCalls:
             self._failures.append(_Failure(spec, response, text, None))
             self._check_late(spec, response)
             return Verdict(False, formatted, Status.REWARD_FN_TIMEOUT, 0.0)
+        except _Ended as e:
+            raise RewardFnError(
+                f"plug-in reward {spec} raised {_raised(e.error)} on response {response} "
+                f"({text[:60]!r}), which would end the trainer unannounced; a reward "
+                "function must return a number, so the run stops here. Fix the function"
+            ) from e.error
         except Exception as e:
             self._failures.append(_Failure(spec, response, text, e))
             return Verdict(False, formatted, Status.REWARD_FN_ERROR, 0.0)
@@ -205,8 +261,17 @@ class RewardFnCalls:
         return Verdict(value > 0, formatted, status, value)
 
     def _call(self, fn, args) -> Any:
+        """``fn(*args)``; an exception that is no ``Exception`` it raised as `_Ended`
+        (a Ctrl-C that interrupts it, or the wait for it, passes unchanged)."""
         if not self.timeout:
-            return fn(*args)
+            try:
+                return fn(*args)
+            except Exception:
+                raise
+            except BaseException as e:
+                if _may_be_ctrl_c(e):
+                    raise
+                raise _Ended(e) from e
         if self._worker is None:
             self._worker = _Worker()
         call = _Call(fn, args)
@@ -216,8 +281,10 @@ class RewardFnCalls:
             self._late.append(self._worker.thread)
             self._worker = None
             raise _TimedOut
-        if call.error is not None:
+        if isinstance(call.error, Exception):
             raise call.error
+        if call.error is not None:  # no signal reaches the worker: the plug-in's own
+            raise _Ended(call.error) from call.error
         return call.value
 
     def _check_late(self, spec: str, response: int) -> None:

@@ -7,9 +7,11 @@
 Every ``--grid <path>=<v1>,<v2>,...`` is an axis over a ``config.<path>`` field; the
 points are their cartesian product. Any other ``--config.<path>=<value>`` applies to
 every point. Each point runs in ``<workdir>/<point name>`` (e.g.
-``eps_high=0.2__seed=0``) as its own ``python -m gspo_jax.train`` subprocess, one at
-a time: a crash in one point leaves the others running, and an interrupted point
-resumes from its own checkpoints when the sweep runs again. A finished point (its
+``eps_high=0.2__seed=0``; values made safe for a file name, and values of an axis
+that would read alike, ``ckpt/step_100`` and ``ckpt_step_100``, told apart by a hash:
+`value_names`) as its own ``python -m gspo_jax.train`` subprocess, one at a time: a
+crash in one point leaves the others running, and an interrupted point resumes from
+its own checkpoints when the sweep runs again. A finished point (its
 metrics.jsonl holds the final RL step with ``eval_reward_mean``, and its recorded
 config is the one the sweep would run now) is skipped, so re-running the command
 finishes the sweep. ``--index i --count n`` runs points ``j`` with ``j % n == i``
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import itertools
 import json
 import math
@@ -116,18 +119,70 @@ def _short_keys(paths: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def point_name(point: dict[str, Any], paths: Sequence[str] | None = None) -> str:
+def _safe(value: str) -> str:
+    """``value`` made safe for a file name: each run of other characters than letters,
+    digits and ``.+-`` as one ``_``, none at either end."""
+    return re.sub(r"[^\w.+-]+", "_", value).strip("_") or "_"
+
+
+def value_names(grid: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Each axis's values (by path) by the name they have in a point's name: the value
+    made safe for a file name (`_safe`). Distinct values of an axis that `_safe` makes
+    alike (``ckpt/step_100``, ``ckpt_step_100``, ``ckpt:step_100``) would share one
+    workdir: of those, a value that is a safe name itself keeps it, and each other one
+    gets ``-`` and 8 hex digits of the SHA-256 of its text (``ckpt_step_100-1b0e…``). So
+    a value that collides with no other keeps the name it always had, and a name
+    depends on the axis's values only, not on their order.
+
+    Raises:
+      ValueError: if two values of an axis would still share a name (a value written
+        as another one's hashed name).
+    """
+    axes: dict[str, list[str]] = {}
+    for pt in grid:
+        for p, v in pt.items():
+            axes.setdefault(p, [])
+            if str(v) not in axes[p]:
+                axes[p].append(str(v))
+    out: dict[str, dict[str, str]] = {}
+    for p, values in axes.items():
+        alike: dict[str, list[str]] = {}
+        for v in values:
+            alike.setdefault(_safe(v), []).append(v)
+        names = {}
+        for safe, vs in alike.items():
+            for v in vs:
+                hashed = len(vs) > 1 and v != safe
+                digest = hashlib.sha256(v.encode("utf-8")).hexdigest()[:8]
+                names[v] = f"{safe}-{digest}" if hashed else safe
+        by_name: dict[str, list[str]] = {}
+        for v, name in names.items():
+            by_name.setdefault(name, []).append(v)
+        for name, vs in by_name.items():
+            if len(vs) > 1:
+                raise ValueError(
+                    f"--grid {p}: the values {vs} would share the point name {name!r}, and "
+                    "so one workdir; write one of them another way"
+                )
+        out[p] = names
+    return out
+
+
+def point_name(
+    point: dict[str, Any],
+    paths: Sequence[str] | None = None,
+    grid: Sequence[dict[str, Any]] | None = None,
+) -> str:
     """A readable directory name for a point: ``eps_high=0.2__seed=0`` (each path by
-    its shortest unambiguous suffix among ``paths``, default the point's own; values
-    made safe for a file name). ``base`` for the point of an empty grid."""
+    its shortest unambiguous suffix among ``paths``, default the point's own; each
+    value by its name among the values of its axis in ``grid``, default the point
+    alone: `value_names`). ``base`` for the point of an empty grid. Distinct points of
+    one grid have distinct names."""
     if not point:
         return "base"
     short = _short_keys(list(paths or point))
-    items = []
-    for p, v in point.items():
-        value = re.sub(r"[^\w.+-]+", "_", str(v)).strip("_") or "_"
-        items.append(f"{short[p]}={value}")
-    return "__".join(items)
+    names = value_names(list(grid or ()) + [point])
+    return "__".join(f"{short[p]}={names[p][str(v)]}" for p, v in point.items())
 
 
 # --------------------------------------------------------------------------
@@ -176,14 +231,14 @@ def summarize(
     group_paths = [p for p in paths if p != seed_axis]
     groups: dict[str, list[dict[str, str]]] = {}
     for pt in points:
-        g = point_name({p: pt[p] for p in group_paths}, paths) if group_paths else "all"
+        g = point_name({p: pt[p] for p in group_paths}, paths, points) if group_paths else "all"
         groups.setdefault(g, []).append(pt)
     head = ["group", "seeds done"] + [f"{m}: mean (min-max)" for m in metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g, pts in groups.items():
         values = []
         for pt in pts:
-            name = point_name(pt, paths)
+            name = point_name(pt, paths, points)
             d = os.path.join(workdir, name)
             n = steps.get(name) if isinstance(steps, dict) else steps
             if done is not None:
@@ -229,9 +284,10 @@ def plot(
     group_paths = [p for p in paths if p != seed_axis]
     groups: dict[str, list[str]] = {}
     for pt in points:
-        g = point_name({p: pt[p] for p in group_paths}, paths) if group_paths else "all"
-        if point_name(pt, paths) not in skip:
-            groups.setdefault(g, []).append(os.path.join(workdir, point_name(pt, paths)))
+        g = point_name({p: pt[p] for p in group_paths}, paths, points) if group_paths else "all"
+        name = point_name(pt, paths, points)
+        if name not in skip:
+            groups.setdefault(g, []).append(os.path.join(workdir, name))
     fig, axes = plt.subplots(
         len(metrics), 1, figsize=(7, 3 * len(metrics)), squeeze=False, sharex=True
     )
@@ -380,16 +436,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--index {args.index} --count {args.count}: need 0 <= index < count")
     try:
         points = expand_grid(args.grid)
+        paths = list(points[0])
+        names = [point_name(pt, paths, points) for pt in points]
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    paths = list(points[0])
     metrics = args.metric or list(DEFAULT_METRICS)
     for p in paths:
         base.pop(p, None)  # the grid's value wins
 
     if not os.path.isfile(args.config.partition(":")[0]):
         raise SystemExit(f"--config {args.config}: no such file")
-    names = [point_name(pt, paths) for pt in points]
     # Every point's config, built (and validated, unless only reporting) before any runs.
     num_devices = None if args.report_only else sweep_points.device_count()
     overrides = {n: {**base, **pt} for n, pt in zip(names, points)}

@@ -43,6 +43,51 @@ def test_point_name():
     assert sweep.point_name({"optimizer.lr": "1"}, paths) == "optimizer.lr=1"
 
 
+def test_values_made_safe_alike_get_names_of_their_own():
+    """Values of one axis that read the same once made safe for a file name
+    (``ckpt/step_100``, ``ckpt_step_100``) name different points: a value that is a
+    safe name itself keeps it, each other one gets a hash of its raw text; a value
+    that collides with nothing keeps its name as before."""
+    grid = sweep.expand_grid(
+        ["tokenizer=ckpt/step_100,ckpt_step_100,ckpt:step_100,/ckpt/my model", "seed=0,1"]
+    )
+    names = [sweep.point_name(pt, grid=grid) for pt in grid]
+    assert len(set(names)) == len(grid) == 8, names
+    plain, slash, colon = "tokenizer=ckpt_step_100", names[0], names[4]
+    assert names[2] == f"{plain}__seed=0"  # safe as it is: its name, unchanged
+    assert slash.startswith(f"{plain}-") and colon.startswith(f"{plain}-") and slash != colon
+    assert names[6] == "tokenizer=ckpt_my_model__seed=0"  # no collision: no hash
+    # The same names for the same grid, in any order, and for its groups.
+    assert [sweep.point_name(pt, grid=grid[::-1]) for pt in grid] == names
+    assert sweep.point_name({"tokenizer": "ckpt/step_100"}, ["tokenizer", "seed"], grid) == (
+        slash.partition("__")[0]
+    )
+    # A value written as another one's hashed name: refused, not run twice.
+    hashed = slash.partition("__")[0].partition("=")[2]
+    with pytest.raises(ValueError, match="would share the point name"):
+        sweep.value_names(sweep.expand_grid({"tokenizer": ["ckpt/step_100", "ckpt_step_100", hashed]}))
+    # Plug-ins by import path, the issue's other example.
+    grid = sweep.expand_grid({"task.verifier": ["pkg.mod:fn", "pkg.mod_fn"]})
+    assert len({sweep.point_name(pt, grid=grid) for pt in grid}) == 2
+
+
+def test_points_named_alike_each_run_in_a_workdir_of_their_own(tmp_path, no_trainer, capsys):
+    """``--grid task.file=<d>/x/a.jsonl,<d>/x_a.jsonl``: two points, each run once in its
+    own workdir (they shared one: the first ran twice, the second never, "2/2")."""
+    w = str(tmp_path / "sweep")
+    files = [str(tmp_path / "x" / "a.jsonl"), str(tmp_path / "x_a.jsonl")]
+    argv = [f"--config={SMOKE}", f"--workdir={w}", *ONE_STEP, "--grid",
+            "task.file=" + ",".join(files)]
+    assert sweep.main(argv) == 0
+    ran = {name: overrides["task.file"] for _, name, overrides in no_trainer}
+    assert sorted(ran.values()) == sorted(files), no_trainer
+    assert len(ran) == 2  # two workdirs
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| file=")]
+    assert len(rows) == 2 and all("| 0/1 |" in r for r in rows), rows  # a row each
+    with open(os.path.join(w, "sweep.json")) as f:
+        assert sorted(json.load(f)["points"]) == sorted(ran)
+
+
 def _fake_point(workdir, name, rewards, clip):
     d = os.path.join(workdir, name)
     os.makedirs(d)

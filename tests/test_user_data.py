@@ -8,6 +8,7 @@ import pathlib
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -291,6 +292,26 @@ def test_unreadable_values_are_named_by_file_and_row(tmp_path, caplog):
     assert "skipping 4 bad row(s)" in note
 
 
+def test_rows_that_are_json_but_not_objects_are_named_by_their_type(tmp_path):
+    """A line of valid JSON that is no object is "not a JSON object", named by its JSON
+    type: a string row's own text is not taken for the error (it read ``row 2: What is
+    1+1?``, as if the file said so), even a string that looks like one."""
+    raw = {1: '"What is 1+1?"', 2: "7", 3: "2.5", 4: "[1, 2]", 5: "null", 6: "true",
+           7: '"invalid JSON (x at column 1)"'}
+    path = _write_jsonl(tmp_path / "p.jsonl", _rows(10), raw)
+    with pytest.raises(ValueError, match=r"7 bad row\(s\)") as e:
+        _load(tmp_path, _spec(path, bad_rows="refuse"), "train")
+    lines = str(e.value).splitlines()[1:]
+    want = ["string", "number", "number", "array", "null", "boolean", "string"]
+    assert lines == [f"  {path}: row {i + 2}: not a JSON object (got {t})" for i, t in enumerate(want)]
+    # Read errors keep their own messages.
+    path = _write_jsonl(tmp_path / "q.jsonl", _rows(4), {1: "{oops", 2: '"text"'})
+    with pytest.raises(ValueError) as e:
+        _load(tmp_path, _spec(path, bad_rows="refuse", test_fraction=0.25), "train")
+    assert "row 2: invalid JSON (Expecting property name" in str(e.value)
+    assert "row 3: not a JSON object (got string)" in str(e.value)
+
+
 def test_every_bad_row_in_one_message_capped(tmp_path):
     rows = [{"prompt": "", "answer": i} for i in range(30)] + _rows(5)
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
@@ -351,6 +372,15 @@ def test_exact_match():
         ("(1,234)", "(1, 234)"),
         (r"\left( \frac{1}{2}, 3 \right)", "(0.5, 3.0)"),
         ("[0, .5)", "[0,1/2)"),
+        (r"1\,234", "1234"),  # a thin space before three digits: a thousands separator
+        (r"1\,234\,567.5", "1234567.5"),
+        (r"1\thinspace 234", "1234"),
+        (r"\frac 1 2", "0.5"),  # TeX's arguments, not the number 12
+        (r"- 5", "-5"),
+        ("x = 3 .", "3"),
+        (r"(1,\quad 2)", "(1, 2)"),
+        (r"(1,~2)", "(1, 2)"),
+        ("2 x", "2x"),
     ],
 )
 def test_boxed_math_equivalences(got, ref):
@@ -391,6 +421,42 @@ def test_boxed_math_lists_and_single_numbers_differ(got, ref):
     assert not verifiers.verify_boxed_math(f"\\boxed{{{ref}}}", got).correct  # symmetric
 
 
+@pytest.mark.parametrize(
+    "got, ref",
+    [
+        ("1 2", "12"),  # the issue's three
+        ("2~3", "23"),
+        (r"3\ 4", "34"),
+        ("1\t2", "12"),
+        ("1\n2", "12"),
+        (r"1\;2", "12"),
+        (r"1\:2", "12"),
+        (r"1\>2", "12"),
+        (r"1\quad 2", "12"),
+        (r"1\,2", "12"),  # a thin space not before three digits: no separator
+        (r"12\,34", "1234"),
+        (r"1\,2345", "12345"),
+        ("1 234", "1234"),  # only TeX's thin space separates thousands
+        ("1~234", "1234"),
+        (r"1\ 234", "1234"),
+        ("-1 2", "-12"),
+        ("1 .5", "1.5"),
+        ("1. 5", "1.5"),
+        ("x = 1 2", "12"),
+        ("$1$ $2$", "12"),
+        (r"\text{1} \text{2}", "12"),
+        ("(1 2, 3)", "(12, 3)"),
+        ("1 2/3", "12/3"),  # a mixed number is not twelve thirds
+    ],
+)
+def test_boxed_math_digits_apart_are_not_one_number(got, ref):
+    """Digits that whitespace or TeX spacing keeps apart are not one number: ``1 2``,
+    ``2~3`` and ``3\\ 4`` were read as 12, 23 and 34 (whitespace was dropped before
+    the numbers were read)."""
+    assert _file(f"\\boxed{{{got}}}", ref, "boxed_math").status == Status.WRONG_ANSWER
+    assert not verifiers.verify_boxed_math(f"\\boxed{{{ref}}}", got).correct  # symmetric
+
+
 def test_score_counts_every_status_including_reward_fn_error():
     _, _, counts = rewards.score("file", ["x"], [{"verifier": "numeric", "answer": "1"}])
     assert set(counts) == {s.value for s in Status} and "reward_fn_error" in counts
@@ -401,6 +467,7 @@ def test_score_counts_every_status_including_reward_fn_error():
 
 PLUGIN = """
 import math
+import sys
 import threading
 
 calls = []
@@ -430,6 +497,15 @@ def picky(response, reference, row):
     if "slow" in response:
         release.wait(60)
     return 1.0
+
+def leave(response, reference, row):
+    sys.exit(0)
+
+def interrupt(response, reference, row):
+    raise KeyboardInterrupt
+
+def close(response, reference, row):
+    raise GeneratorExit
 """
 
 
@@ -537,6 +613,75 @@ def test_a_plugin_that_fails_on_some_responses_is_counted_once(plugin, caplog):
     (rec,) = caplog.records
     assert "3 of 6 calls failed (2 raised or returned no finite float, 1 timed out" in rec.getMessage()
     assert "the first on response 1 ('bad 1'): ValueError: cannot score 'bad 1'" in rec.getMessage()
+
+
+@pytest.mark.parametrize("timeout", [5.0, 0.0], ids=["worker", "this thread"])
+@pytest.mark.parametrize(
+    "fn, raised",
+    [("leave", "SystemExit(0)"), ("interrupt", "KeyboardInterrupt"), ("close", "GeneratorExit")],
+)
+def test_a_plugin_that_would_end_the_process_stops_the_run_naming_it(
+    plugin, fn, raised, timeout
+):
+    """``sys.exit(0)`` (or a KeyboardInterrupt, a GeneratorExit) from a plug-in is no
+    Exception, so it passed every handler and ended the trainer with status 0: now a
+    RewardFnError naming the plug-in, at once, whatever the failure policy. A
+    KeyboardInterrupt of the function is not the user's Ctrl-C: under the trainer's
+    signal handler (as here) SIGINT raises none, and none reaches the worker thread."""
+    from gspo_jax import safety
+
+    calls = reward_plugins.RewardFnCalls(timeout=timeout, all_failed="continue")
+    try:
+        with safety.GracefulShutdown():
+            rewards.score("file", ["ok", "ok"], _metas(plugin, fn, 2), reward_fns=calls)
+    except reward_plugins.RewardFnError as e:
+        error = e
+    except BaseException as e:  # not left to end the test session
+        pytest.fail(f"the plug-in's {type(e).__name__} escaped")
+    else:
+        pytest.fail("no RewardFnError")
+    msg = str(error)
+    assert f"plug-in reward {plugin}:{fn} raised {raised}" in msg
+    assert "on response 0 ('ok')" in msg and "a reward function must return a number" in msg
+    assert type(error.__cause__).__name__ == raised.partition("(")[0]
+
+
+def test_a_real_ctrl_c_during_a_plugin_is_not_taken_for_the_plugins(plugin):
+    """Where SIGINT raises KeyboardInterrupt (Python's own handler, not the trainer's),
+    one raised in the calling thread during a plug-in may be the user's Ctrl-C: it
+    passes unchanged, as does one that interrupts the wait for the worker."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        calls = reward_plugins.RewardFnCalls(timeout=0)
+        with pytest.raises(KeyboardInterrupt):
+            rewards.score("file", ["ok"], _metas(plugin, "interrupt", 1), reward_fns=calls)
+        calls = reward_plugins.RewardFnCalls(timeout=30)
+        main = threading.main_thread().ident
+        timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))  # Ctrl-C
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                rewards.score("file", ["slow"], _metas(plugin, "picky", 1), reward_fns=calls)
+        finally:
+            timer.join()
+        assert time.monotonic() - t0 < 10  # at once, not after the time limit
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_plugin_module_that_exits_when_imported_is_a_load_error(tmp_path, monkeypatch):
+    """A module that ends the process on import (a script's argument parser, a
+    ``sys.exit()`` at top level) is a ValueError naming it (config.task.verifier's
+    error), not the trainer's exit."""
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"cannot import module 'exits_on_import' of "
+                       r"'exits_on_import:f': it raised SystemExit\(2\)"):
+        reward_plugins.load_reward_fn("exits_on_import:f")
+    sys.modules.pop("exits_on_import", None)
 
 
 def test_built_in_verifiers_do_not_use_the_plugin_worker(monkeypatch):
@@ -675,5 +820,17 @@ def test_a_run_whose_plugin_always_raises_stops_with_one_error(tmp_path):
     assert "Every response of this batch failed" in out.stderr
     # One error, not a traceback per response (the plug-in's own once, as its cause).
     assert out.stderr.count("bug in the user's reward") <= 3, out.stderr[-3000:]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not [json.loads(x) for x in metrics.open() if '"rl"' in x]
+
+
+def test_a_run_whose_plugin_calls_sys_exit_0_fails_naming_it(tmp_path):
+    """A plug-in calling ``sys.exit(0)`` ended the trainer with status 0, no RL record
+    and the plug-in unnamed, so ``train && export`` went on with the warm start."""
+    (tmp_path / "e2e_reward_mod.py").write_text(PLUGIN)
+    path = _write_jsonl(tmp_path / "mine.jsonl", _rows(20))
+    out = _train_on_file(tmp_path, path, "e2e_reward_mod:leave")
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "RewardFnError: plug-in reward e2e_reward_mod:leave raised SystemExit(0)" in out.stderr
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not [json.loads(x) for x in metrics.open() if '"rl"' in x]

@@ -186,8 +186,14 @@ def _boxed_single(rng, d):
   digits = mag.partition(".")[0]
   if len(digits) >= 4:  # the number's thousands as a list: 1, 234 / (1,234) / [1,234]
     wrong += [g.replace(",", ", "), f"({g})", f"[{g}]", f"\\left({g}\\right)"]
+    right.append(g.replace(",", "\\,"))  # TeX's thin space between thousands: 1\,234
   if len(digits) >= 2:
     wrong.append(a.replace(digits, _bad_grouping(rng, digits), 1))
+    # Digits that a space keeps apart are two numbers (1 2 is not 12), thin space too
+    # where three digits do not follow it.
+    for sep in (" ", "~", "\\ ", "\\;", "\\:", "\\quad ", "\\,", "\n"):
+      wrong.append(a.replace(digits, digits[:-1] + sep + digits[-1], 1))
+    wrong.append(a.replace(digits, digits[0] + " " + digits[1:], 1))
   return [a, f"\\boxed{{{a}}}", f"${a}$", g, f"x = {a}"], right, wrong
 
 

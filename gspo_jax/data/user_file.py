@@ -109,8 +109,18 @@ class BadRow(ValueError):
     """A row that cannot be used; the message names the file and the row."""
 
 
+# A valid JSON value that is no object, by its JSON type (as a user wrote it).
+_JSON_TYPES = {str: "string", int: "number", float: "number", list: "array", bool: "boolean"}
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
+
+
 def _read_jsonl(path: str) -> list[tuple[int, Any]]:
-    """(line number, decoded row or an error message) per non-blank line."""
+    """(line number, decoded row or the `BadRow` that says why it cannot be read) per
+    non-blank line. A read error is a `BadRow`, never a string: a line that is a JSON
+    string is a row (a bad one), not its own error message."""
     out = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -119,18 +129,18 @@ def _read_jsonl(path: str) -> list[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                out.append((lineno, f"not UTF-8 ({e.reason} at byte {e.start})"))
+                out.append((lineno, BadRow(f"not UTF-8 ({e.reason} at byte {e.start})")))
                 continue
             if not line.strip():
                 continue
             try:
                 out.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
-                out.append((lineno, f"invalid JSON ({e.msg} at column {e.colno})"))
+                out.append((lineno, BadRow(f"invalid JSON ({e.msg} at column {e.colno})")))
             except RecursionError:
-                out.append((lineno, f"a value nested more than {MAX_DEPTH} levels deep"))
+                out.append((lineno, BadRow(f"a value nested more than {MAX_DEPTH} levels deep")))
             except ValueError as e:  # Python's limit on an integer's digits
-                out.append((lineno, f"unreadable value: {str(e).split(';')[0]}"))
+                out.append((lineno, BadRow(f"unreadable value: {str(e).split(';')[0]}")))
     return out
 
 
@@ -145,7 +155,8 @@ def _read_parquet(path: str) -> list[tuple[int, Any]]:
 
 
 def read_rows(path: str) -> list[tuple[int, Any]]:
-    """(row number, row or error string) of each row of a .jsonl or .parquet file."""
+    """(row number, row or the `BadRow` it cannot be read for) of each row of a .jsonl
+    or .parquet file."""
     _check_path(path)
     return _read_jsonl(path) if path.endswith(".jsonl") else _read_parquet(path)
 
@@ -206,7 +217,7 @@ def _nesting(value: Any) -> int:
 def to_example(row: Any, spec: FileTask, index: int) -> prompts.Example:
     """One row as an Example; raises BadRow saying what is wrong."""
     if not isinstance(row, dict):
-        raise BadRow(f"not a JSON object (got {type(row).__name__})")
+        raise BadRow(f"not a JSON object (got {_json_type(row)})")
     if _nesting(row) > MAX_DEPTH:
         raise BadRow(f"a value nested more than {MAX_DEPTH} levels deep")
     messages = None
@@ -250,8 +261,8 @@ def _examples(path: str, spec: FileTask, check=None) -> list[tuple[int, prompts.
     out, bad = [], []
     for rowno, row in read_rows(path):
         try:
-            if isinstance(row, str):  # a read error
-                raise BadRow(row)
+            if isinstance(row, BadRow):  # a read error
+                raise row
             ex = to_example(row, spec, len(out))
             problem = check and check.problem(ex.prompt, ex.messages, ex.reference)
             if problem:
