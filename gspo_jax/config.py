@@ -88,7 +88,9 @@ def docs_table() -> str:
         + "\n## config.model.fields\n\nThe architecture of an initialised model: "
         "`ModelConfig`'s fields (gspo_jax/models/config.py), checked one by one as declared "
         "there, then across fields by ModelConfig itself; the runtime settings above are "
-        "set on config.model, and num_valid_tokens and moe_groups are the trainer's.\n\n"
+        "set on config.model, and num_valid_tokens and moe_groups are the trainer's. Every "
+        "field below is in the default config.model.fields (above), so each can be set on the "
+        "command line: `--config.model.fields.rope_theta=1e6`.\n\n"
         + fields.docs_table(ModelConfig, "config.model.fields.")
     )
 
@@ -533,7 +535,37 @@ def validate(
     # The sampler's own devices (rollout.devices) are not the training mesh's.
     shape = mesh_shape(c, offpolicy.check(c, num_devices))
     _check_batches(c, shape)
+    _check_sampler_mesh(c, shape)
     return shape
+
+
+def _check_sampler_mesh(c: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+    """The sampler's own mesh, with ``rollout.devices`` (`gspo_jax.offpolicy.sampler_mesh`:
+    the training mesh ``shape``'s fsdp, expert and tensor sizes, the rest of its devices
+    on data): its devices hold whole copies of the model's shards, and the rollout batch,
+    assembled on it over its data*fsdp*expert batch shards (`gspo_jax.collect.Collector`),
+    divides over them. (The sampler pads the prompts it is given to its shards; the
+    assembled batch has exactly prompts_per_step*group_size rows.)"""
+    devices = int(c.rollout.devices)
+    if not devices:
+        return
+    copy = shape["fsdp"] * shape["expert"] * shape["tensor"]
+    if devices % copy:
+        raise _err(
+            "rollout.devices",
+            f"{devices} devices do not hold whole copies of the fsdp*expert*tensor = {copy} "
+            f"model shards of the training mesh {shape} (the sampler's mesh keeps those sizes)",
+        )
+    shards = devices // copy * shape["fsdp"] * shape["expert"]  # train.BATCH_AXES
+    n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
+    if n % shards:
+        raise _err(
+            "rollout.devices",
+            f"{devices} devices give the sampler's mesh data*fsdp*expert = {shards} batch "
+            f"shards, which do not divide the rollout batch prompts_per_step*group_size = {n} "
+            "it assembles over them; pick rollout.devices so that they do (rollout.devices / "
+            "mesh.tensor divides the rollout batch)",
+        )
 
 
 def _check_batches(c: ml_collections.ConfigDict, shape: dict[str, int]) -> None:

@@ -16,9 +16,10 @@
   taken (a job still training there is not disturbed; it may delete an old checkpoint
   meanwhile, which is then skipped), and a checkpoint that does not restore is skipped
   but not moved aside (``PhaseCheckpointer(read_only=True)``). Prompts are read from
-  ``task.data_dir``, else from the run's ``<workdir>/data``; when that does not exist,
-  the data are prepared in a temporary directory, deleted afterwards (set
-  ``--config.task.data_dir`` to keep them);
+  ``task.data_dir``, else from the run's ``<workdir>/data`` (prepared data are read
+  without a lock, so that folder may be read-only); when that does not exist, or lacks
+  the data and cannot be written, they are prepared in a temporary directory, deleted
+  afterwards (set ``--config.task.data_dir`` to keep them);
 * or a Hugging Face directory (``config.json`` and ``*.safetensors``): loaded as
   ``config.model.pretrained``, with the directory's ``tokenizer.json`` unless
   ``--config.tokenizer`` names another one. Without ``task.data_dir`` the prompts are
@@ -148,20 +149,31 @@ def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 def open_workdir(c: ml_collections.ConfigDict, workdir: str):
     """(the run's `Trainer` on ``workdir``, a temporary directory to delete afterwards
     or None), read-only: ``c`` (changed here: pass a copy) is first checked against the
-    run's config (`check_run_config`); the prompts are the run's prepared data, else
-    prepared in that temporary directory."""
+    run's config (`check_run_config`); the prompts are ``task.data_dir``'s, else the
+    run's prepared data in ``<workdir>/data`` (read without a lock: a read-only workdir
+    serves), else prepared in that temporary directory: when ``<workdir>/data`` does not
+    exist, or lacks them and cannot be written (`gspo_jax.data.source.DataDirNotWritable`)."""
+    from gspo_jax.data.source import DataDirNotWritable
     from gspo_jax.trainer import Trainer
 
     if not is_workdir(workdir):
         raise FileNotFoundError(f"{workdir}: not a workdir (no checkpoints/)")
     check_run_config(c, workdir)  # before anything is built or read
     tmp = None
-    if not c.task.data_dir:  # the run's prepared data, else prepared outside
+    own = not c.task.data_dir  # the run's prepared data, else prepared outside
+    if own:
         c.task.data_dir = os.path.join(workdir, "data")
         if not os.path.isdir(c.task.data_dir):
             c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
     try:
-        return Trainer(c, workdir), tmp
+        try:
+            return Trainer(c, workdir), tmp
+        except DataDirNotWritable:
+            if not own or tmp is not None:
+                raise
+            # <workdir>/data lacks this task's data and cannot take them: as without it.
+            c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
+            return Trainer(c, workdir), tmp
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -186,7 +198,7 @@ def evaluate_checkpoint(
         raise ValueError(f"--split must be one of {SPLITS}, got {split!r}")
     checkpoint = os.path.abspath(checkpoint)
     c = copy.deepcopy(c)
-    hf = is_hf_dir(checkpoint)
+    hf = is_hf_dir(checkpoint) and not is_workdir(checkpoint)  # a run's own checkpoints first
     if not hf and not is_workdir(checkpoint):
         raise FileNotFoundError(
             f"{checkpoint}: neither a workdir (no checkpoints/) nor a Hugging Face "
@@ -232,6 +244,7 @@ def run_command(fn, required: dict[str, str], more: tuple = ()):
 
     from gspo_jax import config as config_lib
     from gspo_jax.checkpoint import CheckpointError
+    from gspo_jax.data.source import DataDirNotWritable
     from gspo_jax.multihost import claim_device_memory
 
     logging.set_verbosity(logging.WARNING)
@@ -244,7 +257,13 @@ def run_command(fn, required: dict[str, str], more: tuple = ()):
     claim_device_memory()  # 95% of each GPU for XLA, as in training
     try:
         return fn(f)
-    except (config_lib.ConfigError, CheckpointError, FileNotFoundError, *more) as e:
+    except (
+        config_lib.ConfigError,
+        CheckpointError,
+        FileNotFoundError,
+        DataDirNotWritable,
+        *more,
+    ) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(e, config_lib.ConfigError) else 1)
 

@@ -14,7 +14,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # base_config().to_dict() as the hand-written base_config made it (before the sections
 # were declared): the same keys, defaults and types; less rollout.top_p (1.0) and
-# rollout.top_k (0), removed since (`old_keys.REMOVED_KEYS`).
+# rollout.top_k (0), removed since (`old_keys.REMOVED_KEYS`); model.fields with every
+# documented ModelConfig field, added since (the hand-written one held ten).
 BASE_CONFIG = {'advantage': 'group',
  'checkpoint_every': 20,
  'compilation_cache_dir': '~/.cache/gspo_jax/xla',
@@ -51,7 +52,22 @@ BASE_CONFIG = {'advantage': 'group',
                       'num_kv_heads': 2,
                       'num_layers': 2,
                       'top_k': 2,
-                      'vocab_size': 0},
+                      'vocab_size': 0,
+                      # ModelConfig's other documented fields, at its defaults: present
+                      # since, so that the command line can set them.
+                      'moe_every': 1,
+                      'first_dense_layers': 0,
+                      'dense_layers': (),
+                      'renormalize_topk': True,
+                      'qk_norm': True,
+                      'qkv_bias': False,
+                      'tie_embeddings': False,
+                      'rope_theta': 10000.0,
+                      'norm_eps': 1e-06,
+                      'aux_loss_coef': 0.0,
+                      'z_loss_coef': 0.0,
+                      'value_head': False,
+                      'init_std': 0.02},
            'logits_chunk_size': 0,
            'moe_backend': 'auto',
            'moe_block_size': 64,

@@ -355,8 +355,8 @@ def test_every_model_config_field_is_checked(key, bad, good):
     c = _smoke()
     c.model.fields[key] = good
     config_lib.validate(c, 8)
-    c = _smoke()
-    c.model.fields[key] = bad
+    c = _smoke()  # type safety off: a config file's own model.fields dict holds anything
+    _set(c, f"model.fields.{key}", bad)
     msg = _raises(c, f"model.fields.{key}")
     assert "ModelConfig" not in msg
 
@@ -384,6 +384,116 @@ def test_the_sweep_covers_every_model_config_field():
     # config.model_config sets the first from the tokenizer, the Trainer the second from the mesh
     derived = {"num_valid_tokens", "moe_groups"}
     assert fields == checked | in_base | derived | set(config_lib.MODEL_RUNTIME_FIELDS)
+
+
+def _command_line(*overrides, config="configs/default.py:smoke"):
+    """The config ``python -m gspo_jax.train --config=<config> <overrides>`` runs: locked,
+    then overridden by ml_collections' absl flag; an unknown key is the trainer's one-line
+    message (`gspo_jax.train.unknown_override`), raised as a ConfigError."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from gspo_jax.train import unknown_override
+
+    argv = ["gspo_jax.train", f"--config={REPO / config.split(':')[0]}:{config.split(':')[1]}"]
+    argv += list(overrides)
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file(
+        "config", None, "", flag_values=values, lock_config=True, sys_argv=argv
+    )
+    try:
+        values(argv)
+    except (AttributeError, KeyError, flags.Error) as e:
+        raise config_lib.ConfigError(unknown_override(argv) or str(e).splitlines()[0]) from None
+    return values.config
+
+
+def _documented_model_fields():
+    """The config.model.fields.<key> rows of docs/config.md."""
+    import re
+
+    text = (REPO / "docs" / "config.md").read_text()
+    return re.findall(r"^\| `config\.model\.fields\.(\w+)` \|", text, re.M)
+
+
+# A value other than the smoke config's for every documented model field, valid with the
+# smoke model's others (2 layers, 2 heads of 16, 4 experts top-2).
+MODEL_FIELD_VALUES = {
+    "vocab_size": ("128", 128),
+    "d_model": ("48", 48),
+    "num_layers": ("3", 3),
+    "num_heads": ("4", 4),
+    "num_kv_heads": ("2", 2),
+    "head_dim": ("8", 8),
+    "d_ff": ("96", 96),
+    "moe_d_ff": ("24", 24),
+    "num_experts": ("6", 6),
+    "top_k": ("1", 1),
+    "moe_every": ("2", 2),
+    "first_dense_layers": ("1", 1),
+    "dense_layers": ("(0,)", (0,)),
+    "renormalize_topk": ("False", False),
+    "qk_norm": ("False", False),
+    "qkv_bias": ("True", True),
+    "tie_embeddings": ("True", True),
+    "rope_theta": ("1e6", 1e6),
+    "norm_eps": ("1e-5", 1e-5),
+    "aux_loss_coef": ("0.01", 0.01),
+    "z_loss_coef": ("0.001", 0.001),
+    "value_head": ("True", True),
+    "init_std": ("0.01", 0.01),
+}
+
+
+def test_every_documented_model_field_can_be_set_from_the_command_line():
+    """Every config.model.fields.<key> docs/config.md documents exists in the config, so
+    ``--config.model.fields.<key>=<value>`` sets it (a locked ConfigDict takes no new
+    key: only the ten of the default tiny MoE could be set once), with its type checked,
+    and the model is built with it; a misspelt key is still refused, with the nearest."""
+    from gspo_jax import trainer
+
+    documented = _documented_model_fields()
+    assert set(documented) == set(MODEL_FIELD_VALUES)  # a new field gets a case here
+    vocab = trainer.make_tokenizer(_smoke()).vocab_size
+    for key in documented:
+        text, value = MODEL_FIELD_VALUES[key]
+        c = _command_line(f"--config.model.fields.{key}={text}")
+        assert c.model.fields[key] == value, key
+        config_lib.validate(c, 8, tokenizer_vocab_size=vocab)
+        assert getattr(config_lib.model_config(c, vocab), key) == value, key
+    # The type of each is checked where it is parsed ...
+    for bad in ("qk_norm=maybe", "moe_every=1.5", "rope_theta=fast"):
+        with pytest.raises(config_lib.ConfigError):
+            _command_line(f"--config.model.fields.{bad}")
+    # ... and its domain by validate.
+    _raises(_command_line("--config.model.fields.rope_theta=0"), "model.fields.rope_theta")
+    with pytest.raises(config_lib.ConfigError, match=(
+        r"^config\.model\.fields\.rope_thetta: unknown config key; "
+        r"did you mean config\.model\.fields\.rope_theta\?$"
+    )):
+        _command_line("--config.model.fields.rope_thetta=1e6")
+
+
+def test_a_run_saved_with_ten_model_fields_compares_at_the_others_defaults():
+    """config.json of a run saved when config.model.fields held ten keys: the model ran
+    the others at ModelConfig's defaults, the defaults they have now, so a resume,
+    evaluation or export compares alike; another value differs, naming the field."""
+    import json
+
+    from gspo_jax import safety
+
+    ten = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+           "d_ff", "moe_d_ff", "num_experts", "top_k")
+    c = _smoke()
+    saved = json.loads(json.dumps(safety.config_record(c)))  # as config.json holds it
+    assert safety.config_differences(saved, safety.config_record(c)) == []
+    saved["model"]["fields"] = {k: saved["model"]["fields"][k] for k in ten}
+    assert safety.config_differences(saved, safety.config_record(c)) == []
+    c.model.fields.rope_theta, c.model.fields.dense_layers = 1e6, (1,)
+    assert safety.config_differences(saved, safety.config_record(c)) == [
+        "config.model.fields.dense_layers: '<absent>' -> [1]",
+        "config.model.fields.rope_theta: '<absent>' -> 1000000.0",
+    ]
 
 
 def test_model_fields_keys():
@@ -510,6 +620,37 @@ def test_soft_overlong_cache_shorter_than_the_response():
     _raises(c, "dapo.overlong_cache_len")
     c.dapo.overlong_cache_len = c.rollout.max_new_tokens - 1
     config_lib.validate(c, 8)
+
+
+def test_the_samplers_own_devices_are_checked_before_anything_compiles():
+    """rollout.devices gives the sampler a mesh of its own (`offpolicy.sampler_mesh`: the
+    training mesh's fsdp, expert and tensor sizes, its other devices on data): they must
+    hold whole copies of the model's shards, and the rollout batch, which is assembled
+    over that mesh's data*fsdp*expert shards, must divide over them. Both are refused by
+    `validate`, naming config.rollout.devices and the numbers (6 of 8 devices once ran the
+    warm start and the step-0 evaluation, then failed inside JAX); so is a sweep's point,
+    validated before any run."""
+    from gspo_jax import sweep_points
+
+    c = _smoke()  # the rollout batch: 4 prompts * 4 samples = 16 rows
+    c.rollout.devices = 6  # 2 training devices, a sampler mesh of 6 batch shards
+    msg = _raises(c, "rollout.devices")
+    assert "6 batch shards" in msg and "prompts_per_step*group_size = 16" in msg, msg
+    c.rollout.devices = 4  # 16 rows over 4 sampler shards
+    config_lib.validate(c, 8)
+    c.mesh.tensor = 2  # 4 devices, 2 tensor shards each: 2 batch shards
+    config_lib.validate(c, 8)
+
+    # fsdp 3: the 6 training devices hold 2 copies of the model; 2 sampler devices, none.
+    c = _smoke()
+    c.mesh.fsdp, c.rollout.devices = 3, 2
+    c.rollout.prompts_per_step, c.sft.batch_size = 6, 12  # 24 rows: 6 training shards
+    assert "fsdp*expert*tensor = 3" in _raises(c, "rollout.devices")
+
+    with pytest.raises(SystemExit, match=r"(?s)six: config\.rollout\.devices: 6 devices.*16"):
+        sweep_points.check_points(
+            f"{REPO}/configs/default.py:smoke", {"six": {"rollout.devices": "6"}}, num_devices=8
+        )
 
 
 # --------------------------------------------------------------------------

@@ -405,3 +405,23 @@ def test_two_runs_preparing_one_dataset_at_once_both_succeed(tmp_path, monkeypat
     t.join()
   assert not errors, errors
   assert len(inside) == 2 and all(len(b.as_data_source("test")) == 40 for b in builders)
+
+
+def test_a_prepared_dataset_is_read_without_the_lock(tmp_path):
+  """Reading a dataset already prepared takes no lock and writes nothing, so a
+  read-only data dir (a workdir's data/ on an archive) serves: the lock file was once
+  opened first, and `evaluate` of a read-only workdir failed on it (EROFS;
+  tests/test_evaluation.py evaluates workdirs on a read-only mount)."""
+  import os
+
+  from gspo_jax.data import source
+
+  data = tmp_path / "data"
+  PromptSource("arithmetic", "test", data_dir=data, config=SMALL_AR)
+  shutil.rmtree(data / ".prepare_locks")
+  before = sorted((p.relative_to(data), p.stat().st_mtime_ns) for p in [data, *data.rglob("*")])
+  exs = PromptSource("arithmetic", "test", data_dir=data, config=SMALL_AR).first(30)
+  assert len(exs) == 30
+  after = sorted((p.relative_to(data), p.stat().st_mtime_ns) for p in [data, *data.rglob("*")])
+  assert after == before and not os.path.exists(data / ".prepare_locks")
+  assert source.is_prepared(arithmetic.GspoArithmetic(data_dir=str(data), config=SMALL_AR))

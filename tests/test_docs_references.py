@@ -30,8 +30,9 @@ What counts as a reference, and what it must resolve to (`Ref.check`):
        ``Rollout``): a method, field, class attribute or ``self.`` attribute of it or
        of its bases;
      - ``config``, or a top-level key of the config (``rollout``, ``updates``, ``task``,
-       ...): a path of `gspo_jax.config.base_config` (under ``objective.hparams`` any
-       objective's hyperparameter, under ``model.fields`` a ModelConfig field; the
+       ...): a path of `gspo_jax.config.base_config` (under ``model.fields`` the
+       ModelConfig fields docs/config.md documents, not the runtime settings, which are
+       ``model.<key>``; under ``objective.hparams`` any objective's hyperparameter; the
        removed keys of `gspo_jax.old_keys.REMOVED_KEYS` too).
    A name that reads more than one of these ways resolves if one of them does
    (``config.validate``: the module; ``rollout.staleness``: the config). Any other
@@ -71,7 +72,6 @@ import pytest
 
 from gspo_jax import config as config_lib
 from gspo_jax import objectives, old_keys
-from gspo_jax.models.config import ModelConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PATH_ROOTS = ("gspo_jax/", "configs/", "experiments/", "tests/", "docs/")
@@ -375,7 +375,8 @@ def config_paths() -> frozenset[str]:
     walk(config_lib.base_config(), "")
     for name in objectives.names():
         out |= {f"objective.hparams.{k}" for k in objectives.get(name).defaults}
-    out |= {f"model.fields.{f.name}" for f in dataclasses.fields(ModelConfig)}
+    # model.fields: base_config holds every field docs/config.md documents (not the runtime
+    # settings, which are config.model's, nor those the trainer derives).
     out |= set(old_keys.REMOVED_KEYS)
     return frozenset(out)
 

@@ -332,6 +332,75 @@ def test_evaluate_a_read_only_workdir(smoke_workdir, data_dir, tmp_path):
         assert out[k] == pytest.approx(last[k]), k
 
 
+def _read_only_mount_prefix(probe_dir):
+    """The argv prefix ``prefix + [folder, shell_command]`` that runs ``shell_command``
+    with ``folder`` bind-mounted read-only over itself, in a private mount namespace
+    (``unshare -rm``: nothing leaks, nothing to undo); a pytest skip naming what is
+    missing where that cannot be done (tried on ``probe_dir``). Unlike ``chmod``, which
+    root ignores, a read-only mount refuses every write."""
+    import shlex
+
+    unshare = shutil.which("unshare")
+    if unshare is None or shutil.which("mount") is None:
+        pytest.skip("a read-only mount needs unshare and mount, and this machine lacks them")
+    prefix = [unshare, "-rm", "sh", "-c",
+              'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" "$1" && shift && '
+              'eval "$@"', "sh"]
+    probe = subprocess.run(prefix + [str(probe_dir), f"! touch {shlex.quote(str(probe_dir))}/x"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount in a private namespace here: {probe.stderr[-300:]}")
+    return prefix
+
+
+def test_evaluate_a_read_only_mounted_workdir_with_its_own_data(smoke_workdir, data_dir, tmp_path):
+    """`python -m gspo_jax.evaluate` on workdirs under a read-only mount (an archive, a
+    snapshot; root cannot write there either). With the run's prepared data in its own
+    data/ (the README's layout) they are read, no lock taken; with a data/ that lacks them
+    (another task's, or none prepared) they are prepared in a temporary directory, as for
+    a workdir without data/. A data dir given (task.data_dir) that lacks them and cannot
+    be written is refused in one line. Nothing under the mount changes."""
+    import shlex
+
+    from gspo_jax.metrics_log import read_metrics
+
+    workdir, _ = smoke_workdir
+    last = [r for r in read_metrics(workdir) if r["phase"] == "rl"][-1]
+    ro = tmp_path / "ro"
+    with_data, unprepared = ro / "with_data", ro / "unprepared"
+    shutil.copytree(workdir, with_data, ignore=shutil.ignore_patterns(".lock"))
+    shutil.copytree(data_dir, with_data / "data")  # its .prepare_locks/ too, as a run leaves it
+    shutil.copytree(workdir, unprepared, ignore=shutil.ignore_patterns(".lock"))
+    os.makedirs(unprepared / "data" / ".prepare_locks")
+    os.makedirs(tmp_path / "probe")
+    prefix = _read_only_mount_prefix(tmp_path / "probe")
+    before = _tree(str(ro))
+    evaluate = [sys.executable, "-m", "gspo_jax.evaluate", "--config=configs/default.py:smoke"]
+    commands = [
+        shlex.join(evaluate + [f"--checkpoint={w}", f"--out={tmp_path / (w.name + '.json')}"])
+        for w in (with_data, unprepared)
+    ]
+    given = shlex.join(evaluate + [f"--checkpoint={unprepared}",
+                                   f"--config.task.data_dir={unprepared / 'data'}"])
+    err = tmp_path / "given.err"
+    commands.append(f"{{ {given} 2> {shlex.quote(str(err))}; test $? = 1; }}")
+    proc = subprocess.run(prefix + [str(ro), " && ".join(commands)], cwd=REPO,
+                          env=subprocess_env(8), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:] + (err.read_text() if err.exists() else "")
+    assert err.read_text().strip().splitlines() == [
+        f"DataDirNotWritable: gspo_countdown/small/1.0.0 is not prepared under the data dir "
+        f"{unprepared / 'data'}, and nothing can be written there to prepare it (Read-only file "
+        "system): prepare it in a data dir that can be written"
+    ]
+    after = _tree(str(ro))
+    assert not sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    for w in (with_data, unprepared):
+        out = json.loads((tmp_path / (w.name + ".json")).read_text())
+        assert out["restored"] == "rl/2", (w, out)
+        for k in METRIC_KEYS:  # the run's own prompts, scored as during training
+            assert out[k] == pytest.approx(last[k]), (w, k)
+
+
 def test_evaluate_names_the_config_fields_that_differ(smoke_workdir, data_dir, tmp_path):
     from gspo_jax.evaluate import evaluate_checkpoint
 

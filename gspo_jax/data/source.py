@@ -12,6 +12,7 @@ so a resumed run draws exactly the batches an uninterrupted run would.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import inspect
 import os
@@ -25,24 +26,55 @@ from gspo_jax import tasks
 from gspo_jax.data import prompts
 
 
+class DataDirNotWritable(OSError):
+    """A dataset to prepare under a data dir this process cannot write (a read-only
+    mount, another user's folder); nothing was written. The message names both."""
+
+
+def is_prepared(builder) -> bool:
+    """Whether ``builder``'s dataset is prepared under its data dir. TFDS writes a dataset
+    into a folder of its own and renames it into place once complete, so a dataset seen
+    prepared stays so: reading it needs no lock."""
+    return (epath.Path(builder.data_dir) / "dataset_info.json").exists()
+
+
+# What opening a file for writing raises in a folder this process may not write to.
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 @contextlib.contextmanager
 def prepare_lock(builder):
     """Held while ``builder``'s dataset is prepared: one process (or thread) at a time
     per dataset and data dir, so that runs started together on a fresh data dir (a
     sweep's points, a study's two pinned processes) do not both generate it and fail
-    renaming into the folder the other one made. A remote data dir (``gs://``) is not
-    locked."""
+    renaming into the folder the other one made.
+
+    A dataset already prepared (`is_prepared`) is read without the lock, writing
+    nothing: a read-only data dir (a workdir's ``data/`` on an archive) serves as it is.
+    One that is not, under a data dir that cannot be written, raises
+    `DataDirNotWritable` naming both, before anything is written. A remote data dir
+    (``gs://``) is not locked."""
     path = os.fspath(builder.data_dir).rstrip("/")
-    if "://" in path:
+    if "://" in path or is_prepared(builder):
         yield
         return
     # Beside the data sets, not inside one: TFDS reads every entry of a data set's
     # folder as a version of it.
     root = os.fspath(builder.data_dir_root)
     locks = os.path.join(root, ".prepare_locks")
-    os.makedirs(locks, exist_ok=True)
     name = os.path.relpath(path, root).replace(os.sep, "__")
-    with open(os.path.join(locks, name + ".lock"), "a") as f:
+    try:
+        os.makedirs(locks, exist_ok=True)
+        f = open(os.path.join(locks, name + ".lock"), "a")
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        raise DataDirNotWritable(
+            f"{name.replace('__', '/')} is not prepared under the data dir {root}, and "
+            f"nothing can be written there to prepare it ({e.strerror}): prepare it in a "
+            "data dir that can be written"
+        ) from e
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -327,8 +327,13 @@ class ModelConfig:
 
 
 def _tiny_moe() -> dict:
-    """config.model.fields' default: a tiny MoE for CPU runs."""
-    return dict(
+    """config.model.fields' default: a tiny MoE for CPU runs, and every other field the
+    config sets (each declared with a `setting`: docs/config.md's table) at ModelConfig's
+    default. Each must be present to be set on the command line: the trainer locks the
+    config before ``--config.model.fields.<key>=`` is applied, and a locked group takes
+    no new key. (A workdir saved when fewer were present compares at these defaults:
+    `gspo_jax.safety.config_differences`.)"""
+    tiny = dict(
         vocab_size=0,
         d_model=128,
         num_layers=2,
@@ -340,6 +345,11 @@ def _tiny_moe() -> dict:
         num_experts=8,
         top_k=2,
     )
+    return {
+        f.name: tiny.get(f.name, f.default)
+        for f in dataclasses.fields(ModelConfig)
+        if "doc" in f.metadata and (f.name in tiny or f.default is not dataclasses.MISSING)
+    }
 
 
 @dataclasses.dataclass(frozen=True)
