@@ -17,9 +17,12 @@ Arguments: ``layers=<n>``; ``tiny`` shrinks the model and the rollout to run on 
 in seconds (the same code path, for the tests); ``smoke`` as every config has it.
 """
 
+import dataclasses
+
 from configs import default
 from experiments.programs import SIZES
 from gspo_jax import config as config_lib
+from gspo_jax.models.config import ModelConfig
 
 
 def get_config(arg: str | None = None):
@@ -40,7 +43,14 @@ def get_config(arg: str | None = None):
         model["num_layers"] = int(args["layers"])
     elif not args.get("tiny"):
         model["num_layers"] = 8
-    c.model.fields = model
+    # Every field the default config declares, at ModelConfig's default where the
+    # benchmark's model does not set it, so that each can be overridden on the command line.
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(ModelConfig)
+        if f.name in c.model.fields and f.default is not dataclasses.MISSING
+    }
+    c.model.fields = {**defaults, **model}
     c.rollout.prompts_per_step = 64
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 1024

@@ -448,7 +448,8 @@ class PhaseCheckpointer:
         if exc_type is None or self._closed or self.read_only:
             self.close()
             return False
-        self._log(f"stopped by {exc_type.__name__}: finishing the checkpoint being written")
+        if self._mngr.is_saving_in_progress():  # else there is nothing to say
+            self._log(f"stopped by {exc_type.__name__}: finishing the checkpoint being written")
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - the phase's own error matters more

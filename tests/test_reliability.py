@@ -187,7 +187,7 @@ def test_a_folder_whose_config_json_is_not_a_runs_is_refused(data_dir, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
 
 
-def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path):
+def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path, capsys):
     """RL has begun; the warm start's checkpoints are deleted. Without a KL term RL
     resumes from its own checkpoint and the warm start is not repeated (its records
     appear once); with one, the run stops and names the checkpoint it needs. Replaced by
@@ -225,6 +225,7 @@ def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path):
                        r"checkpoint sft/2' has checksum [0-9a-f]{8}, but .* checksum "
                        + meta["reference"]["checksum"]):
         train.run(c, str(g))
+    assert "finishing the checkpoint" not in capsys.readouterr().out  # no save was in flight
     assert (g / "metrics.jsonl").read_text() == before
     assert sorted(os.listdir(g / "checkpoints" / "rl")) == ["1"]
     # The warm start back, but a tokenizer that encodes otherwise (its files edited in
@@ -416,7 +417,7 @@ def test_kills_and_corrupted_checkpoints_resume_to_the_uninterrupted_metrics(dat
 
 
 @pytest.mark.parametrize("phase", ["sft", "rl"])
-def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_path, monkeypatch, phase):
+def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_path, monkeypatch, capsys, phase):
     """Saves are asynchronous. An error in the step after one (here injected; a bad prompt,
     the health check or an out-of-memory error in a run) leaves the phase only once that
     checkpoint is written and renamed to its step, checksums included: the writer is
@@ -456,6 +457,8 @@ def test_an_error_right_after_a_save_waits_for_that_checkpoint(data_dir, tmp_pat
     ckpt = tmp_path / "checkpoints" / phase
     assert (ckpt / "2" / "checksums.json").exists(), sorted(os.listdir(ckpt))
     assert not [d for d in os.listdir(ckpt) if "tmp" in d]
+    out = capsys.readouterr().out
+    assert f"checkpoints/{phase}: stopped by RuntimeError: finishing the checkpoint being written" in out
 
 
 def test_without_config_json_resume_reads_the_checkpoints_own_config(data_dir, tmp_path):
