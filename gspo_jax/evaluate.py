@@ -261,6 +261,7 @@ def run_command(fn, required: dict[str, str], more: tuple = ()):
         config_lib.ConfigError,
         CheckpointError,
         FileNotFoundError,
+        FileExistsError,
         DataDirNotWritable,
         *more,
     ) as e:
@@ -272,19 +273,44 @@ def main(argv: Sequence[str]) -> None:
     from absl import flags
 
     del argv
-    result = run_command(
-        lambda f: evaluate_checkpoint(
+
+    def evaluate(f):
+        if f.out:
+            check_out_file(f.out)  # before the evaluation, not after
+        return evaluate_checkpoint(
             f.config, f.checkpoint, split=f.split, num_prompts=int(f.num_prompts)
-        ),
-        {"checkpoint": "a workdir or a HF directory"},
-    )
+        )
+
+    result = run_command(evaluate, {"checkpoint": "a workdir or a HF directory"})
     f = flags.FLAGS
     text = json.dumps(result, indent=2, sort_keys=True)
     if f.out:
-        os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
-        with open(f.out, "w", encoding="utf-8") as fh:
+        out = os.path.abspath(f.out)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out + ".tmp", "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
+        os.replace(out + ".tmp", out)
     print(text, flush=True)
+
+
+def check_out_file(path: str) -> None:
+    """``--out`` may be a new file or an earlier evaluation's (a JSON object with
+    ``checkpoint`` and ``restored``), which is replaced; anything else (a run's
+    ``config.json`` or ``metrics.jsonl``, a folder) is refused by FileExistsError."""
+    if not os.path.lexists(path):
+        return
+    record = None
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            pass
+    if not (isinstance(record, dict) and {"checkpoint", "restored"} <= set(record)):
+        raise FileExistsError(
+            f"--out={path} exists and is not an earlier evaluation's output; writing the "
+            "scores there would replace it: name a new file. Nothing was evaluated"
+        )
 
 
 def _define_flags() -> None:

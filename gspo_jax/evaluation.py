@@ -26,6 +26,7 @@ none; :func:`final_answers`). :func:`eval_metrics` turns them into the logged di
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import jax
@@ -119,8 +120,8 @@ def final_answer(kind: str, text: str) -> str | None:
     ``kind`` (`ANSWER_KINDS`; the task's ``answer_kind``): "numeric", the number
     :func:`gspo_jax.answers.read_final_answer` reads, as an exact rational (``"72"``,
     ``"1/2"``); "tag", the content of the last answer tag
-    (:func:`gspo_jax.answers.extract_answer`) with all whitespace removed (None when
-    empty).
+    (:func:`gspo_jax.answers.extract_answer`) without its whitespace, but for one space
+    where it stands between two words or numbers (None when empty).
     """
     if kind not in ANSWER_KINDS:
         raise ValueError(f"kind must be one of {ANSWER_KINDS}, got {kind!r}")
@@ -130,8 +131,12 @@ def final_answer(kind: str, text: str) -> str | None:
     content = extract_answer(text)
     if content is None:
         return None
-    content = "".join(content.split())
+    # Whitespace goes, but where it keeps two words or numbers apart ("1 2" is not 12).
+    content = _SPACE_NOT_APART_RE.sub("", " ".join(content.split()))
     return content or None
+
+
+_SPACE_NOT_APART_RE = re.compile(r"(?<!\w) | (?!\w)")  # a space not between two words
 
 
 def final_answers(kind: str, texts: Sequence[str]) -> list[str | None]:

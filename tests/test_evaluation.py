@@ -2,6 +2,7 @@
 pass@k against hand-computed cases and a brute-force enumeration, maj@k, the config
 field, and evaluation of a smoke run's workdir and of a tiny Hugging Face directory."""
 
+import functools
 import itertools
 import json
 import os
@@ -118,6 +119,10 @@ def test_final_answers():
     assert _answer_kind("file", verifier="math:isclose") == "tag"  # a plug-in reward
     assert evaluation.final_answer(kinds["countdown"], "x <answer>(1 + 2) * 3</answer>") == "(1+2)*3"
     assert evaluation.final_answer(kinds["countdown"], "<answer> </answer>") is None
+    # Whitespace that keeps two numbers or words apart stays: "1 2" is not 12 for maj@k.
+    tag = functools.partial(evaluation.final_answer, "tag")
+    assert tag("<answer>1 2</answer>") == "1 2" != tag("<answer>12</answer>") == "12"
+    assert tag("<answer> x  =\n 3 </answer>") == "x=3" and tag("<answer>New\n York</answer>") == "New York"
     assert evaluation.final_answer(kinds["countdown"], "no tag") is None
     # Numeric tasks compare values: 72, 72.0 and $72 are one answer.
     a = evaluation.final_answers(kinds["gsm8k"], ["#### 72", "<answer>72.0</answer>", "The answer is $72."])
@@ -226,6 +231,33 @@ def test_evaluate_command_line(smoke_workdir, data_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(out_file.read_text())
     assert METRIC_KEYS <= set(out) and out["restored"] == "rl/2"
+
+    # --out a file of the run: refused before anything is evaluated, the file kept.
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    before = open(metrics).read()
+    cmd[cmd.index(f"--out={out_file}")] = f"--out={metrics}"
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"FileExistsError: --out={metrics} exists and is not an earlier evaluation's output; "
+        "writing the scores there would replace it: name a new file. Nothing was evaluated"]
+    assert open(metrics).read() == before
+
+
+def test_evaluate_out_replaces_only_an_earlier_evaluation(tmp_path):
+    from gspo_jax.evaluate import check_out_file
+
+    check_out_file(str(tmp_path / "new.json"))
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"checkpoint": "/runs/a", "restored": "rl/2", "eval/pass@1": 0.5}))
+    check_out_file(str(earlier))
+    for name, text in (("config.json", json.dumps({"objective": {"name": "gspo"}})),
+                       ("metrics.jsonl", '{"step": 1}\n{"step": 2}\n'), ("notes.txt", "mine")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(FileExistsError, match="is not an earlier evaluation's output"):
+            check_out_file(str(tmp_path / name))
+    with pytest.raises(FileExistsError):
+        check_out_file(str(tmp_path))  # a folder
 
 
 def _tiny_hf_dir(path):
