@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import math
 import pathlib
+import re
 
 import ml_collections
 import pytest
@@ -339,13 +340,10 @@ def test_every_string_field_refuses_a_non_string(path):
         ("norm_eps", NAN, 1e-5),
         ("norm_eps", 0.0, 1e-6),
         ("init_std", -0.02, 0.02),
-        ("aux_loss_coef", NAN, 0.01),
-        ("z_loss_coef", -1.0, 0.001),
         ("renormalize_topk", 1, False),
         ("qk_norm", "no", False),
         ("qkv_bias", None, True),
         ("tie_embeddings", 0, True),
-        ("value_head", 1, False),
         ("dense_layers", [5], [1]),  # smoke: 2 layers
         ("dense_layers", [0.5], []),
         ("axis_rules", (("embed", "model"),), (("embed", "fsdp"),)),
@@ -369,20 +367,20 @@ def test_the_sweep_covers_every_model_config_field():
         "rope_theta",
         "norm_eps",
         "init_std",
-        "aux_loss_coef",
-        "z_loss_coef",
         "renormalize_topk",
         "qk_norm",
         "qkv_bias",
         "tie_embeddings",
-        "value_head",
         "dense_layers",
         "axis_rules",
     }
     in_base = set(_smoke().model.fields.keys())
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    # config.model_config sets the first from the tokenizer, the Trainer the second from the mesh
-    derived = {"num_valid_tokens", "moe_groups"}
+    # Set by the trainer or kept from a Hugging Face checkpoint, refused in the config
+    # (test_model_fields_that_training_does_not_read_are_refused).
+    from gspo_jax.models.config import DERIVED_FIELDS
+
+    derived = set(DERIVED_FIELDS)
     assert fields == checked | in_base | derived | set(config_lib.MODEL_RUNTIME_FIELDS)
 
 
@@ -438,9 +436,6 @@ MODEL_FIELD_VALUES = {
     "tie_embeddings": ("True", True),
     "rope_theta": ("1e6", 1e6),
     "norm_eps": ("1e-5", 1e-5),
-    "aux_loss_coef": ("0.01", 0.01),
-    "z_loss_coef": ("0.001", 0.001),
-    "value_head": ("True", True),
     "init_std": ("0.01", 0.01),
 }
 
@@ -472,6 +467,22 @@ def test_every_documented_model_field_can_be_set_from_the_command_line():
         r"did you mean config\.model\.fields\.rope_theta\?$"
     )):
         _command_line("--config.model.fields.rope_thetta=1e6")
+
+
+@pytest.mark.parametrize("key, names", [
+    ("aux_loss_coef", r"config\.updates\.aux_loss_coef \(RL\) and config\.sft\.aux_loss_coef"),
+    ("z_loss_coef", r"config\.updates\.z_loss_coef"),
+    ("value_head", r"config\.advantage='gae'"),
+])
+def test_model_fields_that_training_does_not_read_are_refused(key, names):
+    """ModelConfig's router loss weights (a Hugging Face checkpoint's, kept for export)
+    and its value head (the trainer's, for GAE) are not run settings: set in
+    config.model.fields they would do nothing, so they are refused, naming what does."""
+    c = _smoke()
+    c.model.fields[key] = 0.01 if "coef" in key else True
+    assert re.search(names, _raises(c, f"model.fields.{key}"))
+    with pytest.raises(config_lib.ConfigError, match="unknown config key"):
+        _command_line(f"--config.model.fields.{key}=0.01")
 
 
 def test_a_run_saved_with_ten_model_fields_compares_at_the_others_defaults():

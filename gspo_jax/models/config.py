@@ -113,9 +113,12 @@ class ModelConfig:
         each device dispatches its own rows. Changes no value. Under a mesh set
         with `jax.set_mesh`, 'ragged' takes its groups from the mesh instead
         (`gspo_jax.models.expert_parallel`).
-      aux_loss_coef: coefficient the trainer puts on RouterAux.aux_loss.
-      z_loss_coef: coefficient the trainer puts on RouterAux.z_loss.
-      value_head: add a scalar value head (PPO critic).
+      aux_loss_coef: a Hugging Face checkpoint's weight of RouterAux.aux_loss (its
+        ``router_aux_loss_coef`` x top_k), kept so that an export writes it back; a run's
+        weights are config.updates.aux_loss_coef and config.sft.aux_loss_coef.
+      z_loss_coef: likewise for RouterAux.z_loss (a run's: config.updates.z_loss_coef).
+      value_head: add a scalar value head (PPO critic; the trainer sets it for
+        config.advantage 'gae').
       logits_chunk_size: default chunk over T in `token_logprobs` (None = whole T;
         0 is taken as None, the experiment config's "off").
       num_valid_tokens: token ids >= this are padding rows of the embedding (a real
@@ -156,9 +159,9 @@ class ModelConfig:
     moe_backend: str = "blocked"
     moe_block_size: int = 64
     moe_groups: int = 1
-    aux_loss_coef: float = setting(0.0, low=0, doc="weight of RouterAux.aux_loss")
-    z_loss_coef: float = setting(0.0, low=0, doc="weight of RouterAux.z_loss")
-    value_head: bool = setting(False, doc="a scalar value head (PPO critic)")
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    value_head: bool = False
     logits_chunk_size: Optional[int] = None
     num_valid_tokens: int = 0
     init_std: float = setting(0.02, low=0, low_open=True, doc="stddev of the initialiser")
@@ -412,6 +415,12 @@ RUNTIME_FIELDS = tuple(
 DERIVED_FIELDS = {
     "num_valid_tokens": "derived from the tokenizer's vocabulary",
     "moe_groups": "set by the trainer to the mesh's batch shards",
+    "value_head": "set by the trainer for config.advantage='gae' (PPO's critic)",
+    "aux_loss_coef": "not read by training (a Hugging Face checkpoint's router loss weight, "
+    "kept for its export): set config.updates.aux_loss_coef (RL) and "
+    "config.sft.aux_loss_coef (the warm start)",
+    "z_loss_coef": "not read by training (a Hugging Face checkpoint's, kept for its "
+    "export): set config.updates.z_loss_coef (RL)",
 }
 
 
