@@ -5,9 +5,8 @@ and its own step count. A checkpoint holds
 
 * ``state``: the :class:`~gspo_jax.step.TrainState` pytree (parameters,
   optimizer state, step, skipped-update count), restored with the shardings of
-  a target state so a resumed run lands on the same mesh; an RL run with
-  ``rollout.staleness`` k saves ``{"train": state, "queue": the k scored batches
-  waiting}`` (`gspo_jax.offpolicy.checkpoint_target`);
+  a target state so a resumed run lands on the same mesh; an RL checkpoint holds
+  ``{"train": state, "queue": the scored batches waiting}`` (`gspo_jax.rl.CHECKPOINT_LAYOUT`);
 * ``meta``: a JSON dict with what the host loop needs to continue exactly
   (the data position, counters);
 * ``checksums.json``: the size and SHA-256 of every file of ``state`` and

@@ -102,7 +102,7 @@ def _restore_sft(trainer, step: int | None = None) -> tuple[Any, int]:
 def _restore_rl(trainer) -> tuple[Any, int]:
     """(parameters, step) of the newest RL checkpoint that restores: the state train.py
     saves (`gspo_jax.rl.RLPhase.checkpoint_items`), with LoRA onto its base."""
-    from gspo_jax import lora_rl, offpolicy, rl
+    from gspo_jax import lora_rl, rl
 
     cfg = trainer.cfg
     kind = lora_rl.trainable(cfg.lora, "rl")
@@ -117,10 +117,10 @@ def _restore_rl(trainer) -> tuple[Any, int]:
             ) from None
     params, base = lora_rl.rl_start(trainer, params, kind)
     state = trainer.new_state(params, rl.rl_optimizer(cfg)[0], kind)
-    target = offpolicy.checkpoint_target(trainer, lora_rl.saved_state(state, kind))
+    target = rl.checkpoint_target(trainer, lora_rl.saved_state(state, kind))
     with _reader(trainer, "rl") as ckpt:
         tree, meta, step = ckpt.restore(target)
-    saved = tree["train"] if cfg.rollout.staleness else tree
+    saved, _ = rl.unpack_checkpoint(tree, meta, cfg)
     return lora_rl.loaded_state(saved, meta, state, kind, base).params, step
 
 

@@ -277,20 +277,16 @@ def routing_record(cfg, model_cfg) -> str:
     return "response" if model_cfg.num_moe_layers > 0 else "none"
 
 
-def checkpoint_target(trainer, state):
-    """The restore target of an RL checkpoint: the train state ``state`` alone, or with
-    ``rollout.staleness`` = k, a function of the checkpoint's record giving
-    ``{"train": state, "queue": [k batches]}`` (the tree
-    `gspo_jax.rl.RLPhase.checkpoint_items` saves), its batches shaped with the
-    ``rollout.max_prompt_len`` they were sampled with (a field a resume may change;
-    `fit_queue` brings them to this run's)."""
+def queue_target(trainer):
+    """The restore target of a checkpointed queue (`gspo_jax.rl.checkpoint_target`), as a
+    function of the checkpoint's record: ``rollout.staleness`` batch templates, shaped
+    with the ``rollout.max_prompt_len`` they were sampled with (a field a resume may
+    change; `fit_queue` brings them to this run's); none at staleness 0."""
     cfg, mc = trainer.cfg, trainer.model_cfg
-    if not cfg.rollout.staleness:
-        return state
     record = routing_record(cfg, mc)
     route = (mc.num_moe_layers, mc.top_k) if record != "none" else None
 
-    def target(meta: dict[str, Any]):
+    def target(meta: dict[str, Any]) -> list[dict[str, jax.ShapeDtypeStruct]]:
         saved = meta.get("config", {}).get("rollout", {}).get("max_prompt_len")
         template = batch_template(
             rows=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
@@ -300,7 +296,7 @@ def checkpoint_target(trainer, state):
             replay_r3=record == "all",
             sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
         )
-        return {"train": state, "queue": [template] * cfg.rollout.staleness}
+        return [template] * cfg.rollout.staleness
 
     return target
 

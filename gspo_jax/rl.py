@@ -143,6 +143,47 @@ def rl_optimizer(cfg: RunConfig):
     )
 
 
+# ---------------------------------------------------------------------------
+# The RL checkpoint: one layout, whatever the features, built and read here alone.
+#
+#   tree    {"train": the train state (with LoRA its trainable part, lora_rl.saved_state),
+#            "queue": the device arrays of the batches waiting (rollout.staleness k; [] at 0)}
+#   record  {"layout": 2, "queue": those batches' host part (rewards, step, version),
+#            "lora_base" (LoRA: the frozen base's identity) or "reference" (a KL term's
+#            pi_ref in full fine-tuning): what a resume rebuilds from its source, checked}
+#
+# train.py adds the phase, the step, the config and the inputs' fingerprints to the
+# record. A checkpoint from before "layout" (1) holds the bare state at staleness 0.
+CHECKPOINT_LAYOUT = 2
+
+
+def _bare_state(meta: dict[str, Any], cfg: RunConfig) -> bool:
+    """Whether a checkpoint's tree is the train state alone (layout 1 at staleness 0)."""
+    return meta.get("layout", 1) < 2 and not cfg.rollout.staleness
+
+
+def checkpoint_target(trainer: Trainer, state):
+    """The restore target of an RL checkpoint for the train state ``state`` (with LoRA
+    its trainable part), as a function of the checkpoint's record (its layout, and the
+    prompt length its queue was sampled with: `gspo_jax.offpolicy.queue_target`); what
+    `gspo_jax.evaluate` and `gspo_jax.export` restore too."""
+    queue = offpolicy.queue_target(trainer)
+
+    def target(meta: dict[str, Any]):
+        if _bare_state(meta, trainer.cfg):
+            return state
+        return {"train": state, "queue": queue(meta)}
+
+    return target
+
+
+def unpack_checkpoint(tree, meta: dict[str, Any], cfg: RunConfig) -> tuple[Any, list]:
+    """(the saved train state, the queued batches' device arrays) of a restored tree."""
+    if _bare_state(meta, cfg):
+        return tree, []
+    return tree["train"], list(tree["queue"])
+
+
 class ReferenceChanged(checkpoint.SourceChanged):
     """A resumed run's reference policy is not the one its checkpoint trained against."""
 
@@ -462,41 +503,41 @@ class RLPhase:
         return offpolicy.QueuedBatch(device, rewards, info, step=step, version=version)
 
     def checkpoint_items(self) -> tuple[Any, dict[str, Any]]:
-        """What a checkpoint holds: the train state (and, with staleness, the queue's
-        device arrays), and the JSON record of the queue's host part."""
-        state, meta = self.state, {}
-        if self.lora:  # the trainable parameters, and the frozen base's identity
-            state = lora_rl.saved_state(state, self.step_cfg.trainable)
-            meta = {"lora_base": self.base}
+        """What an RL checkpoint holds (`CHECKPOINT_LAYOUT`): the tree and the JSON record
+        of this phase's state."""
+        meta: dict[str, Any] = {"layout": CHECKPOINT_LAYOUT}
+        if self.lora:  # the frozen base's identity
+            meta["lora_base"] = self.base
         if self.reference is not None:  # the KL term's pi_ref, in full fine-tuning
-            meta = {"reference": self.reference}
-        if not self.cfg.rollout.staleness:
-            return state, meta
-        tree = {"train": state, "queue": [b.device for b in self.queue]}
-        return tree, {"queue": [b.meta() for b in self.queue], **meta}
+            meta["reference"] = self.reference
+        meta["queue"] = [b.meta() for b in self.queue]
+        return {"train": self._saved_state(), "queue": [b.device for b in self.queue]}, meta
 
     def checkpoint_target(self):
-        """The restore target of `checkpoint_items`' tree."""
-        state = self.state
-        if self.lora:
-            state = lora_rl.saved_state(state, self.step_cfg.trainable)
-        return offpolicy.checkpoint_target(self.t, state)
+        """The restore target of `checkpoint_items`' tree (`checkpoint_target`)."""
+        return checkpoint_target(self.t, self._saved_state())
+
+    def _saved_state(self):
+        """The train state as a checkpoint holds it: with LoRA, its trainable part."""
+        if not self.lora:
+            return self.state
+        return lora_rl.saved_state(self.state, self.step_cfg.trainable)
 
     def load_checkpoint(self, tree, meta: dict[str, Any]) -> None:
-        """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`); with
-        LoRA onto the frozen base rebuilt from its source, checked against its checksum."""
-        state = tree if not self.cfg.rollout.staleness else tree["train"]
+        """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`): with
+        LoRA onto the frozen base rebuilt from its source, checked against its checksum;
+        pi_ref checked against the one the checkpoint trained with; the queue re-padded
+        to this run's rollout.max_prompt_len."""
+        state, queue = unpack_checkpoint(tree, meta, self.cfg)
         check_reference(meta.get("reference"), self.reference)
         if self.lora:
             state = lora_rl.loaded_state(
                 state, meta, self.state, self.step_cfg.trainable, self.base
             )
         self.state = state
-        if not self.cfg.rollout.staleness:
-            return
         self.queue.clear()
         pad_id = self.t.tokenizer.pad_id
-        for device, record in zip(tree["queue"], meta["queue"]):
+        for device, record in zip(queue, meta.get("queue", [])):
             device = offpolicy.fit_queue(device, self.t.max_prompt_len, pad_id)
             self.queue.append(offpolicy.QueuedBatch.from_checkpoint(device, record))
         self.sampler_params = None

@@ -158,9 +158,9 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
                 flip=f"{m.get('flip_frac', 0.0):.3f}",
             )
             bar.update(1)
-            tree, queue_meta = rl.checkpoint_items()  # the state, and the queue with staleness
+            tree, phase_meta = rl.checkpoint_items()  # rl.CHECKPOINT_LAYOUT
             meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c)}
-            meta.update(trainer.sources(), **queue_meta)
+            meta.update(trainer.sources(), **phase_meta)
             stop = guard.requested
             rl_ckpt.save(s + 1, tree, meta, force=(s + 1 == steps) or stop)
             if stop:

@@ -280,7 +280,8 @@ def test_one_rl_step_changes_only_the_adapters(data_dir, tmp_path, train_router)
     # What an RL checkpoint holds: the trainable parameters (and their moments), and
     # the base's identity.
     tree, meta = rl.checkpoint_items()
-    saved = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree.params)[0]]
+    assert tree["queue"] == [] and meta["layout"] == 2  # rl.CHECKPOINT_LAYOUT
+    saved = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree["train"].params)[0]]
     assert saved == paths
     assert set(meta["lora_base"]) == {"source", "checksum"}
 

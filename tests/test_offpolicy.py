@@ -434,6 +434,39 @@ def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tm
         offpolicy.fit_queue(queued.device, longest - 1, pad_id)
 
 
+def test_one_checkpoint_layout_and_the_one_before_it_restore(data_dir, tmp_path):
+    """An RL checkpoint is {"train", "queue"} whatever the features (an empty queue at
+    staleness 0), built and read by gspo_jax.rl alone, for a resume and for the
+    evaluation; a checkpoint written before (the bare state at staleness 0, a record
+    without "layout") still restores, in both."""
+    from gspo_jax import evaluate, safety
+    from gspo_jax.checkpoint import PhaseCheckpointer
+    from gspo_jax.rl import RLPhase
+    from gspo_jax.trainer import Trainer
+
+    c = smoke(data_dir)
+    trainer = Trainer(c, str(tmp_path))
+    rl = RLPhase(trainer, trainer.init_params)
+    rl.state = rl.state.replace(params=jax.tree.map(lambda x: x + 1, rl.state.params))
+    want = jax.device_get(rl.state.params)
+    tree, meta = rl.checkpoint_items()
+    assert sorted(tree) == ["queue", "train"] and tree["queue"] == []
+    assert meta == {"layout": 2, "queue": []}
+    record = {"phase": "rl", "config": safety.config_record(c)}
+    with PhaseCheckpointer(str(tmp_path), "rl", every=1, keep=5) as ckpt:
+        ckpt.save(1, tree, {**record, "step": 1, **meta}, force=True)
+        ckpt.save(2, rl.state, {**record, "step": 2}, force=True)  # the layout before
+    for step in (2, 1):
+        rl = RLPhase(trainer, trainer.init_params)
+        with PhaseCheckpointer(str(tmp_path), "rl", every=1, keep=5) as ckpt:
+            rl.load_checkpoint(*ckpt.restore(rl.checkpoint_target(), step)[:2])
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(rl.state.params), want)
+        assert not rl.queue
+    params, restored = evaluate.restore_params(trainer)  # the newest: the layout before
+    assert restored == "rl/2"
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), want)
+
+
 def test_the_seeded_report_applies_the_rule_written_before_the_runs(tmp_path):
     """experiments/offpolicy/report.py: paired differences by seed, and each verdict."""
     from experiments.offpolicy import report
