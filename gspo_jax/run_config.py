@@ -156,6 +156,17 @@ class SftConfig:
     batch_size: int = setting(64, low=1, doc="sequences per step; divisible by the batch shards")
     lr: float = setting(3e-3, low=0, low_open=True, doc="learning rate")
     warmup_steps: int = setting(20, low=0, doc="linear warmup, in steps")
+    end_lr_ratio: float = setting(0.1, low=0, high=1, doc="the final lr / lr of its cosine decay")
+    weight_decay: float = setting(0.0, low=0, doc="AdamW's decoupled weight decay")
+    b1: float = setting(0.9, low=0, high=1, high_open=True, doc="Adam's beta1")
+    b2: float = setting(0.99, low=0, high=1, high_open=True, doc="Adam's beta2")
+    grad_clip: float = setting(
+        1.0,
+        low=0,
+        low_open=True,
+        why=" (clipping is always on)",
+        doc="global-norm gradient clip (always on; a large value makes it a no-op)",
+    )
     aux_loss_coef: float = setting(0.01, low=0, doc="the warm start's load-balancing loss")
 
 

@@ -54,17 +54,18 @@ def sft_batch(t: Trainer, position: int) -> tuple[dict[str, np.ndarray], int]:
 
 
 def sft_optimizer(cfg: RunConfig):
-    """The warm start's optimizer and schedule (cosine, from ``config.sft``)."""
+    """The warm start's AdamW and schedule (a cosine decay), from ``config.sft``."""
+    s = cfg.sft
     return step.make_optimizer(
-        lr=cfg.sft.lr,
+        lr=s.lr,
         schedule="cosine",
-        total_steps=cfg.sft.steps,
-        warmup_steps=cfg.sft.warmup_steps,
-        end_lr_ratio=0.1,
-        weight_decay=0.0,
-        b1=0.9,
-        b2=0.99,
-        grad_clip=1.0,
+        total_steps=s.steps,
+        warmup_steps=s.warmup_steps,
+        end_lr_ratio=s.end_lr_ratio,
+        weight_decay=s.weight_decay,
+        b1=s.b1,
+        b2=s.b2,
+        grad_clip=s.grad_clip,
     )
 
 

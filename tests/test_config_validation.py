@@ -78,6 +78,11 @@ def _is_number(v):
         ("updates.z_loss_coef", NAN),
         ("updates.aux_loss_coef", -0.1),
         ("sft.aux_loss_coef", -0.1),
+        ("sft.b1", 1.0),
+        ("sft.b2", 1.5),
+        ("sft.grad_clip", 0.0),
+        ("sft.end_lr_ratio", 1.5),
+        ("sft.weight_decay", -0.01),
         ("optimizer.end_lr_ratio", -0.1),
         ("optimizer.end_lr_ratio", 1.5),
         ("optimizer.b1", 1.5),
@@ -438,6 +443,22 @@ MODEL_FIELD_VALUES = {
     "norm_eps": ("1e-5", 1e-5),
     "init_std": ("0.01", 0.01),
 }
+
+
+def test_the_warm_starts_optimizer_is_its_config(monkeypatch):
+    """config.sft's AdamW settings reach the warm start's optimizer (they were written
+    into sft.py), each settable on the command line."""
+    from gspo_jax import sft, step
+
+    seen = {}
+    monkeypatch.setattr(step, "make_optimizer", lambda **kw: seen.update(kw))
+    c = _command_line("--config.sft.b1=0.8", "--config.sft.b2=0.95", "--config.sft.grad_clip=0.5",
+                      "--config.sft.end_lr_ratio=0.2", "--config.sft.weight_decay=0.01")
+    config_lib.validate(c, 8)
+    sft.sft_optimizer(config_lib.typed(c))
+    assert seen == dict(lr=c.sft.lr, schedule="cosine", total_steps=c.sft.steps,
+                        warmup_steps=c.sft.warmup_steps, end_lr_ratio=0.2, weight_decay=0.01,
+                        b1=0.8, b2=0.95, grad_clip=0.5)
 
 
 def test_every_documented_model_field_can_be_set_from_the_command_line():
