@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import advantages as adv_lib
-from gspo_jax import checkpoint, lora_rl, offpolicy, passes, step
+from gspo_jax import checkpoint, evaluation, lora_rl, offpolicy, passes, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
@@ -218,6 +218,9 @@ class RLPhase:
 
     def __init__(self, trainer: Trainer, params):
         self.t, self.c, self.cfg = trainer, trainer.c, trainer.cfg
+        # As a phase of the run's loop: its steps, the one it resumes at (set by
+        # load_checkpoint) and the writer of one record per optimizer update.
+        self.steps, self.start, self.update_writer = trainer.cfg.total_rl_steps, 0, None
         c = trainer.c
         cfg = trainer.cfg
         self.updates_per_step = cfg.updates.num_minibatches * cfg.updates.num_epochs
@@ -403,6 +406,41 @@ class RLPhase:
                 ms.append(m)
                 where.append({"k": len(where), "epoch": epoch, "minibatch": j})
         return ms, where
+
+    # ---- as a phase of the run's loop (gspo_jax.loop.Phase) -------------------
+
+    name = "rl"
+
+    def run_step(self, s: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`step`, its updates' records written (``updates.jsonl``, when
+        ``update_writer`` is set); the summary metrics are also the health check's."""
+        m, updates = self.step(s)
+        for u in updates:
+            if self.update_writer is not None:
+                tb_step = s * self.updates_per_step + u["k"]
+                self.update_writer.write(s + 1, "rl", u, tb_step=tb_step)
+        return m, m
+
+    def finish_step(self, s: int, m: dict[str, Any]) -> dict[str, Any] | None:
+        """The held-out evaluation every ``eval_every`` steps and at the last; the record
+        every ``log_every`` steps, at an evaluation and at the last."""
+        last = s + 1 == self.steps
+        if (s + 1) % self.cfg.eval_every == 0 or last:
+            m.update(evaluation.evaluate(self.t, self.state.params))
+        if (s + 1) % self.cfg.log_every == 0 or "eval_reward_mean" in m or last:
+            return m
+        return None
+
+    def postfix(self, m: dict[str, Any], record) -> dict[str, str]:
+        return {
+            "reward": f"{m['reward_mean']:.3f}",
+            "clip": f"{m['clip_frac']:.3f}",
+            "flip": f"{m.get('flip_frac', 0.0):.3f}",
+        }
+
+    def close(self) -> None:
+        if self.update_writer is not None:
+            self.update_writer.close()
 
     def step(self, s: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """One RL step: collect step s + k's batch (k = ``rollout.staleness``), train on

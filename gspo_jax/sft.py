@@ -17,11 +17,10 @@ import jax
 import numpy as np
 
 from gspo_jax import config as config_lib
-from gspo_jax import lora_rl, safety, step
+from gspo_jax import loop, lora_rl, safety, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
-from gspo_jax.metrics_log import progress_bar
 from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
 
@@ -92,57 +91,75 @@ def final_params(t: Trainer):
     return state.params if start >= t.cfg.sft.steps else None
 
 
+class WarmStart:
+    """The warm start as a phase of the run's loop (`gspo_jax.loop.Phase`), resumed
+    from its newest valid checkpoint (`restore_state`)."""
+
+    name = "sft"
+
+    def __init__(self, t: Trainer):
+        cfg = t.cfg
+        self.t, self.c, self.steps = t, t.c, cfg.sft.steps
+        self.ckpt, optimizer, sched, self.state, self.start = restore_state(t)
+        self.key = jax.random.key(t.c.seed)
+        self.fn = None
+        if self.start < self.steps:
+            self.fn = t.jit_step(
+                step.sft_step,
+                self.state,
+                optimizer=optimizer,
+                schedule=sched,
+                micro_batches=1,
+                aux_loss_coef=cfg.sft.aux_loss_coef,
+                trainable=lora_rl.trainable(cfg.lora, "sft"),
+            )
+
+    def run_step(self, s: int):
+        """One step on the batch at data position s * batch_size; its metrics stay on
+        the devices but for the health check's two scalars."""
+        self._t0 = time.perf_counter()
+        host_batch, self._cut = sft_batch(self.t, s * self.t.cfg.sft.batch_size)
+        self._tokens = float(np.sum(host_batch["mask"]))
+        self.state, m = self.fn(
+            self.state, self.t.put_batch(host_batch), jax.random.fold_in(self.key, s)
+        )
+        m = metrics_lib.compute_jit(m)  # the numbers, on the devices
+        return m, jax.device_get({k: m[k] for k in ("params_finite", "skipped_in_a_row")})
+
+    def finish_step(self, s: int, m) -> dict[str, Any] | None:
+        """Every ``log_every`` steps and the last: the metrics, its time and tokens/s."""
+        if (s + 1) % self.c.log_every and s + 1 != self.steps:
+            return None
+        m = jax.device_get(m)
+        dt = time.perf_counter() - self._t0
+        m["step_time"] = dt
+        m["tokens_per_s"] = self._tokens / dt
+        m["prompts_truncated"] = self._cut
+        return m
+
+    def postfix(self, m, record) -> dict[str, str]:
+        return {} if record is None else {"nll": f"{record['sft_nll']:.3f}"}
+
+    def checkpoint_items(self) -> tuple[Any, dict[str, Any]]:
+        return self.state, {}
+
+    def close(self) -> None:
+        pass
+
+
 def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
-    """The supervised warm start, resumed from its newest valid checkpoint. Returns
-    (its final parameters, the metrics writer it logged to, or None when it had
-    nothing left to do). ``open_log(phase, step)`` opens the log cut back to a step."""
-    c = t.c
-    cfg = t.cfg
-    steps = cfg.sft.steps
-    ckpt, optimizer, sched, state, start = restore_state(t)
-    if start >= steps:
-        ckpt.close()
-        return state.params, None
-    writer = open_log("sft", start)
-    fn = t.jit_step(
-        step.sft_step,
-        state,
-        optimizer=optimizer,
-        schedule=sched,
-        micro_batches=1,
-        aux_loss_coef=cfg.sft.aux_loss_coef,
-        trainable=lora_rl.trainable(cfg.lora, "sft"),
-    )
-    with ckpt:  # every way out waits for the save in flight (checkpoint.py)
-        bar = progress_bar(c, steps, start, "sft")
-        base = jax.random.key(c.seed)
-        for i in range(start, steps):
-            t0 = time.perf_counter()
-            host_batch, cut = sft_batch(t, i * cfg.sft.batch_size)
-            state, m = fn(state, t.put_batch(host_batch), jax.random.fold_in(base, i))
-            m = metrics_lib.compute_jit(m)  # the numbers, on the devices
-            health = {k: m[k] for k in ("params_finite", "skipped_in_a_row")}
-            safety.check_health(jax.device_get(health), c, f"sft step {i + 1}")
-            if (i + 1) % c.log_every == 0 or i + 1 == steps:
-                m = jax.device_get(m)
-                dt = time.perf_counter() - t0
-                m["step_time"] = dt
-                m["tokens_per_s"] = float(np.sum(host_batch["mask"])) / dt
-                m["prompts_truncated"] = cut
-                writer.write(i + 1, "sft", m)
-                bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
-            bar.update(1)
-            stop = guard is not None and guard.requested
-            meta = {"phase": "sft", "step": i + 1, "config": safety.config_record(c), **t.sources()}
-            ckpt.save(i + 1, state, meta, force=(i + 1 == steps) or stop)
-            if stop:
-                ckpt.close()
-                writer.close()
-                guard.exit(f"sft step {i + 1}")
-            if guard is not None:
-                guard.heartbeat()
-        bar.close()
-    return state.params, writer
+    """The supervised warm start, resumed from its newest valid checkpoint (the run's
+    loop, `gspo_jax.loop.run`). Returns (its final parameters, the metrics writer it
+    logged to, or None when it had nothing left to do). ``open_log(phase, step)`` opens
+    the log cut back to a step."""
+    phase = WarmStart(t)
+    if phase.start >= phase.steps:
+        phase.ckpt.close()
+        return phase.state.params, None
+    writer = open_log("sft", phase.start)
+    with phase.ckpt:  # every way out waits for the save in flight (checkpoint.py)
+        loop.run(phase, t.c, t.sources(), phase.ckpt, writer, guard)
+    return phase.state.params, writer
 
 
 def reference_for_resume(trainer: Trainer):

@@ -8,10 +8,12 @@ resume.
     run(c, workdir)
       Trainer(c, workdir)           the run's parts: tokenizer, mesh, data, model, sampler
                                     (gspo_jax.trainer); validates the config
-      sft.run(...)                  the supervised warm start (gspo_jax.sft)
-      evaluation.evaluate(...)      held-out metrics, every ``eval_every`` steps
-      RLPhase(...).step(s)          one RL step: sample, score, filter, old pass,
-                                    advantages, correction, updates (gspo_jax.rl)
+      sft.WarmStart(trainer)        the supervised warm start (gspo_jax.sft)
+      RLPhase(trainer, params)      RL: sample, score, filter, old pass, advantages,
+                                    correction, updates (gspo_jax.rl); the held-out
+                                    evaluation every ``eval_every`` steps
+      loop.run(phase, ...)          each phase's steps, health checks, logs,
+                                    checkpoints and stop (gspo_jax.loop)
 
 Everything is resumable: each phase restores its latest checkpoint (parameters,
 optimizer state, step; the data position and RNG are functions of the step), and
@@ -31,9 +33,9 @@ import jax
 import ml_collections
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, multihost, old_keys, safety, sft
+from gspo_jax import evaluation, loop, multihost, old_keys, safety, sft
 from gspo_jax.checkpoint import PhaseCheckpointer
-from gspo_jax.metrics_log import MetricsWriter, open_wandb, progress_bar
+from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.rl import RLPhase
 from gspo_jax.trainer import Trainer
 
@@ -119,17 +121,16 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
 
     with rl_ckpt:  # every way out waits for the save in flight (checkpoint.py)
         rl = RLPhase(trainer, params)
-        rl_start = 0
         if resuming_rl:  # the newest checkpoint that restores (checkpoint.PhaseCheckpointer)
-            tree, meta, rl_start = rl_ckpt.restore(rl.checkpoint_target())
-            safety.check_sources(meta, trainer.sources(), f"{rl_ckpt.directory}/{rl_start}")
+            tree, meta, rl.start = rl_ckpt.restore(rl.checkpoint_target())
+            safety.check_sources(meta, trainer.sources(), f"{rl_ckpt.directory}/{rl.start}")
             rl.load_checkpoint(tree, meta)
-        if writer is None:  # RL resumes at rl_start, or starts afresh (-1: no RL line kept)
-            writer = open_log("rl", rl_start if resuming_rl else -1)
+        if writer is None:  # RL resumes at its start, or starts afresh (-1: no RL line kept)
+            writer = open_log("rl", rl.start if resuming_rl else -1)
         # One record per optimizer update, cut back to the RL checkpoint like metrics.jsonl.
-        update_writer = MetricsWriter(
+        rl.update_writer = MetricsWriter(
             workdir,
-            resume_step=rl_start,
+            resume_step=rl.start,
             resume_phase="rl",
             filename="updates.jsonl",
             tb_prefix="updates",
@@ -138,39 +139,10 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
             timeout=c.log_write_timeout,
         )
         records = []
-        steps = cfg.total_rl_steps
-        if rl_start == 0:
-            rec = writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params))
-            records.append(rec)
-        bar = progress_bar(c, steps, rl_start, "rl")
-        for s in range(rl_start, steps):
-            m, updates = rl.step(s)
-            for u in updates:
-                update_writer.write(s + 1, "rl", u, tb_step=s * rl.updates_per_step + u["k"])
-            safety.check_health(m, c, f"rl step {s + 1}")
-            if (s + 1) % cfg.eval_every == 0 or s + 1 == steps:
-                m.update(evaluation.evaluate(trainer, rl.state.params))
-            if (s + 1) % cfg.log_every == 0 or "eval_reward_mean" in m or s + 1 == steps:
-                records.append(writer.write(s + 1, "rl", m))
-            bar.set_postfix(
-                reward=f"{m['reward_mean']:.3f}",
-                clip=f"{m['clip_frac']:.3f}",
-                flip=f"{m.get('flip_frac', 0.0):.3f}",
-            )
-            bar.update(1)
-            tree, phase_meta = rl.checkpoint_items()  # rl.CHECKPOINT_LAYOUT
-            meta = {"phase": "rl", "step": s + 1, "config": safety.config_record(c)}
-            meta.update(trainer.sources(), **phase_meta)
-            stop = guard.requested
-            rl_ckpt.save(s + 1, tree, meta, force=(s + 1 == steps) or stop)
-            if stop:
-                rl_ckpt.close()
-                update_writer.close()
-                writer.close()
-                guard.exit(f"rl step {s + 1}")
-            guard.heartbeat()
-        bar.close()
-        update_writer.close()
+        if rl.start == 0:
+            records.append(writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params)))
+        records += loop.run(rl, c, trainer.sources(), rl_ckpt, writer, guard)
+        rl.close()
         writer.close()
         return records
 
