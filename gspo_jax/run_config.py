@@ -123,12 +123,10 @@ class TaskConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """``config.optimizer``: AdamW of the RL updates."""
+class AdamWConfig:
+    """AdamW's settings that the RL updates (``config.optimizer``) and the warm start
+    (``config.sft``) each have, declared once."""
 
-    lr: float = setting(2e-4, low=0, low_open=True, doc="peak learning rate")
-    schedule: str = setting("constant", choices=("constant", "cosine", "linear"), doc="decay")
-    warmup_steps: int = setting(5, low=0, doc="linear warmup, in optimizer updates")
     end_lr_ratio: float = setting(0.1, low=0, high=1, doc="the final lr / lr of a decay")
     weight_decay: float = setting(0.0, low=0, doc="AdamW's decoupled weight decay")
     b1: float = setting(0.9, low=0, high=1, high_open=True, doc="Adam's beta1")
@@ -140,6 +138,15 @@ class OptimizerConfig:
         why=" (clipping is always on)",
         doc="global-norm gradient clip (always on; a large value makes it a no-op)",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(AdamWConfig):
+    """``config.optimizer``: AdamW of the RL updates."""
+
+    lr: float = setting(2e-4, low=0, low_open=True, doc="peak learning rate")
+    schedule: str = setting("constant", choices=("constant", "cosine", "linear"), doc="decay")
+    warmup_steps: int = setting(5, low=0, doc="linear warmup, in optimizer updates")
     mu_dtype: str = setting(
         "float32",
         choices=("float32", "bfloat16"),
@@ -149,24 +156,14 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SftConfig:
-    """``config.sft``: the supervised warm start on generated solutions."""
+class SftConfig(AdamWConfig):
+    """``config.sft``: the supervised warm start on generated solutions (AdamW with a
+    cosine decay)."""
 
     steps: int = setting(300, low=0, doc="warm-start steps (0 = skip)")
     batch_size: int = setting(64, low=1, doc="sequences per step; divisible by the batch shards")
     lr: float = setting(3e-3, low=0, low_open=True, doc="learning rate")
     warmup_steps: int = setting(20, low=0, doc="linear warmup, in steps")
-    end_lr_ratio: float = setting(0.1, low=0, high=1, doc="the final lr / lr of its cosine decay")
-    weight_decay: float = setting(0.0, low=0, doc="AdamW's decoupled weight decay")
-    b1: float = setting(0.9, low=0, high=1, high_open=True, doc="Adam's beta1")
-    b2: float = setting(0.99, low=0, high=1, high_open=True, doc="Adam's beta2")
-    grad_clip: float = setting(
-        1.0,
-        low=0,
-        low_open=True,
-        why=" (clipping is always on)",
-        doc="global-norm gradient clip (always on; a large value makes it a no-op)",
-    )
     aux_loss_coef: float = setting(0.01, low=0, doc="the warm start's load-balancing loss")
 
 
