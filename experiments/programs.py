@@ -414,7 +414,7 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
         old_router_logp=old["router_logp"],
     )
     # GRPO without its KL term (no reference pass in a throughput figure).
-    scfg = step.StepConfig(
+    scfg = step.step_config(
         objective="grpo",
         hparams=(("kl_coef", 0.0),),
         micro_batches=sh.micro_batches,

@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.fields import setting
+from gspo_jax.fields import err, setting
 
 Array = jax.Array
 
@@ -40,6 +40,15 @@ class GaeConfig:
     value_coef: float = setting(
         0.5, low=0, doc="the value loss's weight; > 0 with 'gae' (the critic must learn)"
     )
+
+    def check_run(self, run, ctx) -> None:
+        """With advantage 'gae' the critic must learn."""
+        if run.advantage == "gae" and not self.value_coef > 0:
+            raise err(
+                "gae.value_coef",
+                "must be > 0 with advantage 'gae' (0 would leave the critic untrained), "
+                f"got {self.value_coef!r}",
+            )
 
 
 def _check_rewards(rewards, fn: str, min_group: int) -> Array:

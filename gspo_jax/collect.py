@@ -129,7 +129,7 @@ class Collector:
     routing record ``routing`` (`gspo_jax.offpolicy.routing_record`)."""
 
     def __init__(self, trainer: Trainer, routing: str):
-        self.t, self.c, self.cfg, self.routing = trainer, trainer.c, trainer.cfg, routing
+        self.t, self.cfg, self.routing = trainer, trainer.cfg, routing
         self.assemble_fn = jax.jit(
             functools.partial(_assemble, overlong_filter=trainer.cfg.dapo.overlong_filter),
             # on the sampler's devices; `gspo_jax.rl.RLPhase.queued` moves it to training's
@@ -145,10 +145,9 @@ class Collector:
         devices, and host metrics. Of the rollouts only the response token ids,
         lengths and truncation flags came to the host (`score`).
         """
-        c = self.c
         cfg = self.cfg
         n_prompts = cfg.rollout.prompts_per_step
-        max_rounds = cfg.dapo.max_sampling_rounds if c.dapo.dynamic_sampling else 1
+        max_rounds = cfg.dapo.max_sampling_rounds if cfg.dapo.dynamic_sampling else 1
         rounds: list[_Round] = []
         for rnd in range(max_rounds):
             # Round r of step s reads prompts at position (s * max_rounds + r) * n_prompts,
@@ -191,7 +190,6 @@ class Collector:
         of the first kept one (of row 0 if none was kept) whose mask is 0 (they add
         nothing). ``rewards`` (host, shaped) are the batch rows' rewards, for
         `advantages`."""
-        c = self.c
         cfg = self.cfg
         n_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         src_round = np.concatenate([np.full(len(r.rows), i) for i, r in enumerate(rounds)])
@@ -207,7 +205,7 @@ class Collector:
         reward = np.concatenate([reward, np.repeat(reward[:1], short)])
         # Every round's arrays, the same number of rounds each step (round 0 repeated
         # for the rounds not sampled): one program for every step.
-        max_rounds = cfg.dapo.max_sampling_rounds if c.dapo.dynamic_sampling else 1
+        max_rounds = cfg.dapo.max_sampling_rounds if cfg.dapo.dynamic_sampling else 1
         fields = _BATCH_FIELDS + _ROUTING_FIELDS[self.routing]
         parts = [{k: getattr(r.rollout, k) for k in fields} for r in rounds]
         parts += [parts[0]] * (max_rounds - len(parts))
@@ -219,7 +217,6 @@ class Collector:
 
     def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
         """Host metrics of one step's rounds (every sampled response, kept or not)."""
-        c = self.c
         cfg = self.cfg
         n_prompts, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         r_all = np.concatenate([r.rewards for r in rounds])
@@ -245,7 +242,7 @@ class Collector:
             "prompts_truncated": sum(r.prompts_truncated for r in rounds),
             "sampling_rounds": len(rounds),
             "dynamic_sampling_bound_hit": float(
-                c.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts
+                cfg.dapo.dynamic_sampling and sum(r.groups_kept for r in rounds) < n_prompts
             ),
             "sample_time": sum(r.sample_time for r in rounds),
             "gen_tokens": sum(int(x.sum()) for x in lengths),

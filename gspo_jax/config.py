@@ -21,6 +21,7 @@ turns a misspelt key into one line with the closest known key (:func:`closest_ke
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from typing import Any
@@ -70,7 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 def typed(c: ml_collections.ConfigDict):
     """The frozen `RunConfig` of a validated config: ``typed(c).rollout.group_size`` is
-    an int, ``typed(c).objective.typed_hparams()`` the objective's hyperparameters."""
+    an int, ``typed(c).objective.hparams`` the objective's hyperparameters (its dataclass)."""
     return fields.build(_declaration(), c)
 
 
@@ -309,104 +310,30 @@ def _check_keys(
 
 
 # --------------------------------------------------------------------------
-# The model.
+# Loading: the typed config, validated.
 
 
-def _check_model_fields(c: ml_collections.ConfigDict) -> None:
-    """Every ModelConfig field present in config.model.fields, on its own (its
-    declaration in ModelConfig); an initialised model's required ones present."""
-    import dataclasses
+class Context:
+    """What the rules across fields need besides the config (`fields.check_across`): the
+    device count, the tokenizer's vocabulary, and the training mesh they resolve."""
 
-    from gspo_jax.models import config as model_lib
+    def __init__(self, run, num_devices: int, tokenizer_vocab_size: int | None):
+        self.run, self.num_devices = run, int(num_devices)
+        self.tokenizer_vocab_size = tokenizer_vocab_size
 
-    f = c.model.fields
-    known = {x.name: x for x in dataclasses.fields(model_lib.ModelConfig)}
-    for key in f.keys():
-        path = f"model.fields.{key}"
-        if key in model_lib.RUNTIME_FIELDS:
-            raise _err(path, f"a runtime setting: set config.model.{key} (this one is ignored)")
-        if key in model_lib.DERIVED_FIELDS:
-            raise _err(path, f"{model_lib.DERIVED_FIELDS[key]}; leave it out")
-        if key not in known:
-            near = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"; did you mean config.model.fields.{near[0]}?" if near else ""
-            raise _err(path, f"not a ModelConfig field{hint}")
-    if not c.model.pretrained:
-        for key, x in known.items():
-            if x.default is dataclasses.MISSING and key not in f:
-                raise _err(f"model.fields.{key}", "missing (an initialised model needs it)")
-    for key in f.keys():
-        msg = model_lib.field_problem(key, f[key])
-        if msg:
-            raise _err(f"model.fields.{key}", msg)
-    if c.model.attention_impl == "cudnn" and c.model.dtype == "float32":
-        raise _err(
-            "model.attention_impl",
-            "'cudnn' (flash attention) needs model.dtype bfloat16 or float16, got float32; "
-            "use 'auto' or 'xla'",
-        )
+    @functools.cached_property
+    def mesh_shape(self) -> dict[str, int]:
+        """The training mesh's sizes: ``config.mesh`` (at most one -1) resolved over the
+        devices the sampler's own (``rollout.devices``) leave."""
+        from gspo_jax.models.sharding import mesh_shape as resolve
 
+        sizes = dataclasses.asdict(self.run.mesh)
+        return resolve(sizes, self.num_devices - self.run.rollout.devices)
 
-def _check_model(c: ml_collections.ConfigDict, tokenizer_vocab_size: int | None) -> None:
-    """An initialised model against the tokenizer, then ModelConfig's own checks across
-    its fields (every error names config.model.fields.<x>)."""
-    f = c.model.fields
-    vocab = int(f.vocab_size)
-    if tokenizer_vocab_size is not None and vocab and vocab < tokenizer_vocab_size:
-        raise _err(
-            "model.fields.vocab_size",
-            f"{vocab} is smaller than the tokenizer's vocabulary of {tokenizer_vocab_size} "
-            "(set it to 0 to take the tokenizer's)",
-        )
-    try:
-        model_config(c, tokenizer_vocab_size or vocab or 1)
-    except (TypeError, ValueError) as e:
-        raise _from_dataclass_error(e, "ModelConfig", "model.fields", dict(f)) from None
-
-
-def model_config(c: ml_collections.ConfigDict, tokenizer_vocab_size: int):
-    """The ModelConfig of an initialised policy: ``model.fields`` with the runtime
-    settings of ``config.model``; vocab_size 0 takes the tokenizer's, and a larger one
-    marks the rows past the tokenizer's as padding (never sampled). Call `validate`
-    first: its errors name the config fields."""
-    from gspo_jax.models.config import RUNTIME_FIELDS, ModelConfig
-
-    fields_ = {k: tuple(v) if isinstance(v, list) else v for k, v in c.model.fields.items()}
-    fields_.update({k: c.model[k] for k in RUNTIME_FIELDS})
-    if c.advantage == "gae":
-        fields_["value_head"] = True
-    if not fields_.get("vocab_size"):
-        fields_["vocab_size"] = tokenizer_vocab_size
-    elif fields_["vocab_size"] > tokenizer_vocab_size:
-        fields_["num_valid_tokens"] = tokenizer_vocab_size
-    return ModelConfig(**fields_)
-
-
-def _from_dataclass_error(e: Exception, name: str, group: str, keys) -> ConfigError:
-    """``"<name>.key: msg"`` or ``"<name>: key msg"`` -> ``config.<group>.key: msg``."""
-    from gspo_jax.models.config import RUNTIME_FIELDS
-
-    msg = str(e)
-    for sep in (".", ": "):
-        head = f"{name}{sep}"
-        if msg.startswith(head):
-            key, _, rest = msg[len(head) :].partition(":" if sep == "." else " ")
-            if key in keys:
-                if group == "model.fields" and key in RUNTIME_FIELDS:
-                    return _err(f"model.{key}", rest.strip())
-                return _err(f"{group}.{key}", rest.strip())
-    return _err(group, msg)
-
-
-def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-    """Resolve the mesh sizes (at most one -1) against the device count."""
-    from gspo_jax.models.sharding import mesh_shape as resolve
-
-    return resolve(c.mesh, num_devices)
-
-
-# --------------------------------------------------------------------------
-# Validation.
+    @property
+    def batch_shards(self) -> int:
+        shape = self.mesh_shape
+        return shape["data"] * shape["fsdp"] * shape["expert"]  # models.sharding.BATCH_AXES
 
 
 def validate(
@@ -418,188 +345,37 @@ def validate(
     ``config.optimizer.lr: must be finite and > 0, got inf``. Three passes: the keys
     are base_config()'s (a misspelt key gets a did-you-mean); every field is in its
     declared domain (docs/config.md tables them: "finite" is a real number, not a bool,
-    not nan or +-inf; "int" not a bool, not 1.5; no field takes inf); then the
-    constraints between fields, the device count and the tokenizer.
+    not nan or +-inf; "int" not a bool, not 1.5; no field takes inf), and each open
+    group as its section checks it; then each section's rules across fields, the device
+    count and the tokenizer, beside the section's declaration (`fields.check_across`).
 
     ``tokenizer_vocab_size``, where known, checks ``model.fields.vocab_size`` of an
     initialised model: 0 takes the tokenizer's, a smaller one is refused, a larger
     one is allowed (as real checkpoints pad the embedding; the sampler masks the
     padding rows).
     """
-    from gspo_jax import lora_rl, objectives, offpolicy, run_config
-    from gspo_jax.objectives.correction import RolloutCorrection
+    return _load(c, num_devices, tokenizer_vocab_size)[1]
 
+
+def load(c: ml_collections.ConfigDict, num_devices: int, tokenizer_vocab_size: int | None = None):
+    """The run's config, validated (`validate`) and frozen: the `RunConfig` every part
+    of a run reads, made once from the command line's ConfigDict (deprecated keys
+    moved, with their notice)."""
+    return _load(c, num_devices, tokenizer_vocab_size)[0]
+
+
+def _load(c, num_devices, tokenizer_vocab_size):
     _check_keys(c, base_config())
     move_deprecated(c)
     fields.check(_declaration(), c)
-    run_config.check_pass_k(c)
-    lora_rl.check_config(c)
-    _check_model_fields(c)
-
-    # The objective and its hyperparameters.
-    if c.objective.hparams_of != c.objective.name:
-        raise _err(
-            "objective.name",
-            f"is {c.objective.name!r} but objective.hparams hold "
-            f"{c.objective.hparams_of!r}'s; pick the objective with the config's argument "
-            "(configs/default.py:objective=<name>) or config.set_objective",
-        )
-    objective = objectives.get(c.objective.name)
-    hparams = dict(c.objective.hparams)
-    for key in hparams:
-        if key not in objective.defaults:
-            near = difflib.get_close_matches(key, list(objective.defaults), n=1)
-            hint = f"; did you mean config.objective.hparams.{near[0]}?" if near else ""
-            raise _err(
-                f"objective.hparams.{key}",
-                f"{c.objective.name} takes no such hyperparameter{hint} "
-                f"(it takes {sorted(objective.defaults)})",
-            )
-    try:
-        objective.validate_hyperparameters(hparams)
-    except (TypeError, ValueError) as e:
-        raise _from_dataclass_error(e, c.objective.name, "objective.hparams", hparams) from None
-
-    run_config.check_task(c)
-
-    # Advantages.
-    if c.advantage == "gae" and c.objective.name != "ppo":
-        raise _err("advantage", "'gae' needs a critic; it is used with objective 'ppo'")
-    if c.advantage == "gae" and not c.gae.value_coef > 0:
-        raise _err(
-            "gae.value_coef",
-            "must be > 0 with advantage 'gae' (0 would leave the critic untrained), "
-            f"got {c.gae.value_coef!r}",
-        )
-    g = int(c.rollout.group_size)
-    if c.advantage in run_config.GROUP_ADVANTAGES and g < 2:
-        raise _err(
-            "rollout.group_size",
-            f"group advantages ({c.advantage!r}) need a group of at least 2, got {g}",
-        )
-    if c.dapo.dynamic_sampling and g < 2:
-        raise _err("rollout.group_size", "dynamic sampling needs a group of at least 2")
-
-    rc = dict(c.rollout_correction)
-    try:
-        RolloutCorrection(**rc)
-    except (TypeError, ValueError) as e:
-        raise _from_dataclass_error(e, "rollout_correction", "rollout_correction", rc) from None
-    if c.dapo.soft_overlong and not c.dapo.overlong_cache_len < c.rollout.max_new_tokens:
-        raise _err(
-            "dapo.overlong_cache_len",
-            f"must be < rollout.max_new_tokens={c.rollout.max_new_tokens} with soft_overlong, "
-            f"got {c.dapo.overlong_cache_len}",
-        )
-
-    # The model.
-    if c.model.pretrained and c.tokenizer == "char":
-        raise _err(
-            "tokenizer",
-            "a pretrained model needs its own tokenizer: set it to the checkpoint directory",
-        )
-    if not c.model.pretrained:
-        _check_model(c, tokenizer_vocab_size)
-        if int(c.model.fields.get("num_experts", 0)) == 0:
-            if c.updates.routing_replay != "none":
-                raise _err(
-                    "updates.routing_replay",
-                    f"{c.updates.routing_replay!r} needs MoE layers; "
-                    "model.fields.num_experts=0 is a dense model: use 'none'",
-                )
-            if c.rollout.router_noise_std > 0:
-                raise _err(
-                    "rollout.router_noise_std",
-                    f"{c.rollout.router_noise_std} needs MoE layers; "
-                    "model.fields.num_experts=0 is a dense model",
-                )
-
-    if c.lora.peft_adapter:  # RL starts from a PEFT adapter on the Hugging Face base
-        if not c.lora.rank or not c.model.pretrained or c.sft.steps > 0:
-            raise _err(
-                "lora.peft_adapter",
-                "loads an adapter onto the pretrained base RL starts from: it needs "
-                f"lora.rank > 0 (got {c.lora.rank}), model.pretrained (got "
-                f"{c.model.pretrained!r}) and no warm start, which would train the base "
-                f"under the adapter (sft.steps=0, got {c.sft.steps})",
-            )
-
-    if c.rollout.sampler_quantization != "none" and c.lora.base_quantization != "none":
-        raise _err(
-            "rollout.sampler_quantization",
-            f"{c.rollout.sampler_quantization!r}: the frozen base is already quantized "
-            f"(lora.base_quantization={c.lora.base_quantization!r}) and the sampler reads "
-            "it as it is; use 'none'",
-        )
-
-    # The sampler's own devices (rollout.devices) are not the training mesh's.
-    shape = mesh_shape(c, offpolicy.check(c, num_devices))
-    _check_batches(c, shape)
-    _check_sampler_mesh(c, shape)
-    return shape
+    run = typed(c)
+    ctx = Context(run, num_devices, tokenizer_vocab_size)
+    fields.check_across(run, ctx)
+    return run, ctx.mesh_shape
 
 
-def _check_sampler_mesh(c: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
-    """The sampler's own mesh, with ``rollout.devices`` (`gspo_jax.offpolicy.sampler_mesh`:
-    the training mesh ``shape``'s fsdp, expert and tensor sizes, the rest of its devices
-    on data): its devices hold whole copies of the model's shards, and the rollout batch,
-    assembled on it over its data*fsdp*expert batch shards (`gspo_jax.collect.Collector`),
-    divides over them. (The sampler pads the prompts it is given to its shards; the
-    assembled batch has exactly prompts_per_step*group_size rows.)"""
-    devices = int(c.rollout.devices)
-    if not devices:
-        return
-    copy = shape["fsdp"] * shape["expert"] * shape["tensor"]
-    if devices % copy:
-        raise _err(
-            "rollout.devices",
-            f"{devices} devices do not hold whole copies of the fsdp*expert*tensor = {copy} "
-            f"model shards of the training mesh {shape} (the sampler's mesh keeps those sizes)",
-        )
-    shards = devices // copy * shape["fsdp"] * shape["expert"]  # train.BATCH_AXES
-    n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
-    if n % shards:
-        raise _err(
-            "rollout.devices",
-            f"{devices} devices give the sampler's mesh data*fsdp*expert = {shards} batch "
-            f"shards, which do not divide the rollout batch prompts_per_step*group_size = {n} "
-            "it assembles over them; pick rollout.devices so that they do (rollout.devices / "
-            "mesh.tensor divides the rollout batch)",
-        )
-
-
-def _check_batches(c: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
-    """The rollout batch, its mini-, micro- and log-prob batches and the warm start's
-    against each other and the mesh's batch shards."""
-    batch_shards = shape["data"] * shape["fsdp"] * shape["expert"]  # train.BATCH_AXES
-    n = int(c.rollout.prompts_per_step) * int(c.rollout.group_size)
-    mb = int(c.updates.num_minibatches)
-    if n % mb:
-        raise _err(
-            "updates.num_minibatches",
-            f"{mb} does not divide the rollout batch prompts_per_step*group_size = {n}",
-        )
-    micro = int(c.updates.micro_batches)
-    if (n // mb) % micro:
-        raise _err(
-            "updates.micro_batches",
-            f"{micro} does not divide the mini-batch of {n // mb} sequences",
-        )
-    if (n // mb // micro) % batch_shards:
-        raise _err(
-            "mesh",
-            f"the micro-batch of {n // mb // micro} sequences is not divisible by the "
-            f"data*fsdp*expert = {batch_shards} batch shards",
-        )
-    lp = int(c.updates.logprob_micro_batches)
-    if n % lp or (n // lp) % batch_shards:
-        raise _err(
-            "updates.logprob_micro_batches",
-            f"{lp} pieces of the rollout batch of {n} sequences: each must be a whole number "
-            f"of sequences divisible by the data*fsdp*expert = {batch_shards} batch shards",
-        )
-    if int(c.sft.steps) > 0 and int(c.sft.batch_size) % batch_shards:
-        raise _err(
-            "sft.batch_size",
-            f"{c.sft.batch_size} is not divisible by data*fsdp*expert = {batch_shards}",
-        )
+def model_config(c, tokenizer_vocab_size: int):
+    """The ModelConfig of an initialised policy (`ModelSection.model_config`, PPO's value
+    head with advantage 'gae'), from a loaded config (or a validated ConfigDict)."""
+    run = typed(c) if isinstance(c, ml_collections.ConfigDict) else c
+    return run.model.model_config(tokenizer_vocab_size, value_head=run.advantage == "gae")

@@ -84,7 +84,7 @@ def restore_params(trainer) -> tuple[Any, str]:
 def _reader(trainer, phase: str):
     from gspo_jax.checkpoint import PhaseCheckpointer
 
-    keep = int(trainer.c.keep_checkpoints)
+    keep = trainer.cfg.keep_checkpoints
     return PhaseCheckpointer(trainer.workdir, phase, every=1, keep=keep, read_only=True)
 
 
@@ -189,7 +189,6 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
     directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
-    from gspo_jax import config as config_lib
     from gspo_jax import evaluation
     from gspo_jax.train import enable_compilation_cache
     from gspo_jax.trainer import Trainer
@@ -218,7 +217,7 @@ def evaluate_checkpoint(
             trainer, tmp = open_workdir(c, checkpoint)
             params, restored = restore_params(trainer)
         data = trainer.eval_data if split == "test" else trainer.train_data
-        count = len(data) if num_prompts < 0 else num_prompts or config_lib.typed(c).task.eval_size
+        count = len(data) if num_prompts < 0 else num_prompts or trainer.cfg.task.eval_size
         examples = data.first(count)
         metrics = evaluation.evaluate(trainer, params, examples=examples)
     finally:

@@ -200,14 +200,13 @@ def evaluate(trainer, params, examples=None) -> dict[str, float]:
     ``eval/maj@k`` for k in ``task.eval_pass_k``, ``eval/mean@n`` (n the samples
     per prompt) and ``eval/greedy``.
     """
-    c = trainer.c
     cfg = trainer.cfg
     if examples is None:
         examples = trainer.eval_data.first(cfg.task.eval_size)
     k = cfg.task.eval_samples
-    ro, cut = trainer.rollout(params, examples, jax.random.key(c.seed + 2), num_samples=k)
+    ro, cut = trainer.rollout(params, examples, jax.random.key(cfg.seed + 2), num_samples=k)
     # Final answers are read as the task compares them (numeric: values; else the tag).
-    kind = tasks.get(c.task.name).answer_kind(c.task)
+    kind = tasks.get(cfg.task.name).answer_kind(cfg.task)
     _, sampled, _, _ = trainer.score(examples, ro, num_samples=k, answers=kind)
     answers = multihost.codes_to_answers(sampled["answer_code"])
     ro, _ = trainer.rollout(params, examples, jax.random.key(0), greedy=True, num_samples=1)

@@ -216,19 +216,61 @@ def problem(v: Any, tp: Any, meta) -> str | None:
 
 def check(cls: type, node: Any, prefix: str = "") -> None:
     """Each setting of ``node`` (a ConfigDict shaped as ``cls``) on its own: type,
-    finiteness, range, choices. Open groups, and sections with their own checks, are
-    their owners' to check."""
+    finiteness, range, choices; then what the section checks of its raw values itself,
+    its ``check_node(node)`` classmethod where it declares one (its open groups' keys,
+    or all of a section declared with ``own_checks``)."""
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         meta, path = f.metadata, prefix + f.name
-        if "doc" not in meta or meta.get("open_group") or meta.get("own_checks"):
-            continue
         if meta.get("section"):
-            check(hints[f.name], node[f.name], path + ".")
+            if meta.get("own_checks"):
+                hints[f.name].check_node(node[f.name])
+            else:
+                check(hints[f.name], node[f.name], path + ".")
+            continue
+        if "doc" not in meta or meta.get("open_group"):
             continue
         msg = problem(node[f.name], hints[f.name], meta)
         if msg:
             raise err(path, msg)
+    own = getattr(cls, "check_node", None)
+    if own is not None:
+        own(node)
+
+
+def sections(run: Any) -> Iterator[Any]:
+    """``run`` (a built config) and every section in it, depth first in declaration
+    order: the objects whose ``check_run(run, ctx)`` holds their rules across fields."""
+    yield run
+    for f in dataclasses.fields(run):
+        if f.metadata.get("section"):
+            yield from sections(getattr(run, f.name))
+
+
+def check_across(run: Any, ctx: Any) -> None:
+    """Every section's rules across fields and sections, in `sections` order: its
+    ``check_run(run, ctx)`` where it declares one (``ctx``: what the rules need besides
+    the config, as the device count). Each raises `ConfigError` naming its field."""
+    for sec in sections(run):
+        rule = getattr(sec, "check_run", None)
+        if rule is not None:
+            rule(run, ctx)
+
+
+def from_dataclass_error(
+    e: Exception, name: str, group: str, keys, moved: dict[str, str] | None = None
+) -> ConfigError:
+    """A dataclass's error (``"<name>.key: msg"`` or ``"<name>: key msg"``) as a
+    `ConfigError` naming ``config.<group>.key`` (``moved``: keys whose field is elsewhere,
+    key -> its path)."""
+    msg = str(e)
+    for sep in (".", ": "):
+        head = f"{name}{sep}"
+        if msg.startswith(head):
+            key, _, rest = msg[len(head) :].partition(":" if sep == "." else " ")
+            if key in keys:
+                return err((moved or {}).get(key, f"{group}.{key}"), rest.strip())
+    return err(group, msg)
 
 
 def build(cls: type, node: Any) -> Any:

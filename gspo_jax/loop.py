@@ -15,13 +15,14 @@ checkpoints hold; progress, health, logging, saving and stopping are here, once.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-import ml_collections
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gspo_jax import safety
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.metrics_log import MetricsWriter, progress_bar
+
+if TYPE_CHECKING:
+    from gspo_jax.trainer import Trainer
 
 
 class Phase(Protocol):
@@ -51,22 +52,21 @@ class Phase(Protocol):
 
 def run(
     phase: Phase,
-    c: ml_collections.ConfigDict,
-    sources: dict[str, str],
+    trainer: Trainer,
     ckpt: PhaseCheckpointer,
     writer: MetricsWriter,
     guard: safety.RunGuard | None = None,
 ) -> list[dict[str, Any]]:
     """Steps ``phase.start`` to ``phase.steps`` of ``phase``: each checked, logged by
     ``writer`` when the phase says so, and checkpointed (``checkpoint_every``, the last
-    step always) with the run's config ``c`` and ``sources`` (`Trainer.sources`).
-    ``guard`` (`safety.RunGuard`): a SIGTERM or SIGINT during a step ends the run after
-    it, with its checkpoint. Returns the records written."""
-    records = []
-    bar = progress_bar(c, phase.steps, phase.start, phase.name)
+    step always) with the run's config record and inputs (`Trainer.record`,
+    `Trainer.sources`). ``guard`` (`safety.RunGuard`): a SIGTERM or SIGINT during a step
+    ends the run after it, with its checkpoint. Returns the records written."""
+    cfg, records = trainer.cfg, []
+    bar = progress_bar(cfg, phase.steps, phase.start, phase.name)
     for s in range(phase.start, phase.steps):
         metrics, health = phase.run_step(s)
-        safety.check_health(health, c, f"{phase.name} step {s + 1}")
+        safety.check_health(health, cfg, f"{phase.name} step {s + 1}")
         record = phase.finish_step(s, metrics)
         if record is not None:
             records.append(writer.write(s + 1, phase.name, record))
@@ -75,8 +75,8 @@ def run(
             bar.set_postfix(**postfix)
         bar.update(1)
         tree, phase_meta = phase.checkpoint_items()
-        meta = {"phase": phase.name, "step": s + 1, "config": safety.config_record(c)}
-        meta.update(sources, **phase_meta)
+        meta = {"phase": phase.name, "step": s + 1, "config": trainer.record}
+        meta.update(trainer.sources(), **phase_meta)
         stop = guard is not None and guard.requested
         ckpt.save(s + 1, tree, meta, force=(s + 1 == phase.steps) or stop)
         if stop:

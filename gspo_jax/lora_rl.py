@@ -98,16 +98,23 @@ class LoRAConfig:
         "of 32) for the RL phase (QLoRA; needs rank > 0)",
     )
 
-
-def check_config(c) -> None:
-    """``config.lora``'s checks across its fields."""
-    lc = c.lora
-    if lc.base_quantization != "none" and not lc.rank:
-        raise err(
-            "lora.base_quantization",
-            f"{lc.base_quantization!r} quantizes the frozen base of a LoRA run; "
-            "set lora.rank > 0 (with lora.rank = 0 RL trains the base in full)",
-        )
+    def check_run(self, run, ctx) -> None:
+        """A quantized base needs adapters; a PEFT adapter needs the pretrained base
+        RL starts from, and no warm start."""
+        if self.base_quantization != "none" and not self.rank:
+            raise err(
+                "lora.base_quantization",
+                f"{self.base_quantization!r} quantizes the frozen base of a LoRA run; "
+                "set lora.rank > 0 (with lora.rank = 0 RL trains the base in full)",
+            )
+        if self.peft_adapter and (not self.rank or not run.model.pretrained or run.sft.steps > 0):
+            raise err(
+                "lora.peft_adapter",
+                "loads an adapter onto the pretrained base RL starts from: it needs "
+                f"lora.rank > 0 (got {self.rank}), model.pretrained (got "
+                f"{run.model.pretrained!r}) and no warm start, which would train the base "
+                f"under the adapter (sft.steps=0, got {run.sft.steps})",
+            )
 
 
 def trainable(lc: LoRAConfig, phase: str) -> str:
@@ -226,9 +233,9 @@ def source(trainer) -> str:
     cfg = trainer.cfg
     if cfg.sft.steps > 0:
         return f"warm start checkpoint sft/{cfg.sft.steps}"
-    if trainer.c.model.pretrained:
-        return f"pretrained {trainer.c.model.pretrained}"
-    return f"initialised, seed {trainer.c.seed}"
+    if cfg.model.pretrained:
+        return f"pretrained {cfg.model.pretrained}"
+    return f"initialised, seed {cfg.seed}"
 
 
 def identity(trainer, params, kind: str) -> dict:

@@ -28,53 +28,100 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.fields import ConfigError, err
+from gspo_jax.fields import ConfigError, err, setting
 from gspo_jax.models.config import MESH_AXES
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES
 from gspo_jax.objectives.correction import rollout_correction
 
 
-def check(c: ml_collections.ConfigDict, num_devices: int) -> int:
-    """The constraints between the off-policy fields and the device count (ConfigError
-    naming the field). Returns the number of devices the training mesh has."""
-    k, n, overlap = int(c.rollout.staleness), int(c.rollout.devices), bool(c.rollout.overlap)
-    if overlap and k < 1:
-        raise err(
-            "rollout.overlap",
-            "needs rollout.staleness >= 1: the batch sampled while step t trains is step "
-            "t + k's, sampled by the parameters step t starts from",
-        )
-    if overlap and n < 1:
-        raise err(
-            "rollout.overlap",
-            "needs rollout.devices >= 1: the sampler runs on devices of its own while the "
-            "others train",
-        )
-    if c.updates.trust_region == "behaviour" and c.rollout_correction.mode != "none":
-        raise err(
-            "rollout_correction.mode",
-            f"{c.rollout_correction.mode!r} weighs pi_old / pi_behaviour, which is 1 under "
-            "updates.trust_region='behaviour' (pi_old is the sampler's): use 'none', or "
-            "trust_region 'decoupled'",
-        )
-    if n >= num_devices:
+@dataclasses.dataclass(frozen=True)
+class OffPolicySettings:
+    """The off-policy fields of ``config.rollout`` (`gspo_jax.rollout.RolloutConfig`
+    extends this), and their rules against each other, the devices and the mesh."""
+
+    staleness: int = setting(
+        0,
+        low=0,
+        doc="k: RL step t trains on the batch the policy of step t - k sampled (the first k "
+        "steps' batches: the warm start's policy); 0 is on-policy",
+    )
+    devices: int = setting(
+        0,
+        low=0,
+        resume=True,
+        doc="0: the sampler shares the training devices; n: it runs on n devices of its own "
+        "(per process: the last n / processes local devices), training on the rest",
+    )
+    overlap: bool = setting(
+        False,
+        resume=True,
+        doc="sample the next batch while the current one trains (needs staleness >= 1 and "
+        "devices >= 1)",
+    )
+
+    def check_run(self, run, ctx) -> None:
+        """Overlap needs staleness and devices of its own; the sampler's devices leave
+        some for training, divide over the processes, and hold whole copies of the
+        training mesh's model shards (`check_sampler_mesh`)."""
+        k, n = self.staleness, self.devices
+        if self.overlap and k < 1:
+            raise err(
+                "rollout.overlap",
+                "needs rollout.staleness >= 1: the batch sampled while step t trains is step "
+                "t + k's, sampled by the parameters step t starts from",
+            )
+        if self.overlap and n < 1:
+            raise err(
+                "rollout.overlap",
+                "needs rollout.devices >= 1: the sampler runs on devices of its own while the "
+                "others train",
+            )
+        if n >= ctx.num_devices:
+            raise err(
+                "rollout.devices",
+                f"{n} of the {ctx.num_devices} devices leaves none for training",
+            )
+        procs = jax.process_count()
+        if n % procs:
+            raise err(
+                "rollout.devices",
+                f"{n} is not divisible by the {procs} processes (each gives the same number)",
+            )
+        check_sampler_mesh(run, ctx.mesh_shape)
+
+
+def check_sampler_mesh(run, shape: dict[str, int]) -> None:
+    """The sampler's own mesh, with ``rollout.devices`` (`sampler_mesh`: the training mesh
+    ``shape``'s fsdp, expert and tensor sizes, the rest of its devices on data): its
+    devices hold whole copies of the model's shards, and the rollout batch, assembled on
+    it over its data*fsdp*expert batch shards (`gspo_jax.collect.Collector`), divides over
+    them. (The sampler pads the prompts it is given to its shards; the assembled batch
+    has exactly prompts_per_step*group_size rows.)"""
+    devices = run.rollout.devices
+    if not devices:
+        return
+    copy = shape["fsdp"] * shape["expert"] * shape["tensor"]
+    if devices % copy:
         raise err(
             "rollout.devices",
-            f"{n} of the {num_devices} devices leaves none for training",
+            f"{devices} devices do not hold whole copies of the fsdp*expert*tensor = {copy} "
+            f"model shards of the training mesh {shape} (the sampler's mesh keeps those sizes)",
         )
-    procs = jax.process_count()
-    if n % procs:
+    shards = devices // copy * shape["fsdp"] * shape["expert"]  # BATCH_AXES
+    n = run.rollout.prompts_per_step * run.rollout.group_size
+    if n % shards:
         raise err(
             "rollout.devices",
-            f"{n} is not divisible by the {procs} processes (each gives the same number)",
+            f"{devices} devices give the sampler's mesh data*fsdp*expert = {shards} batch "
+            f"shards, which do not divide the rollout batch prompts_per_step*group_size = {n} "
+            "it assembles over them; pick rollout.devices so that they do (rollout.devices / "
+            "mesh.tensor divides the rollout batch)",
         )
-    return num_devices - n
 
 
 def split_devices(n_rollout: int) -> tuple[list, list]:

@@ -42,7 +42,6 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
-from gspo_jax.objectives.correction import RolloutCorrection
 from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
 
@@ -217,28 +216,26 @@ class RLPhase:
     warm start's parameters), which are also the reference policy of a KL term."""
 
     def __init__(self, trainer: Trainer, params):
-        self.t, self.c, self.cfg = trainer, trainer.c, trainer.cfg
+        self.t, self.cfg = trainer, trainer.cfg
         # As a phase of the run's loop: its steps, the one it resumes at (set by
         # load_checkpoint) and the writer of one record per optimizer update.
         self.steps, self.start, self.update_writer = trainer.cfg.total_rl_steps, 0, None
-        c = trainer.c
         cfg = trainer.cfg
         self.updates_per_step = cfg.updates.num_minibatches * cfg.updates.num_epochs
         self.optimizer, self.sched = rl_optimizer(trainer.cfg)
         self.step_cfg = step.StepConfig(
-            objective=c.objective.name,
-            hparams=tuple(sorted(dict(c.objective.hparams).items())),
+            hparams=cfg.objective.hparams,
             micro_batches=cfg.updates.micro_batches,
             aux_loss_coef=cfg.updates.aux_loss_coef,
             z_loss_coef=cfg.updates.z_loss_coef,
             entropy_coef=cfg.entropy_coef,
-            value_coef=cfg.gae.value_coef if c.advantage == "gae" else 0.0,
+            value_coef=cfg.gae.value_coef if cfg.advantage == "gae" else 0.0,
             value_clip=cfg.gae.value_clip,
             temperature=cfg.rollout.temperature,
             update_without_signal=cfg.updates.update_without_signal,
             trainable=lora_rl.trainable(cfg.lora, "rl"),
         )
-        self.rollout_correction = RolloutCorrection(**dict(c.rollout_correction))
+        self.rollout_correction = cfg.rollout_correction
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
         # model's mismatch metrics compare the response tokens' with the trainer's.
         self.routing = offpolicy.routing_record(cfg, trainer.model_cfg)
@@ -265,8 +262,8 @@ class RLPhase:
             schedule=self.sched,
             cfg=self.step_cfg,
         )
-        replay = c.updates.routing_replay
-        self.critic = c.advantage == "gae"
+        replay = cfg.updates.routing_replay
+        self.critic = cfg.advantage == "gae"
         self.moe = trainer.model_cfg.num_moe_layers > 0
         logp_pass = functools.partial(
             passes.logprob_pass,
@@ -288,10 +285,10 @@ class RLPhase:
             ref_pass = lora_rl.reference_pass(ref_pass)
         self.ref_logp_fn = on_mesh(jax.jit(ref_pass), trainer.mesh)
         self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
-        if self.c.advantage in adv_lib.GROUP_ESTIMATORS:
+        if cfg.advantage in adv_lib.GROUP_ESTIMATORS:
             self.group_fn = jax.jit(
                 functools.partial(
-                    _group_batch, estimator=self.c.advantage, group_size=cfg.rollout.group_size
+                    _group_batch, estimator=cfg.advantage, group_size=cfg.rollout.group_size
                 )
             )
         self.trust_region_fn = jax.jit(
@@ -330,7 +327,6 @@ class RLPhase:
         runs only for what nothing else gives: the critic's values, R2's routing.
         Nothing here waits for the devices: the host's rewards go to them, and the
         advantages are computed there (`_group_batch`, or GAE), nothing coming back."""
-        c = self.c
         dev = self.t.put_batch(queued.device)
         batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")}
         if not self.critic:
@@ -358,9 +354,9 @@ class RLPhase:
             else:
                 p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
                 batch["sampler_topk"] = passes.response_slice(dev["replay_r3"], p, t)
-        if c.updates.routing_replay == "R2":
+        if self.cfg.updates.routing_replay == "R2":
             batch["replay"] = old["topk"]
-        elif c.updates.routing_replay == "R3":
+        elif self.cfg.updates.routing_replay == "R3":
             batch["replay"] = dev["replay_r3"]
         if self.ref_params is not None:
             batch["ref_logp"] = self.ref_logp_fn(self.ref_params, dev)["logp"]
@@ -452,7 +448,7 @@ class RLPhase:
         the rollout)."""
         cfg = self.cfg
         k = cfg.rollout.staleness
-        rng = jax.random.fold_in(jax.random.key(self.c.seed + 1), s)
+        rng = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), s)
         self.fill_queue(s)
         t0 = time.perf_counter()
         if cfg.rollout.overlap:
@@ -527,7 +523,7 @@ class RLPhase:
         """Batch j (its data and RNG are step j's), sampled and scored by the current
         parameters, RL step ``version``'s, on the training mesh."""
         with self.t.sampler_context():
-            rng = jax.random.fold_in(jax.random.key(self.c.seed + 1), j)
+            rng = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), j)
             collected, info = self.collect(self.sampling_params(), j, rng)
         return self.queued(collected, info, step=j, version=version)
 
@@ -589,9 +585,8 @@ class RLPhase:
         each group of the rows' shaped ``rewards`` (host), or GAE per token from the
         critic's ``values`` of the old pass (the sequence reward on the last token).
         Returns ``advantages`` (and for GAE ``returns`` and ``old_values``)."""
-        c = self.c
         rows = self.t.put_rows(np.asarray(rewards, np.float32).reshape(-1))
-        if c.advantage == "gae":
+        if self.cfg.advantage == "gae":
             a, returns = self.gae_fn(rows, values, mask)
             return {"advantages": a, "returns": returns, "old_values": values}
         return {"advantages": self.group_fn(rows)}

@@ -94,8 +94,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gspo_jax.fields import setting
+from gspo_jax.fields import err, setting
 from gspo_jax.generate import Spec, generate_jit, use_cpu_sampling
+from gspo_jax.offpolicy import OffPolicySettings
 
 __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
 
@@ -107,8 +108,9 @@ ROUTING = ("all", "response", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """``config.rollout``: what the sampler draws each RL step."""
+class RolloutConfig(OffPolicySettings):
+    """``config.rollout``: what the sampler draws each RL step, and which policy drew the
+    batch a step trains on, where and when (`gspo_jax.offpolicy.OffPolicySettings`)."""
 
     prompts_per_step: int = setting(64, low=1, doc="prompts sampled per RL step")
     group_size: int = setting(
@@ -164,27 +166,24 @@ class RolloutConfig:
         doc="a prompt over max_prompt_len: refused (an error naming it) or cut to its last "
         "max_prompt_len tokens",
     )
-    # Off-policy (docs/offpolicy.md): which policy sampled the batch a step trains on,
-    # and where and when the sampler runs.
-    staleness: int = setting(
-        0,
-        low=0,
-        doc="k: RL step t trains on the batch the policy of step t - k sampled (the first k "
-        "steps' batches: the warm start's policy); 0 is on-policy",
-    )
-    devices: int = setting(
-        0,
-        low=0,
-        resume=True,
-        doc="0: the sampler shares the training devices; n: it runs on n devices of its own "
-        "(per process: the last n / processes local devices), training on the rest",
-    )
-    overlap: bool = setting(
-        False,
-        resume=True,
-        doc="sample the next batch while the current one trains (needs staleness >= 1 and "
-        "devices >= 1)",
-    )
+
+    def check_run(self, run, ctx) -> None:
+        """The off-policy settings (`OffPolicySettings.check_run`); router noise and a
+        quantized sampler against the model and LoRA."""
+        super().check_run(run, ctx)
+        if run.model.dense and self.router_noise_std > 0:
+            raise err(
+                "rollout.router_noise_std",
+                f"{self.router_noise_std} needs MoE layers; "
+                "model.fields.num_experts=0 is a dense model",
+            )
+        if self.sampler_quantization != "none" and run.lora.base_quantization != "none":
+            raise err(
+                "rollout.sampler_quantization",
+                f"{self.sampler_quantization!r}: the frozen base is already quantized "
+                f"(lora.base_quantization={run.lora.base_quantization!r}) and the sampler "
+                "reads it as it is; use 'none'",
+            )
 
 
 def replay_r3(prompt_experts: jax.Array, experts: jax.Array) -> jax.Array:

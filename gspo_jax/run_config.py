@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
-
 from gspo_jax import reward_plugins
 from gspo_jax.advantages import GROUP_ESTIMATORS, GaeConfig
 from gspo_jax.fields import err, is_int, section, setting
@@ -121,6 +119,23 @@ class TaskConfig:
         "continue (one summary per batch)",
     )
 
+    def check_run(self, run, ctx) -> None:
+        """``eval_pass_k`` within the samples; the task's difficulty against its levels,
+        then the task's own checks (`gspo_jax.tasks.check_config`)."""
+        from gspo_jax import tasks  # local: the tasks import their data builders (TFDS)
+
+        bad = [k for k in self.eval_pass_k if not 1 <= k <= self.eval_samples]
+        if bad:
+            raise err(
+                "task.eval_pass_k",
+                f"{bad} not in [1, task.eval_samples={self.eval_samples}] (pass@k and maj@k "
+                "need k <= the samples)",
+            )
+        try:
+            tasks.check_config(run)
+        except tasks.TaskConfigError as e:
+            raise err(e.path, e.message) from None
+
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
@@ -165,6 +180,15 @@ class SftConfig(AdamWConfig):
     lr: float = setting(3e-3, low=0, low_open=True, doc="learning rate")
     warmup_steps: int = setting(20, low=0, doc="linear warmup, in steps")
     aux_loss_coef: float = setting(0.01, low=0, doc="the warm start's load-balancing loss")
+
+    def check_run(self, run, ctx) -> None:
+        """The warm start's batch over the mesh's batch shards."""
+        shards = ctx.batch_shards
+        if self.steps > 0 and self.batch_size % shards:
+            raise err(
+                "sft.batch_size",
+                f"{self.batch_size} is not divisible by data*fsdp*expert = {shards}",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,28 +239,13 @@ class RunConfig:
     wandb: WandbConfig = section(WandbConfig, resume=True)
     distributed: DistributedConfig = section(DistributedConfig, resume=True)
 
-
-# --------------------------------------------------------------------------
-# The task's checks across fields.
-
-
-def check_pass_k(c: ml_collections.ConfigDict) -> None:
-    """``task.eval_pass_k``: each k in [1, task.eval_samples]."""
-    ks, n = c.task.eval_pass_k, c.task.eval_samples
-    bad = [k for k in ks if not 1 <= k <= n]
-    if bad:
-        raise err(
-            "task.eval_pass_k",
-            f"{bad} not in [1, task.eval_samples={n}] (pass@k and maj@k need k <= the samples)",
-        )
-
-
-def check_task(c: ml_collections.ConfigDict) -> None:
-    """The task's difficulty against its levels, and the task's own checks
-    (`gspo_jax.tasks.check_config`)."""
-    from gspo_jax import tasks  # local: the tasks import their data builders (TFDS)
-
-    try:
-        tasks.check_config(c)
-    except tasks.TaskConfigError as e:
-        raise err(e.path, e.message) from None
+    def check_run(self, run, ctx) -> None:
+        """The advantage estimator against the objective and the group."""
+        if self.advantage == "gae" and self.objective.name != "ppo":
+            raise err("advantage", "'gae' needs a critic; it is used with objective 'ppo'")
+        g = self.rollout.group_size
+        if self.advantage in GROUP_ADVANTAGES and g < 2:
+            raise err(
+                "rollout.group_size",
+                f"group advantages ({self.advantage!r}) need a group of at least 2, got {g}",
+            )

@@ -28,8 +28,7 @@ from gspo_jax.trainer import Trainer
 def sft_batch(t: Trainer, position: int) -> tuple[dict[str, np.ndarray], int]:
     """The warm start's batch at data position ``position`` and the number of its
     prompts truncated (`fit_prompts`)."""
-    c, tok = t.c, t.tokenizer
-    cfg = t.cfg
+    cfg, tok = t.cfg, t.tokenizer
     examples = t.train_data.batch(position, cfg.sft.batch_size)
     prompts, cut = t.fit_prompts(
         [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples], "a warm-start prompt"
@@ -39,7 +38,7 @@ def sft_batch(t: Trainer, position: int) -> tuple[dict[str, np.ndarray], int]:
     for ex in examples:
         if ex.reference is None:
             raise ValueError(
-                f"task {c.task.name!r} example {ex.index} has no reference solution for sft"
+                f"task {cfg.task.name!r} example {ex.index} has no reference solution for sft"
             )
         r = tok.encode(ex.reference) + [tok.eos_id]
         if len(r) > T:
@@ -71,9 +70,10 @@ def sft_optimizer(cfg: RunConfig):
 def restore_state(t: Trainer):
     """(checkpointer, optimizer, schedule, state, step) of the warm start, resumed
     from its newest checkpoint that restores (step 0: none)."""
-    c = t.c
     cfg = t.cfg
-    ckpt = PhaseCheckpointer(t.workdir, "sft", every=cfg.checkpoint_every, keep=c.keep_checkpoints)
+    ckpt = PhaseCheckpointer(
+        t.workdir, "sft", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
+    )
     optimizer, sched = sft_optimizer(t.cfg)
     state = t.new_state(t.init_params, optimizer, lora_rl.trainable(cfg.lora, "sft"))
     start = 0
@@ -99,9 +99,9 @@ class WarmStart:
 
     def __init__(self, t: Trainer):
         cfg = t.cfg
-        self.t, self.c, self.steps = t, t.c, cfg.sft.steps
+        self.t, self.cfg, self.steps = t, cfg, cfg.sft.steps
         self.ckpt, optimizer, sched, self.state, self.start = restore_state(t)
-        self.key = jax.random.key(t.c.seed)
+        self.key = jax.random.key(cfg.seed)
         self.fn = None
         if self.start < self.steps:
             self.fn = t.jit_step(
@@ -128,7 +128,7 @@ class WarmStart:
 
     def finish_step(self, s: int, m) -> dict[str, Any] | None:
         """Every ``log_every`` steps and the last: the metrics, its time and tokens/s."""
-        if (s + 1) % self.c.log_every and s + 1 != self.steps:
+        if (s + 1) % self.cfg.log_every and s + 1 != self.steps:
             return None
         m = jax.device_get(m)
         dt = time.perf_counter() - self._t0
@@ -158,7 +158,7 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
         return phase.state.params, None
     writer = open_log("sft", phase.start)
     with phase.ckpt:  # every way out waits for the save in flight (checkpoint.py)
-        loop.run(phase, t.c, t.sources(), phase.ckpt, writer, guard)
+        loop.run(phase, t, phase.ckpt, writer, guard)
     return phase.state.params, writer
 
 

@@ -15,7 +15,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.fields import setting
+from gspo_jax.fields import err, setting
 
 Array = jax.Array
 
@@ -33,6 +33,18 @@ class DapoConfig:
     overlong_cache_len: int = setting(
         8, low=1, doc="the penalty's ramp, in tokens; < rollout.max_new_tokens with soft_overlong"
     )
+
+    def check_run(self, run, ctx) -> None:
+        """Dynamic sampling needs groups; the overlong ramp fits in the responses."""
+        if self.dynamic_sampling and run.rollout.group_size < 2:
+            raise err("rollout.group_size", "dynamic sampling needs a group of at least 2")
+        limit = run.rollout.max_new_tokens
+        if self.soft_overlong and not self.overlong_cache_len < limit:
+            raise err(
+                "dapo.overlong_cache_len",
+                f"must be < rollout.max_new_tokens={limit} with soft_overlong, "
+                f"got {self.overlong_cache_len}",
+            )
 
 
 def soft_overlong_penalty(lengths: Array, *, max_len: int, cache_len: int) -> Array:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import flax
 import jax
@@ -27,10 +27,11 @@ from flax import nnx
 
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
-from gspo_jax.fields import is_real, setting
+from gspo_jax.fields import err, is_real, setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
 from gspo_jax.models import lora, quantized
 from gspo_jax.objectives.critic import value_loss_mergeable
+from gspo_jax.objectives.hparams import Hparams
 from gspo_jax.passes import forward, response_slice, sequence_inputs, split_micro
 
 Batch = dict[str, jax.Array]
@@ -99,6 +100,43 @@ class UpdatesConfig:
         "stop the run with an error",
     )
 
+    def check_run(self, run, ctx) -> None:
+        """Routing replay needs experts; the rollout batch, its mini-, micro- and log-prob
+        batches against each other and the mesh's batch shards (``ctx.batch_shards``)."""
+        if run.model.dense and self.routing_replay != "none":
+            raise err(
+                "updates.routing_replay",
+                f"{self.routing_replay!r} needs MoE layers; "
+                "model.fields.num_experts=0 is a dense model: use 'none'",
+            )
+        shards = ctx.batch_shards
+        n = run.rollout.prompts_per_step * run.rollout.group_size
+        mb = self.num_minibatches
+        if n % mb:
+            raise err(
+                "updates.num_minibatches",
+                f"{mb} does not divide the rollout batch prompts_per_step*group_size = {n}",
+            )
+        micro = self.micro_batches
+        if (n // mb) % micro:
+            raise err(
+                "updates.micro_batches",
+                f"{micro} does not divide the mini-batch of {n // mb} sequences",
+            )
+        if (n // mb // micro) % shards:
+            raise err(
+                "mesh",
+                f"the micro-batch of {n // mb // micro} sequences is not divisible by the "
+                f"data*fsdp*expert = {shards} batch shards",
+            )
+        lp = self.logprob_micro_batches
+        if n % lp or (n // lp) % shards:
+            raise err(
+                "updates.logprob_micro_batches",
+                f"{lp} pieces of the rollout batch of {n} sequences: each must be a whole "
+                f"number of sequences divisible by the data*fsdp*expert = {shards} batch shards",
+            )
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -131,8 +169,9 @@ class TrainState:
 class StepConfig:
     """Static settings of the policy update (hashable; bound before jit)."""
 
-    objective: str
-    hparams: tuple[tuple[str, Any], ...] = ()
+    # The objective's hyperparameters, its frozen dataclass (config.objective.hparams);
+    # the objective is the one they belong to.
+    hparams: Hparams
     micro_batches: int = 1
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
@@ -150,8 +189,17 @@ class StepConfig:
     trainable: str = "all"
 
     @property
-    def hparam_dict(self) -> dict[str, Any]:
-        return dict(self.hparams)
+    def objective(self) -> str:
+        return self.hparams.name
+
+
+def step_config(
+    objective: str, hparams: Mapping[str, Any] | Sequence = (), **settings
+) -> StepConfig:
+    """The `StepConfig` of ``objective`` with ``hparams`` (a mapping or ``(key, value)``
+    pairs) over its defaults, and ``settings``: for a step built outside a run (a run's
+    is `gspo_jax.rl.RLPhase`'s, from the loaded config)."""
+    return StepConfig(hparams=objectives.get(objective).hparams(**dict(hparams)), **settings)
 
 
 # --------------------------------------------------------------------------
@@ -346,7 +394,7 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
         router_shift=gamma_raw if fn.needs_router_shift else None,
         normalizer=norm,
         weight=batch.get("rc_weight"),  # rollout correction (None: off)
-        **cfg.hparam_dict,
+        hp=cfg.hparams,
     )
     if cfg.entropy_coef:
         bonus, _ = objectives.entropy_bonus(entropy, mask, coef=cfg.entropy_coef, normalizer=norm)
@@ -390,8 +438,7 @@ def gamma_floor(cfg: StepConfig) -> float:
     """The floor of the ``router_shift_mean`` / ``router_shift_min`` diagnostics: RSPO's
     ``gamma_min`` under RSPO (the gamma its loss uses), RSPO's default floor under every
     other objective (the gamma RSPO would use at its defaults)."""
-    hp = objectives.get(cfg.objective).hparams(**cfg.hparam_dict)
-    return getattr(hp, "gamma_min", objectives.get("rspo").defaults["gamma_min"])
+    return getattr(cfg.hparams, "gamma_min", objectives.get("rspo").defaults["gamma_min"])
 
 
 def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:

@@ -81,19 +81,19 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     with safety.RunGuard(workdir, lock=primary) as guard:
         old_keys.move_deprecated(c)  # before the comparison with the saved config
         safety.check_resume_config(c, workdir)
-        trainer = Trainer(c, workdir)  # validates the config
+        trainer = Trainer(c, workdir)  # loads the config: the run reads trainer.cfg alone
         multihost.barrier("resume config checked")  # by every process, before it is replaced
         if primary:
             safety.save_run_config(c, workdir)
-        record = safety.config_record(c)
+        cfg = trainer.cfg
         with open_wandb(
-            c.wandb, workdir, record, enabled=primary, timeout=c.log_write_timeout
+            cfg.wandb, workdir, trainer.record, enabled=primary, timeout=cfg.log_write_timeout
         ) as wb:
             return _run(trainer, guard, wb)
 
 
 def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
-    c, cfg, workdir = trainer.c, trainer.cfg, trainer.workdir
+    cfg, workdir = trainer.cfg, trainer.workdir
     rl_ckpt = PhaseCheckpointer(
         workdir, "rl", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
     )
@@ -108,7 +108,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
             resume_phase=phase,
             wandb=wb,
             enabled=primary,
-            timeout=c.log_write_timeout,
+            timeout=cfg.log_write_timeout,
         )
 
     writer = None
@@ -136,12 +136,12 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
             tb_prefix="updates",
             wandb=wb,
             enabled=primary,
-            timeout=c.log_write_timeout,
+            timeout=cfg.log_write_timeout,
         )
         records = []
         if rl.start == 0:
             records.append(writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params)))
-        records += loop.run(rl, c, trainer.sources(), rl_ckpt, writer, guard)
+        records += loop.run(rl, trainer, rl_ckpt, writer, guard)
         rl.close()
         writer.close()
         return records

@@ -23,7 +23,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, lora_rl, multihost, offpolicy, reward_plugins, rewards, step, tasks
+from gspo_jax import (
+    evaluation,
+    lora_rl,
+    multihost,
+    offpolicy,
+    reward_plugins,
+    rewards,
+    safety,
+    step,
+    tasks,
+)
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
 from gspo_jax.data import PromptSource
 from gspo_jax.data.encoding import PromptCheck, encode_prompt, fit_prompts
@@ -34,10 +44,10 @@ from gspo_jax.rollout import Sampler
 from gspo_jax.tokenizers import CharTokenizer, HFTokenizer
 
 
-def make_tokenizer(c: ml_collections.ConfigDict):
-    if c.tokenizer == "char":
+def make_tokenizer(path: str):
+    """``config.tokenizer``: "char", or a checkpoint directory holding tokenizer.json."""
+    if path == "char":
         return CharTokenizer(words=(ANSWER_OPEN, ANSWER_CLOSE))
-    path = c.tokenizer
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise config_lib.ConfigError(f"config.tokenizer: no tokenizer.json in {path!r}")
     return HFTokenizer.from_dir(path)
@@ -48,13 +58,15 @@ class Trainer:
     :mod:`gspo_jax.step`, the phases in :mod:`gspo_jax.sft` and :mod:`gspo_jax.rl`."""
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
-        self.c = c
+        """``c``: the command line's config, loaded here once (`gspo_jax.config.load`):
+        the run's parts read the frozen `RunConfig` (``self.cfg``) alone."""
         self.workdir = workdir
-        self.tokenizer = make_tokenizer(c)
-        mesh_shape = config_lib.validate(
-            c, jax.device_count(), tokenizer_vocab_size=self.tokenizer.vocab_size
-        )
-        self.cfg = cfg = config_lib.typed(c)  # the config's values, typed (gspo_jax.run_config)
+        self.tokenizer = make_tokenizer(c.tokenizer)
+        n = jax.device_count()
+        self.cfg = cfg = config_lib.load(c, n, tokenizer_vocab_size=self.tokenizer.vocab_size)
+        # The config as config.json and each checkpoint's record store it.
+        self.record = safety.config_record(c)
+        mesh_shape = config_lib.Context(cfg, n, self.tokenizer.vocab_size).mesh_shape
         if cfg.rollout.devices:  # the sampler on devices of its own (gspo_jax.offpolicy)
             train_devices, sampler_devices = offpolicy.split_devices(cfg.rollout.devices)
             self.mesh = make_mesh(mesh_shape, train_devices)
@@ -62,50 +74,54 @@ class Trainer:
         else:
             self.mesh = self.sampler_mesh = make_mesh(mesh_shape)
         os.makedirs(workdir, exist_ok=True)
-        data_dir = c.task.data_dir or os.path.join(workdir, "data")
-        options = tasks.get(c.task.name).options(c.task)  # the task's own PromptSource options
+        data_dir = cfg.task.data_dir or os.path.join(workdir, "data")
+        options = tasks.get(cfg.task.name).options(cfg.task)  # the task's own PromptSource options
         check = PromptCheck(self.tokenizer, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
-        kw = dict(data_dir=data_dir, seed=c.seed, style=c.task.style, prompt_check=check, **options)
+        kw = dict(
+            data_dir=data_dir, seed=cfg.seed, style=cfg.task.style, prompt_check=check, **options
+        )
         # One process prepares a data set that is not on disk yet; the others then read it.
         if not multihost.is_primary():
             multihost.barrier("data prepared")
-        self.train_data = PromptSource(c.task.name, "train", **kw)
-        self.eval_data = PromptSource(c.task.name, "test", shuffle=False, **kw)
+        self.train_data = PromptSource(cfg.task.name, "train", **kw)
+        self.eval_data = PromptSource(cfg.task.name, "test", shuffle=False, **kw)
         if multihost.is_primary():
             multihost.barrier("data prepared")
 
         # The policy, created already sharded. Each batch shard dispatches its own
         # tokens to the experts (ModelConfig.moe_groups).
         moe_groups = int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
-        if c.model.pretrained:
+        if cfg.model.pretrained:
             model = from_pretrained(
-                c.model.pretrained,
+                cfg.model.pretrained,
                 mesh=self.mesh,
-                value_head=c.advantage == "gae",
+                value_head=cfg.advantage == "gae",
                 # Embedding rows past the tokenizer's vocabulary are padding: never sampled.
                 num_valid_tokens=self.tokenizer.vocab_size,
                 moe_groups=moe_groups,
-                **{k: c.model[k] for k in config_lib.MODEL_RUNTIME_FIELDS},
+                **{k: getattr(cfg.model, k) for k in config_lib.MODEL_RUNTIME_FIELDS},
             )
             self.model_cfg = model.cfg
             graphdef, params = nnx.split(model)
         else:
             self.model_cfg = dataclasses.replace(
-                config_lib.model_config(c, self.tokenizer.vocab_size), moe_groups=moe_groups
+                config_lib.model_config(cfg, self.tokenizer.vocab_size), moe_groups=moe_groups
             )
-            model = init_sharded(self.model_cfg, self.mesh, seed=c.seed)
+            model = init_sharded(self.model_cfg, self.mesh, seed=cfg.seed)
             graphdef, params = nnx.split(model)
         if cfg.lora.rank:  # adapters after the base (gspo_jax.lora_rl)
-            lora_rl.attach(model, cfg.lora, c.seed, self.mesh, self.model_cfg)
+            lora_rl.attach(model, cfg.lora, cfg.seed, self.mesh, self.model_cfg)
             graphdef, params = nnx.split(model)
         non_params = nnx.split(model, nnx.Param, ...)[2]
         if jax.tree.leaves(non_params):
             raise ValueError(
                 "the model holds non-Param variables; the trainer expects parameters only"
             )
-        if c.updates.routing_replay != "none" and self.model_cfg.num_moe_layers == 0:
+        # A pretrained model's experts are known once it is loaded (an initialised one's
+        # are checked with the config: UpdatesConfig.check_run).
+        if cfg.updates.routing_replay != "none" and self.model_cfg.num_moe_layers == 0:
             raise ValueError(
-                f"updates.routing_replay={c.updates.routing_replay!r} needs MoE layers; "
+                f"updates.routing_replay={cfg.updates.routing_replay!r} needs MoE layers; "
                 "the model is dense (num_experts=0): use 'none'"
             )
         self.graphdef = graphdef
@@ -133,7 +149,7 @@ class Trainer:
         )
         self.init_params = params  # where the warm start (or RL, without one) starts
         # pi_ref is needed (a KL term): the RL step keeps it, a resume restores it.
-        self.kl_coef = float(getattr(cfg.objective.typed_hparams(), "kl_coef", 0.0))
+        self.kl_coef = float(getattr(cfg.objective.hparams, "kl_coef", 0.0))
         # A plug-in reward's calls: their time limit, and a batch where each failed.
         self.reward_fns = reward_plugins.RewardFnCalls(
             cfg.task.reward_fn_timeout, cfg.task.reward_fn_all_failed
@@ -230,8 +246,7 @@ class Trainer:
         sampler's router logits (training rollouts; evaluation measures the policy
         itself). ``routing``: the routing record to keep (`gspo_jax.rollout.ROUTING`).
         Returns (the Rollout, on the devices; the number of prompts truncated)."""
-        _c, tok = self.c, self.tokenizer
-        cfg = self.cfg
+        cfg, tok = self.cfg, self.tokenizer
         ids, cut = self.fit_prompts([encode_prompt(tok, ex.prompt, ex.messages) for ex in examples])
         g = num_samples or cfg.rollout.group_size
         ro = self.sampler(
@@ -269,7 +284,6 @@ class Trainer:
         Returns (rewards [n * G], their components, verifier failure counts, and
         ``{"lengths", "truncated"}`` of every row), the same on every process.
         """
-        c = self.c
         cfg = self.cfg
         g = num_samples or cfg.rollout.group_size
         rows, host = multihost.local_rows(
@@ -278,7 +292,7 @@ class Trainer:
         texts = self.texts(host)
         metas = [ex.meta for ex in examples for _ in range(g)][rows]
         r, components, fails = rewards.score(
-            c.task.name,
+            cfg.task.name,
             texts,
             metas,
             format_weight=cfg.task.format_reward,

@@ -223,7 +223,7 @@ def test_typed_sections():
     t = config_lib.typed(c)
     assert t.rollout.group_size == 4 and t.task.eval_pass_k == (1, 4)
     assert t.model.fields["d_model"] == 128 and t.mesh.data == -1
-    assert t.objective.typed_hparams().eps_low == c.objective.hparams.eps_low
+    assert t.objective.hparams.eps_low == c.objective.hparams.eps_low
     with pytest.raises(Exception):
         t.rollout.group_size = 2  # frozen
 
@@ -241,3 +241,22 @@ def test_choices_come_from_their_owners():
     with pytest.raises(config_lib.ConfigError, match=r"^config\.objective\.name: "):
         config_lib.validate(c, 1)
     assert "nope" not in objectives.names()
+
+
+def test_load_gives_the_frozen_run_with_the_objectives_dataclass():
+    """`config.load`: the validated, frozen RunConfig; the objective's hyperparameters are
+    its dataclass from there on (the train step reads that object)."""
+    import dataclasses
+
+    from gspo_jax import objectives
+
+    c = config_lib.base_config()
+    c.objective.hparams.eps_low = 1e-4
+    run = config_lib.load(c, 1)
+    assert type(run.objective.hparams) is objectives.get("gspo").hparams_class
+    assert run.objective.hparams.eps_low == 1e-4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.objective.hparams.eps_low = 0.1
+    c.objective.hparams.eps_low = -1.0
+    with pytest.raises(config_lib.ConfigError, match=r"config\.objective\.hparams\.eps_low"):
+        config_lib.load(c, 1)

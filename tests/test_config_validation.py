@@ -470,7 +470,7 @@ def test_every_documented_model_field_can_be_set_from_the_command_line():
 
     documented = _documented_model_fields()
     assert set(documented) == set(MODEL_FIELD_VALUES)  # a new field gets a case here
-    vocab = trainer.make_tokenizer(_smoke()).vocab_size
+    vocab = trainer.make_tokenizer(_smoke().tokenizer).vocab_size
     for key in documented:
         text, value = MODEL_FIELD_VALUES[key]
         c = _command_line(f"--config.model.fields.{key}={text}")
@@ -628,7 +628,7 @@ def test_char_tokenizer_default_validates():
     from gspo_jax import trainer
 
     c = _smoke()
-    tok = trainer.make_tokenizer(c)
+    tok = trainer.make_tokenizer(c.tokenizer)
     config_lib.validate(c, 8, tokenizer_vocab_size=tok.vocab_size)
     assert config_lib.model_config(c, tok.vocab_size).vocab_size == tok.vocab_size
 

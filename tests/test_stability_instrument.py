@@ -62,7 +62,7 @@ def _move_router(params, scale, seed=1):
 
 
 def _metrics(graphdef, params, batch, **cfg_kw):
-    cfg = step.StepConfig(**{"objective": "gspo", **cfg_kw})
+    cfg = step.step_config(**{"objective": "gspo", **cfg_kw})
     loss_fn = functools.partial(step.policy_loss, graphdef=graphdef, cfg=cfg, norm=step.objectives.normalizer(
         batch["mask"]), num_router_tokens=step.router_tokens(batch))
     _, m = jax.jit(loss_fn)(params, batch)
@@ -85,7 +85,7 @@ def test_uniform_groups_move_no_parameter_by_default(setup, objective):
                                      end_lr_ratio=1.0, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
     hp = (("kl_coef", 0.04),) if objective == "grpo" else ()
     for without_signal in (False, True):
-        cfg = step.StepConfig(objective=objective, hparams=hp, aux_loss_coef=0.01, z_loss_coef=0.001,
+        cfg = step.step_config(objective=objective, hparams=hp, aux_loss_coef=0.01, z_loss_coef=0.001,
                               update_without_signal=without_signal)
         fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
         state0 = step.TrainState.create(params, opt.init(params))
@@ -117,7 +117,7 @@ def test_logged_learning_rate_is_the_one_applied(setup):
     graphdef, params, batch, _ = setup
     opt, sched = step.make_optimizer(lr=1e-2, schedule="linear", total_steps=10, warmup_steps=4,
                                      end_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
-    cfg = step.StepConfig(objective="gspo")
+    cfg = step.step_config(objective="gspo")
     fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
     state = step.TrainState.create(params, opt.init(params))
     state, m0 = fn(state, batch, jax.random.key(0))

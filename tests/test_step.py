@@ -58,7 +58,7 @@ def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coe
     # compares gradients (Adam's g/sqrt(v) would amplify rounding where g ~ 0).
     opt = optax.sgd(lr)
     state = step.TrainState.create(params, opt.init(params))
-    cfg = step.StepConfig(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
+    cfg = step.step_config(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
                           z_loss_coef=router_coefs[1])
     fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
                                    schedule=optax.constant_schedule(lr), cfg=cfg))
@@ -141,7 +141,7 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     b = dict(batch, advantages=jnp.asarray(adv), old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
     opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
                                      weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0)
-    cfg = step.StepConfig(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
+    cfg = step.step_config(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
     fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
     state = step.TrainState.create(params, opt.init(params))
     for _ in range(3):
@@ -156,7 +156,7 @@ def test_bfloat16_first_moment(setup):
     moment stay f32); the update is the f32-moment one to bf16's rounding."""
     graphdef, params, batch = setup
     b = dict(batch, old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
-    cfg = step.StepConfig(objective="grpo", hparams=(("kl_coef", 0.0),))
+    cfg = step.step_config(objective="grpo", hparams=(("kl_coef", 0.0),))
     out = {}
     for mu in ("float32", "bfloat16"):
         opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
@@ -252,7 +252,7 @@ def test_micro_batches_keep_the_work_on_every_batch_device():
     state = step.TrainState.create(params, opt.init(params))
 
     def flops(micro, b):
-        cfg = step.StepConfig(objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=micro)
+        cfg = step.step_config(objective="grpo", hparams=(("kl_coef", 0.0),), micro_batches=micro)
         fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
                                        schedule=optax.constant_schedule(1e-3), cfg=cfg))
         return _flops_per_device(fn, state, b, jax.random.key(0))

@@ -76,7 +76,7 @@ def objective_ms(cfg, mini, warmup: int = 3, runs: int = 21) -> float:
     @jax.jit
     def vg(lp):
         return jax.value_and_grad(
-            lambda x: fn(x, old, mini["advantages"], mask, **extra, **cfg.hparam_dict), has_aux=True
+            lambda x: fn(x, old, mini["advantages"], mask, **extra, hp=cfg.hparams), has_aux=True
         )(lp)
 
     return time_fn(vg, (old + noise,), warmup, runs)

@@ -176,11 +176,11 @@ TRAIN_METRICS = ("clip_frac", "grad_norm", "update_norm", "no_signal", "loss")
 def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
     """The records of one probe: for each rollout batch, pi_old (k = 0) and the drift
     after each of ``sc.updates`` updates from ``params0``."""
-    c = trainer.c
+    cfg = trainer.cfg
     graphdef = trainer.graphdef
     kw = dict(
         graphdef=graphdef,
-        temperature=float(c.rollout.temperature),
+        temperature=cfg.rollout.temperature,
         grpo_eps=tuple(map(float, sc.grpo_eps)),
         gspo_ranges=ranges,
         edges=tuple(int(e) for e in sc.length_edges),
@@ -193,7 +193,7 @@ def run_probe(trainer, phase, params0, host_batches, sc, ranges) -> list[dict]:
         old_lp = full_logprobs(params0, batch, graphdef=graphdef, temperature=kw["temperature"])
         n = batch["tokens"].shape[0]
         mb = n // int(sc.updates)
-        perm = np.random.default_rng(1000 * c.seed + b).permutation(n)
+        perm = np.random.default_rng(1000 * cfg.seed + b).permutation(n)
         per_k = [(drift_metrics(phase.state.params, batch, old_lp, **kw), {})]
         for k in range(int(sc.updates)):
             rows = perm[k * mb : (k + 1) * mb]

@@ -18,12 +18,13 @@ k dense" is ``first_dense_layers=k``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from typing import Optional
 
 import jax.numpy as jnp
 
-from gspo_jax.fields import is_int, problem, setting
+from gspo_jax.fields import err, from_dataclass_error, is_int, problem, setting
 
 MOE_BACKENDS = ("auto", "blocked", "ragged", "dense")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_no_scores")
@@ -405,6 +406,84 @@ class ModelSection:
         domain="ModelConfig's fields and checks (vocab_size 0 = the tokenizer's)",
         doc="the architecture of an initialised model",
     )
+
+    @classmethod
+    def check_node(cls, node) -> None:
+        """Every ModelConfig field present in ``config.model.fields``, on its own (its
+        declaration in ModelConfig); an initialised model's required ones present."""
+        f = node.fields
+        known = {x.name: x for x in dataclasses.fields(ModelConfig)}
+        for key in f.keys():
+            path = f"model.fields.{key}"
+            if key in RUNTIME_FIELDS:
+                raise err(path, f"a runtime setting: set config.model.{key} (this one is ignored)")
+            if key in DERIVED_FIELDS:
+                raise err(path, f"{DERIVED_FIELDS[key]}; leave it out")
+            if key not in known:
+                near = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"; did you mean config.model.fields.{near[0]}?" if near else ""
+                raise err(path, f"not a ModelConfig field{hint}")
+        if not node.pretrained:
+            for key, x in known.items():
+                if x.default is dataclasses.MISSING and key not in f:
+                    raise err(f"model.fields.{key}", "missing (an initialised model needs it)")
+        for key in f.keys():
+            msg = field_problem(key, f[key])
+            if msg:
+                raise err(f"model.fields.{key}", msg)
+        if node.attention_impl == "cudnn" and node.dtype == "float32":
+            raise err(
+                "model.attention_impl",
+                "'cudnn' (flash attention) needs model.dtype bfloat16 or float16, got float32; "
+                "use 'auto' or 'xla'",
+            )
+
+    def check_run(self, run, ctx) -> None:
+        """A pretrained model's tokenizer; an initialised one against the tokenizer
+        (``ctx.tokenizer_vocab_size``, where known), then ModelConfig's own checks across
+        its fields (every error names config.model.fields.<x>)."""
+        if self.pretrained:
+            if run.tokenizer == "char":
+                raise err(
+                    "tokenizer",
+                    "a pretrained model needs its own tokenizer: set it to the checkpoint "
+                    "directory",
+                )
+            return
+        vocab, tokenizer_vocab = int(self.fields["vocab_size"]), ctx.tokenizer_vocab_size
+        if tokenizer_vocab is not None and vocab and vocab < tokenizer_vocab:
+            raise err(
+                "model.fields.vocab_size",
+                f"{vocab} is smaller than the tokenizer's vocabulary of {tokenizer_vocab} "
+                "(set it to 0 to take the tokenizer's)",
+            )
+        try:
+            self.model_config(tokenizer_vocab or vocab or 1, run.advantage == "gae")
+        except (TypeError, ValueError) as e:
+            moved = {k: f"model.{k}" for k in RUNTIME_FIELDS}
+            raise from_dataclass_error(
+                e, "ModelConfig", "model.fields", self.fields, moved
+            ) from None
+
+    @property
+    def dense(self) -> bool:
+        """An initialised model without experts (a pretrained one is known once loaded)."""
+        return not self.pretrained and int(self.fields.get("num_experts", 0)) == 0
+
+    def model_config(self, tokenizer_vocab_size: int, value_head: bool = False) -> ModelConfig:
+        """The ModelConfig of an initialised policy: ``fields`` with this section's
+        runtime settings; vocab_size 0 takes the tokenizer's, and a larger one marks the
+        rows past the tokenizer's as padding (never sampled). ``value_head``: PPO's
+        critic (config.advantage 'gae')."""
+        f = {k: tuple(v) if isinstance(v, list) else v for k, v in self.fields.items()}
+        f.update({k: getattr(self, k) for k in RUNTIME_FIELDS})
+        if value_head:
+            f["value_head"] = True
+        if not f.get("vocab_size"):
+            f["vocab_size"] = tokenizer_vocab_size
+        elif f["vocab_size"] > tokenizer_vocab_size:
+            f["num_valid_tokens"] = tokenizer_vocab_size
+        return ModelConfig(**f)
 
 
 # Set on config.model, not config.model.fields (`model_config` copies them over).

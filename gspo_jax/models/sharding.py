@@ -29,7 +29,7 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def make_mesh(shape: dict[str, int], devices: Optional[Sequence] = None) -> Mesh:
-    """The run's device mesh: ``shape`` (`gspo_jax.config.mesh_shape`) over `MESH_AXES`,
+    """The run's device mesh: ``shape`` (`gspo_jax.config.Context.mesh_shape`) over `MESH_AXES`,
     of ``devices`` (default: every device)."""
     devices = jax.devices() if devices is None else list(devices)
     devices = np.asarray(devices).reshape(tuple(shape[a] for a in MESH_AXES))

@@ -33,7 +33,7 @@ from typing import ClassVar
 import chex
 import jax.numpy as jnp
 
-from gspo_jax.fields import setting
+from gspo_jax.fields import err, from_dataclass_error, setting
 from gspo_jax.metrics import Max, Mean, MetricDict
 from gspo_jax.objectives import common
 from gspo_jax.objectives.common import sg
@@ -85,6 +85,26 @@ class RolloutCorrection:
         for key in ("cap", "c_low", "c_high"):  # >= 1: an on-policy token keeps weight 1
             check_number(self, key, low=1.0)
         check_choice(self, "seq_ratio", SEQ_RATIOS)
+
+    @classmethod
+    def check_node(cls, node) -> None:
+        """``config.rollout_correction`` made as this class (its own checks), errors
+        naming the field."""
+        rc = dict(node)
+        try:
+            cls(**rc)
+        except (TypeError, ValueError) as e:
+            raise from_dataclass_error(e, cls.name, cls.name, rc) from None
+
+    def check_run(self, run, ctx) -> None:
+        """A weight of pi_old / pi_behaviour is 1 where pi_old is the sampler's."""
+        if run.updates.trust_region == "behaviour" and self.mode != "none":
+            raise err(
+                "rollout_correction.mode",
+                f"{self.mode!r} weighs pi_old / pi_behaviour, which is 1 under "
+                "updates.trust_region='behaviour' (pi_old is the sampler's): use 'none', or "
+                "trust_region 'decoupled'",
+            )
 
 
 def rollout_correction(old_logp, sampler_logp, mask, rc: RolloutCorrection):

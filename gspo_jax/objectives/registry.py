@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Callable, Mapping
 
-from gspo_jax.fields import setting
+from gspo_jax.fields import err, from_dataclass_error, setting
 from gspo_jax.metrics import MetricDict, compute_all
 from gspo_jax.objectives import cispo, clipped, common, geometric, gspo, sapo
 from gspo_jax.objectives.hparams import Hparams
@@ -74,14 +75,23 @@ class Objective:
         router_shift=None,
         normalizer=None,
         weight=None,
+        hp: Hparams | None = None,
         **hyperparameters,
     ) -> tuple[Any, MetricDict]:
         """(loss, metrics) with metrics that merge across micro-batches exactly.
 
         ``weight``: an optional f32[N,T] constant on the per-token policy loss, e.g.
         `correction.rollout_correction`'s (docs/objectives.md, "Rollout correction").
+        ``hp``: the hyperparameters as this objective's dataclass, made already (a run's
+        ``config.objective.hparams``), in place of keyword arguments.
         """
-        hp = self.hparams(**hyperparameters)
+        if hp is None:
+            hp = self.hparams(**hyperparameters)
+        elif hyperparameters or type(hp) is not self.hparams_class:
+            raise ValueError(
+                f"{self.name}: hp must be a {self.hparams_class.__name__} and come without "
+                f"keyword hyperparameters, got {type(hp).__name__} and {sorted(hyperparameters)}"
+            )
         x = common.check_inputs(
             hp,
             logp,
@@ -182,10 +192,12 @@ DEFAULT = "gspo"
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
     """``config.objective``: the objective and its hyperparameters (written by
-    `gspo_jax.config.set_objective`, checked by its hyperparameter dataclass)."""
+    `gspo_jax.config.set_objective`, checked by its hyperparameter dataclass). Built from
+    a config, ``hparams`` is that dataclass: made once, when the config is loaded, and
+    read as it is by the train step and the objective's formula."""
 
     name: str = setting(DEFAULT, choices=names, doc="a registered objective")
-    hparams: dict = setting(
+    hparams: Hparams = setting(
         factory=lambda: get(DEFAULT).defaults,
         open_group=True,
         domain="the objective's hyperparameter dataclass (docs/objectives.md)",
@@ -195,6 +207,33 @@ class ObjectiveConfig:
         DEFAULT, doc="the objective whose hyperparameters `hparams` holds (set_objective's)"
     )
 
-    def typed_hparams(self) -> Hparams:
-        """The objective's frozen hyperparameter dataclass."""
-        return get(self.name).hparams(**self.hparams)
+    def __post_init__(self):
+        if isinstance(self.hparams, Mapping):
+            object.__setattr__(self, "hparams", get(self.name).hparams(**self.hparams))
+
+    @classmethod
+    def check_node(cls, node) -> None:
+        """``config.objective``'s hyperparameters: those of ``objective.name``, each
+        known to it and valid (errors name ``config.objective.hparams.<key>``)."""
+        if node.hparams_of != node.name:
+            raise err(
+                "objective.name",
+                f"is {node.name!r} but objective.hparams hold "
+                f"{node.hparams_of!r}'s; pick the objective with the config's argument "
+                "(configs/default.py:objective=<name>) or config.set_objective",
+            )
+        objective = get(node.name)
+        hparams = dict(node.hparams)
+        for key in hparams:
+            if key not in objective.defaults:
+                near = difflib.get_close_matches(key, list(objective.defaults), n=1)
+                hint = f"; did you mean config.objective.hparams.{near[0]}?" if near else ""
+                raise err(
+                    f"objective.hparams.{key}",
+                    f"{node.name} takes no such hyperparameter{hint} "
+                    f"(it takes {sorted(objective.defaults)})",
+                )
+        try:
+            objective.hparams(**hparams)
+        except (TypeError, ValueError) as e:
+            raise from_dataclass_error(e, node.name, "objective.hparams", hparams) from None

@@ -34,10 +34,9 @@ def _check_config(c) -> None:
             "task.file", "task 'file' needs the path of a .jsonl or .parquet file"
         )
     for path in ("file", "test_file"):
-        if t[path] and not t[path].endswith((".jsonl", ".parquet")):
-            raise TaskConfigError(
-                f"task.{path}", f"must end in .jsonl or .parquet, got {t[path]!r}"
-            )
+        value = getattr(t, path)
+        if value and not value.endswith((".jsonl", ".parquet")):
+            raise TaskConfigError(f"task.{path}", f"must end in .jsonl or .parquet, got {value!r}")
     if not t.test_file and not t.test_fraction > 0:
         raise TaskConfigError(
             "task.test_fraction", "must be > 0 without task.test_file (the test split)"
