@@ -7,7 +7,8 @@ advantages, the rollout correction, the updates and the step's summary.
                      3. filter     DAPO's overlong shaping and dynamic sampling; the batch
                                    assembled on the devices from the kept rows
                                    (gspo_jax.collect), queued (gspo_jax.offpolicy)
-      prepare        4. old pass   batch s's pi_old log-probs and routing (R2), pi_ref's,
+      prepare        one program (gspo_jax.prepare.prepare_batch):
+                     4. old pass   batch s's pi_old log-probs and routing (R2), pi_ref's,
                                    the critic's; pi_old by updates.trust_region
                      5. advantages group (vmap over groups) or GAE, all here
                      6. correction the rollout correction's weights
@@ -36,12 +37,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import advantages as adv_lib
-from gspo_jax import checkpoint, evaluation, lora_rl, offpolicy, passes, step
+from gspo_jax import checkpoint, evaluation, lora_rl, offpolicy, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
+from gspo_jax.prepare import PrepareConfig, prepare_batch
 from gspo_jax.run_config import RunConfig
 from gspo_jax.trainer import Trainer
 
@@ -83,31 +84,6 @@ def summarize_updates(ms: list[metrics_lib.MetricDict]) -> tuple[dict, list[dict
             if len(ms) > 1:  # measured after one update (k = 0 is at pi_old itself)
                 out[f"{k}_k1"] = per_update[1][k]
     return out, per_update
-
-
-# Under updates.trust_region='behaviour', pi_old's routing references are the sampler's:
-# the experts it used and its router's log-probs there (RSPO's router shift).
-BEHAVIOUR_REFERENCES = {
-    "old_topk": "sampler_topk",
-    "old_free_topk": "sampler_topk",
-    "old_router_logp": "sampler_router_logp",
-}
-
-
-def _gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
-    """GAE over response tokens with the sequence reward on its last token."""
-    mask = mask.astype(jnp.float32)
-    last = jnp.sum(mask, axis=1).astype(jnp.int32) - 1  # -1 for an empty response: no reward
-    t = jnp.arange(mask.shape[1])[None, :]
-    token_rewards = jnp.where(t == last[:, None], seq_rewards[:, None], 0.0) * mask
-    return adv_lib.gae(token_rewards, values, mask, gamma=gamma, lam=lam)
-
-
-def _group_batch(rewards, *, estimator: str, group_size: int):
-    """A group estimator over the batch's rows, f32[N] -> f32[N]: row i is sample
-    i % G of prompt i // G, as the rollout lays them out."""
-    per_prompt = adv_lib.GROUP_ESTIMATORS[estimator](rewards.reshape(-1, group_size))
-    return per_prompt.reshape(-1)
 
 
 def _permutations(key, *, n: int, epochs: int) -> jax.Array:
@@ -235,7 +211,6 @@ class RLPhase:
             update_without_signal=cfg.updates.update_without_signal,
             trainable=lora_rl.trainable(cfg.lora, "rl"),
         )
-        self.rollout_correction = cfg.rollout_correction
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
         # model's mismatch metrics compare the response tokens' with the trainer's.
         self.routing = offpolicy.routing_record(cfg, trainer.model_cfg)
@@ -244,6 +219,7 @@ class RLPhase:
         # held in the compute dtype (the same logits; docs/memory.md). With LoRA: the
         # frozen base itself, the adapters off (gspo_jax.lora_rl), and no copy.
         self.lora = self.step_cfg.trainable != "all"
+        self.ref_routers = None
         if self.lora:
             params, self.base = lora_rl.rl_start(trainer, params, self.step_cfg.trainable)
             trained_routers = cfg.lora.train_router and trainer.kl_coef
@@ -262,50 +238,20 @@ class RLPhase:
             schedule=self.sched,
             cfg=self.step_cfg,
         )
-        replay = cfg.updates.routing_replay
-        self.critic = cfg.advantage == "gae"
-        self.moe = trainer.model_cfg.num_moe_layers > 0
-        logp_pass = functools.partial(
-            passes.logprob_pass,
-            graphdef=trainer.graphdef,
-            values=self.critic,
-            temperature=cfg.rollout.temperature,
-            micro_batches=cfg.updates.logprob_micro_batches,
-        )
-        # The old policy's pass replays the sampler's routing under R3; the reference
-        # policy's always routes freely (it is pi_ref, not pi_ref under pi's routing).
-        self.logp_fn = on_mesh(
+        # Stages 4-6, one program (gspo_jax.prepare): pi_old's and pi_ref's passes, the
+        # advantages, the rollout correction and the step's diagnostics.
+        ref = "lora" if self.lora and trainer.kl_coef else "full" if kl else "none"
+        self.prepare_cfg = PrepareConfig.of(cfg, trainer.model_cfg, ref)
+        self.prepare_fn = on_mesh(
             jax.jit(
-                functools.partial(logp_pass, replay_key="replay_r3" if replay == "R3" else None)
+                functools.partial(prepare_batch, graphdef=trainer.graphdef, cfg=self.prepare_cfg)
             ),
             trainer.mesh,
         )
-        ref_pass = functools.partial(logp_pass, replay_key=None)
-        if self.lora:  # pi_ref: the state's parameters with the adapters off
-            ref_pass = lora_rl.reference_pass(ref_pass)
-        self.ref_logp_fn = on_mesh(jax.jit(ref_pass), trainer.mesh)
-        self.gae_fn = jax.jit(functools.partial(_gae_batch, gamma=cfg.gae.gamma, lam=cfg.gae.lam))
-        if cfg.advantage in adv_lib.GROUP_ESTIMATORS:
-            self.group_fn = jax.jit(
-                functools.partial(
-                    _group_batch, estimator=cfg.advantage, group_size=cfg.rollout.group_size
-                )
-            )
-        self.trust_region_fn = jax.jit(
-            functools.partial(
-                offpolicy.trust_region_inputs,
-                cfg.updates.trust_region,
-                rc=self.rollout_correction,
-            )
-        )
-        self.mismatch_fn = jax.jit(passes.mismatch_metrics)
-        self.staleness_fn = jax.jit(offpolicy.staleness_metrics)
         # Off-policy (gspo_jax.offpolicy): the queue of scored batches, the parameters
         # the sampler reads, and which policy the trust region is around.
         self.queue: collections.deque[offpolicy.QueuedBatch] = collections.deque()
         self.sampler_params = None  # on the sampler's devices, when it has its own
-        self.behaviour = cfg.updates.trust_region == "behaviour"
-        self.old_pass = not self.behaviour or self.critic or replay == "R2"
         # The mini-batches: the permutation and the gather on the devices.
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         self.perm_fn = jax.jit(functools.partial(_permutations, n=n, epochs=cfg.updates.num_epochs))
@@ -315,77 +261,25 @@ class RLPhase:
         )
 
     def prepare(self, queued: offpolicy.QueuedBatch, s: int):
-        """Stages 4-6: the device batch with pi_old's (and the reference's) log-probs,
-        routing records, advantages and the rollout correction; and the step's
-        train-inference mismatch metrics. ``queued``: the batch `collect_batch` made
-        (on the devices, but for the host ``rewards`` of its rows); ``s``: this step.
+        """Stages 4-6 (`gspo_jax.prepare.prepare_batch`, one program): the device batch
+        with pi_old's (and the reference's) log-probs, routing records, advantages and
+        the rollout correction; and the step's train-inference mismatch and staleness
+        metrics. ``queued``: the batch `collect_batch` made (on the devices, but for the
+        host ``rewards`` of its rows); ``s``: this step.
 
         ``updates.trust_region`` (docs/offpolicy.md): 'decoupled' recomputes pi_old at
         the step's parameters (the proximal policy) in the old pass, and the rollout
         correction weighs pi_old / pi_behaviour; 'behaviour' takes pi_old to be the
-        sampler's own log-probs and routing (`BEHAVIOUR_REFERENCES`), and the old pass
-        runs only for what nothing else gives: the critic's values, R2's routing.
-        Nothing here waits for the devices: the host's rewards go to them, and the
-        advantages are computed there (`_group_batch`, or GAE), nothing coming back."""
+        sampler's own log-probs and routing (`gspo_jax.prepare.BEHAVIOUR_REFERENCES`),
+        and the old pass runs only for what nothing else gives: the critic's values,
+        R2's routing. Nothing here waits for the devices: the host's rewards go to
+        them, and everything else is computed there, nothing coming back."""
         dev = self.t.put_batch(queued.device)
-        batch = {k: dev[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")}
-        if not self.critic:
-            batch.update(self.advantages(queued.rewards, None, dev["mask"]))
-        old = self.logp_fn(self.state.params, dev) if self.old_pass else None
-        if self.critic:
-            batch.update(self.advantages(queued.rewards, old["values"], dev["mask"]))
-        proximal = None if self.behaviour else old["logp"]
-        batch["old_logp"], weight, rc_metrics = self.trust_region_fn(
-            dev["rollout_logp"], proximal, dev["mask"]
+        rewards = self.t.put_rows(np.asarray(queued.rewards, np.float32).reshape(-1))
+        ref = {"none": None, "full": self.ref_params, "lora": self.ref_routers}
+        return self.prepare_fn(
+            self.state.params, ref[self.prepare_cfg.reference], dev, rewards, np.int32(s)
         )
-        if weight is not None:
-            batch["rc_weight"] = weight
-        if self.behaviour:
-            batch.update(self.behaviour_references(dev))
-        else:
-            batch.update(
-                old_topk=old["topk_resp"],
-                old_free_topk=old["free_topk_resp"],
-                old_router_logp=old["router_logp"],
-            )
-        if self.moe:  # the sampler's routing at the response positions
-            if "sampler_topk" in dev:
-                batch["sampler_topk"] = dev["sampler_topk"]
-            else:
-                p, t = dev["prompt_tokens"].shape[1], dev["tokens"].shape[1]
-                batch["sampler_topk"] = passes.response_slice(dev["replay_r3"], p, t)
-        if self.cfg.updates.routing_replay == "R2":
-            batch["replay"] = old["topk"]
-        elif self.cfg.updates.routing_replay == "R3":
-            batch["replay"] = dev["replay_r3"]
-        if self.ref_params is not None:
-            batch["ref_logp"] = self.ref_logp_fn(self.ref_params, dev)["logp"]
-        elif self.lora and self.t.kl_coef:
-            ref = (self.state.params, self.ref_routers)
-            batch["ref_logp"] = self.ref_logp_fn(ref, dev)["logp"]
-        info = self.staleness_fn(dev["policy_version"], dev["mask"], np.int32(s))
-        if not self.behaviour:
-            info.update(
-                self.mismatch_fn(
-                    dev["rollout_logp"],
-                    old["logp"],
-                    dev["mask"],
-                    batch.get("sampler_topk"),
-                    old["free_topk_resp"] if self.moe else None,
-                )
-            )
-        if rc_metrics:
-            info.update(metrics_lib.compute_all(rc_metrics))
-        return batch, info
-
-    def behaviour_references(self, dev) -> dict[str, jax.Array]:
-        """pi_old's routing references under trust_region 'behaviour': the sampler's
-        (`BEHAVIOUR_REFERENCES`); a dense model's are empty, as its old pass's are."""
-        if self.moe:
-            return {k: dev[v] for k, v in BEHAVIOUR_REFERENCES.items()}
-        shape = dev["tokens"].shape + (0, self.t.model_cfg.top_k)
-        empty = jnp.zeros(shape, jnp.int32)
-        return {"old_topk": empty, "old_free_topk": empty, "old_router_logp": empty + 0.0}
 
     def updates(self, batch, rng) -> tuple[list, list[dict]]:
         """Stage 7: ``num_epochs x num_minibatches`` train steps on the batch, dispatched
@@ -493,7 +387,7 @@ class RLPhase:
         whose ratio is outside [1/2, 2]: from the old pass over the whole batch
         ('decoupled'), or from the first update's forward, at the step's parameters, over
         its mini-batch ('behaviour', which runs no old pass)."""
-        if self.behaviour:
+        if self.prepare_cfg.behaviour:
             return {
                 "behaviour_kl": first_update["kl_k3"],
                 "behaviour_f2": first_update["frac_ratio_gt_2"],
@@ -579,14 +473,3 @@ class RLPhase:
     def collect(self, params, step_idx: int, rng) -> tuple[dict[str, Any], dict[str, Any]]:
         """Stages 1-3 for batch ``step_idx`` (`gspo_jax.collect.Collector.collect`)."""
         return self.collector.collect(params, step_idx, rng)
-
-    def advantages(self, rewards: np.ndarray, values, mask) -> dict[str, jax.Array]:
-        """Stage 5, advantages (``config.advantage``), on the devices: per response over
-        each group of the rows' shaped ``rewards`` (host), or GAE per token from the
-        critic's ``values`` of the old pass (the sequence reward on the last token).
-        Returns ``advantages`` (and for GAE ``returns`` and ``old_values``)."""
-        rows = self.t.put_rows(np.asarray(rewards, np.float32).reshape(-1))
-        if self.cfg.advantage == "gae":
-            a, returns = self.gae_fn(rows, values, mask)
-            return {"advantages": a, "returns": returns, "old_values": values}
-        return {"advantages": self.group_fn(rows)}

@@ -12,6 +12,7 @@ rollout.devices and rollout.overlap.
   bit, while its training and sampling programs are in flight at the same time.
 """
 
+import functools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import config as config_lib
-from gspo_jax import objectives, offpolicy
+from gspo_jax import objectives, offpolicy, passes
 from gspo_jax.objectives.correction import RolloutCorrection
 from configs import default as default_config
 
@@ -357,14 +358,16 @@ def test_what_each_trust_region_replays_and_compares_against(data_dir, tmp_path,
         c.objective.hparams = dict(objectives.get("rspo").defaults)
         trainer = Trainer(c, str(tmp_path / region))
         rl = RLPhase(trainer, trainer.init_params)
-        calls = []
-        logp_fn = rl.logp_fn
-        rl.logp_fn = lambda p, b: calls.append(1) or logp_fn(p, b)
-        queued = rl.collect_batch(0, version=0)
-        batch, _ = rl.prepare(queued, 1)
+        calls = []  # the log-prob passes the prepare program traces (no KL term: pi_old's)
+        logprob_pass = passes.logprob_pass
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(passes, "logprob_pass", lambda *a, **k: calls.append(k) or logprob_pass(*a, **k))
+            queued = rl.collect_batch(0, version=0)
+            batch, _ = rl.prepare(queued, 1)
         dev, old = jax.device_get(queued.device), None
-        if calls:
-            old = jax.device_get(logp_fn(rl.state.params, queued.device))
+        if calls:  # pi_old's pass as the prepare program runs it, on its own
+            old_pass = jax.jit(functools.partial(logprob_pass, **calls[0]))
+            old = jax.device_get(old_pass(rl.state.params, queued.device))
         got[region] = (jax.device_get(batch), dev, old, len(calls))
         rl.updates(batch, jax.random.key(0))  # every objective input is there and well-formed
 

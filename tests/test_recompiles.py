@@ -132,22 +132,27 @@ def test_routing_record_never_reaches_the_host(data_dir, tmp_path, monkeypatch):
     assert sum(x.nbytes for x in fetched) < rows * (P + T - 1) * L * K * 4 / 2
 
 
-def test_group_advantages_are_one_program_on_the_devices(
+def test_the_prepare_stage_is_one_program_on_the_devices(
     data_dir, tmp_path, monkeypatch, compile_counts
 ):
-    """The host's rewards go to the devices once, sharded over rows; the advantages
-    are computed there by one compiled program (no op-by-op dispatch) and stay there.
-    RLOO, the estimator no default config uses (the others run in every RL test)."""
+    """Stages 4-6 of a step (the old pass, the advantages, the trust region and the
+    diagnostics) are one compiled program, dispatched once per step: the host's rewards
+    go to the devices once, sharded over rows, nothing comes back, and a second step
+    compiles nothing. RLOO, the estimator no default config uses (the others run in
+    every RL test)."""
+    import dataclasses
+
     c = _config(data_dir, advantage="rloo")
     trainer = trainer_lib.Trainer(c, str(tmp_path))
     rl = rl_lib.RLPhase(trainer, trainer.init_params)
     G = int(c.rollout.group_size)
     rewards = np.array([1.0, 0.0, 0.0, 1.0] * (int(c.rollout.prompts_per_step) - 1) + [0.5] * G)
     rewards[:G] = [0.0, 0.25, 0.5, 1.0]
+    queued = dataclasses.replace(rl.collect_batch(0, version=0), rewards=rewards)
     fetched = _record_host_fetches(monkeypatch)
     compile_counts.clear()
-    out = [rl.advantages(rewards, None, None)["advantages"] for _ in range(2)]
-    assert fetched == [] and dict(compile_counts) == {"jit(_group_batch)": 1}
+    out = [rl.prepare(queued, s)[0]["advantages"] for s in range(2)]
+    assert fetched == [] and dict(compile_counts) == {"jit(prepare_batch)": 1}
     rows = trainer.put_rows(rewards.astype(np.float32))
     assert out[0].sharding.is_equivalent_to(rows.sharding, 1)
     monkeypatch.undo()
