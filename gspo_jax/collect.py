@@ -110,13 +110,11 @@ def shape_and_filter(
     g, T = cfg.rollout.group_size, cfg.rollout.max_new_tokens
     if cfg.dapo.soft_overlong:
         length = np.asarray(host["lengths"], np.float32)
-        r = r + jax.device_get(
-            shaping.soft_overlong_penalty(
-                jnp.asarray(length), max_len=T, cache_len=cfg.dapo.overlong_cache_len
-            )
+        r = r + shaping.soft_overlong_penalty(
+            length, max_len=T, cache_len=cfg.dapo.overlong_cache_len
         )
     keep = (
-        jax.device_get(shaping.dynamic_sampling_keep(jnp.asarray(correct).reshape(-1, g)))
+        shaping.dynamic_sampling_keep(np.asarray(correct).reshape(-1, g))
         if cfg.dapo.dynamic_sampling
         else np.ones(len(r) // g, bool)
     )

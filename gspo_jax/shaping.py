@@ -5,6 +5,11 @@ soft_overlong_penalty  added to the task reward, from the response length L:
                        L_max - L_cache < L <= L_max; -1 if L > L_max.
 overlong_mask          overlong filtering: every token of a truncated response gets mask 0.
 dynamic_sampling_keep  keep a group only if its rewards are not all equal.
+
+The length penalty and the group filter act on what the verifier returned to the host
+(the rewards, the lengths, the correctness), before the batch is assembled: they are
+numpy functions, so that a step sends nothing to the devices and back for them.
+Overlong filtering acts on the assembled batch's mask, on the devices.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gspo_jax.fields import err, setting
 
@@ -47,7 +53,7 @@ class DapoConfig:
             )
 
 
-def soft_overlong_penalty(lengths: Array, *, max_len: int, cache_len: int) -> Array:
+def soft_overlong_penalty(lengths, *, max_len: int, cache_len: int) -> np.ndarray:
     """DAPO's soft overlong punishment.
 
     Args:
@@ -65,13 +71,14 @@ def soft_overlong_penalty(lengths: Array, *, max_len: int, cache_len: int) -> Ar
         raise ValueError(
             f"soft_overlong_penalty: cache_len={cache_len} must be <= max_len={max_len}"
         )
-    lengths = jnp.asarray(lengths)
+    lengths = np.asarray(lengths)
     if lengths.ndim != 1:
         raise ValueError(f"soft_overlong_penalty: lengths must be [N], got shape {lengths.shape}")
-    length = lengths.astype(jnp.float32)
-    start = float(max_len - cache_len)
-    ramp = (start - length) / float(cache_len)
-    return jnp.where(length <= start, 0.0, jnp.where(length <= max_len, ramp, -1.0))
+    length = lengths.astype(np.float32)
+    start = np.float32(max_len - cache_len)
+    ramp = (start - length) / np.float32(cache_len)
+    out = np.where(length <= start, 0.0, np.where(length <= max_len, ramp, -1.0))
+    return out.astype(np.float32)
 
 
 def overlong_mask(truncated: Array, mask: Array) -> Array:
@@ -93,7 +100,7 @@ def overlong_mask(truncated: Array, mask: Array) -> Array:
     return jnp.where(truncated.astype(bool)[:, None], jnp.zeros((), mask.dtype), mask)
 
 
-def dynamic_sampling_keep(rewards: Array) -> Array:
+def dynamic_sampling_keep(rewards) -> np.ndarray:
     """DAPO's dynamic sampling filter: keep groups whose rewards are not all equal.
 
     DAPO filters on accuracy: the trainer passes the verifier's 0/1 correctness, not
@@ -106,9 +113,9 @@ def dynamic_sampling_keep(rewards: Array) -> Array:
     Returns:
       bool[P], True for groups to keep (0 < #correct < G for 0/1 rewards).
     """
-    rewards = jnp.asarray(rewards)
+    rewards = np.asarray(rewards)
     if rewards.ndim != 2:
         raise ValueError(
             f"dynamic_sampling_keep: rewards must be f32[P,G], got shape {rewards.shape}"
         )
-    return jnp.max(rewards, axis=1) != jnp.min(rewards, axis=1)
+    return np.max(rewards, axis=1) != np.min(rewards, axis=1)

@@ -39,3 +39,24 @@ def test_dynamic_sampling_keep():
                                   [False, True, False, False, True])
     with pytest.raises(ValueError, match="rewards"):
         shaping.dynamic_sampling_keep(jnp.zeros(3))
+
+
+def test_shape_and_filter_stays_on_the_host():
+    """DAPO's length penalty and group filter act on the verifier's host results: a
+    round's shaping sends nothing to the devices (the transfer guard would raise)."""
+    import jax
+
+    from gspo_jax import collect
+    from gspo_jax import config as config_lib
+
+    c = config_lib.base_config()
+    c.dapo.soft_overlong, c.dapo.dynamic_sampling, c.dapo.overlong_cache_len = True, True, 4
+    c.rollout.group_size, c.rollout.max_new_tokens = 2, 10
+    cfg = config_lib.load(c, 1)
+    host = {"lengths": np.array([3, 8, 10, 11], np.int32)}
+    r = np.array([1.0, 1.0, 0.0, 1.0], np.float32)
+    correct = np.array([1.0, 1.0, 0.0, 1.0], np.float32)
+    with jax.transfer_guard("disallow"):
+        shaped, rows, kept = collect.shape_and_filter(cfg, host, r, correct)
+    np.testing.assert_allclose(shaped, [1.0, 0.5, -1.0, 0.0], rtol=1e-6)
+    assert shaped.dtype == np.float32 and rows.tolist() == [2, 3] and kept == 1
