@@ -120,7 +120,7 @@ def _restore_rl(trainer) -> tuple[Any, int]:
     target = rl.checkpoint_target(trainer, lora_rl.saved_state(state, kind))
     with _reader(trainer, "rl") as ckpt:
         tree, meta, step = ckpt.restore(target)
-    saved, _ = rl.unpack_checkpoint(tree, meta, cfg)
+    saved, _ = rl.unpack_checkpoint(tree, meta)
     return lora_rl.loaded_state(saved, meta, state, kind, base).params, step
 
 

@@ -23,6 +23,7 @@ parameters that sample it differ.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -236,6 +237,28 @@ def _within(want, have, shape):
             return None
         out.append(slice(w0 - h0, w1 - h0))
     return tuple(out)
+
+
+class BatchQueue(collections.deque):
+    """The scored batches waiting to be trained on (`QueuedBatch`, oldest first): RL step
+    s trains on the batch step s - k sampled and collects batch s + k, k =
+    ``rollout.staleness`` (0: the on-policy loop, an empty queue)."""
+
+    def __init__(self, cfg):
+        """An empty queue for the run whose loaded config is ``cfg``."""
+        super().__init__()
+        self.staleness = cfg.rollout.staleness
+
+    def collected_at(self, s: int) -> int:
+        """The batch (its data and RNG: step j's) that RL step ``s`` collects."""
+        return s + self.staleness
+
+    def fill(self, s: int, collect) -> None:
+        """Before step s: batches s ... s + k - 1 in the queue, each ``collect(j,
+        version=s)``. Only at a fresh start is anything sampled here (by the parameters
+        RL starts from); a resume restores the queue from its checkpoint."""
+        while len(self) < self.staleness:
+            self.append(collect(s + len(self), version=s))
 
 
 @dataclasses.dataclass

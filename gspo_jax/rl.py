@@ -25,7 +25,6 @@ log-prob passes and the train step compile once.
 
 from __future__ import annotations
 
-import collections
 import functools
 import sys
 import time
@@ -132,9 +131,10 @@ def rl_optimizer(cfg: RunConfig):
 CHECKPOINT_LAYOUT = 2
 
 
-def _bare_state(meta: dict[str, Any], cfg: RunConfig) -> bool:
-    """Whether a checkpoint's tree is the train state alone (layout 1 at staleness 0)."""
-    return meta.get("layout", 1) < 2 and not cfg.rollout.staleness
+def _bare_state(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint's tree is the train state alone: layout 1 at staleness 0,
+    whose record holds no queue."""
+    return meta.get("layout", 1) < 2 and "queue" not in meta
 
 
 def checkpoint_target(trainer: Trainer, state):
@@ -145,16 +145,16 @@ def checkpoint_target(trainer: Trainer, state):
     queue = offpolicy.queue_target(trainer)
 
     def target(meta: dict[str, Any]):
-        if _bare_state(meta, trainer.cfg):
+        if _bare_state(meta):
             return state
         return {"train": state, "queue": queue(meta)}
 
     return target
 
 
-def unpack_checkpoint(tree, meta: dict[str, Any], cfg: RunConfig) -> tuple[Any, list]:
+def unpack_checkpoint(tree, meta: dict[str, Any]) -> tuple[Any, list]:
     """(the saved train state, the queued batches' device arrays) of a restored tree."""
-    if _bare_state(meta, cfg):
+    if _bare_state(meta):
         return tree, []
     return tree["train"], list(tree["queue"])
 
@@ -250,7 +250,7 @@ class RLPhase:
         )
         # Off-policy (gspo_jax.offpolicy): the queue of scored batches, the parameters
         # the sampler reads, and which policy the trust region is around.
-        self.queue: collections.deque[offpolicy.QueuedBatch] = collections.deque()
+        self.queue = offpolicy.BatchQueue(cfg)
         self.sampler_params = None  # on the sampler's devices, when it has its own
         # The mini-batches: the permutation and the gather on the devices.
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -341,19 +341,18 @@ class RLPhase:
         summary metrics and one record per optimizer update (``k``: its index within
         the rollout)."""
         cfg = self.cfg
-        k = cfg.rollout.staleness
         rng = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), s)
-        self.fill_queue(s)
+        self.queue.fill(s, self.collect_batch)
         t0 = time.perf_counter()
         if cfg.rollout.overlap:
             queued = self.queue.popleft()
             batch, pinfo = self.prepare(queued, s)
             ms, where = self.updates(batch, rng)
             t_dispatched = time.perf_counter()  # the sampler side runs now
-            self.queue.append(self.collect_batch(s + k, version=s))
+            self.queue.append(self.collect_batch(self.queue.collected_at(s), version=s))
             t1 = t2 = time.perf_counter()  # rollout_time: collecting; old_logp_time: 0
         else:
-            self.queue.append(self.collect_batch(s + k, version=s))
+            self.queue.append(self.collect_batch(self.queue.collected_at(s), version=s))
             t1 = time.perf_counter()
             queued = self.queue.popleft()
             batch, pinfo = self.prepare(queued, s)
@@ -395,14 +394,6 @@ class RLPhase:
         return {"behaviour_kl": pinfo["mismatch_kl"], "behaviour_f2": pinfo["mismatch_f2"]}
 
     # ---- the queue of scored batches (gspo_jax.offpolicy) --------------------
-
-    def fill_queue(self, s: int) -> None:
-        """Before step s: batches s ... s + k - 1 in the queue. Only at a fresh start is
-        anything sampled here (by the parameters RL starts from); a resume restores the
-        queue from its checkpoint (`load_checkpoint`)."""
-        k = self.cfg.rollout.staleness
-        while len(self.queue) < k:
-            self.queue.append(self.collect_batch(s + len(self.queue), version=s))
 
     def sampling_params(self):
         """The parameters the sampler reads: the state's, or their copy on the sampler's
@@ -456,7 +447,7 @@ class RLPhase:
         LoRA onto the frozen base rebuilt from its source, checked against its checksum;
         pi_ref checked against the one the checkpoint trained with; the queue re-padded
         to this run's rollout.max_prompt_len."""
-        state, queue = unpack_checkpoint(tree, meta, self.cfg)
+        state, queue = unpack_checkpoint(tree, meta)
         check_reference(meta.get("reference"), self.reference)
         if self.lora:
             state = lora_rl.loaded_state(

@@ -406,7 +406,9 @@ def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tm
     trainer = Trainer(c, str(tmp_path))
     rl = RLPhase(trainer, trainer.init_params)
     queued = rl.collect_batch(0, version=0)
-    template = rl.checkpoint_target()({})["queue"][0]
+    from gspo_jax.rl import CHECKPOINT_LAYOUT
+
+    template = rl.checkpoint_target()({"layout": CHECKPOINT_LAYOUT})["queue"][0]
     assert sorted(template) == sorted(queued.device)
     for key, spec in template.items():
         x = queued.device[key]
@@ -416,7 +418,7 @@ def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tm
     # A checkpoint saved with another rollout.max_prompt_len restores at that length
     # (its record says which), and `fit_queue` re-pads it as a batch sampled now.
     width, pad_id = c.rollout.max_prompt_len, trainer.tokenizer.pad_id
-    saved = {"config": {"rollout": {"max_prompt_len": width + 5}}}
+    saved = {"layout": CHECKPOINT_LAYOUT, "config": {"rollout": {"max_prompt_len": width + 5}}}
     assert rl.checkpoint_target()(saved)["queue"][0]["prompt_tokens"].shape[1] == width + 5
     grown = offpolicy.fit_queue(queued.device, width + 5, pad_id)
     got, want = jax.device_get(grown), jax.device_get(queued.device)
