@@ -15,7 +15,7 @@ prompt, so an edited file keeps every other row's split), no warm start
 (``sft.steps=0``: a file has no reference solutions unless ``task.solution_column``
 names them). The columns, the verifier (``numeric``, ``countdown``, ``exact_match``,
 ``boxed_math`` or a reward function ``module:function``), a chat ``messages_column``
-and a ``test_file`` are ``config.task`` fields (gspo_jax/data/user_file.py).
+and a ``test_file`` are ``config.task`` fields (gspo_jax/tasks/user_file.py).
 """
 
 from gspo_jax import config as config_lib

@@ -43,9 +43,8 @@ from flax import nnx
 from configs import default as default_config
 from gspo_jax import rollout
 from gspo_jax.answers import ANSWER_CLOSE, ANSWER_OPEN
-from gspo_jax.data import countdown, prompts
 from gspo_jax.models import ModelConfig, Transformer
-from gspo_jax.tasks import countdown as countdown_task
+from gspo_jax.tasks import countdown, prompts
 from gspo_jax.tokenizers import CharTokenizer
 
 SIGMAS = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -69,7 +68,7 @@ def countdown_examples(n: int, seed: int) -> list[tuple[str, str]]:
         p = countdown.generate_problem(
             rng, num_numbers=3, min_number=1, max_number=9, min_target=1, max_target=30
         )
-        out.append((countdown_task.prompt(p.numbers, p.target), prompts.answer_span(p.solution)))
+        out.append((countdown.prompt(p.numbers, p.target), prompts.answer_span(p.solution)))
     return out
 
 

@@ -29,7 +29,7 @@ ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
 
 
 def _task_names() -> tuple[str, ...]:
-    from gspo_jax import tasks  # local: the tasks import their data builders (TFDS)
+    from gspo_jax import tasks  # local: the registry imports every task module on first use
 
     return tasks.names()
 
@@ -73,7 +73,7 @@ class TaskConfig:
         doc="the k of eval/pass@k and eval/maj@k",
     )
     format_reward: float = setting(0.0, low=0, doc="weight of the optional format reward")
-    # Task "file": a user's prompts and answers (gspo_jax/data/user_file.py; configs/file_task.py).
+    # Task "file": a user's prompts and answers (gspo_jax/tasks/user_file.py; configs/file_task.py).
     file: str = setting("", doc="task 'file': the train rows, a .jsonl or .parquet file")
     test_file: str = setting("", doc='the test rows ("" = hold out test_fraction of task.file)')
     test_fraction: float = setting(
@@ -122,7 +122,7 @@ class TaskConfig:
     def check_run(self, run, ctx) -> None:
         """``eval_pass_k`` within the samples; the task's difficulty against its levels,
         then the task's own checks (`gspo_jax.tasks.check_config`)."""
-        from gspo_jax import tasks  # local: the tasks import their data builders (TFDS)
+        from gspo_jax import tasks  # local: the registry imports every task module on first use
 
         bad = [k for k in self.eval_pass_k if not 1 <= k <= self.eval_samples]
         if bad:
@@ -196,7 +196,11 @@ class RunConfig:
     """The whole experiment config (`gspo_jax.config.base_config`'s defaults)."""
 
     seed: int = setting(
-        0, low=0, high=2**32 - 1, why=" (it seeds numpy's RandomState)", doc="the run's seed"
+        0,
+        low=0,
+        high=2**32 - 1,
+        why=" (a 32-bit seed of the data order and the sampler's keys)",
+        doc="the run's seed",
     )
     total_rl_steps: int = setting(60, low=0, resume=True, doc="RL steps of the run")
     task: TaskConfig = section(TaskConfig)

@@ -1,24 +1,38 @@
-"""Countdown / arithmetic builders, GSM8K through TFDS's builder, and PromptSource."""
+"""Countdown / arithmetic generated in memory, GSM8K through TFDS's builder, and
+PromptSource's grain order."""
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
+import grain
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from gspo_jax import answers, rewards
-from gspo_jax.data import arithmetic, countdown, prompts
-from gspo_jax.data import gsm8k as gsm8k_lib
-from gspo_jax.data.source import PromptSource
-from gspo_jax.tasks import countdown as countdown_task
+from gspo_jax.data.source import PromptSource, shuffle_seed
+from gspo_jax.tasks import arithmetic, countdown, prompts
+from gspo_jax.tasks import data_dir as data_dir_lib
+from gspo_jax.tasks import gsm8k as gsm8k_lib
 
 tfds.disable_progress_bar()
+countdown_task = countdown  # the verifier and the examples are one module
 
 SMALL_CD = countdown.CountdownConfig.make(min_count=3, max_count=4, max_number=30,
                                           max_target=60, train_size=300, test_size=40, seed=3)
 SMALL_AR = arithmetic.ArithmeticConfig.make(min_digits=1, max_digits=3, train_size=200,
                                             test_size=30, seed=1)
+# The first problems of two levels (see test_the_levels_examples_are_pinned).
+EASY_TEST_HEAD = [((1, 3, 1), 2, "(3-1)*1"), ((14, 18, 3), 29, "14+18-3")]
+EASY_TRAIN_HEAD = [((11, 18, 20), 49, "11+20+18"), ((11, 17, 4), 32, "4+17+11")]
+DIGITS3_TEST_HEAD = [("673+34", "707"), ("0*1", "0")]
+DIGITS3_TRAIN_HEAD = [("90+601", "691"), ("863*328", "283064")]
+# The first positions of SMALL_CD's test split with seed 0, and grain's seed for it.
+SEED0_EPOCH0_HEAD = [18, 35, 16, 7, 20, 13, 24, 0, 19, 17]
+SHUFFLE_SEED_0 = 2968811710
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +45,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["small", "easy", "tinyzero", "hard"])
 def test_countdown_configs_solvable(name):
-  cfg = next(c for c in countdown.GspoCountdown.BUILDER_CONFIGS if c.name == name)
+  cfg = countdown.LEVELS[name]
   problems = countdown.generate_split(cfg, "test")[:200]
   assert len(problems) == 200
   for p in problems:
@@ -122,26 +136,85 @@ def test_arithmetic_splits_and_errors():
 
 
 # ---------------------------------------------------------------------------
-# TFDS builders.
+# Generated in memory: deterministic, disjoint, cheap, and no TFDS on the way.
 
-def test_tfds_countdown_matches_generator(data_dir):
-  builder = countdown.GspoCountdown(data_dir=str(data_dir), config=SMALL_CD)
-  builder.download_and_prepare(file_format="array_record")
-  for split, size in (("train", 300), ("test", 40)):
-    ds = builder.as_data_source(split)
-    assert len(ds) == size
-    got = sorted((tuple(int(x) for x in ds[i]["numbers"]), int(ds[i]["target"]),
-                  ds[i]["solution"].decode()) for i in range(len(ds)))
-    want = sorted((p.numbers, p.target, p.solution) for p in countdown.generate_split(SMALL_CD, split))
-    assert got == want
+def test_synthetic_splits_are_generated_in_memory_deterministically(tmp_path):
+  for task, cfg, key in (("countdown", SMALL_CD, lambda e: countdown.problem_key(**e.meta)),
+                         ("arithmetic", SMALL_AR, lambda e: e.prompt)):
+    train = PromptSource(task, "train", data_dir=tmp_path / "data", config=cfg, shuffle=False)
+    test = PromptSource(task, "test", data_dir=tmp_path / "data", config=cfg, shuffle=False)
+    assert (len(train), len(test)) == (cfg.train_size, cfg.test_size)
+    assert train.config_name == cfg.name
+    # The split's own order is the generator's; example i is made from its index alone.
+    module = countdown if task == "countdown" else arithmetic
+    for split, src in (("train", train), ("test", test)):
+      want = [module._example(p, i, "compact") for i, p in enumerate(module.generate_split(cfg, split))]
+      assert src.first(len(src)) == want
+    assert train.example(123) == train.first(124)[123]
+    # Train and test disjoint; the test split distinct.
+    test_keys = {key(e) for e in test.first(cfg.test_size)}
+    assert len(test_keys) == cfg.test_size
+    assert not test_keys & {key(e) for e in train.first(cfg.train_size)}
+  assert not (tmp_path / "data").exists()  # nothing written, no lock
 
 
-def test_tfds_arithmetic_matches_generator(data_dir):
-  builder = arithmetic.GspoArithmetic(data_dir=str(data_dir), config=SMALL_AR)
-  builder.download_and_prepare(file_format="array_record")
-  ds = builder.as_data_source("test")
-  got = sorted((ds[i]["question"].decode(), ds[i]["answer"].decode()) for i in range(len(ds)))
-  assert got == sorted((p.question, p.answer) for p in arithmetic.generate_split(SMALL_AR, "test"))
+def test_the_levels_examples_are_pinned():
+  """The examples of a level are a function of its config alone; a change to the
+  generator (or to numpy's streams) changes what every run trains on, and shows here."""
+  easy, digits3 = countdown.generated(countdown.LEVELS["easy"]), arithmetic.generated(
+      arithmetic.LEVELS["digits3"])
+  assert [(p.numbers, p.target, p.solution) for p in easy.test[:2]] == EASY_TEST_HEAD
+  assert [(p.numbers, p.target, p.solution) for p in easy.train[:2]] == EASY_TRAIN_HEAD
+  assert [(p.question, p.answer) for p in digits3.test[:2]] == DIGITS3_TEST_HEAD
+  assert [(p.question, p.answer) for p in digits3.train[:2]] == DIGITS3_TRAIN_HEAD
+  assert easy.train[19_999] == easy.train_example(19_999) and len(easy.train) == 20_000
+
+
+def test_a_train_example_is_made_when_read():
+  cfg = countdown.CountdownConfig.make(**{**_fields(SMALL_CD), "train_size": 10**9, "seed": 11})
+  g = countdown.generated(cfg)  # startup: the test split only
+  assert len(g.train) == 10**9
+  far = g.train[10**9 - 1]
+  assert countdown.problem_key(far.numbers, far.target) not in {
+      countdown.problem_key(p.numbers, p.target) for p in g.test}
+  with pytest.raises(IndexError):
+    g.train[10**9]
+
+
+def test_a_difficulty_whose_problems_are_all_test_problems_is_refused():
+  # Two-digit sums of one-digit numbers: 100 questions, all of them in the test split.
+  every = arithmetic.ArithmeticConfig.make(min_digits=1, max_digits=1, operators="+",
+                                           test_size=100, train_size=5)
+  with pytest.raises(ValueError, match="train example 0 is a test problem in each of 1000 draws"):
+    arithmetic.generate_split(every, "train")
+
+
+def test_no_tensorflow_datasets_on_a_synthetic_tasks_path(tmp_path):
+  """A synthetic task's examples, batches and scores import no TFDS (nor TensorFlow)
+  and write nothing; another process draws the same batches."""
+  code = """if True:
+      import sys
+      from gspo_jax import rewards, tasks
+      from gspo_jax.data import PromptSource
+      tasks.names()  # every task module imported
+      batches = []
+      for task in ("countdown", "arithmetic"):
+          for split in ("train", "test"):
+              exs = PromptSource(task, split, data_dir=sys.argv[1], seed=7).batch(500, 8)
+              rewards.score(task, [e.reference for e in exs], [e.meta for e in exs])
+              batches.append([(e.prompt, e.index) for e in exs])
+      print(sorted(m for m in sys.modules if m.startswith("tensorflow")))
+      print(repr(batches))
+  """
+  out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "data")], capture_output=True,
+                       text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  modules, batches = out.stdout.strip().split("\n")
+  assert modules == "[]"
+  assert not (tmp_path / "data").exists()
+  here = [[(e.prompt, e.index) for e in PromptSource(t, s, data_dir=tmp_path, seed=7).batch(500, 8)]
+          for t in ("countdown", "arithmetic") for s in ("train", "test")]
+  assert batches == repr(here)
 
 
 # ---------------------------------------------------------------------------
@@ -174,19 +247,58 @@ def test_source_order_is_pure_function_of_position(cd_source):
   whole = [e.index for e in cd_source.batch(0, 50)]
   parts = [e.index for e in cd_source.batch(0, 20)] + [e.index for e in cd_source.batch(20, 30)]
   assert whole == parts
+  assert whole == cd_source.indices(0, 50).tolist()  # the examples are those of the indices
   # Each epoch visits every example exactly once, in a different order per epoch.
   e0 = cd_source.indices(0, n)
   e1 = cd_source.indices(n, n)
   assert sorted(e0) == sorted(e1) == list(range(n))
   assert not np.array_equal(e0, e1)
+  np.testing.assert_array_equal(cd_source.order(0), e0)
+  np.testing.assert_array_equal(cd_source.order(1), e1)
   # A batch across the epoch boundary is the tail of epoch 0 and the head of epoch 1.
   np.testing.assert_array_equal(cd_source.indices(n - 3, 6), np.concatenate([e0[-3:], e1[:3]]))
-  # The order comes from numpy's legacy RandomState, stable across numpy releases.
-  np.testing.assert_array_equal(e0, np.random.RandomState([7, 0]).permutation(n))
+  # The order is grain's per-epoch shuffle of the split, seeded from the run's seed.
+  grain_order = grain.MapDataset.range(n).shuffle(seed=shuffle_seed(7)).repeat()
+  assert [grain_order[p] for p in range(2 * n)] == e0.tolist() + e1.tolist()
   with pytest.raises(ValueError, match="batch_size"):
     cd_source.batch(0, 0)
   with pytest.raises(ValueError, match="position"):
     cd_source.batch(-1, 2)
+
+
+def test_epoch_orders_are_permutations_that_differ_by_epoch_and_seed(tmp_path):
+  orders = {}
+  for seed in (0, 1, 2, 2**32 - 1):
+    src = PromptSource("countdown", "test", data_dir=tmp_path, config=SMALL_CD, seed=seed)
+    assert len(src) == 40
+    for epoch in range(3):
+      order = tuple(src.order(epoch).tolist())
+      assert sorted(order) == list(range(40))
+      orders[seed, epoch] = order
+  assert len(set(orders.values())) == len(orders)  # no two (seed, epoch) alike
+  # grain reseeds epoch e with seed + e: the run's seed is spread first, so seed 1's
+  # first epoch is not seed 0's second.
+  assert orders[1, 0] != orders[0, 1] and orders[2, 0] != orders[1, 1]
+  # Pinned: the order of a run's data is a function of (seed, epoch, size) alone; a
+  # change here (grain's index shuffle, the seed's spreading) changes resumed runs.
+  src = PromptSource("countdown", "test", data_dir=tmp_path, config=SMALL_CD, seed=0)
+  assert src.order(0)[:10].tolist() == SEED0_EPOCH0_HEAD
+  assert shuffle_seed(0) == SHUFFLE_SEED_0
+  # shuffle=False: the split's own order, every epoch.
+  fixed = PromptSource("countdown", "test", data_dir=tmp_path, config=SMALL_CD, shuffle=False)
+  assert fixed.indices(35, 10).tolist() == [35, 36, 37, 38, 39, 0, 1, 2, 3, 4]
+
+
+def test_resuming_at_a_position_draws_the_uninterrupted_batches(tmp_path):
+  """A run stopped after k batches and started again (a new process: a new source) at
+  position k * batch draws what the uninterrupted run drew, across epoch boundaries."""
+  batch = 12
+  run = PromptSource("arithmetic", "train", data_dir=tmp_path, config=SMALL_AR, seed=5)
+  uninterrupted = [run.batch(k * batch, batch) for k in range(40)]  # 480 positions: 2.4 epochs
+  for stop in (1, 16, 17, 33):
+    resumed = PromptSource("arithmetic", "train", data_dir=tmp_path, config=SMALL_AR, seed=5)
+    assert [resumed.batch(k * batch, batch) for k in range(stop, 40)] == uninterrupted[stop:]
+  assert uninterrupted[16] != uninterrupted[0]
 
 
 def test_stream_ids_are_distinct_across_an_epoch_boundary(cd_source):
@@ -371,16 +483,17 @@ def test_gsm8k_bad_files_are_refused_even_for_a_prepared_dataset(tmp_path, gsm8k
     gsm8k_lib.prepare_gsm8k(tmp_path / "data", files_dir=bad)
 
 
-def test_two_runs_preparing_one_dataset_at_once_both_succeed(tmp_path, monkeypatch):
+def test_two_runs_preparing_one_dataset_at_once_both_succeed(tmp_path, gsm8k_files, monkeypatch,
+                                                             no_network):
   """Two runs started together on a fresh data dir (a sweep's points, a study's two
   pinned processes): the second waits for the first's preparation and reuses it. Without
-  the lock both generate, and the second fails renaming into the folder the first made."""
+  the lock both generate, and the second fails renaming into the folder the first made.
+  (GSM8K and a user's file are prepared on disk; the synthetic tasks write nothing.)"""
   import threading
   import time
 
-  from gspo_jax.data import source
-
-  real = countdown.GspoCountdown.download_and_prepare
+  cls = type(gsm8k_lib.gsm8k_builder(tmp_path / "probe"))
+  real = cls.download_and_prepare
   inside = []
 
   def slow(self, *a, **kw):  # both threads inside at once, unless one waits
@@ -388,13 +501,13 @@ def test_two_runs_preparing_one_dataset_at_once_both_succeed(tmp_path, monkeypat
     time.sleep(0.5)
     return real(self, *a, **kw)
 
-  monkeypatch.setattr(countdown.GspoCountdown, "download_and_prepare", slow)
-  errors, builders = [], []
+  monkeypatch.setattr(cls, "download_and_prepare", slow)
+  errors, sources = [], []
 
   def prepare():
     try:
-      b = countdown.GspoCountdown(data_dir=str(tmp_path), config=SMALL_CD)
-      builders.append(source.prepared(b))
+      sources.append(PromptSource("gsm8k", "test", data_dir=tmp_path / "data",
+                                  gsm8k_files=gsm8k_files, shuffle=False))
     except Exception as e:  # noqa: BLE001 - reported below
       errors.append(e)
 
@@ -404,24 +517,48 @@ def test_two_runs_preparing_one_dataset_at_once_both_succeed(tmp_path, monkeypat
   for t in threads:
     t.join()
   assert not errors, errors
-  assert len(inside) == 2 and all(len(b.as_data_source("test")) == 40 for b in builders)
+  assert len(inside) == 1  # prepared once: the second found it prepared
+  assert [len(s) for s in sources] == [2, 2] and sources[0].first(2) == sources[1].first(2)
 
 
-def test_a_prepared_dataset_is_read_without_the_lock(tmp_path):
+def test_a_prepared_dataset_is_read_without_the_lock(tmp_path, gsm8k_files, no_network):
   """Reading a dataset already prepared takes no lock and writes nothing, so a
   read-only data dir (a workdir's data/ on an archive) serves: the lock file was once
   opened first, and `evaluate` of a read-only workdir failed on it (EROFS;
   tests/test_evaluation.py evaluates workdirs on a read-only mount)."""
-  import os
-
-  from gspo_jax.data import source
-
   data = tmp_path / "data"
-  PromptSource("arithmetic", "test", data_dir=data, config=SMALL_AR)
+  PromptSource("gsm8k", "test", data_dir=data, gsm8k_files=gsm8k_files)
   shutil.rmtree(data / ".prepare_locks")
   before = sorted((p.relative_to(data), p.stat().st_mtime_ns) for p in [data, *data.rglob("*")])
-  exs = PromptSource("arithmetic", "test", data_dir=data, config=SMALL_AR).first(30)
-  assert len(exs) == 30
+  for files in (gsm8k_files, None):  # with the files it was prepared from, or none
+    exs = PromptSource("gsm8k", "test", data_dir=data, gsm8k_files=files).first(30)
+    assert len(exs) == 2
   after = sorted((p.relative_to(data), p.stat().st_mtime_ns) for p in [data, *data.rglob("*")])
   assert after == before and not os.path.exists(data / ".prepare_locks")
-  assert source.is_prepared(arithmetic.GspoArithmetic(data_dir=str(data), config=SMALL_AR))
+  assert data_dir_lib.is_prepared(gsm8k_lib.gsm8k_builder(data))
+
+
+def test_a_dataset_to_prepare_under_a_data_dir_that_cannot_be_written(tmp_path, gsm8k_files,
+                                                                      monkeypatch, no_network):
+  """Not prepared, and nothing can be written (a read-only mount; as root, chmod would
+  not stop a write, so the refusal is simulated where the lock file is made): one
+  DataDirNotWritable naming the data set and the data dir, before anything is written.
+  tests/test_evaluation.py meets it on a real read-only mount."""
+  import errno
+
+  def read_only(path, *a, **kw):
+    raise OSError(errno.EROFS, "Read-only file system", path)
+
+  monkeypatch.setattr(data_dir_lib.os, "makedirs", read_only)
+  data = tmp_path / "data"
+  with pytest.raises(data_dir_lib.DataDirNotWritable) as e:
+    PromptSource("gsm8k", "test", data_dir=data, gsm8k_files=gsm8k_files)
+  assert str(e.value) == (
+      f"gsm8k/{gsm8k_lib.gsm8k_builder(tmp_path).version} is not prepared under the data dir "
+      f"{data}, and nothing can be written "
+      "there to prepare it (Read-only file system): prepare it in a data dir that can be written")
+  assert not data.exists()
+  from gspo_jax.data.source import DataDirNotWritable  # where `evaluate` catches it
+  assert DataDirNotWritable is data_dir_lib.DataDirNotWritable
+  # A synthetic task needs nothing there.
+  assert len(PromptSource("countdown", "test", data_dir=data, config=SMALL_CD)) == 40

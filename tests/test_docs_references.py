@@ -106,7 +106,6 @@ NOT_REFERENCES = {
     ("docs/extend_config.md", "optimizer.eps"): "the field the page adds",
     ("docs/extend_objective.md", "gspo_jax/objectives/pg.py"): "the module the page adds",
     ("docs/extend_objective.md", "PGHparams"): "the class the page adds",
-    ("docs/extend_task.md", "gspo_jax/data/digit_sum.py"): "the builder the page adds",
     ("docs/extend_task.md", "gspo_jax/tasks/digit_sum.py"): "the task the page adds",
     ("gspo_jax/config.py", "sft.lrr"): "a misspelt key: closest_key's example",
     ("gspo_jax/config.py", "config.lr"): "a misspelt key: closest_key's example",

@@ -6,6 +6,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -387,11 +388,12 @@ def _read_only_mount_prefix(probe_dir):
 
 def test_evaluate_a_read_only_mounted_workdir_with_its_own_data(smoke_workdir, data_dir, tmp_path):
     """`python -m gspo_jax.evaluate` on workdirs under a read-only mount (an archive, a
-    snapshot; root cannot write there either). With the run's prepared data in its own
-    data/ (the README's layout) they are read, no lock taken; with a data/ that lacks them
-    (another task's, or none prepared) they are prepared in a temporary directory, as for
-    a workdir without data/. A data dir given (task.data_dir) that lacks them and cannot
-    be written is refused in one line. Nothing under the mount changes."""
+    snapshot; root cannot write there either). The smoke run's Countdown is generated in
+    memory: whatever its data/ holds (a run's leftovers, an empty .prepare_locks/), or a
+    read-only data dir given (task.data_dir), nothing there is read or written. A task
+    prepared on disk (a user's file) is read there without a lock where it is prepared;
+    where it is not, a given data dir that cannot be written is refused in one line.
+    Nothing under the mount changes."""
     import shlex
 
     from gspo_jax.metrics_log import read_metrics
@@ -401,36 +403,59 @@ def test_evaluate_a_read_only_mounted_workdir_with_its_own_data(smoke_workdir, d
     ro = tmp_path / "ro"
     with_data, unprepared = ro / "with_data", ro / "unprepared"
     shutil.copytree(workdir, with_data, ignore=shutil.ignore_patterns(".lock"))
-    shutil.copytree(data_dir, with_data / "data")  # its .prepare_locks/ too, as a run leaves it
+    shutil.copytree(data_dir, with_data / "data")  # whatever a run leaves there
     shutil.copytree(workdir, unprepared, ignore=shutil.ignore_patterns(".lock"))
     os.makedirs(unprepared / "data" / ".prepare_locks")
+    # A workdir of a user's file (no checkpoint is read before the data are).
+    file_run = ro / "file_run"
+    os.makedirs(file_run / "checkpoints")
+    os.makedirs(file_run / "data" / ".prepare_locks")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": i + 1}) + "\n"
+                            for i in range(8)))
+    # Its data prepared before the mount (a run's data/): read there without a lock.
+    from gspo_jax.data import PromptSource
+    from gspo_jax.tasks.user_file import FileTask
+
+    spec = FileTask(file=str(rows))
+    prepared = PromptSource("file", "train", data_dir=file_run / "prepared", file_task=spec)
+    shutil.rmtree(file_run / "prepared" / ".prepare_locks")
+    read = ("import sys; from gspo_jax.data import PromptSource; from gspo_jax.tasks.user_file "
+            "import FileTask; src = PromptSource('file', 'train', data_dir=sys.argv[1], "
+            "file_task=FileTask(file=sys.argv[2])); print([e.prompt for e in src.first(9)])")
     os.makedirs(tmp_path / "probe")
     prefix = _read_only_mount_prefix(tmp_path / "probe")
     before = _tree(str(ro))
     evaluate = [sys.executable, "-m", "gspo_jax.evaluate", "--config=configs/default.py:smoke"]
+    outs = {"with_data": with_data, "unprepared": unprepared, "given": unprepared}
     commands = [
-        shlex.join(evaluate + [f"--checkpoint={w}", f"--out={tmp_path / (w.name + '.json')}"])
-        for w in (with_data, unprepared)
+        shlex.join(evaluate + [f"--checkpoint={w}", f"--out={tmp_path / (name + '.json')}"]
+                   + ([f"--config.task.data_dir={w / 'data'}"] if name == "given" else []))
+        for name, w in outs.items()
     ]
-    given = shlex.join(evaluate + [f"--checkpoint={unprepared}",
-                                   f"--config.task.data_dir={unprepared / 'data'}"])
+    given = shlex.join([sys.executable, "-m", "gspo_jax.evaluate",
+                        f"--config=configs/file_task.py:file={rows},smoke",
+                        f"--checkpoint={file_run}", f"--config.task.data_dir={file_run / 'data'}"])
     err = tmp_path / "given.err"
     commands.append(f"{{ {given} 2> {shlex.quote(str(err))}; test $? = 1; }}")
+    commands.append(shlex.join([sys.executable, "-c", read, str(file_run / "prepared"), str(rows)]))
     proc = subprocess.run(prefix + [str(ro), " && ".join(commands)], cwd=REPO,
                           env=subprocess_env(8), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:] + (err.read_text() if err.exists() else "")
-    assert err.read_text().strip().splitlines() == [
-        f"DataDirNotWritable: gspo_countdown/small/1.0.0 is not prepared under the data dir "
-        f"{unprepared / 'data'}, and nothing can be written there to prepare it (Read-only file "
-        "system): prepare it in a data dir that can be written"
-    ]
+    assert proc.stdout.strip().splitlines()[-1] == repr([e.prompt for e in prepared.first(9)])
+    line = [x for x in err.read_text().strip().splitlines() if "Using custom data configuration" not in x]
+    assert len(line) == 1 and re.fullmatch(
+        re.escape("DataDirNotWritable: gspo_user_file/sha256_") + "[0-9a-f]{24}"
+        + re.escape(f"/2.0.0 is not prepared under the data dir {file_run / 'data'}, and nothing "
+                    "can be written there to prepare it (Read-only file system): prepare it in a "
+                    "data dir that can be written"), line[0]), line
     after = _tree(str(ro))
     assert not sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    for w in (with_data, unprepared):
-        out = json.loads((tmp_path / (w.name + ".json")).read_text())
-        assert out["restored"] == "rl/2", (w, out)
+    for name in outs:
+        out = json.loads((tmp_path / (name + ".json")).read_text())
+        assert out["restored"] == "rl/2", (name, out)
         for k in METRIC_KEYS:  # the run's own prompts, scored as during training
-            assert out[k] == pytest.approx(last[k]), (w, k)
+            assert out[k] == pytest.approx(last[k]), (name, k)
 
 
 def test_evaluate_names_the_config_fields_that_differ(smoke_workdir, data_dir, tmp_path):

@@ -21,7 +21,6 @@ import types
 import jax
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from gspo_jax import config as config_lib
 from gspo_jax import objectives, reward_plugins, rewards, safety, tasks, verifiers
@@ -195,11 +194,11 @@ def test_adding_a_task(monkeypatch, tmp_path):
     tasks.names()  # the built-in tasks registered before the registry is copied
     monkeypatch.setattr(tasks, "_REGISTRY", dict(tasks._REGISTRY))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the page's data_dir
-    with tfds.core.registered.skip_registration():  # the builder's name, once per process
-        ns = run_page("extend_task.md", monkeypatch)
+    ns = run_page("extend_task.md", monkeypatch)
 
     assert tasks.get("digit_sum") is ns["TASK"] and ns["TASK"].levels is None
     assert pathlib.Path(ns["data_dir"]).parent == tmp_path
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # generated in memory
     # It yields examples: every one of the test split, whose answers are digit sums.
     src = PromptSource("digit_sum", "test", data_dir=ns["data_dir"], shuffle=False, style="instruct")
     assert len(src) == 32

@@ -62,3 +62,24 @@ def test_no_import_cycle():
 def test_no_module_is_over_about_600_lines():
   long = {m: n for m, p in _modules().items() if (n := sum(1 for _ in open(p))) > MAX_LINES}
   assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_tasks_import_nothing_of_the_data_package():
+  """A task is one module of gspo_jax/tasks/, its examples and its reward: the tasks are
+  below gspo_jax.data (whose PromptSource batches any task), never the other way round,
+  not even inside a function."""
+  found = []
+  for d, _, files in os.walk(os.path.join(PKG, "tasks")):
+    for f in files:
+      if f.endswith(".py"):
+        with open(os.path.join(d, f)) as fh:
+          tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+          if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+          elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+          else:
+            names = []
+          found += [f"{f}: {n}" for n in names if n == "gspo_jax.data" or n.startswith("gspo_jax.data.")]
+  assert not found, found

@@ -10,8 +10,8 @@ import pytest
 
 from gspo_jax import answers, rewards
 from gspo_jax.answers import Status
-from gspo_jax.data import gsm8k as gsm8k_data
 from gspo_jax.tasks import countdown as countdown_task
+from gspo_jax.tasks import gsm8k as gsm8k_data
 
 
 def cd(text, numbers=(3, 5, 2), target=16):

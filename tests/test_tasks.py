@@ -1,6 +1,8 @@
 """The task registry: a new task is one record, defined here in this one file, and
 the config check, the prompt source and the reward dispatcher all find it by name."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -8,14 +10,22 @@ from configs import default as default_config
 from gspo_jax import config as config_lib
 from gspo_jax import rewards, tasks
 from gspo_jax.answers import DEFAULT_LIMITS, Status, Verdict, extract_answer
-from gspo_jax.data import PromptSource, prompts
+from gspo_jax.data import PromptSource
+from gspo_jax.tasks import prompts
 
 # ---------------------------------------------------------------------------
 # A toy task, "parity": is n even? Everything it needs is below.
 
 
+def _parity_splits(size):
+    """The task's examples: a record per split index, made in memory."""
+    rows = {"train": range(size), "test": range(size, size + 4)}
+    return tasks.Splits(("train", "test"), lambda split: [{"n": n} for n in rows[split]])
+
+
 class _ToyBuilder:
-    """The little of a TFDS builder that PromptSource reads."""
+    """The little of a TFDS builder that PromptSource reads (a task whose ``prepare``
+    returns a prepared TFDS builder)."""
 
     builder_config = None
 
@@ -55,7 +65,7 @@ def _parity_check_config(c):
 
 PARITY = tasks.Task(
     name="parity",
-    prepare=lambda data_dir, size=12: _ToyBuilder(size),
+    prepare=lambda data_dir, size=12: _parity_splits(size),
     example=_parity_example,
     check_meta=_parity_check_meta,
     verify=_parity_verify,
@@ -116,6 +126,23 @@ def test_a_task_from_one_file_is_validated_sourced_and_scored(parity, tmp_path):
     with pytest.raises(ValueError, match="parity meta needs 'answer'"):
         rewards.verify("parity", "x", {}, DEFAULT_LIMITS)
     assert parity.answer_kind(c.task) == "tag"
+
+
+def test_a_task_whose_data_are_a_tfds_builder(parity, tmp_path):
+    builder_task = dataclasses.replace(
+        PARITY, name="parity_tfds", prepare=lambda data_dir, size=12: _ToyBuilder(size)
+    )
+    tasks.register(builder_task)
+    try:
+        src = PromptSource("parity_tfds", "test", data_dir=str(tmp_path), shuffle=False)
+        train = PromptSource("parity_tfds", "train", data_dir=str(tmp_path), seed=1, size=6)
+    finally:
+        tasks.unregister("parity_tfds")
+    assert [e.prompt for e in src.first(4)] == [f"Is {n} even or odd?\n" for n in range(12, 16)]
+    assert src.config_name is None and len(train) == 6
+    assert sorted(e.index for e in train.batch(6, 6)) == list(range(6))  # epoch 1, all of it
+    with pytest.raises(ValueError, match=r"split 'dev' not in parity: \['test', 'train'\]"):
+        PromptSource("parity", "dev", data_dir=str(tmp_path))
 
 
 def test_a_verifier_that_raises_counts_as_verifier_error(parity):

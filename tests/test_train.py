@@ -348,17 +348,24 @@ def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_
     """A prompt batch across an epoch boundary may hold one example twice (tail of one
     epoch, head of the next); the sampler still gets distinct prompt ids."""
     from gspo_jax import rl, trainer
+    from gspo_jax.data import PromptSource
+    from gspo_jax.tasks.countdown import CountdownConfig
 
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.progress_bar = False
     t = trainer.Trainer(c, str(tmp_path))
     n, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
-    src = t.train_data
-    src._size = 2 * n + 2  # epochs of 2n + 2 examples: the batch of step 2 crosses one
-    orders = {0: np.arange(src._size), 1: np.roll(np.arange(src._size), 1)}
-    src.order = lambda epoch: orders[epoch]  # epoch 1 starts with epoch 0's last example
+    # Epochs of 2n + 2 examples, so that the batch of step 2 crosses one, and a seed
+    # whose epoch 1 starts with one of epoch 0's last two examples.
+    small = CountdownConfig.make(min_count=3, max_count=3, max_number=9, max_target=30,
+                                 train_size=2 * n + 2, test_size=16)
+    for seed in range(1000):
+        src = PromptSource("countdown", "train", data_dir=str(tmp_path), config=small, seed=seed)
+        if len(set(src.indices(2 * n, n).tolist())) < n:
+            break
     assert len(set(src.indices(2 * n, n).tolist())) < n
+    t.train_data = src
     phase = rl.RLPhase(t, t.init_params)
     batch, _ = phase.prepare(phase.collect_batch(2, version=0), 2)
     assert batch["mask"].shape[0] == n * g

@@ -17,8 +17,9 @@ import pytest
 from gspo_jax import reward_plugins, rewards, verifiers
 from gspo_jax import tokenizers as gtok
 from gspo_jax.answers import Status
-from gspo_jax.data import PromptSource, encoding, user_file
+from gspo_jax.data import PromptSource, encoding
 from gspo_jax.tasks import countdown as countdown_task
+from gspo_jax.tasks import user_file
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def _load(tmp_path, spec, split):
 def test_jsonl_bad_row_skip_reports_file_and_row_once(tmp_path, caplog):
     path = _write_jsonl(tmp_path / "p.jsonl", _rows(), {3: '{"prompt": "x", "answer": '})
     spec = _spec(path)
-    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.tasks.user_file"):
         train = _load(tmp_path, spec, "train")
         test = _load(tmp_path, spec, "test")
     assert len(train) + len(test) == 20 and test  # the bad line 4 left out
@@ -105,7 +106,8 @@ def test_test_file_split_and_prompt_source_order(tmp_path):
     src = PromptSource("file", "train", data_dir=str(tmp_path), seed=3, file_task=spec)
     ev = PromptSource("file", "test", data_dir=str(tmp_path), shuffle=False, file_task=spec)
     assert len(src) == 10 and len(ev) == 3
-    order = np.random.RandomState([3, 1]).permutation(10)
+    order = src.order(1)
+    assert sorted(order) == list(range(10)) and not np.array_equal(order, src.order(0))
     assert [ex.index for ex in src.batch(12, 4)] == order[2:6].tolist()  # epoch 1
     assert [ex.prompt for ex in ev.first(5)] == [r["prompt"] for r in test_rows]
     with pytest.raises(ValueError, match="file_task"):
@@ -192,7 +194,7 @@ def test_an_edited_file_moves_no_other_row_between_the_splits(tmp_path, caplog):
     rows = [r for r in rows if r["prompt"] not in removed]
     rows = rows[:5] + [{"prompt": f"New {i}?", "answer": i} for i in range(5)] + rows[5:]
     _write_jsonl(tmp_path / "p.jsonl", rows)
-    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.tasks.user_file"):
         after = _split_prompts(tmp_path, _spec(path))
     for split in ("train", "test"):
         assert before[split] - removed <= after[split], split  # no unchanged row moved
@@ -204,7 +206,7 @@ def test_an_edited_file_moves_no_other_row_between_the_splits(tmp_path, caplog):
     assert f"train: {added['train']} row(s) added, {gone['train']} removed, 1 edited" in notes[0]
     assert sum(added.values()) == 6 and sum(gone.values()) == 3  # 5 new rows and row 10
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.tasks.user_file"):
         assert _split_prompts(tmp_path, _spec(path)) == after  # unchanged: no notice
     assert not [r for r in caplog.records if "differ from" in r.getMessage()]
 
@@ -213,7 +215,7 @@ def test_duplicate_prompts_are_kept_once_in_one_split(tmp_path, caplog):
     rows = [{"prompt": f"What is {i}+7?", "answer": i + 7} for i in range(60)]
     rows += [{"prompt": f"What is  {i}+7?\n", "answer": i + 7} for i in range(0, 60, 6)]
     path = _write_jsonl(tmp_path / "p.jsonl", rows)
-    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.tasks.user_file"):
         got = _split_prompts(tmp_path, _spec(path))
     norm = {split: {" ".join(p.split()) for p in got[split]} for split in got}
     assert not norm["train"] & norm["test"]
@@ -285,7 +287,7 @@ def test_unreadable_values_are_named_by_file_and_row(tmp_path, caplog):
     assert f"{path}: row 5: a value nested more than 64 levels deep" in msg
     assert f"{path}: row 6: a value nested more than 64 levels deep" in msg
     assert len(msg) < 2000  # values are not echoed whole
-    with caplog.at_level(logging.WARNING, logger="gspo_jax.data.user_file"):
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.tasks.user_file"):
         got = _split_prompts(tmp_path, _spec(path))
     assert len(got["train"]) + len(got["test"]) == 10
     (note,) = [r.getMessage() for r in caplog.records if "bad row(s)" in r.getMessage()]

@@ -1,33 +1,41 @@
-"""Prompts for RL and the supervised warm start.
+"""A task's prompts as batches, and prompts and responses as token ids.
 
-* :mod:`~gspo_jax.data.countdown`, :mod:`~gspo_jax.data.arithmetic`: TFDS
-  builders generated offline and deterministically (seeded numpy), each with
-  difficulty configs; every example carries a reference solution.
-* :mod:`~gspo_jax.data.gsm8k`: TFDS's own ``gsm8k`` builder, from the network
-  or from supplied files.
-* :mod:`~gspo_jax.data.user_file`: task "file", a user's prompts and answers from a
-  JSONL or Parquet file, checked row by row and prepared as a TFDS dataset.
-* :mod:`~gspo_jax.data.prompts`: :class:`Example` (a prompt with its verifier's meta)
-  and the prompt styles; each task words its prompts (:mod:`gspo_jax.tasks`).
-* :mod:`~gspo_jax.data.source`: :class:`PromptSource` (batches as a pure
-  function of the data position).
+* :mod:`~gspo_jax.data.source`: :class:`PromptSource`, the batches of any task
+  (:mod:`gspo_jax.tasks`) as a pure function of the data position: a
+  ``grain.MapDataset`` over the task's examples, shuffled per epoch with the run's seed.
+* :mod:`~gspo_jax.data.encoding`: the chat template, the prompt-length policy, padding.
+
+The tasks' examples are in their own modules (:mod:`gspo_jax.tasks`); the names below
+that come from there (the difficulty configs, GSM8K's preparation, `Example`) are kept
+here for one release.
 """
 
-from gspo_jax.data import _tfds_compat  # noqa: F401  (must precede TFDS use)
-from gspo_jax.data.arithmetic import ArithmeticConfig, GspoArithmetic
-from gspo_jax.data.countdown import CountdownConfig, GspoCountdown
-from gspo_jax.data.gsm8k import prepare_gsm8k, supply_gsm8k_files
-from gspo_jax.data.prompts import Example, answer_span
 from gspo_jax.data.source import PromptSource
+from gspo_jax.tasks.arithmetic import ArithmeticConfig
+from gspo_jax.tasks.countdown import CountdownConfig
+from gspo_jax.tasks.gsm8k import prepare_gsm8k, supply_gsm8k_files
+from gspo_jax.tasks.prompts import Example, answer_span
 
 __all__ = [
     "ArithmeticConfig",
     "CountdownConfig",
     "Example",
-    "GspoArithmetic",
-    "GspoCountdown",
     "PromptSource",
     "answer_span",
     "prepare_gsm8k",
     "supply_gsm8k_files",
 ]
+
+_REMOVED = {
+    "GspoCountdown": "gspo_jax.tasks.countdown.generated(config)",
+    "GspoArithmetic": "gspo_jax.tasks.arithmetic.generated(config)",
+}
+
+
+def __getattr__(name: str):
+    if name in _REMOVED:
+        raise AttributeError(
+            f"gspo_jax.data.{name}, a TFDS builder, was removed: the task's examples are "
+            f"generated in memory, with no data dir; its splits are {_REMOVED[name]}"
+        )
+    raise AttributeError(f"module 'gspo_jax.data' has no attribute {name!r}")

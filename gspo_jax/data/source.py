@@ -1,107 +1,37 @@
-"""Deterministic, resumable prompt batches from the TFDS datasets.
+"""Deterministic, resumable prompt batches of any task, through grain.
 
-The data position is one integer: the number of examples consumed so far.
-Position ``p`` is example ``order(epoch)[p % n]`` with ``epoch = p // n``,
-where ``order(epoch)`` is a permutation drawn from
-``numpy.random.RandomState([seed, epoch])`` (the legacy generator, whose
-stream numpy keeps stable across releases). So a batch is a pure function of
-``(position, batch_size)``; the trainer derives the position from the step,
+The data position is one integer: the number of examples consumed so far. The batches
+are a ``grain.MapDataset`` over a split's records (``grain.MapDataset.source``), each
+turned into its task's `Example` (``map_with_index``), shuffled per epoch (``shuffle``)
+and repeated (``repeat``): position ``p`` is example ``order(epoch)[p % n]`` with
+``epoch = p // n``, where ``order(epoch)`` is grain's permutation of epoch ``epoch``
+(an index shuffle of the split seeded with `shuffle_seed` + epoch). So a batch is a pure
+function of ``(position, batch_size)``; the trainer derives the position from the step,
 so a resumed run draws exactly the batches an uninterrupted run would.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import inspect
 import os
 from typing import Any
 
+import grain
 import numpy as np
-from etils import epath
-from tensorflow_datasets.core.file_adapters import FileFormat
 
 from gspo_jax import tasks
-from gspo_jax.data import prompts
+from gspo_jax.tasks import prompts
+
+# Kept here for one release: where the data are prepared on disk (gspo_jax.tasks.data_dir).
+from gspo_jax.tasks.data_dir import DataDirNotWritable, prepared  # noqa: F401
 
 
-class DataDirNotWritable(OSError):
-    """A dataset to prepare under a data dir this process cannot write (a read-only
-    mount, another user's folder); nothing was written. The message names both."""
-
-
-def is_prepared(builder) -> bool:
-    """Whether ``builder``'s dataset is prepared under its data dir. TFDS writes a dataset
-    into a folder of its own and renames it into place once complete, so a dataset seen
-    prepared stays so: reading it needs no lock."""
-    return (epath.Path(builder.data_dir) / "dataset_info.json").exists()
-
-
-# What opening a file for writing raises in a folder this process may not write to.
-_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-@contextlib.contextmanager
-def prepare_lock(builder):
-    """Held while ``builder``'s dataset is prepared: one process (or thread) at a time
-    per dataset and data dir, so that runs started together on a fresh data dir (a
-    sweep's points, a study's two pinned processes) do not both generate it and fail
-    renaming into the folder the other one made.
-
-    A dataset already prepared (`is_prepared`) is read without the lock, writing
-    nothing: a read-only data dir (a workdir's ``data/`` on an archive) serves as it is.
-    One that is not, under a data dir that cannot be written, raises
-    `DataDirNotWritable` naming both, before anything is written. A remote data dir
-    (``gs://``) is not locked."""
-    path = os.fspath(builder.data_dir).rstrip("/")
-    if "://" in path or is_prepared(builder):
-        yield
-        return
-    # Beside the data sets, not inside one: TFDS reads every entry of a data set's
-    # folder as a version of it.
-    root = os.fspath(builder.data_dir_root)
-    locks = os.path.join(root, ".prepare_locks")
-    name = os.path.relpath(path, root).replace(os.sep, "__")
-    try:
-        os.makedirs(locks, exist_ok=True)
-        f = open(os.path.join(locks, name + ".lock"), "a")
-    except OSError as e:
-        if e.errno not in _NOT_WRITABLE:
-            raise
-        raise DataDirNotWritable(
-            f"{name.replace('__', '/')} is not prepared under the data dir {root}, and "
-            f"nothing can be written there to prepare it ({e.strerror}): prepare it in a "
-            "data dir that can be written"
-        ) from e
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-ARRAY_RECORD = FileFormat.ARRAY_RECORD
-
-
-def prepared(builder):
-    """``builder`` prepared as array_record: generated on first use, reused after."""
-    with prepare_lock(builder):
-        builder = current(builder)
-        builder.download_and_prepare(file_format="array_record")
-    return builder
-
-
-def current(builder, make=None):
-    """``builder``, or one made again (``make()``; by default as TFDS copies a builder,
-    from its constructor's arguments) when it was made before another run prepared its
-    data, while this one waited for `prepare_lock`: its info is then an empty folder's,
-    which names TFDS's default file format, not the array_record every task writes."""
-    written = epath.Path(builder.data_dir) / "dataset_info.json"  # is_prepared() warns
-    if builder.info.file_format != ARRAY_RECORD and written.exists():
-        return make() if make is not None else type(builder)(**builder._original_state)
-    return builder
+def shuffle_seed(seed: int) -> int:
+    """grain's shuffle seed for the run's ``seed``, in [0, 2**32). grain shuffles epoch
+    ``e`` with seed ``s + e``; the run's seed is spread over the range first
+    (``numpy.random.SeedSequence``), else the runs of seeds 0 and 1 would see the same epoch orders,
+    one epoch apart."""
+    return int(np.random.SeedSequence(int(seed)).generate_state(1, np.uint32)[0])
 
 
 def _prepare(task: tasks.Task, data_dir, options: dict[str, Any], prompt_check=None):
@@ -130,23 +60,24 @@ class PromptSource:
 
     Args:
       task: a task name (:mod:`gspo_jax.tasks`): "countdown", "arithmetic", "gsm8k",
-        "file" (a user's JSONL/Parquet file, :mod:`~gspo_jax.data.user_file`) or one
+        "file" (a user's JSONL/Parquet file, :mod:`~gspo_jax.tasks.user_file`) or one
         registered since.
       split: "train" or "test" (GSM8K also "train_socratic", "test_socratic").
-      data_dir: TFDS data dir; synthetic tasks and a user's file are prepared there on
-        first use.
+      data_dir: the data dir where GSM8K and a user's file are prepared on first use
+        (:mod:`gspo_jax.tasks.data_dir`); the synthetic tasks are generated in memory
+        and write nothing.
       style: prompt style, "compact" or "instruct" (a user's file has its own prompts).
-      seed: seed of the epoch orders.
-      shuffle: False keeps the stored order in every epoch (for evaluation).
+      seed: the run's seed; it seeds the epoch orders (`shuffle_seed`).
+      shuffle: False keeps the split's own order in every epoch (for evaluation).
       prompt_check: the run's tokenizer and prompt length
         (:class:`~gspo_jax.data.encoding.PromptCheck`), for a task that checks every
         prompt when its data is prepared ("file"); the others do not take it.
       **options: the task's own (its ``prepare``'s keywords; `Task.options` reads them
         from the config). Countdown and arithmetic: ``config``, the difficulty: a
-        config name (``"easy"``, ``"digits3"`` ...) or a ``CountdownConfig.make(...)`` /
-        ``ArithmeticConfig.make(...)``. GSM8K: ``gsm8k_files``, a folder with the
+        level's name (``"easy"``, ``"digits3"`` ...) or a ``CountdownConfig.make(...)``
+        / ``ArithmeticConfig.make(...)``. GSM8K: ``gsm8k_files``, a folder with the
         GSM8K jsonl files when there is no network. "file": ``file_task``, its
-        :class:`~gspo_jax.data.user_file.FileTask`.
+        :class:`~gspo_jax.tasks.user_file.FileTask`.
     """
 
     def __init__(
@@ -164,50 +95,51 @@ class PromptSource:
         if style not in prompts.STYLES:
             raise ValueError(f"style must be one of {prompts.STYLES}, got {style!r}")
         self._task = tasks.get(task)
-        builder = _prepare(self._task, data_dir, options, prompt_check)
-        if split not in builder.info.splits:
-            raise ValueError(f"split {split!r} not in {task}: {sorted(builder.info.splits)}")
+        splits = tasks.Splits.of(_prepare(self._task, data_dir, options, prompt_check))
+        if split not in splits.names:
+            raise ValueError(f"split {split!r} not in {task}: {sorted(splits.names)}")
         self.task, self.split, self.style = task, split, style
         self.seed, self.shuffle = int(seed), bool(shuffle)
-        self.config_name = builder.builder_config.name if builder.builder_config else None
-        self._ds = builder.as_data_source(split)
-        self._size = len(self._ds)
-        if self._size == 0:
+        self.config_name = splits.config_name
+        records = splits.records(split)
+        n = self._size = len(records)
+        if n == 0:
             raise ValueError(f"{task}/{split} under {os.fspath(data_dir)!r} is empty")
+        example = self._task.example
+        # Split index -> Example; a repeated epoch reads index epoch * n + i.
+        self._examples = grain.MapDataset.source(records).map_with_index(
+            lambda i, record: example(record, i % n, style)
+        )
+        self._stream = self._in_order(self._examples)  # position -> Example
+        self._positions = self._in_order(grain.MapDataset.range(n))  # position -> split index
         self._order_cache: tuple[int, np.ndarray] | None = None
+
+    def _in_order(self, ds: grain.MapDataset) -> grain.MapDataset:
+        """``ds`` (one epoch) in the order of every epoch: shuffled per epoch, repeated."""
+        if self.shuffle:
+            ds = ds.shuffle(seed=shuffle_seed(self.seed))
+        return ds.repeat()
 
     def __len__(self) -> int:
         return self._size
 
     def example(self, index: int) -> prompts.Example:
-        """Example ``index`` of the split, in stored order."""
+        """Example ``index`` of the split, in the split's own order."""
         if not 0 <= index < self._size:
             raise ValueError(f"index must be in [0, {self._size}), got {index}")
-        return self._task.example(self._ds[int(index)], int(index), self.style)
+        return self._examples[int(index)]
 
     def order(self, epoch: int) -> np.ndarray:
         """int64[n]: the split indices in the order of ``epoch``."""
-        if self._order_cache is not None and self._order_cache[0] == epoch:
-            return self._order_cache[1]
-        if self.shuffle:
-            order = np.random.RandomState([self.seed, epoch]).permutation(self._size)
-        else:
-            order = np.arange(self._size)
-        self._order_cache = (epoch, order)
-        return order
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            start = int(epoch) * self._size
+            order = self._read(self._positions, start, self._size)
+            self._order_cache = (epoch, np.asarray(order, np.int64))
+        return self._order_cache[1]
 
     def indices(self, position: int, batch_size: int) -> np.ndarray:
         """int64[batch_size]: split indices of positions ``position .. position+batch_size-1``."""
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        pos = np.arange(position, position + batch_size)
-        out = np.empty(batch_size, np.int64)
-        for epoch in np.unique(pos // self._size):
-            sel = pos // self._size == epoch
-            out[sel] = self.order(int(epoch))[pos[sel] % self._size]
-        return out
+        return np.asarray(self._read(self._positions, position, batch_size), np.int64)
 
     def stream_ids(self, position: int, batch_size: int) -> np.ndarray:
         """int64[batch_size]: ``epoch * len(self) + split index`` of each position.
@@ -224,8 +156,16 @@ class PromptSource:
 
         The next batch starts at ``position + batch_size``.
         """
-        return [self.example(int(i)) for i in self.indices(position, batch_size)]
+        return self._read(self._stream, position, batch_size)
 
     def first(self, count: int) -> list[prompts.Example]:
-        """The first ``count`` examples in stored order (a fixed evaluation set)."""
-        return [self.example(i) for i in range(min(count, self._size))]
+        """The first ``count`` examples in the split's own order (a fixed evaluation set)."""
+        return [self._examples[i] for i in range(min(count, self._size))]
+
+    @staticmethod
+    def _read(ds: grain.MapDataset, position: int, count: int) -> list:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        if count < 1:
+            raise ValueError(f"batch_size must be >= 1, got {count}")
+        return [ds[p] for p in range(int(position), int(position) + int(count))]

@@ -1,17 +1,25 @@
-"""Tasks by name: each one's data, prompt format, verifier and answer comparison.
+"""Tasks by name: each one's examples, prompt format, verifier and answer comparison.
 
 A task is one :class:`Task` record, registered under its name and found with
-:func:`get`, as objectives are (:mod:`gspo_jax.objectives`). The built-in tasks live
-one per module of this package and register themselves when it is first asked for a
-task:
+:func:`get`, as objectives are (:mod:`gspo_jax.objectives`). Each built-in task is one
+module of this package, its examples and its reward together, and registers itself when
+the registry is first asked for a task:
 
-  countdown.py   Countdown: make a target from given numbers (its expression verifier)
-  arithmetic.py  integer arithmetic: compute an expression (numeric answers)
-  gsm8k.py       GSM8K word problems (numeric answers, worked solutions for the warm start)
-  user_file.py   "file": a user's prompts and answers, one of `gspo_jax.verifiers` by name
+  countdown.py   Countdown: make a target from given numbers (generated in memory; its
+                 expression verifier)
+  arithmetic.py  integer arithmetic: compute an expression (generated in memory; numeric
+                 answers)
+  gsm8k.py       GSM8K word problems (TFDS's builder, prepared on disk; numeric answers,
+                 worked solutions for the warm start)
+  user_file.py   "file": a user's prompts and answers (checked rows prepared on disk), one
+                 of `gspo_jax.verifiers` by name
 
-Their TFDS data builders are in :mod:`gspo_jax.data`; the answer format and the shared
-answer reading in :mod:`gspo_jax.answers`; the batch scoring in :mod:`gspo_jax.rewards`.
+What they share: :mod:`~gspo_jax.tasks.prompts` (`Example`, the prompt styles),
+:mod:`~gspo_jax.tasks.synthetic` (seeded splits generated in memory),
+:mod:`~gspo_jax.tasks.data_dir` (data sets prepared on disk with TFDS: the lock, read-only
+data dirs); the answer format and the shared answer reading are in :mod:`gspo_jax.answers`,
+the batch scoring in :mod:`gspo_jax.rewards`, the batches of a task in
+:class:`gspo_jax.data.PromptSource`. Nothing here imports :mod:`gspo_jax.data`.
 
 A new task is one module that calls :func:`register` (a new file in this package, or
 any module a config file imports); docs/tasks.md walks through one.
@@ -23,7 +31,7 @@ import dataclasses
 import functools
 import importlib
 import pkgutil
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from gspo_jax import answers
 from gspo_jax.answers import Limits, Verdict
@@ -51,12 +59,13 @@ class Task:
 
     Attributes:
       name: the ``config.task.name`` that selects it.
-      prepare: ``prepare(data_dir, **options)`` -> a prepared TFDS builder
-        (``builder.as_data_source(split)``, ``builder.info.splits``); ``options`` are
-        the task's own keywords of :class:`~gspo_jax.data.PromptSource`.
-      example: ``example(record, index, style)`` -> a :class:`~gspo_jax.data.Example`:
+      prepare: ``prepare(data_dir, **options)`` -> the task's examples: a :class:`Splits`,
+        or a prepared TFDS builder (read through ``builder.as_data_source(split)`` for
+        each split of ``builder.info.splits``); ``options`` are the task's own keywords
+        of :class:`~gspo_jax.data.PromptSource`.
+      example: ``example(record, index, style)`` -> a :class:`~gspo_jax.tasks.prompts.Example`:
         the prompt format (``style``: "compact" or "instruct"), the verifier's
-        ``meta`` and the warm start's reference completion of one stored record.
+        ``meta`` and the warm start's reference completion of one record.
       check_meta: ``check_meta(meta)`` raises ValueError naming what an example's
         ``meta`` lacks (a caller's bug, never the model's).
       verify: ``verify(text, meta, limits)`` -> :class:`~gspo_jax.answers.Verdict` of
@@ -80,6 +89,35 @@ class Task:
     options: Callable[[Any], dict[str, Any]] = _no_options
     check_config: Callable[[Any], None] = _no_check
     answer_kind: Callable[[Any], str] = lambda task_config: "tag"
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A task's examples, as its ``prepare`` gives them.
+
+    Attributes:
+      names: the split names ("train", "test", ...).
+      records: ``records(split)`` -> that split's records, in a fixed order with random
+        access (``len`` and ``[i]``; a list, or a sequence that makes a record when it
+        is read); ``Task.example`` turns one into an Example.
+      config_name: the difficulty level or configuration the records are of, or None.
+    """
+
+    names: tuple[str, ...]
+    records: Callable[[str], Sequence[Any]]
+    config_name: str | None = None
+
+    @classmethod
+    def of(cls, prepared) -> Splits:
+        """``prepared`` (what a ``prepare`` returned) as Splits: itself, or a prepared
+        TFDS builder (anything with ``info.splits``, ``builder_config`` and
+        ``as_data_source(split)``), read through ``as_data_source``."""
+        if isinstance(prepared, cls):
+            return prepared
+        config = getattr(prepared, "builder_config", None)
+        return cls(
+            tuple(prepared.info.splits), prepared.as_data_source, config.name if config else None
+        )
 
 
 def numeric_task(name: str, **fields) -> Task:
