@@ -18,11 +18,13 @@ R - mean R) for all three.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from gspo_jax.fields import err, setting
+from gspo_jax.registry import Registry
 
 Array = jax.Array
 
@@ -101,7 +103,10 @@ def rloo(rewards: Array) -> Array:
 
 
 # The group estimators by their ``config.advantage`` name (``gae`` is the other one).
-GROUP_ESTIMATORS = {"group": group, "group_no_std": group_no_std, "rloo": rloo}
+# The group estimators by name (config.advantage; 'gae' is the critic's, apart).
+GROUP_ESTIMATORS: Registry[Callable[[Array], Array]] = Registry("group estimator")
+for _name, _fn in (("group", group), ("group_no_std", group_no_std), ("rloo", rloo)):
+    GROUP_ESTIMATORS.register(_name, _fn)
 
 
 def gae(

@@ -119,7 +119,7 @@ def gae_batch(seq_rewards, values, mask, *, gamma: float, lam: float):
 def group_batch(rewards, *, estimator: str, group_size: int):
     """A group estimator over the batch's rows, f32[N] -> f32[N]: row i is sample
     i % G of prompt i // G, as the rollout lays them out."""
-    per_prompt = adv_lib.GROUP_ESTIMATORS[estimator](rewards.reshape(-1, group_size))
+    per_prompt = adv_lib.GROUP_ESTIMATORS.get(estimator)(rewards.reshape(-1, group_size))
     return per_prompt.reshape(-1)
 
 

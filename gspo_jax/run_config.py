@@ -24,7 +24,7 @@ from gspo_jax.rollout import RolloutConfig
 from gspo_jax.shaping import DapoConfig
 from gspo_jax.step import UpdatesConfig
 
-GROUP_ADVANTAGES = tuple(GROUP_ESTIMATORS)
+GROUP_ADVANTAGES = GROUP_ESTIMATORS.names()
 ADVANTAGES = GROUP_ADVANTAGES + ("gae",)
 
 

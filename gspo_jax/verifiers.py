@@ -38,6 +38,7 @@ from gspo_jax.answers import (
     normalize_text,
     parse_number,
 )
+from gspo_jax.registry import Registry
 from gspo_jax.tasks import countdown
 
 
@@ -210,17 +211,22 @@ def _boxed_math(text: str, meta: Mapping[str, Any], limits: Limits) -> Verdict:
     return verify_boxed_math(text, meta["answer"], limits)
 
 
-VERIFIERS = {
-    "numeric": Verifier(answers.verify_numeric_meta, _numeric_problem, "numeric"),
-    "countdown": Verifier(countdown.verify, _countdown_problem),
-    "exact_match": Verifier(_exact_match, _exact_match_problem),
-    "boxed_math": Verifier(_boxed_math, _boxed_math_problem),
-}
+# The verifiers of task "file" by name (config.task.verifier).
+VERIFIERS: Registry[Verifier] = Registry("verifier")
+VERIFIERS.register("numeric", Verifier(answers.verify_numeric_meta, _numeric_problem, "numeric"))
+VERIFIERS.register("countdown", Verifier(countdown.verify, _countdown_problem))
+VERIFIERS.register("exact_match", Verifier(_exact_match, _exact_match_problem))
+VERIFIERS.register("boxed_math", Verifier(_boxed_math, _boxed_math_problem))
+
+
+def register(name: str, verifier: Verifier) -> Verifier:
+    """Add ``verifier`` as ``name`` (a second one of one name is refused)."""
+    return VERIFIERS.register(name, verifier)
 
 
 def names() -> tuple[str, ...]:
     """Every verifier name (a plug-in ``module:function`` besides)."""
-    return tuple(VERIFIERS)
+    return VERIFIERS.names()
 
 
 def _plugin(spec: str) -> Verifier:
@@ -235,6 +241,4 @@ def get(name: str) -> Verifier:
     the first call of its ``verify``)."""
     if reward_plugins.is_reward_fn(name):
         return _plugin(name)
-    if name not in VERIFIERS:
-        raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {name!r}")
-    return VERIFIERS[name]
+    return VERIFIERS.get(name)

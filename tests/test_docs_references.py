@@ -642,7 +642,7 @@ STALE = [
     "`gspo_jax.safety.RESUMABLE_FIELDS`",
     "`train.BATCH_AXES`",
     "`gspo_jax.rollout.NoSampler`",
-    "`objectives.registry.register`",
+    "`objectives.registry.deregister`",
     "`Sampler.no_such_method()`",
     "`rollout.max_new_token`",
     "`config.updates.packingg`",

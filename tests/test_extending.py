@@ -11,6 +11,7 @@ are restored, so that no other test sees the page's additions.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 import re
@@ -164,7 +165,7 @@ def test_the_checks_reject_a_stale_quote_and_edit():
 
 
 def test_adding_an_objective(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "REGISTRY", copy.deepcopy(registry.REGISTRY))
     ns = run_page("extend_objective.md", monkeypatch)
 
     fn = objectives.get("pg")
@@ -192,7 +193,8 @@ def test_adding_an_objective(monkeypatch):
 
 def test_adding_a_task(monkeypatch, tmp_path):
     tasks.names()  # the built-in tasks registered before the registry is copied
-    monkeypatch.setattr(tasks, "_REGISTRY", dict(tasks._REGISTRY))
+    tasks.names()  # the built-in tasks registered before the registry is copied
+    monkeypatch.setattr(tasks, "REGISTRY", copy.deepcopy(tasks.REGISTRY))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the page's data_dir
     ns = run_page("extend_task.md", monkeypatch)
 
@@ -221,7 +223,7 @@ def test_adding_a_task(monkeypatch, tmp_path):
 
 
 def test_adding_a_reward_and_a_verifier(monkeypatch):
-    monkeypatch.setattr(verifiers, "VERIFIERS", dict(verifiers.VERIFIERS))
+    monkeypatch.setattr(verifiers, "VERIFIERS", copy.deepcopy(verifiers.VERIFIERS))
     monkeypatch.setattr(reward_plugins, "_REWARD_FNS", {})
     ns = run_page("extend_reward.md", monkeypatch)
 

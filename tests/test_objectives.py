@@ -775,7 +775,7 @@ def test_bad_tau(kw):
 
 
 def test_bad_name():
-    with pytest.raises(ValueError, match="name"):
+    with pytest.raises(ValueError, match=r"unknown objective 'grpo2'; known: \('ppo', 'grpo'"):
         O.get("grpo2")
 
 

@@ -243,7 +243,7 @@ def test_score_batch():
 def test_score_bad_arguments():
   with pytest.raises(ValueError, match="same length"):
     rewards.score("countdown", ["a"], [])
-  with pytest.raises(ValueError, match="task must be"):
+  with pytest.raises(ValueError, match="unknown task"):
     rewards.score("chess", ["a"], [{}])
   with pytest.raises(ValueError, match="'numbers' and 'target'"):
     rewards.score("countdown", ["a"], [{"target": 3}])

@@ -94,7 +94,7 @@ def test_builtin_tasks_are_registered():
     assert set(tasks.names()) == {"countdown", "arithmetic", "gsm8k", "file"}
     for name in tasks.names():
         assert tasks.get(name).name == name
-    with pytest.raises(ValueError, match="task must be one of"):
+    with pytest.raises(ValueError, match="unknown task 'chess'; known: "):
         tasks.get("chess")
 
 

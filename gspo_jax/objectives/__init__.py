@@ -55,7 +55,7 @@ from gspo_jax.objectives.common import (
 )
 from gspo_jax.objectives.correction import RolloutCorrection, rollout_correction
 from gspo_jax.objectives.critic import entropy_bonus, token_entropy, value_loss
-from gspo_jax.objectives.registry import Objective, describe, get, names
+from gspo_jax.objectives.registry import REGISTRY, Objective, describe, get, names, register
 
 __all__ = [
     "AGG_MODES",
@@ -63,6 +63,7 @@ __all__ = [
     "LOG_RATIO_CLIP",
     "Normalizer",
     "Objective",
+    "REGISTRY",
     "RolloutCorrection",
     "describe",
     "entropy_bonus",
@@ -70,6 +71,7 @@ __all__ = [
     "kl",
     "names",
     "normalizer",
+    "register",
     "rollout_correction",
     "token_entropy",
     "value_loss",

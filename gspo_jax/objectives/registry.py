@@ -10,6 +10,7 @@ from gspo_jax.fields import err, from_dataclass_error, setting
 from gspo_jax.metrics import MetricDict, compute_all
 from gspo_jax.objectives import cispo, clipped, common, geometric, gspo, sapo
 from gspo_jax.objectives.hparams import Hparams
+from gspo_jax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,74 +112,78 @@ class Objective:
         return loss, compute_all(metrics)
 
 
-_REGISTRY = {
-    o.name: o
-    for o in (
-        Objective(
-            clipped.clipped_surrogate,
-            clipped.PPOHparams,
-            "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0.",
-        ),
-        Objective(
-            clipped.clipped_surrogate,
-            clipped.GRPOHparams,
-            "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04.",
-        ),
-        Objective(
-            clipped.clipped_surrogate,
-            clipped.DrGRPOHparams,
-            "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL.",
-        ),
-        Objective(
-            clipped.clipped_surrogate,
-            clipped.DAPOHparams,
-            "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL.",
-        ),
-        Objective(
-            gspo.gspo,
-            gspo.GSPOHparams,
-            "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
-        ),
-        Objective(
-            gspo.gspo_token,
-            gspo.GSPOTokenHparams,
-            "GSPO-token: s_i with a per-token gradient path, for per-token advantages.",
-        ),
-        Objective(
-            cispo.cispo,
-            cispo.CISPOHparams,
-            "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight.",
-        ),
-        Objective(
-            geometric.gmpo,
-            geometric.GMPOHparams,
-            "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
-        ),
-        Objective(
-            geometric.rspo,
-            geometric.RSPOHparams,
-            "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
-            "sgn(A) power, so routing drift damps the update for either sign of A).",
-        ),
-        Objective(
-            sapo.sapo,
-            sapo.SAPOHparams,
-            "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg.",
-        ),
-    )
-}
+# Every objective by name, in the order the papers came (docs/objectives.md).
+REGISTRY: Registry[Objective] = Registry("objective")
+for _o in (
+    Objective(
+        clipped.clipped_surrogate,
+        clipped.PPOHparams,
+        "PPO clipped surrogate (token-mean), optional dual clip c > 1 for A < 0.",
+    ),
+    Objective(
+        clipped.clipped_surrogate,
+        clipped.GRPOHparams,
+        "GRPO (DeepSeekMath): clipped surrogate, seq-mean-token-mean, k3 KL with beta 0.04.",
+    ),
+    Objective(
+        clipped.clipped_surrogate,
+        clipped.DrGRPOHparams,
+        "Dr.GRPO: clipped surrogate, seq-mean-token-sum-norm (no 1/|o| factor), no KL.",
+    ),
+    Objective(
+        clipped.clipped_surrogate,
+        clipped.DAPOHparams,
+        "DAPO: clipped surrogate with clip-higher (0.2, 0.28), token-mean, no KL.",
+    ),
+    Objective(
+        gspo.gspo,
+        gspo.GSPOHparams,
+        "GSPO: sequence-level ratio s_i = exp(mean_t delta), clipped per sequence.",
+    ),
+    Objective(
+        gspo.gspo_token,
+        gspo.GSPOTokenHparams,
+        "GSPO-token: s_i with a per-token gradient path, for per-token advantages.",
+    ),
+    Objective(
+        cispo.cispo,
+        cispo.CISPOHparams,
+        "CISPO (MiniMax-M1): REINFORCE with a stop-gradient clipped IS weight.",
+    ),
+    Objective(
+        geometric.gmpo,
+        geometric.GMPOHparams,
+        "GMPO: geometric mean of one-sided log-space-clipped token ratios.",
+    ),
+    Objective(
+        geometric.rspo,
+        geometric.RSPOHparams,
+        "RSPO: GMPO times the geometric mean of the router shift gamma (outside the "
+        "sgn(A) power, so routing drift damps the update for either sign of A).",
+    ),
+    Objective(
+        sapo.sapo,
+        sapo.SAPOHparams,
+        "SAPO: soft sigmoid gate with temperatures tau_pos / tau_neg.",
+    ),
+):
+    REGISTRY.register(_o.name, _o)
+
+
+def register(objective: Objective) -> Objective:
+    """Add ``objective`` under its name (`Objective.name`, its hyperparameter class's);
+    a second objective of one name is refused."""
+    return REGISTRY.register(objective.name, objective)
 
 
 def get(name: str) -> Objective:
     """The objective registered as ``name`` (see `names`)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"name: unknown objective {name!r}; registered: {names()}")
-    return _REGISTRY[name]
+    return REGISTRY.get(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered objective name."""
-    return tuple(_REGISTRY)
+    return REGISTRY.names()
 
 
 def describe(name: str) -> str:

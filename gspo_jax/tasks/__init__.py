@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gspo_jax import answers
 from gspo_jax.answers import Limits, Verdict
+from gspo_jax.registry import Registry
 
 
 class TaskConfigError(ValueError):
@@ -132,44 +133,35 @@ def numeric_task(name: str, **fields) -> Task:
     )
 
 
-_REGISTRY: dict[str, Task] = {}
-_discovered = False
+def _discover() -> None:
+    """Import every module of this package: the built-in tasks register themselves."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+# Every task by name (config.task.name); names sorted, the same whatever imported a task
+# first. The built-in ones register when the registry is first asked.
+REGISTRY: Registry[Task] = Registry("task", discover=_discover, sort=True)
 
 
 def register(task: Task) -> Task:
     """Add ``task`` under its name (once; a second task of the same name is refused)."""
-    if task.name in _REGISTRY and _REGISTRY[task.name] is not task:
-        raise ValueError(f"a task named {task.name!r} is already registered")
-    _REGISTRY[task.name] = task
-    return task
+    return REGISTRY.register(task.name, task)
 
 
 def unregister(name: str) -> None:
     """Remove the task registered as ``name`` (for tests)."""
-    _REGISTRY.pop(name, None)
-
-
-def _discover() -> None:
-    """Import every module of this package once: the built-in tasks register themselves."""
-    global _discovered
-    if not _discovered:
-        _discovered = True
-        for module in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{module.name}")
+    REGISTRY.unregister(name)
 
 
 def names() -> tuple[str, ...]:
-    """Every registered task name, sorted (the same whatever imported a task first)."""
-    _discover()
-    return tuple(sorted(_REGISTRY))
+    """Every registered task name, sorted."""
+    return REGISTRY.names()
 
 
 def get(name: str) -> Task:
     """The task registered as ``name`` (see `names`)."""
-    _discover()
-    if name not in _REGISTRY:
-        raise ValueError(f"task must be one of {names()}, got {name!r}")
-    return _REGISTRY[name]
+    return REGISTRY.get(name)
 
 
 def check_config(config) -> None:
