@@ -57,8 +57,8 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from experiments import hlo, programs, targets  # noqa: E402
-from gspo_jax import fields  # noqa: E402
-from gspo_jax.lora_rl import LoRAConfig  # noqa: E402
+from gspo_jax import config_fields  # noqa: E402
+from gspo_jax.lora_training import LoRAConfig  # noqa: E402
 from gspo_jax.models import dispatch  # noqa: E402
 
 GIB = 2**30
@@ -320,12 +320,12 @@ def parse_lora(text: str):
     """``--lora rank[,target,...]`` as a `LoRAConfig` (the targets default to its own),
     checked as the run's config is (unknown targets, a negative rank: named)."""
     rank, *names = [x.strip() for x in text.split(",") if x.strip()]
-    node = fields.defaults(LoRAConfig)
+    node = config_fields.defaults(LoRAConfig)
     node.rank = int(rank)
     if names:
         node.targets = tuple(names)
-    fields.check(LoRAConfig, node, "--lora ")
-    return fields.build(LoRAConfig, node)
+    config_fields.check(LoRAConfig, node, "--lora ")
+    return config_fields.build(LoRAConfig, node)
 
 
 def render(r: dict) -> str:

@@ -24,12 +24,12 @@ The programs:
 The sampler-side programs take the parameters as one copy in the compute dtype
 (`inference_params`), as a rollout holds them.
 
-With ``Shape.lora`` (a `gspo_jax.lora_rl.LoRAConfig` of rank > 0) the train and
+With ``Shape.lora`` (a `gspo_jax.lora_training.LoRAConfig` of rank > 0) the train and
 log-prob programs are the RL phase's with LoRA, built by the trainer's own functions:
-adapters attached after the base (`lora_rl.attach`), the base frozen in the compute
-dtype and the adapters in f32 (`lora_rl.rl_params`), the optimizer's state for the
+adapters attached after the base (`lora_training.attach`), the base frozen in the compute
+dtype and the adapters in f32 (`lora_training.rl_params`), the optimizer's state for the
 trainable parameters only (`lora.partition`, as `Trainer.new_state`) and the step's
-``StepConfig.trainable`` (`lora_rl.trainable`).
+``StepConfig.trainable`` (`lora_training.trainable`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import lora_rl, passes, step
+from gspo_jax import lora_training, passes, step
 from gspo_jax.models import ModelConfig, lora
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
@@ -169,12 +169,12 @@ class Shape:
     logprob_micro_batches: int = 1
     logprob_rows: int = 0  # rows of the log-prob pass (0: a mini-batch's, ``rows``)
     mu_dtype: str = "float32"  # Adam's first moment (`step.make_optimizer`)
-    lora: lora_rl.LoRAConfig | None = None  # the RL phase with these adapters
+    lora: lora_training.LoRAConfig | None = None  # the RL phase with these adapters
 
     @property
     def trainable(self) -> str:
         """What the train step updates (`gspo_jax.models.lora.TRAINABLE`)."""
-        return lora_rl.trainable(self.lora or lora_rl.LoRAConfig(), "rl")
+        return lora_training.trainable(self.lora or lora_training.LoRAConfig(), "rl")
 
     @property
     def seq_len(self) -> int:  # the model reads all but the last token
@@ -227,7 +227,7 @@ def matmul_params(cfg: ModelConfig, *, active: bool) -> int:
     return n
 
 
-def adapter_params(cfg: ModelConfig, lc: lora_rl.LoRAConfig | None, *, active=False) -> int:
+def adapter_params(cfg: ModelConfig, lc: lora_training.LoRAConfig | None, *, active=False) -> int:
     """The LoRA adapters' parameters (r (in + out) per adapted weight): of every
     expert, or of the top-K only (``active``: those that take part per token)."""
     if not (lc and lc.rank):
@@ -286,24 +286,24 @@ def model_params(cfg: ModelConfig, mesh: Mesh, *, abstract: bool):
 
 def policy_params(sh: Shape, mesh: Mesh, *, abstract: bool):
     """(graphdef, the parameters the RL phase trains from): `model_params`, or with
-    ``sh.lora`` the model with its adapters attached (`lora_rl.attach`, seed 0) and
-    the base frozen in the compute dtype (`lora_rl.rl_params`), as `gspo_jax.rl` has
+    ``sh.lora`` the model with its adapters attached (`lora_training.attach`, seed 0) and
+    the base frozen in the compute dtype (`lora_training.rl_params`), as `gspo_jax.rl` has
     them."""
     cfg, lc = sh.cfg, sh.lora
     if not (lc and lc.rank):
         return model_params(cfg, mesh, abstract=abstract)
     if not abstract:
-        model = lora_rl.attach(init_sharded(cfg, mesh, seed=0), lc, 0, mesh, cfg)
+        model = lora_training.attach(init_sharded(cfg, mesh, seed=0), lc, 0, mesh, cfg)
         graphdef, params = nnx.split(model)
-        return graphdef, lora_rl.rl_params(params, cfg, sh.trainable)
+        return graphdef, lora_training.rl_params(params, cfg, sh.trainable)
 
     def build():
-        return lora_rl.attach(Transformer(cfg, rngs=nnx.Rngs(0)), lc, 0, mesh, cfg)
+        return lora_training.attach(Transformer(cfg, rngs=nnx.Rngs(0)), lc, 0, mesh, cfg)
 
     graphdef, params = nnx.split(nnx.eval_shape(build))
     params = jax.tree.map(_abstract, params, param_shardings(params, mesh, cfg))
     rl = jax.eval_shape(
-        functools.partial(lora_rl.rl_params, model_cfg=cfg, kind=sh.trainable), params
+        functools.partial(lora_training.rl_params, model_cfg=cfg, kind=sh.trainable), params
     )
     # Each array keeps its sharding through the cast (as `rl_params` does on devices).
     return graphdef, jax.tree.map(lambda o, p: _abstract(o, p.sharding), rl, params)
@@ -511,7 +511,7 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
     """The sampler's compiled function for ``batch`` prompts of ``prompt_len`` tokens,
     one sample each, ``new_tokens`` new tokens, temperature 1, no stop token, no
     routing record (what the benchmark times). ``platform``: the sampling formulations
-    of that backend (`gspo_jax.generate.use_cpu_sampling`)."""
+    of that backend (`gspo_jax.decode.use_cpu_sampling`)."""
     from gspo_jax import rollout
 
     graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
@@ -555,14 +555,14 @@ class _SamplerJit:
         self.spec = spec
 
     def lower(self, *args):
-        from gspo_jax import generate
+        from gspo_jax import decode
 
-        return generate.generate_jit.lower(*args, spec=self.spec)
+        return decode.generate_jit.lower(*args, spec=self.spec)
 
     def __call__(self, *args):
-        from gspo_jax import generate
+        from gspo_jax import decode
 
-        return generate.generate_jit(*args, spec=self.spec)
+        return decode.generate_jit(*args, spec=self.spec)
 
 
 def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):

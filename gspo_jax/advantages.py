@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.fields import err, setting
+from gspo_jax.config_fields import err, setting
 from gspo_jax.registry import Registry
 
 Array = jax.Array

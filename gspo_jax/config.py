@@ -7,7 +7,7 @@ comma-separated list of ``key=value`` items and flags, for example
 
 Each section of the config is a frozen dataclass declared by the module that uses it,
 every field once: its default, type, range, doc and whether it may change on resume
-(`gspo_jax.fields`; the tree is `gspo_jax.run_config.RunConfig`). From those
+(`gspo_jax.config_fields`; the tree is `gspo_jax.run_config.RunConfig`). From those
 declarations come :func:`base_config`, the checks of each value in :func:`validate`,
 the table of docs/config.md (:func:`docs_table`), the fields that may change on
 resume (:func:`resumable_fields`) and the typed sections of a validated config
@@ -28,9 +28,9 @@ from typing import Any
 
 import ml_collections
 
-from gspo_jax import fields
-from gspo_jax.fields import ConfigError
-from gspo_jax.fields import err as _err
+from gspo_jax import config_fields
+from gspo_jax.config_fields import ConfigError
+from gspo_jax.config_fields import err as _err
 from gspo_jax.old_keys import REMOVED_KEYS, move_deprecated, removed_key
 
 __all__ = ["ConfigError"]
@@ -64,7 +64,7 @@ def _declaration() -> type:
 def base_config() -> ml_collections.ConfigDict:
     """The defaults every experiment family starts from: a tiny MoE on CPU (each
     section's declared defaults; the objective's by `set_objective`)."""
-    c = fields.defaults(_declaration())
+    c = config_fields.defaults(_declaration())
     set_objective(c, "gspo")
     return c
 
@@ -72,7 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
 def typed(c: ml_collections.ConfigDict):
     """The frozen `RunConfig` of a validated config: ``typed(c).rollout.group_size`` is
     an int, ``typed(c).objective.hparams`` the objective's hyperparameters (its dataclass)."""
-    return fields.build(_declaration(), c)
+    return config_fields.build(_declaration(), c)
 
 
 def docs_table() -> str:
@@ -85,21 +85,21 @@ def docs_table() -> str:
         "(tests/test_config_declarations.py checks that this file matches). "
         '"finite": a real number, not a bool, not nan or +-inf; "int": not a bool, not 1.5. '
         '"may change": the field may differ when a run resumes from its checkpoints.\n\n'
-        + fields.docs_table(_declaration())
+        + config_fields.docs_table(_declaration())
         + "\n## config.model.fields\n\nThe architecture of an initialised model: "
         "`ModelConfig`'s fields (gspo_jax/models/config.py), checked one by one as declared "
         "there, then across fields by ModelConfig itself; the runtime settings above are "
         "set on config.model, and num_valid_tokens and moe_groups are the trainer's. Every "
         "field below is in the default config.model.fields (above), so each can be set on the "
         "command line: `--config.model.fields.rope_theta=1e6`.\n\n"
-        + fields.docs_table(ModelConfig, "config.model.fields.")
+        + config_fields.docs_table(ModelConfig, "config.model.fields.")
     )
 
 
 @functools.cache
 def resumable_fields() -> tuple[str, ...]:
     """The fields that may change when a run resumes (``section.*``: all of it)."""
-    return fields.resumable(_declaration())
+    return config_fields.resumable(_declaration())
 
 
 def set_objective(
@@ -292,7 +292,7 @@ def _check_keys(
     would otherwise be a silently ignored new key). ``root``: the whole config, for
     the did-you-mean of a nested key."""
     root = c if root is None else root
-    open_groups = fields.open_groups(_declaration())
+    open_groups = config_fields.open_groups(_declaration())
     for key in c.keys():
         if key not in base and prefix + key in REMOVED_KEYS:
             removed_key(prefix + key, c[key])
@@ -314,7 +314,7 @@ def _check_keys(
 
 
 class Context:
-    """What the rules across fields need besides the config (`fields.check_across`): the
+    """What the rules across fields need besides the config (`config_fields.check_across`): the
     device count, the tokenizer's vocabulary, and the training mesh they resolve."""
 
     def __init__(self, run, num_devices: int, tokenizer_vocab_size: int | None):
@@ -347,7 +347,7 @@ def validate(
     declared domain (docs/config.md tables them: "finite" is a real number, not a bool,
     not nan or +-inf; "int" not a bool, not 1.5; no field takes inf), and each open
     group as its section checks it; then each section's rules across fields, the device
-    count and the tokenizer, beside the section's declaration (`fields.check_across`).
+    count and the tokenizer, beside the section's declaration (`config_fields.check_across`).
 
     ``tokenizer_vocab_size``, where known, checks ``model.fields.vocab_size`` of an
     initialised model: 0 takes the tokenizer's, a smaller one is refused, a larger
@@ -367,10 +367,10 @@ def load(c: ml_collections.ConfigDict, num_devices: int, tokenizer_vocab_size: i
 def _load(c, num_devices, tokenizer_vocab_size):
     _check_keys(c, base_config())
     move_deprecated(c)
-    fields.check(_declaration(), c)
+    config_fields.check(_declaration(), c)
     run = typed(c)
     ctx = Context(run, num_devices, tokenizer_vocab_size)
-    fields.check_across(run, ctx)
+    config_fields.check_across(run, ctx)
     return run, ctx.mesh_shape
 
 

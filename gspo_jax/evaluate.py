@@ -27,9 +27,9 @@
 
 The first ``--num_prompts`` prompts of ``--split`` in stored order (0: the config's
 ``task.eval_size``; -1: the whole split) are scored as during training
-(`gspo_jax.evaluation.evaluate`: ``task.eval_samples`` samples each at the rollout's temperature,
+(`gspo_jax.heldout.evaluate`: ``task.eval_samples`` samples each at the rollout's temperature,
 plus one greedy). Prints (and with ``--out`` writes) one JSON object: the metrics of
-:mod:`gspo_jax.evaluation` (``eval/pass@k``, ``eval/maj@k``, ``eval/mean@n``,
+:mod:`gspo_jax.heldout` (``eval/pass@k``, ``eval/maj@k``, ``eval/mean@n``,
 ``eval/greedy``, and ``eval_reward_mean`` / ``eval_greedy_reward``), with
 ``checkpoint``, ``restored`` (``"rl/<step>"``, ``"sft/<step>"`` or ``"pretrained"``),
 ``split`` and ``num_prompts``. A config, checkpoint or file error is printed in one
@@ -67,7 +67,7 @@ def restore_params(trainer) -> tuple[Any, str]:
     """(parameters, ``"rl/<step>"`` or ``"sft/<step>"``) of a workdir's newest RL
     checkpoint that restores, else of its newest warm-start one; for a LoRA run the
     adapters on the frozen base rebuilt from its source, as a resume rebuilds it
-    (`gspo_jax.lora_rl`). Read-only: nothing under the workdir is written, and each
+    (`gspo_jax.lora_training`). Read-only: nothing under the workdir is written, and each
     checkpointer is closed on every way out."""
     from gspo_jax.checkpoint import step_dirs
 
@@ -90,9 +90,9 @@ def _reader(trainer, phase: str):
 
 def _restore_sft(trainer, step: int | None = None) -> tuple[Any, int]:
     """(parameters, step) of the newest warm-start checkpoint that restores (or ``step``)."""
-    from gspo_jax import lora_rl, sft
+    from gspo_jax import lora_training, sft
 
-    kind = lora_rl.trainable(trainer.cfg.lora, "sft")
+    kind = lora_training.trainable(trainer.cfg.lora, "sft")
     target = trainer.new_state(trainer.init_params, sft.sft_optimizer(trainer.cfg)[0], kind)
     with _reader(trainer, "sft") as ckpt:
         state, _, step = ckpt.restore(target, step)
@@ -102,10 +102,10 @@ def _restore_sft(trainer, step: int | None = None) -> tuple[Any, int]:
 def _restore_rl(trainer) -> tuple[Any, int]:
     """(parameters, step) of the newest RL checkpoint that restores: the state train.py
     saves (`gspo_jax.rl.RLPhase.checkpoint_items`), with LoRA onto its base."""
-    from gspo_jax import lora_rl, rl
+    from gspo_jax import lora_training, rl
 
     cfg = trainer.cfg
-    kind = lora_rl.trainable(cfg.lora, "rl")
+    kind = lora_training.trainable(cfg.lora, "rl")
     params = trainer.init_params
     if kind != "all" and cfg.sft.steps > 0:  # LoRA's frozen base: the warm start's result
         try:
@@ -115,13 +115,13 @@ def _restore_rl(trainer) -> tuple[Any, int]:
                 f"{trainer.workdir}: the LoRA run's frozen base is its warm start's result, "
                 f"but its last checkpoint (checkpoints/sft/{cfg.sft.steps}) is gone"
             ) from None
-    params, base = lora_rl.rl_start(trainer, params, kind)
+    params, base = lora_training.rl_start(trainer, params, kind)
     state = trainer.new_state(params, rl.rl_optimizer(cfg)[0], kind)
-    target = rl.checkpoint_target(trainer, lora_rl.saved_state(state, kind))
+    target = rl.checkpoint_target(trainer, lora_training.saved_state(state, kind))
     with _reader(trainer, "rl") as ckpt:
         tree, meta, step = ckpt.restore(target)
     saved, _ = rl.unpack_checkpoint(tree, meta)
-    return lora_rl.loaded_state(saved, meta, state, kind, base).params, step
+    return lora_training.loaded_state(saved, meta, state, kind, base).params, step
 
 
 def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
@@ -189,7 +189,7 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
     directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
-    from gspo_jax import evaluation
+    from gspo_jax import heldout
     from gspo_jax.train import enable_compilation_cache
     from gspo_jax.trainer import Trainer
 
@@ -219,7 +219,7 @@ def evaluate_checkpoint(
         data = trainer.eval_data if split == "test" else trainer.train_data
         count = len(data) if num_prompts < 0 else num_prompts or trainer.cfg.task.eval_size
         examples = data.first(count)
-        metrics = evaluation.evaluate(trainer, params, examples=examples)
+        metrics = heldout.evaluate(trainer, params, examples=examples)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

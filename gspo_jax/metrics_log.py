@@ -32,7 +32,7 @@ import numpy as np
 
 from gspo_jax import event_file, multihost
 from gspo_jax.background import BackgroundWriter
-from gspo_jax.fields import ConfigError, setting
+from gspo_jax.config_fields import ConfigError, setting
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 WRITE_TIMEOUT = 60.0  # config.log_write_timeout's default

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.fields import setting
+from gspo_jax.config_fields import setting
 
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
@@ -162,7 +162,7 @@ def barrier(name: str) -> None:
 
 def answer_codes(answers: Sequence[str | None]) -> np.ndarray:
     """int32 ``[n, 2]``: a 64-bit digest of each answer, (-1, -1) for None. Equal answers,
-    equal codes, so a majority vote (`gspo_jax.evaluation.maj_at_k`) over the codes is
+    equal codes, so a majority vote (`gspo_jax.heldout.maj_at_k`) over the codes is
     the vote over the answers (barring a 2**-64 collision); unlike strings, codes can be
     gathered across processes."""
     out = np.full((len(answers), 2), -1, np.int32)

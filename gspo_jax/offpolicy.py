@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.fields import ConfigError, err, setting
+from gspo_jax.config_fields import ConfigError, err, setting
 from gspo_jax.models.config import MESH_AXES
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES

@@ -11,8 +11,8 @@ from typing import Any
 
 import ml_collections
 
-from gspo_jax import fields
-from gspo_jax.fields import err as _err
+from gspo_jax import config_fields
+from gspo_jax.config_fields import err as _err
 
 # Keys that are gone, with the one value they ever accepted and why: a config that
 # still sets that value is run with a one-line notice, any other value is refused.
@@ -33,7 +33,7 @@ def move_deprecated(c: ml_collections.ConfigDict) -> None:
     old = c.updates.gamma_min
     if old is None:
         return
-    if not (fields.is_real(old) and 0 < old <= 1):
+    if not (config_fields.is_real(old) and 0 < old <= 1):
         raise _err("updates.gamma_min", f"must be finite and in (0, 1], got {old!r}")
     if "gamma_min" in c.objective.hparams:
         from gspo_jax import objectives  # local: keeps config import light

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax import advantages as adv_lib
-from gspo_jax import lora_rl, offpolicy, passes
+from gspo_jax import lora_training, offpolicy, passes
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.objectives.correction import RolloutCorrection
 
@@ -196,7 +196,7 @@ def prepare_batch(params, reference, dev, rewards, step, *, graphdef, cfg: Prepa
     if cfg.reference == "full":
         batch["ref_logp"] = logp_pass(reference, dev)["logp"]
     elif cfg.reference == "lora":
-        batch["ref_logp"] = logp_pass(lora_rl.reference(params, reference), dev)["logp"]
+        batch["ref_logp"] = logp_pass(lora_training.reference(params, reference), dev)["logp"]
     info: dict[str, Any] = offpolicy.staleness_metrics(dev["policy_version"], dev["mask"], step)
     if not cfg.behaviour:
         info.update(

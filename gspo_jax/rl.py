@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import checkpoint, evaluation, lora_rl, offpolicy, step
+from gspo_jax import checkpoint, heldout, lora_training, offpolicy, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
@@ -120,7 +120,7 @@ def rl_optimizer(cfg: RunConfig):
 # ---------------------------------------------------------------------------
 # The RL checkpoint: one layout, whatever the features, built and read here alone.
 #
-#   tree    {"train": the train state (with LoRA its trainable part, lora_rl.saved_state),
+#   tree    {"train": the train state (with LoRA its trainable part, lora_training.saved_state),
 #            "queue": the device arrays of the batches waiting (rollout.staleness k; [] at 0)}
 #   record  {"layout": 2, "queue": those batches' host part (rewards, step, version),
 #            "lora_base" (LoRA: the frozen base's identity) or "reference" (a KL term's
@@ -209,7 +209,7 @@ class RLPhase:
             value_clip=cfg.gae.value_clip,
             temperature=cfg.rollout.temperature,
             update_without_signal=cfg.updates.update_without_signal,
-            trainable=lora_rl.trainable(cfg.lora, "rl"),
+            trainable=lora_training.trainable(cfg.lora, "rl"),
         )
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
         # model's mismatch metrics compare the response tokens' with the trainer's.
@@ -217,18 +217,18 @@ class RLPhase:
         self.collector = Collector(trainer, self.routing)  # stages 1-3 (gspo_jax.collect)
         # The reference policy is where RL starts; copied, as the state is donated, and
         # held in the compute dtype (the same logits; docs/memory.md). With LoRA: the
-        # frozen base itself, the adapters off (gspo_jax.lora_rl), and no copy.
+        # frozen base itself, the adapters off (gspo_jax.lora_training), and no copy.
         self.lora = self.step_cfg.trainable != "all"
         self.ref_routers = None
         if self.lora:
-            params, self.base = lora_rl.rl_start(trainer, params, self.step_cfg.trainable)
+            params, self.base = lora_training.rl_start(trainer, params, self.step_cfg.trainable)
             trained_routers = cfg.lora.train_router and trainer.kl_coef
-            self.ref_routers = lora_rl.routers(params) if trained_routers else None
+            self.ref_routers = lora_training.routers(params) if trained_routers else None
         kl = trainer.kl_coef and not self.lora
         self.ref_params = inference_params(params, trainer.model_cfg) if kl else None
         # What a checkpoint records of pi_ref, so that a resume, which rebuilds it from
         # its source, trains against the same one (LoRA: the base's identity, self.base).
-        source = lora_rl.source(trainer)
+        source = lora_training.source(trainer)
         self.reference = checkpoint.identity(source, self.ref_params) if kl else None
         self.state = trainer.new_state(params, self.optimizer, self.step_cfg.trainable)
         self.train_fn = trainer.jit_step(
@@ -316,7 +316,7 @@ class RLPhase:
         every ``log_every`` steps, at an evaluation and at the last."""
         last = s + 1 == self.steps
         if (s + 1) % self.cfg.eval_every == 0 or last:
-            m.update(evaluation.evaluate(self.t, self.state.params))
+            m.update(heldout.evaluate(self.t, self.state.params))
         if (s + 1) % self.cfg.log_every == 0 or "eval_reward_mean" in m or last:
             return m
         return None
@@ -440,7 +440,7 @@ class RLPhase:
         """The train state as a checkpoint holds it: with LoRA, its trainable part."""
         if not self.lora:
             return self.state
-        return lora_rl.saved_state(self.state, self.step_cfg.trainable)
+        return lora_training.saved_state(self.state, self.step_cfg.trainable)
 
     def load_checkpoint(self, tree, meta: dict[str, Any]) -> None:
         """Restore what `checkpoint_items` saved (tree onto `checkpoint_target`): with
@@ -450,7 +450,7 @@ class RLPhase:
         state, queue = unpack_checkpoint(tree, meta)
         check_reference(meta.get("reference"), self.reference)
         if self.lora:
-            state = lora_rl.loaded_state(
+            state = lora_training.loaded_state(
                 state, meta, self.state, self.step_cfg.trainable, self.base
             )
         self.state = state

@@ -45,7 +45,7 @@ Sampling (per row, per step, logits ℓ ∈ R^V):
 * greedy (``temperature == 0``): o_t = argmax ℓ; ``logp`` = 0 (log 1).
 * otherwise o_t is drawn from softmax(ℓ / temperature) by inverse-CDF sampling
   with one uniform u_{r,t}.  How the cumulative sum and argmax are computed
-  depends on the backend, in one place: `gspo_jax.generate.use_cpu_sampling`.
+  depends on the backend, in one place: `gspo_jax.decode.use_cpu_sampling`.
 
 RL trains on the log-probs of the distribution that sampled, so the sampler
 offers no truncation of it (top-k, top-p): the trainer would not compute the
@@ -63,7 +63,7 @@ layer at every token it feeds (prefill and decode steps), before top-K and the
 gates; the trainer's forwards never do.  The noise of row r at the token of
 RoPE position p is σ · normal(fold_in(k_r, p)) of shape [L, E], with
 ``k_r = fold_in(fold_in(fold_in(rng, NOISE_STREAM), prompt_ids[i]), g)``
-(`gspo_jax.generate.NOISE_STREAM` = 2**31, outside the prompt ids' range, so the
+(`gspo_jax.decode.NOISE_STREAM` = 2**31, outside the prompt ids' range, so the
 uniforms' keys are untouched); the prompt's prefill, shared by its G rows, uses
 sample 0's key.
 So it is independent per token, layer and expert, and, like the uniforms, a
@@ -94,8 +94,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gspo_jax.fields import err, setting
-from gspo_jax.generate import Spec, generate_jit, use_cpu_sampling
+from gspo_jax.config_fields import err, setting
+from gspo_jax.decode import Spec, generate_jit, use_cpu_sampling
 from gspo_jax.offpolicy import OffPolicySettings
 
 __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]

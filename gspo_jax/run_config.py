@@ -1,6 +1,6 @@
 """The experiment config's declaration: `RunConfig`, the tree of every section.
 
-Each section is a frozen dataclass declared by the module that uses it (`gspo_jax.fields`
+Each section is a frozen dataclass declared by the module that uses it (`gspo_jax.config_fields`
 says how); the sections whose users are the trainer's (the task, the optimizer, the
 warm start, and the run's own settings) are declared here. `gspo_jax.config` derives
 the defaults, the checks, docs/config.md and the resume rule from `RunConfig`.
@@ -12,8 +12,8 @@ import dataclasses
 
 from gspo_jax import reward_plugins
 from gspo_jax.advantages import GROUP_ESTIMATORS, GaeConfig
-from gspo_jax.fields import err, is_int, section, setting
-from gspo_jax.lora_rl import LoRAConfig
+from gspo_jax.config_fields import err, is_int, section, setting
+from gspo_jax.lora_training import LoRAConfig
 from gspo_jax.metrics_log import WandbConfig
 from gspo_jax.models.config import ModelSection
 from gspo_jax.models.sharding import MeshConfig

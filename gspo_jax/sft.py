@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from gspo_jax import config as config_lib
-from gspo_jax import loop, lora_rl, safety, step
+from gspo_jax import loop, lora_training, safety, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
@@ -75,7 +75,7 @@ def restore_state(t: Trainer):
         t.workdir, "sft", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
     )
     optimizer, sched = sft_optimizer(t.cfg)
-    state = t.new_state(t.init_params, optimizer, lora_rl.trainable(cfg.lora, "sft"))
+    state = t.new_state(t.init_params, optimizer, lora_training.trainable(cfg.lora, "sft"))
     start = 0
     if ckpt.latest_step() is not None:
         state, meta, start = ckpt.restore(state)
@@ -111,7 +111,7 @@ class WarmStart:
                 schedule=sched,
                 micro_batches=1,
                 aux_loss_coef=cfg.sft.aux_loss_coef,
-                trainable=lora_rl.trainable(cfg.lora, "sft"),
+                trainable=lora_training.trainable(cfg.lora, "sft"),
             )
 
     def run_step(self, s: int):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspo_jax.fields import err, setting
+from gspo_jax.config_fields import err, setting
 
 Array = jax.Array
 

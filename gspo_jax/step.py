@@ -27,7 +27,7 @@ from flax import nnx
 
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import objectives, routing
-from gspo_jax.fields import err, is_real, setting
+from gspo_jax.config_fields import err, is_real, setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
 from gspo_jax.models import lora, quantized
 from gspo_jax.objectives.critic import value_loss_mergeable

@@ -18,7 +18,7 @@ finishes the sweep. ``--index i --count n`` runs points ``j`` with ``j % n == i`
 (one share per machine on a shared filesystem).
 
 Before any point runs, every point's config is built as its trainer will build it and
-validated (`gspo_jax.sweep_points`): an invalid point stops the sweep, naming each.
+validated (`gspo_jax.sweep_grid`): an invalid point stops the sweep, naming each.
 An ``objective.name`` axis picks the objective through the config file's argument
 (``objective=<name>``), with that objective's hyperparameters. A point's workdir
 that holds a run of another config (a changed override) stops the sweep naming the
@@ -55,8 +55,8 @@ import threading
 import time
 from typing import Any, Collection, Sequence
 
-from gspo_jax import sweep_points
-from gspo_jax.sweep_points import finished, rl_records
+from gspo_jax import sweep_grid
+from gspo_jax.sweep_grid import finished, rl_records
 
 DEFAULT_METRICS = ("eval_reward_mean",)
 LOG_FILE = "sweep_train.log"
@@ -447,9 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(args.config.partition(":")[0]):
         raise SystemExit(f"--config {args.config}: no such file")
     # Every point's config, built (and validated, unless only reporting) before any runs.
-    num_devices = None if args.report_only else sweep_points.device_count()
+    num_devices = None if args.report_only else sweep_grid.device_count()
     overrides = {n: {**base, **pt} for n, pt in zip(names, points)}
-    configs = sweep_points.check_points(args.config, overrides, num_devices)
+    configs = sweep_grid.check_points(args.config, overrides, num_devices)
     os.makedirs(args.workdir, exist_ok=True)
     with open(os.path.join(args.workdir, "sweep.json"), "w", encoding="utf-8") as f:
         json.dump(
@@ -468,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for j, n in enumerate(names):
             print(f"[{j}] {n}{'' if j in mine else ' (another machine)'}")
         return 0
-    state = {n: sweep_points.point_state(os.path.join(args.workdir, n), configs[n]) for n in names}
+    state = {n: sweep_grid.point_state(os.path.join(args.workdir, n), configs[n]) for n in names}
     other = [n for n in names if state[n][0] == "other"]
     if other and not args.report_only:
         _refuse_or_move(args, [n for j, n in enumerate(names) if j in mine], state)
@@ -491,11 +491,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rc != 0:
                 failed.append(name)
         state = {
-            n: sweep_points.point_state(os.path.join(args.workdir, n), configs[n]) for n in names
+            n: sweep_grid.point_state(os.path.join(args.workdir, n), configs[n]) for n in names
         }
     other = [n for n in names if state[n][0] == "other"]
     for n in other:  # another machine's share, or --report-only
-        why = sweep_points.other_config_message(os.path.join(args.workdir, n), n, state[n][1])
+        why = sweep_grid.other_config_message(os.path.join(args.workdir, n), n, state[n][1])
         print(f"{why}\n  (left out of the report)", file=sys.stderr)
     done = {n for n in names if state[n][0] == "finished"}
     table = write_report(
@@ -519,10 +519,10 @@ def _refuse_or_move(args, mine: Sequence[str], state: dict) -> None:
     for n in other:
         wd = os.path.join(args.workdir, n)
         if args.move_aside:
-            print(f"{n}: moved {wd} aside to {sweep_points.move_aside(wd)}", flush=True)
+            print(f"{n}: moved {wd} aside to {sweep_grid.move_aside(wd)}", flush=True)
             state[n] = ("new", [])
         else:
-            messages.append(sweep_points.other_config_message(wd, n, state[n][1]))
+            messages.append(sweep_grid.other_config_message(wd, n, state[n][1]))
     if messages:
         raise SystemExit(
             "\n".join(messages) + "\nTheir results would be reported under this sweep's "
@@ -532,8 +532,8 @@ def _refuse_or_move(args, mine: Sequence[str], state: dict) -> None:
 
 
 def trainer_command(config: str, workdir: str, overrides: dict[str, str]) -> list[str]:
-    """The trainer's command line for a point (`sweep_points.trainer_config`)."""
-    config, overrides = sweep_points.trainer_config(config, overrides)
+    """The trainer's command line for a point (`sweep_grid.trainer_config`)."""
+    config, overrides = sweep_grid.trainer_config(config, overrides)
     cmd = [sys.executable, "-m", "gspo_jax.train", f"--config={config}", f"--workdir={workdir}"]
     return cmd + [f"--config.{k}={v}" for k, v in overrides.items()]
 

@@ -33,7 +33,7 @@ import jax
 import ml_collections
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, loop, multihost, old_keys, safety, sft
+from gspo_jax import heldout, loop, multihost, old_keys, safety, sft
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.rl import RLPhase
@@ -140,7 +140,7 @@ def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
         )
         records = []
         if rl.start == 0:
-            records.append(writer.write(0, "rl", evaluation.evaluate(trainer, rl.state.params)))
+            records.append(writer.write(0, "rl", heldout.evaluate(trainer, rl.state.params)))
         records += loop.run(rl, trainer, rl_ckpt, writer, guard)
         rl.close()
         writer.close()

@@ -2,7 +2,7 @@
 with them (place batches on the mesh, compile a donated step, sample and score).
 
 :class:`Trainer` holds them; the phases use them: the warm start (:mod:`gspo_jax.sft`),
-one RL step (:mod:`gspo_jax.rl`) and evaluation (:func:`gspo_jax.evaluation.evaluate`).
+one RL step (:mod:`gspo_jax.rl`) and evaluation (:func:`gspo_jax.heldout.evaluate`).
 The run itself, its loop over phases, logs, checkpoints and resume, is
 :mod:`gspo_jax.train`.
 """
@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import config as config_lib
 from gspo_jax import (
-    evaluation,
-    lora_rl,
+    heldout,
+    lora_training,
     multihost,
     offpolicy,
     reward_plugins,
@@ -109,8 +109,8 @@ class Trainer:
             )
             model = init_sharded(self.model_cfg, self.mesh, seed=cfg.seed)
             graphdef, params = nnx.split(model)
-        if cfg.lora.rank:  # adapters after the base (gspo_jax.lora_rl)
-            lora_rl.attach(model, cfg.lora, cfg.seed, self.mesh, self.model_cfg)
+        if cfg.lora.rank:  # adapters after the base (gspo_jax.lora_training)
+            lora_training.attach(model, cfg.lora, cfg.seed, self.mesh, self.model_cfg)
             graphdef, params = nnx.split(model)
         non_params = nnx.split(model, nnx.Param, ...)[2]
         if jax.tree.leaves(non_params):
@@ -300,9 +300,7 @@ class Trainer:
         )
         per_row = dict(components, reward=r, lengths=host["lengths"], truncated=host["truncated"])
         if answers is not None:
-            per_row["answer_code"] = multihost.answer_codes(
-                evaluation.final_answers(answers, texts)
-            )
+            per_row["answer_code"] = multihost.answer_codes(heldout.final_answers(answers, texts))
         per_row = {k: multihost.gather_rows(v, ro.tokens) for k, v in per_row.items()}
         fails = multihost.sum_counts(fails, ro.tokens)
         r = per_row.pop("reward")

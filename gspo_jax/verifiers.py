@@ -195,7 +195,7 @@ class Verifier:
       reference_problem: ``reference_problem(meta)`` -> why a row's reference cannot
         be verified, or None.
       answer_kind: how evaluation compares final answers: "numeric" or "tag"
-        (`gspo_jax.evaluation.ANSWER_KINDS`).
+        (`gspo_jax.heldout.ANSWER_KINDS`).
     """
 
     verify: Callable[[str, Mapping[str, Any], Limits], Verdict]

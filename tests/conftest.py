@@ -262,8 +262,9 @@ class _SmokeWarmStarts:
         self.root = str(root)
 
     def root_with(self, dst, arms, seed=0):
-        """``dst`` as a stage's ``--root`` holding the prepared data and the finished
-        smoke warm starts of ``arms`` (seed ``seed``), as if the stage had built them."""
+        """``dst`` as a stage's ``--root`` holding the prepared data (if any: the synthetic
+        tasks write none) and the finished smoke warm starts of ``arms`` (seed ``seed``),
+        as if the stage had built them."""
         import shutil
 
         from experiments.stability import common
@@ -271,7 +272,8 @@ class _SmokeWarmStarts:
         for arm in arms:
             common.ensure_warm_start(self.root, arm, seed, smoke=True)
         os.makedirs(os.path.join(dst, "warm"), exist_ok=True)
-        shutil.copytree(os.path.join(self.root, "data"), os.path.join(dst, "data"))
+        if os.path.isdir(os.path.join(self.root, "data")):
+            shutil.copytree(os.path.join(self.root, "data"), os.path.join(dst, "data"))
         for arm in arms:
             name = os.path.join("warm", f"{arm}_s{seed}")
             shutil.copytree(os.path.join(self.root, name), os.path.join(dst, name))

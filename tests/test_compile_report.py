@@ -341,7 +341,7 @@ def test_lora_option_is_checked_and_limited_to_the_trained_programs(h200):
     with pytest.raises(ConfigError, match="--lora targets.*unknown.*'qq'"):
         compile_report.parse_lora("8,q,qq")
     lc = compile_report.parse_lora("4")
-    assert lc.rank == 4 and lc.targets == programs.lora_rl.DEFAULT_TARGETS
+    assert lc.rank == 4 and lc.targets == programs.lora_training.DEFAULT_TARGETS
     sh = programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16", lora=lc)
     mesh = compile_report.mesh_for(h200, {"data": 1})
     with pytest.raises(ValueError, match="part 'prefill': with LoRA only the train and logprob"):

@@ -1,5 +1,5 @@
 """The config's declarations: `base_config`, the resume rule and docs/config.md are
-derived from the sections' frozen dataclasses (`gspo_jax.fields`), and give what the
+derived from the sections' frozen dataclasses (`gspo_jax.config_fields`), and give what the
 hand-written config gave."""
 
 import pathlib
@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from gspo_jax import config as config_lib
-from gspo_jax import fields, old_keys, safety
+from gspo_jax import config_fields, old_keys, safety
 from gspo_jax.run_config import RunConfig, TaskConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -201,13 +201,13 @@ def test_the_resume_rule_is_the_old_table():
 
 
 def test_every_field_is_declared_once_with_a_doc():
-    paths = [p for p, *_ in fields.entries(RunConfig)]
+    paths = [p for p, *_ in config_fields.entries(RunConfig)]
     assert len(paths) == len(set(paths))
     declared = set(paths)
     for path, _ in _leaves(BASE_CONFIG):
         group = path.rsplit(".", 1)[0]
         assert path in declared or group in declared, path  # open groups: their owners'
-    assert all(f.metadata["doc"] for _, f, _, _ in fields.entries(RunConfig))
+    assert all(f.metadata["doc"] for _, f, _, _ in config_fields.entries(RunConfig))
 
 
 def test_docs_table_is_committed():
@@ -235,7 +235,7 @@ def test_choices_come_from_their_owners():
     c.task.name = "sudoku"
     with pytest.raises(config_lib.ConfigError, match=r"^config\.task\.name: .*countdown"):
         config_lib.validate(c, 1)
-    assert fields.choices_of(TaskConfig.__dataclass_fields__["name"].metadata) == tasks.names()
+    assert config_fields.choices_of(TaskConfig.__dataclass_fields__["name"].metadata) == tasks.names()
     c = config_lib.base_config()
     c.objective.name = "nope"
     with pytest.raises(config_lib.ConfigError, match=r"^config\.objective\.name: "):

@@ -662,7 +662,7 @@ def test_the_samplers_own_devices_are_checked_before_anything_compiles():
     `validate`, naming config.rollout.devices and the numbers (6 of 8 devices once ran the
     warm start and the step-0 evaluation, then failed inside JAX); so is a sweep's point,
     validated before any run."""
-    from gspo_jax import sweep_points
+    from gspo_jax import sweep_grid
 
     c = _smoke()  # the rollout batch: 4 prompts * 4 samples = 16 rows
     c.rollout.devices = 6  # 2 training devices, a sampler mesh of 6 batch shards
@@ -680,7 +680,7 @@ def test_the_samplers_own_devices_are_checked_before_anything_compiles():
     assert "fsdp*expert*tensor = 3" in _raises(c, "rollout.devices")
 
     with pytest.raises(SystemExit, match=r"(?s)six: config\.rollout\.devices: 6 devices.*16"):
-        sweep_points.check_points(
+        sweep_grid.check_points(
             f"{REPO}/configs/default.py:smoke", {"six": {"rollout.devices": "6"}}, num_devices=8
         )
 

@@ -316,7 +316,7 @@ def test_stream_ids_are_distinct_across_an_epoch_boundary(cd_source):
 
 
 def test_source_argument_errors(data_dir):
-  with pytest.raises(ValueError, match="task must be"):
+  with pytest.raises(ValueError, match="unknown task"):
     PromptSource("chess", data_dir=data_dir)
   with pytest.raises(ValueError, match="style must be"):
     PromptSource("countdown", data_dir=data_dir, config=SMALL_CD, style="verbose")

@@ -680,14 +680,14 @@ RESOLVED = [
     "`objective.hparams.tau_neg`",
     "`model.fields.num_experts`",
     "`rollout.top_p`",
-    "`gspo_jax/generate.py`",
+    "`gspo_jax/decode.py`",
     "`experiments/bench/bench_rollout.py`",
     "`configs/default.py:objective=gspo,smoke`",
     "`tests/test_objectives.py::test_names`",
     "`experiments/accelerator/compile/{before,after}_h200_L{8,12,16}.json`",
     "`experiments.targets.compiling_for`",
     "`stats.bootstrap_diff_ci`",
-    "see gspo_jax/generate.py for the details",
+    "see gspo_jax/decode.py for the details",
 ]
 NOT_REFERENCES_OF_THE_PROJECT = [
     "`jax.jit`", "`jnp.where`", "`hp.eps_low`", "`metrics.jsonl`", "`step.py`",

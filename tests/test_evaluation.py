@@ -1,4 +1,4 @@
-"""Held-out metrics (gspo_jax.evaluation) and the evaluate entry point (gspo_jax.evaluate):
+"""Held-out metrics (gspo_jax.heldout) and the evaluate entry point (gspo_jax.evaluate):
 pass@k against hand-computed cases and a brute-force enumeration, maj@k, the config
 field, and evaluation of a smoke run's workdir and of a tiny Hugging Face directory."""
 
@@ -18,7 +18,7 @@ import pytest
 from conftest import subprocess_env
 
 from gspo_jax import config as config_lib
-from gspo_jax import evaluation, tasks
+from gspo_jax import heldout, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configs import default as default_config  # noqa: E402
@@ -42,7 +42,7 @@ from configs import default as default_config  # noqa: E402
     ],
 )
 def test_pass_at_k_hand_cases(n, c, k, expected):
-    assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert heldout.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
 def _brute_force(n, c, k):
@@ -57,7 +57,7 @@ def test_pass_at_k_matches_brute_force_enumeration():
     for n in range(1, 8):
         for k in range(1, n + 1):
             cs = np.arange(n + 1)
-            got = evaluation.pass_at_k(n, cs, k)  # vectorised over prompts
+            got = heldout.pass_at_k(n, cs, k)  # vectorised over prompts
             for c in cs:
                 exact = _brute_force(n, int(c), k)
                 assert exact == 1 - Fraction(comb(n - c, k), comb(n, k))
@@ -66,20 +66,20 @@ def test_pass_at_k_matches_brute_force_enumeration():
 
 def test_pass_at_k_is_stable_for_large_n():
     # C(1000, 500) overflows a float; the product form does not.
-    got = evaluation.pass_at_k(1000, [0, 1, 10, 1000], 500)
+    got = heldout.pass_at_k(1000, [0, 1, 10, 1000], 500)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got[:2], [0.0, 0.5], atol=1e-12)
     assert got[3] == 1.0 and 0.99 < got[2] <= 1.0
 
 
 def test_pass_at_k_per_prompt_sample_counts_and_errors():
-    np.testing.assert_allclose(evaluation.pass_at_k([5, 4], [2, 1], 2), [0.7, 0.5])
+    np.testing.assert_allclose(heldout.pass_at_k([5, 4], [2, 1], 2), [0.7, 0.5])
     with pytest.raises(ValueError, match="at least 3"):
-        evaluation.pass_at_k(2, 1, 3)
+        heldout.pass_at_k(2, 1, 3)
     with pytest.raises(ValueError, match="num_correct"):
-        evaluation.pass_at_k(2, 3, 1)
+        heldout.pass_at_k(2, 3, 1)
     with pytest.raises(ValueError, match="k must be >= 1"):
-        evaluation.pass_at_k(2, 1, 0)
+        heldout.pass_at_k(2, 1, 0)
 
 
 # --------------------------------------------------------------------------
@@ -94,14 +94,14 @@ def test_maj_at_k_hand_cases():
         ["1+2", "2+1", "2+1", "1+2"],  # countdown: strings; tie at k=4 -> "1+2"
     ]
     correct = np.array([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
-    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 1), [0, 0, 0, 1])
-    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 2), [0, 1, 0, 1])
-    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 3), [1, 1, 0, 1])
-    np.testing.assert_array_equal(evaluation.maj_at_k(answers, correct, 4), [0, 1, 0, 1])
+    np.testing.assert_array_equal(heldout.maj_at_k(answers, correct, 1), [0, 0, 0, 1])
+    np.testing.assert_array_equal(heldout.maj_at_k(answers, correct, 2), [0, 1, 0, 1])
+    np.testing.assert_array_equal(heldout.maj_at_k(answers, correct, 3), [1, 1, 0, 1])
+    np.testing.assert_array_equal(heldout.maj_at_k(answers, correct, 4), [0, 1, 0, 1])
     # A wrong majority beats a right minority.
-    assert evaluation.maj_at_k([["3", "4", "4"]], [[1, 0, 0]], 3)[0] == 0
+    assert heldout.maj_at_k([["3", "4", "4"]], [[1, 0, 0]], 3)[0] == 0
     with pytest.raises(ValueError, match="1 <= k <= n"):
-        evaluation.maj_at_k(answers, correct, 5)
+        heldout.maj_at_k(answers, correct, 5)
 
 
 def _answer_kind(task, **fields):
@@ -118,27 +118,27 @@ def test_final_answers():
     assert _answer_kind("file", verifier="numeric") == "numeric"  # a user-file verifier
     assert _answer_kind("file", verifier="exact_match") == "tag"
     assert _answer_kind("file", verifier="math:isclose") == "tag"  # a plug-in reward
-    assert evaluation.final_answer(kinds["countdown"], "x <answer>(1 + 2) * 3</answer>") == "(1+2)*3"
-    assert evaluation.final_answer(kinds["countdown"], "<answer> </answer>") is None
+    assert heldout.final_answer(kinds["countdown"], "x <answer>(1 + 2) * 3</answer>") == "(1+2)*3"
+    assert heldout.final_answer(kinds["countdown"], "<answer> </answer>") is None
     # Whitespace that keeps two numbers or words apart stays: "1 2" is not 12 for maj@k.
-    tag = functools.partial(evaluation.final_answer, "tag")
+    tag = functools.partial(heldout.final_answer, "tag")
     assert tag("<answer>1 2</answer>") == "1 2" != tag("<answer>12</answer>") == "12"
     assert tag("<answer> x  =\n 3 </answer>") == "x=3" and tag("<answer>New\n York</answer>") == "New York"
-    assert evaluation.final_answer(kinds["countdown"], "no tag") is None
+    assert heldout.final_answer(kinds["countdown"], "no tag") is None
     # Numeric tasks compare values: 72, 72.0 and $72 are one answer.
-    a = evaluation.final_answers(kinds["gsm8k"], ["#### 72", "<answer>72.0</answer>", "The answer is $72."])
+    a = heldout.final_answers(kinds["gsm8k"], ["#### 72", "<answer>72.0</answer>", "The answer is $72."])
     assert a == ["72", "72", "72"]
-    assert evaluation.final_answer(kinds["arithmetic"], "<answer>0.5</answer>") == "1/2"
-    assert evaluation.final_answer(kinds["arithmetic"], "<answer>72 or 73</answer>") is None
-    assert evaluation.final_answer(_answer_kind("file", verifier="numeric"), "#### 1,000") == "1000"
+    assert heldout.final_answer(kinds["arithmetic"], "<answer>0.5</answer>") == "1/2"
+    assert heldout.final_answer(kinds["arithmetic"], "<answer>72 or 73</answer>") is None
+    assert heldout.final_answer(_answer_kind("file", verifier="numeric"), "#### 1,000") == "1000"
     with pytest.raises(ValueError, match="kind must be one of"):
-        evaluation.final_answer("countdown", "<answer>1</answer>")
+        heldout.final_answer("countdown", "<answer>1</answer>")
 
 
 def test_eval_metrics_dict():
     correct = np.array([[1, 0, 1, 0], [0, 0, 0, 0]])
     answers = [["a", "b", "a", "b"], [None, "x", "x", "y"]]
-    m = evaluation.eval_metrics(correct, answers, ks=(1, 2, 4), greedy_correct=[1, 0])
+    m = heldout.eval_metrics(correct, answers, ks=(1, 2, 4), greedy_correct=[1, 0])
     assert set(m) == {
         "eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@1", "eval/maj@2", "eval/maj@4",
         "eval/mean@4", "eval/greedy"}

@@ -218,11 +218,11 @@ def test_adapters_off_is_the_base():
 
 
 # --------------------------------------------------------------------------
-# Training: the RL phase with LoRA (gspo_jax.lora_rl).
+# Training: the RL phase with LoRA (gspo_jax.lora_training).
 
 from configs import default as default_config  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
-from gspo_jax import lora_rl  # noqa: E402
+from gspo_jax import lora_training  # noqa: E402
 from gspo_jax.metrics_log import read_metrics  # noqa: E402
 
 TIMING = {"step_time", "rollout_time", "old_logp_time", "update_time", "sample_time", "tokens_per_s"}
@@ -262,7 +262,7 @@ def test_one_rl_step_changes_only_the_adapters(data_dir, tmp_path, train_router)
     before = jax.device_get(rl.state.params)
     _, updates = rl.step(0)
     after = jax.device_get(rl.state.params)
-    changed = lora_rl.nonzero_delta(before, after)
+    changed = lora_training.nonzero_delta(before, after)
     assert changed and all("_lora_" in p or (train_router and "router" in p) for p in changed)
     assert any("expert" not in p and "mlp" in p and "_lora_b" in p for p in changed)  # experts' B
     if train_router:
@@ -273,7 +273,7 @@ def test_one_rl_step_changes_only_the_adapters(data_dir, tmp_path, train_router)
     assert paths and all("_lora_" in p or (train_router and "router" in p) for p in paths)
     adapters = nnx.split_state(after, LoRAParam, ...)[0]
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(adapters))
-    sizes = lora_rl.sizes(rl.state.params, rl.state.opt_state, kind)
+    sizes = lora_training.sizes(rl.state.params, rl.state.opt_state, kind)
     assert sizes["trainable_params"] < 0.5 * sizes["frozen_params"]
     assert sizes["optimizer_state_bytes"] <= 2 * sizes["trainable_bytes"] + 64
     assert np.isfinite(updates[0]["loss"])
@@ -326,13 +326,13 @@ def test_resume_refuses_a_changed_base(data_dir, tmp_path):
     c.sft.steps = 0  # the base: the seed's initialisation
     train.run(c, str(tmp_path))
     c.total_rl_steps = 3
-    real = lora_rl.checksum
+    real = lora_training.checksum
     try:
-        lora_rl.checksum = lambda frozen: "deadbeef"
-        with pytest.raises(lora_rl.BaseMismatch, match="checksum deadbeef.*checksum"):
+        lora_training.checksum = lambda frozen: "deadbeef"
+        with pytest.raises(lora_training.BaseMismatch, match="checksum deadbeef.*checksum"):
             train.run(c, str(tmp_path))
     finally:
-        lora_rl.checksum = real
+        lora_training.checksum = real
 
 
 @pytest.mark.parametrize(
@@ -464,6 +464,6 @@ def test_ppo_critic_trains_with_lora(data_dir, tmp_path):
     rl = RLPhase(t, t.init_params)
     before = jax.device_get(rl.state.params)
     rl.step(0)
-    changed = lora_rl.nonzero_delta(before, jax.device_get(rl.state.params))
+    changed = lora_training.nonzero_delta(before, jax.device_get(rl.state.params))
     assert any("value_w" in p for p in changed)
     assert all("_lora_" in p or "value_" in p for p in changed)

@@ -71,11 +71,11 @@ def test_answer_codes_keep_equality_and_none():
     assert back[1] is None and back[5] is None
     assert back[0] == back[2] and back[0] != back[3] and back[4] not in (None, back[0], back[3])
     # The majority vote over codes is the vote over the answers.
-    from gspo_jax import evaluation
+    from gspo_jax import heldout
 
     correct = np.array([[1, 0, 1, 0, 0, 0]])
     assert (
-        evaluation.maj_at_k([back], correct, 6)[0] == evaluation.maj_at_k([answers], correct, 6)[0]
+        heldout.maj_at_k([back], correct, 6)[0] == heldout.maj_at_k([answers], correct, 6)[0]
     )
 
 

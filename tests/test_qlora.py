@@ -14,7 +14,7 @@ from flax import nnx
 
 from configs import default as default_config
 from gspo_jax import config as config_lib
-from gspo_jax import lora_rl
+from gspo_jax import lora_training
 from gspo_jax.models import ModelConfig, Transformer, lora, quantized
 
 ALL = tuple(lora.TARGETS)
@@ -247,15 +247,15 @@ def test_rl_step_on_a_quantized_base(data_dir, tmp_path, scheme):
     before = jax.device_get(rl.state.params)
     _, updates = rl.step(0)
     after = jax.device_get(rl.state.params)
-    changed = lora_rl.nonzero_delta(before, after)
+    changed = lora_training.nonzero_delta(before, after)
     assert changed and all("_lora_" in p for p in changed)
     assert np.isfinite(updates[0]["loss"])
     # param_norm: the dequantized base's weights and the adapters (not the integers)
     norm = float(optax.tree.norm(quantized.dequantized(rl.state.params)))
     np.testing.assert_allclose(updates[-1]["param_norm"], norm, rtol=1e-5)
-    sizes = lora_rl.sizes(rl.state.params, rl.state.opt_state, "lora")
-    plain = lora_rl.sizes(
-        lora_rl.rl_params(t.init_params, t.model_cfg, "lora"), rl.state.opt_state, "lora"
+    sizes = lora_training.sizes(rl.state.params, rl.state.opt_state, "lora")
+    plain = lora_training.sizes(
+        lora_training.rl_params(t.init_params, t.model_cfg, "lora"), rl.state.opt_state, "lora"
     )
     assert sizes["frozen_stored_bytes"] < plain["frozen_stored_bytes"]
     assert set(rl.checkpoint_items()[1]["lora_base"]) == {"source", "checksum"}

@@ -28,3 +28,17 @@ def test_every_kind_is_one_registry():
     assert objectives.names()[:2] == ("ppo", "grpo")  # the order the module declares
     assert advantages.GROUP_ESTIMATORS.names() == ("group", "group_no_std", "rloo")
     assert tasks.names() == tuple(sorted(tasks.names()))
+
+
+@pytest.mark.parametrize("old, new", [("generate", "decode"), ("evaluation", "heldout"),
+                                      ("fields", "config_fields"), ("lora_rl", "lora_training"),
+                                      ("sweep_points", "sweep_grid")])
+def test_renamed_modules_keep_their_old_import_paths(old, new):
+    """A renamed module's old path imports as the module itself for one release."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        moved = importlib.import_module(f"gspo_jax.{old}")
+    assert moved is importlib.import_module(f"gspo_jax.{new}")

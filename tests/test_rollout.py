@@ -18,7 +18,7 @@ import scipy.stats
 from flax import nnx
 from jax.sharding import Mesh
 
-from gspo_jax import generate, passes, rollout
+from gspo_jax import decode, passes, rollout
 from gspo_jax.models import ModelConfig, Transformer, layers
 
 T = 8  # max_new_tokens shared by most tests (one compile per shape)
@@ -100,13 +100,13 @@ def _check_record(sampler, r, temperature=1.0):
 
 # ---------------------------------------------------------------------------
 # Token sampling on hand-made logits: uniforms from numpy, sets from numpy.
-# Both formulations (`generate.use_cpu_sampling`) on CPU: cpu=True is what the
+# Both formulations (`decode.use_cpu_sampling`) on CPU: cpu=True is what the
 # sampler runs here, cpu=False what it runs on accelerators.
 
 
 def _sample_token(logits, u, *, temperature, greedy=False, cpu=True):
     """The decode loop's sampling step with the sampler's static mode."""
-    return generate.sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
+    return decode.sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
                                  greedy=greedy, cpu=cpu)
 
 
@@ -236,9 +236,9 @@ def test_training_forward_at_the_sampling_temperature_gives_logp(sampler):
 
 
 def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, compile_counts):
-    # What the sampler runs off CPU (`generate.use_cpu_sampling()` False: argmax,
+    # What the sampler runs off CPU (`decode.use_cpu_sampling()` False: argmax,
     # jnp.cumsum), here on CPU: a program of its own, the same rollout.
-    if not generate.use_cpu_sampling():
+    if not decode.use_cpu_sampling():
         pytest.skip("off CPU the sampler runs the plain method already (seen on an H200)")
     kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7)
     cpu = sampler(PROMPTS, **kw)
@@ -266,11 +266,11 @@ def test_fused_cached_attention_gives_the_same_rollout(sampler, monkeypatch):
 
     monkeypatch.setattr(layers, "fused_cached_attention", lambda cfg: True)
     monkeypatch.setattr(layers, "_attention_with_lse", counted)
-    generate.generate_jit.clear_cache()  # the layout is chosen while tracing
+    decode.generate_jit.clear_cache()  # the layout is chosen while tracing
     try:
         r = sampler(PROMPTS, **kw)
     finally:
-        generate.generate_jit.clear_cache()
+        decode.generate_jit.clear_cache()
     assert calls["fused"] > 0
     for name in ("tokens", "mask", "experts"):
         np.testing.assert_array_equal(np.asarray(getattr(r, name)), np.asarray(getattr(einsums, name)))
@@ -362,7 +362,7 @@ def test_decode_loop_is_one_device_program(sampler):
     def ops(steps):
         args, spec, _ = sampler._prepare(PROMPTS, num_samples=2, max_new_tokens=steps,
                                          rng=jax.random.key(0), eos_id=5)
-        text = generate.generate_jit.lower(*args, spec=spec).as_text()
+        text = decode.generate_jit.lower(*args, spec=spec).as_text()
         assert "callback" not in text and "custom_call" not in text
         return collections.Counter(re.findall(r"stablehlo\.\w+|call @\w+", text))
 
@@ -449,7 +449,7 @@ def test_cumsum_by_matmuls_equals_cumsum():
     rs = np.random.RandomState(0)
     for c in (7, 32, 33, 512, 1000):  # below, at and above one block; ragged last block
         w = jnp.asarray(rs.exponential(1.0, (3, c)).astype(np.float32))
-        got, want = generate._cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
+        got, want = decode._cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(want[:, -1].max()))
 
@@ -462,8 +462,8 @@ def test_first_true_and_argmax_equal_jnp_argmax():
     x = jnp.asarray(x)
     m = x > 2
     for cpu in (True, False):
-        np.testing.assert_array_equal(generate._argmax(x, cpu), jnp.argmax(x, axis=-1))
-        np.testing.assert_array_equal(generate._first_true(m, cpu), jnp.argmax(m, axis=-1))
+        np.testing.assert_array_equal(decode._argmax(x, cpu), jnp.argmax(x, axis=-1))
+        np.testing.assert_array_equal(decode._first_true(m, cpu), jnp.argmax(m, axis=-1))
 
 
 def test_routing_record_can_be_left_out(sampler, compile_counts):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import generate, rollout
+from gspo_jax import decode, rollout
 from gspo_jax.models import ModelConfig, Transformer
 
 T = 8
@@ -114,7 +114,7 @@ def test_record_is_the_noisy_forward_with_the_documented_noise(sampler):
   n, P = r.prompt_tokens.shape
   G = KW["num_samples"]
   cfg = nnx.merge(sampler.graphdef, sampler.state).cfg
-  root = jax.random.fold_in(rng, generate.NOISE_STREAM)
+  root = jax.random.fold_in(rng, decode.NOISE_STREAM)
   pid = jnp.repeat(jnp.asarray(prompt_ids), G)
   g = jnp.tile(jnp.arange(G), len(PROMPTS))
   row_key = lambda i, s: jax.random.fold_in(jax.random.fold_in(root, i), s)

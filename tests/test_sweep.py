@@ -169,7 +169,7 @@ def no_trainer(monkeypatch):
     """The sweep with its trainers replaced by a record of the points they would run
     (and one device, without asking a process for it)."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sweep.sweep_points, "device_count", lambda: 1)
+    monkeypatch.setattr(sweep.sweep_grid, "device_count", lambda: 1)
     ran = []
 
     def run_point(config, workdir, overrides):
@@ -185,7 +185,7 @@ def _finished_point(workdir, name, overrides, reward=0.5, config=SMOKE):
     final RL record with its evaluation."""
     from gspo_jax import safety
 
-    c = sweep.sweep_points.build_config(config, overrides)
+    c = sweep.sweep_grid.build_config(config, overrides)
     d = os.path.join(workdir, name)
     os.makedirs(d)
     safety.save_run_config(c, d)
@@ -240,9 +240,9 @@ def test_a_longer_finished_run_is_not_this_shorter_runs_result(tmp_path, no_trai
     with pytest.raises(SystemExit, match=r"config.total_rl_steps: 2 -> 1"):
         sweep.main([f"--config={SMOKE}", f"--workdir={w}", *ONE_STEP])
     # A run asked for more steps resumes (its trainer accepts the longer run).
-    state, _ = sweep.sweep_points.point_state(
+    state, _ = sweep.sweep_grid.point_state(
         os.path.join(w, "base"),
-        sweep.sweep_points.build_config(SMOKE, {"total_rl_steps": "3", "sft.steps": "1"}),
+        sweep.sweep_grid.build_config(SMOKE, {"total_rl_steps": "3", "sft.steps": "1"}),
     )
     assert state == "resume"
 
@@ -254,11 +254,11 @@ def test_without_config_json_the_checkpoints_record_is_compared(tmp_path):
     d = tmp_path / "base"
     meta = d / "checkpoints" / "rl" / "1" / "meta"
     meta.mkdir(parents=True)
-    c = sweep.sweep_points.build_config(os.path.join(REPO, SMOKE), {"seed": "3"})
+    c = sweep.sweep_grid.build_config(os.path.join(REPO, SMOKE), {"seed": "3"})
     (meta / "metadata").write_text(json.dumps({"config": safety.config_record(c)}))
-    other = sweep.sweep_points.build_config(os.path.join(REPO, SMOKE), {"seed": "4"})
-    assert sweep.sweep_points.point_state(str(d), other) == ("other", ["config.seed: 3 -> 4"])
-    assert sweep.sweep_points.point_state(str(d), c) == ("resume", [])
+    other = sweep.sweep_grid.build_config(os.path.join(REPO, SMOKE), {"seed": "4"})
+    assert sweep.sweep_grid.point_state(str(d), other) == ("other", ["config.seed: 3 -> 4"])
+    assert sweep.sweep_grid.point_state(str(d), c) == ("resume", [])
 
 
 def test_every_point_is_validated_before_any_runs(tmp_path, no_trainer):
@@ -291,10 +291,10 @@ def test_an_objective_axis_runs_each_objective_with_its_hyperparameters(tmp_path
     cmd = sweep.trainer_command(config, "wd", overrides)
     assert f"--config={SMOKE},objective=grpo" in cmd
     assert not any(a.startswith("--config.objective.name") for a in cmd)
-    c = sweep.sweep_points.build_config(config, overrides)
+    c = sweep.sweep_grid.build_config(config, overrides)
     assert c.objective.name == c.objective.hparams_of == "grpo"
     # The config's own argument is replaced, not repeated.
-    spec, rest = sweep.sweep_points.trainer_config(
+    spec, rest = sweep.sweep_grid.trainer_config(
         "configs/default.py:objective=gspo,smoke", {"objective.name": "ppo", "seed": "1"}
     )
     assert spec == "configs/default.py:smoke,objective=ppo" and rest == {"seed": "1"}
@@ -330,7 +330,7 @@ time.sleep(60)
 SWEEP = """
 import sys
 from gspo_jax import sweep
-sweep.sweep_points.device_count = lambda: 1
+sweep.sweep_grid.device_count = lambda: 1
 sweep.trainer_command = lambda config, workdir, overrides: [sys.executable, {stand_in!r}]
 sys.exit(sweep.main(sys.argv[1:]))
 """
@@ -372,6 +372,6 @@ def test_fields_a_finished_point_may_differ_in_are_ones_a_resume_accepts():
     from gspo_jax import config as config_lib
 
     resumable = config_lib.resumable_fields()
-    for pattern in sweep.sweep_points.UNREPORTED:
+    for pattern in sweep.sweep_grid.UNREPORTED:
         field = pattern.replace("*", "x")
         assert any(fnmatch.fnmatchcase(field, r) for r in resumable), pattern

@@ -3,7 +3,7 @@
 The default config's model (configs/default.py:lora: d_model 128, 2 MoE layers of 8
 experts, adapters of rank 8) after its supervised warm start (``--sft-steps``, 300 as
 the config's; 0: the random initialisation), its frozen base put as the RL phase puts
-it (`gspo_jax.lora_rl.rl_params`) with bf16 compute: unquantized (bf16 weights), and
+it (`gspo_jax.lora_training.rl_params`) with bf16 compute: unquantized (bf16 weights), and
 with ``lora.base_quantization`` int8 and int4.  Over the valid positions of a batch
 of warm-start sequences (Countdown prompts and reference solutions), each quantized
 base's next-token distribution against the bf16 base's: max and mean |logit
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from configs import default as default_config
-from gspo_jax import lora_rl, sft
+from gspo_jax import lora_training, sft
 from gspo_jax.models import lora, quantized
 from gspo_jax.trainer import Trainer
 
@@ -108,10 +108,10 @@ def main():
             params, _ = sft.run(t, lambda phase, step: _NoLog())
         seq = _sequences(t, args.batch)
         bf16 = dataclasses.replace(t.model_cfg, dtype="bfloat16")
-        kind = lora_rl.trainable(c.lora, "rl")
-        base = {"f32": lora_rl.rl_params(params, t.model_cfg, kind)}
+        kind = lora_training.trainable(c.lora, "rl")
+        base = {"f32": lora_training.rl_params(params, t.model_cfg, kind)}
         for scheme in quantized.SCHEMES:
-            base[scheme] = lora_rl.rl_params(params, bf16, kind, t.graphdef, scheme)
+            base[scheme] = lora_training.rl_params(params, bf16, kind, t.graphdef, scheme)
         logits = {
             k: _logits(t.graphdef, p, t.model_cfg if k == "f32" else bf16, seq)
             for k, p in base.items()

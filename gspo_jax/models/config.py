@@ -24,7 +24,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from gspo_jax.fields import err, from_dataclass_error, is_int, problem, setting
+from gspo_jax.config_fields import err, from_dataclass_error, is_int, problem, setting
 
 MOE_BACKENDS = ("auto", "blocked", "ragged", "dense")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_no_scores")

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.fields import err, is_int, setting
+from gspo_jax.config_fields import err, is_int, setting
 from gspo_jax.models.config import MESH_AXES, ModelConfig
 
 # The mesh axes a batch's rows are split over: every axis but 'tensor' (the model's

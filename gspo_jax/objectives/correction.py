@@ -33,7 +33,7 @@ from typing import ClassVar
 import chex
 import jax.numpy as jnp
 
-from gspo_jax.fields import err, from_dataclass_error, setting
+from gspo_jax.config_fields import err, from_dataclass_error, setting
 from gspo_jax.metrics import Max, Mean, MetricDict
 from gspo_jax.objectives import common
 from gspo_jax.objectives.common import sg

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 from typing import Any, Callable, Mapping
 
-from gspo_jax.fields import err, from_dataclass_error, setting
+from gspo_jax.config_fields import err, from_dataclass_error, setting
 from gspo_jax.metrics import MetricDict, compute_all
 from gspo_jax.objectives import cispo, clipped, common, geometric, gspo, sapo
 from gspo_jax.objectives.hparams import Hparams

@@ -77,7 +77,7 @@ class Task:
       check_config: ``check_config(config)`` raises :class:`TaskConfigError` for a
         setting of this task that cannot work (run by `gspo_jax.config.validate`).
       answer_kind: ``answer_kind(config.task)`` -> how evaluation compares final
-        answers for maj@k (`gspo_jax.evaluation.ANSWER_KINDS`): "numeric" (the
+        answers for maj@k (`gspo_jax.heldout.ANSWER_KINDS`): "numeric" (the
         values read) or "tag" (the answer tag's content).
     """
 
