@@ -28,7 +28,7 @@ With ``Shape.lora`` (a `gspo_jax.lora_training.LoRAConfig` of rank > 0) the trai
 log-prob programs are the RL phase's with LoRA, built by the trainer's own functions:
 adapters attached after the base (`lora_training.attach`), the base frozen in the compute
 dtype and the adapters in f32 (`lora_training.rl_params`), the optimizer's state for the
-trainable parameters only (`lora.partition`, as `Trainer.new_state`) and the step's
+trainable parameters only (`lora.partition`, as `RunParts.new_state`) and the step's
 ``StepConfig.trainable`` (`lora_training.trainable`).
 """
 
@@ -249,7 +249,7 @@ def adapter_params(cfg: ModelConfig, lc: lora_training.LoRAConfig | None, *, act
 
 def on_mesh(sh: Shape, mesh: Mesh) -> Shape:
     """``sh`` as the trainer runs it on ``mesh``: each batch shard dispatches its own
-    tokens to the experts (``ModelConfig.moe_groups``, `gspo_jax.trainer.Trainer`)."""
+    tokens to the experts (``ModelConfig.moe_groups``, `gspo_jax.run_parts.RunParts`)."""
     groups = math.prod(mesh.shape[a] for a in batch_axes(mesh))
     return dataclasses.replace(sh, cfg=sh.cfg.replace(moe_groups=groups))
 
@@ -382,7 +382,7 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
     batch = rollout_batch(sh, mesh, abstract=abstract)
     lp = _logprob_fn(sh, graphdef)
     lp_args = (params, batch)
-    # The moments of the trainable parameters only (`Trainer.new_state`).
+    # The moments of the trainable parameters only (`RunParts.new_state`).
     trained = lora.partition(params, sh.trainable)[0]
     if abstract:
         opt_state = jax.eval_shape(optimizer.init, trained)

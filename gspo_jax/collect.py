@@ -24,7 +24,7 @@ from gspo_jax import shaping
 from gspo_jax.models.sharding import BATCH_AXES
 from gspo_jax.rollout import replay_r3
 from gspo_jax.run_config import RunConfig
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 
 @dataclasses.dataclass
@@ -32,8 +32,8 @@ class _Round:
     """One sampling round of :meth:`Collector.collect`."""
 
     rollout: Any  # the Rollout, on the devices
-    host: dict[str, np.ndarray]  # lengths and truncation flags of every row (Trainer.score)
-    rewards: np.ndarray  # [n * G], shaped (Trainer.shape_and_filter)
+    host: dict[str, np.ndarray]  # lengths and truncation flags of every row (RunParts.score)
+    rewards: np.ndarray  # [n * G], shaped (RunParts.shape_and_filter)
     components: dict[str, np.ndarray]  # the reward's components (rewards.score)
     fails: dict[str, int]  # verifier failure counts
     rows: np.ndarray  # int[kept * G]: the rollout rows of the kept groups
@@ -126,7 +126,7 @@ class Collector:
     """Stages 1-3 of the RL steps of a run: ``trainer``'s sampler and verifier, keeping the
     routing record ``routing`` (`gspo_jax.offpolicy.routing_record`)."""
 
-    def __init__(self, trainer: Trainer, routing: str):
+    def __init__(self, trainer: RunParts, routing: str):
         self.t, self.cfg, self.routing = trainer, trainer.cfg, routing
         self.assemble_fn = jax.jit(
             functools.partial(_assemble, overlong_filter=trainer.cfg.dapo.overlong_filter),

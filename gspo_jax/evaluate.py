@@ -147,14 +147,14 @@ def check_run_config(c: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def open_workdir(c: ml_collections.ConfigDict, workdir: str):
-    """(the run's `Trainer` on ``workdir``, a temporary directory to delete afterwards
+    """(the run's `RunParts` on ``workdir``, a temporary directory to delete afterwards
     or None), read-only: ``c`` (changed here: pass a copy) is first checked against the
     run's config (`check_run_config`); the prompts are ``task.data_dir``'s, else the
     run's prepared data in ``<workdir>/data`` (read without a lock: a read-only workdir
     serves), else prepared in that temporary directory: when ``<workdir>/data`` does not
     exist, or lacks them and cannot be written (`gspo_jax.data.source.DataDirNotWritable`)."""
     from gspo_jax.data.source import DataDirNotWritable
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     if not is_workdir(workdir):
         raise FileNotFoundError(f"{workdir}: not a workdir (no checkpoints/)")
@@ -167,13 +167,13 @@ def open_workdir(c: ml_collections.ConfigDict, workdir: str):
             c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
     try:
         try:
-            return Trainer(c, workdir), tmp
+            return RunParts(c, workdir), tmp
         except DataDirNotWritable:
             if not own or tmp is not None:
                 raise
             # <workdir>/data lacks this task's data and cannot take them: as without it.
             c.task.data_dir = tmp = tempfile.mkdtemp(prefix="gspo_eval_")
-            return Trainer(c, workdir), tmp
+            return RunParts(c, workdir), tmp
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -190,8 +190,8 @@ def evaluate_checkpoint(
     """The metric dict of ``checkpoint`` (a workdir of ours or a Hugging Face
     directory) on the first ``num_prompts`` prompts of ``split`` (module docstring)."""
     from gspo_jax import heldout
+    from gspo_jax.run_parts import RunParts
     from gspo_jax.train import enable_compilation_cache
-    from gspo_jax.trainer import Trainer
 
     if split not in SPLITS:
         raise ValueError(f"--split must be one of {SPLITS}, got {split!r}")
@@ -211,7 +211,7 @@ def evaluate_checkpoint(
             if c.tokenizer == "char":
                 c.tokenizer = checkpoint
             tmp = tempfile.mkdtemp(prefix="gspo_eval_")
-            trainer = Trainer(c, tmp)
+            trainer = RunParts(c, tmp)
             params, restored = trainer.init_params, "pretrained"
         else:
             trainer, tmp = open_workdir(c, checkpoint)

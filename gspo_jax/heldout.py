@@ -190,7 +190,7 @@ def eval_metrics(
 
 def evaluate(trainer, params, examples=None) -> dict[str, float]:
     """Held-out metrics of ``params`` on the first ``task.eval_size`` test prompts (or
-    ``examples``); ``trainer``: the run's parts (`gspo_jax.trainer.Trainer`).
+    ``examples``); ``trainer``: the run's parts (`gspo_jax.run_parts.RunParts`).
 
     ``eval_reward_mean`` is the mean reward of ``task.eval_samples`` samples
     per prompt at the rollout's sampling settings: the RL objective itself,

@@ -22,7 +22,7 @@ from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.metrics_log import MetricsWriter, progress_bar
 
 if TYPE_CHECKING:
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
 
 class Phase(Protocol):
@@ -52,15 +52,15 @@ class Phase(Protocol):
 
 def run(
     phase: Phase,
-    trainer: Trainer,
+    trainer: RunParts,
     ckpt: PhaseCheckpointer,
     writer: MetricsWriter,
     guard: safety.RunGuard | None = None,
 ) -> list[dict[str, Any]]:
     """Steps ``phase.start`` to ``phase.steps`` of ``phase``: each checked, logged by
     ``writer`` when the phase says so, and checkpointed (``checkpoint_every``, the last
-    step always) with the run's config record and inputs (`Trainer.record`,
-    `Trainer.sources`). ``guard`` (`safety.RunGuard`): a SIGTERM or SIGINT during a step
+    step always) with the run's config record and inputs (`RunParts.record`,
+    `RunParts.sources`). ``guard`` (`safety.RunGuard`): a SIGTERM or SIGINT during a step
     ends the run after it, with its checkpoint. Returns the records written."""
     cfg, records = trainer.cfg, []
     bar = progress_bar(cfg, phase.steps, phase.start, phase.name)

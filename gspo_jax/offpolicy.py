@@ -181,7 +181,7 @@ class SamplerDevices:
 
     def to_training(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """A batch assembled on the sampler's mesh, on the training mesh (rows sharded
-        over `BATCH_AXES`, as `gspo_jax.trainer.Trainer.put_batch` places them)."""
+        over `BATCH_AXES`, as `gspo_jax.run_parts.RunParts.put_batch` places them)."""
         if not self.split:
             return batch
         return move(batch, self.train_mesh)

@@ -3,7 +3,7 @@ advantages, the rollout correction, the updates and the step's summary.
 
     RLPhase.step(s)
       collect_batch  1. sample     G responses to each of batch s + k's prompts
-                     2. score      the task's verifier (Trainer.score)
+                     2. score      the task's verifier (RunParts.score)
                      3. filter     DAPO's overlong shaping and dynamic sampling; the batch
                                    assembled on the devices from the kept rows
                                    (gspo_jax.collect), queued (gspo_jax.offpolicy)
@@ -43,7 +43,7 @@ from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import BATCH_AXES, on_mesh
 from gspo_jax.prepare import PrepareConfig, prepare_batch
 from gspo_jax.run_config import RunConfig
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 # Metrics whose value after the first update (k = 0) and after the last update of a
 # rollout the RL-step record keeps besides their mean: how far the policy and its
@@ -137,7 +137,7 @@ def _bare_state(meta: dict[str, Any]) -> bool:
     return meta.get("layout", 1) < 2 and "queue" not in meta
 
 
-def checkpoint_target(trainer: Trainer, state):
+def checkpoint_target(trainer: RunParts, state):
     """The restore target of an RL checkpoint for the train state ``state`` (with LoRA
     its trainable part), as a function of the checkpoint's record (its layout, and the
     prompt length its queue was sampled with: `gspo_jax.offpolicy.queue_target`); what
@@ -191,7 +191,7 @@ class RLPhase:
     (`RLPhase.step`). ``trainer``: the run's parts; ``params``: where RL starts (the
     warm start's parameters), which are also the reference policy of a KL term."""
 
-    def __init__(self, trainer: Trainer, params):
+    def __init__(self, trainer: RunParts, params):
         self.t, self.cfg = trainer, trainer.cfg
         # As a phase of the run's loop: its steps, the one it resumes at (set by
         # load_checkpoint) and the writer of one record per optimizer update.

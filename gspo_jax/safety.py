@@ -154,7 +154,7 @@ def saved_checkpoint_config(workdir: str) -> tuple[dict, str] | None:
 
 def check_sources(meta: Mapping[str, Any], current: Mapping[str, str], where: str) -> None:
     """Refuse a checkpoint (its JSON record ``meta``, at ``where``) trained with inputs
-    from outside the workdir that have changed on disk since (`Trainer.sources`: the
+    from outside the workdir that have changed on disk since (`RunParts.sources`: the
     tokenizer); a checkpoint that predates the record is not checked."""
     from gspo_jax.checkpoint import SourceChanged
 

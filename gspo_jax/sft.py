@@ -22,10 +22,10 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
 from gspo_jax.run_config import RunConfig
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 
-def sft_batch(t: Trainer, position: int) -> tuple[dict[str, np.ndarray], int]:
+def sft_batch(t: RunParts, position: int) -> tuple[dict[str, np.ndarray], int]:
     """The warm start's batch at data position ``position`` and the number of its
     prompts truncated (`fit_prompts`)."""
     cfg, tok = t.cfg, t.tokenizer
@@ -67,7 +67,7 @@ def sft_optimizer(cfg: RunConfig):
     )
 
 
-def restore_state(t: Trainer):
+def restore_state(t: RunParts):
     """(checkpointer, optimizer, schedule, state, step) of the warm start, resumed
     from its newest checkpoint that restores (step 0: none)."""
     cfg = t.cfg
@@ -83,7 +83,7 @@ def restore_state(t: Trainer):
     return ckpt, optimizer, sched, state, start
 
 
-def final_params(t: Trainer):
+def final_params(t: RunParts):
     """The warm start's final parameters from its checkpoint, or None when that
     checkpoint is gone or does not restore (RL, once begun, never repeats it)."""
     ckpt, _, _, state, start = restore_state(t)
@@ -97,7 +97,7 @@ class WarmStart:
 
     name = "sft"
 
-    def __init__(self, t: Trainer):
+    def __init__(self, t: RunParts):
         cfg = t.cfg
         self.t, self.cfg, self.steps = t, cfg, cfg.sft.steps
         self.ckpt, optimizer, sched, self.state, self.start = restore_state(t)
@@ -147,7 +147,7 @@ class WarmStart:
         pass
 
 
-def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
+def run(t: RunParts, open_log, guard: safety.RunGuard | None = None) -> Any:
     """The supervised warm start, resumed from its newest valid checkpoint (the run's
     loop, `gspo_jax.loop.run`). Returns (its final parameters, the metrics writer it
     logged to, or None when it had nothing left to do). ``open_log(phase, step)`` opens
@@ -162,7 +162,7 @@ def run(t: Trainer, open_log, guard: safety.RunGuard | None = None) -> Any:
     return phase.state.params, writer
 
 
-def reference_for_resume(trainer: Trainer):
+def reference_for_resume(trainer: RunParts):
     """RL resumes and its KL term needs pi_ref (or LoRA its frozen base), the warm
     start's final parameters: from the warm start's last checkpoint. The warm start is
     never repeated once RL has begun; if that checkpoint is gone (or does not restore),

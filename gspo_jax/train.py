@@ -6,8 +6,8 @@ resume.
         --config.updates.routing_replay=R3 --workdir=/tmp/run
 
     run(c, workdir)
-      Trainer(c, workdir)           the run's parts: tokenizer, mesh, data, model, sampler
-                                    (gspo_jax.trainer); validates the config
+      RunParts(c, workdir)           the run's parts: tokenizer, mesh, data, model, sampler
+                                    (gspo_jax.run_parts); validates the config
       sft.WarmStart(trainer)        the supervised warm start (gspo_jax.sft)
       RLPhase(trainer, params)      RL: sample, score, filter, old pass, advantages,
                                     correction, updates (gspo_jax.rl); the held-out
@@ -37,7 +37,7 @@ from gspo_jax import heldout, loop, multihost, old_keys, safety, sft
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.metrics_log import MetricsWriter, open_wandb
 from gspo_jax.rl import RLPhase
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 
 def enable_compilation_cache(path: str) -> str | None:
@@ -81,7 +81,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     with safety.RunGuard(workdir, lock=primary) as guard:
         old_keys.move_deprecated(c)  # before the comparison with the saved config
         safety.check_resume_config(c, workdir)
-        trainer = Trainer(c, workdir)  # loads the config: the run reads trainer.cfg alone
+        trainer = RunParts(c, workdir)  # loads the config: the run reads trainer.cfg alone
         multihost.barrier("resume config checked")  # by every process, before it is replaced
         if primary:
             safety.save_run_config(c, workdir)
@@ -92,7 +92,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             return _run(trainer, guard, wb)
 
 
-def _run(trainer: Trainer, guard: safety.RunGuard, wb=None) -> list[dict]:
+def _run(trainer: RunParts, guard: safety.RunGuard, wb=None) -> list[dict]:
     cfg, workdir = trainer.cfg, trainer.workdir
     rl_ckpt = PhaseCheckpointer(
         workdir, "rl", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints

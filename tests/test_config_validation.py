@@ -466,11 +466,11 @@ def test_every_documented_model_field_can_be_set_from_the_command_line():
     ``--config.model.fields.<key>=<value>`` sets it (a locked ConfigDict takes no new
     key: only the ten of the default tiny MoE could be set once), with its type checked,
     and the model is built with it; a misspelt key is still refused, with the nearest."""
-    from gspo_jax import trainer
+    from gspo_jax import run_parts
 
     documented = _documented_model_fields()
     assert set(documented) == set(MODEL_FIELD_VALUES)  # a new field gets a case here
-    vocab = trainer.make_tokenizer(_smoke().tokenizer).vocab_size
+    vocab = run_parts.make_tokenizer(_smoke().tokenizer).vocab_size
     for key in documented:
         text, value = MODEL_FIELD_VALUES[key]
         c = _command_line(f"--config.model.fields.{key}={text}")
@@ -625,10 +625,10 @@ def test_vocab_size_of_a_pretrained_model_is_the_checkpoints():
 
 
 def test_char_tokenizer_default_validates():
-    from gspo_jax import trainer
+    from gspo_jax import run_parts
 
     c = _smoke()
-    tok = trainer.make_tokenizer(c.tokenizer)
+    tok = run_parts.make_tokenizer(c.tokenizer)
     config_lib.validate(c, 8, tokenizer_vocab_size=tok.vocab_size)
     assert config_lib.model_config(c, tok.vocab_size).vocab_size == tok.vocab_size
 

@@ -26,7 +26,7 @@ What counts as a reference, and what it must resolve to (`Ref.check`):
      - the name of a module or package of the project (``rl``, ``safety``,
        ``dispatch``, ``stats``: any under gspo_jax/ or experiments/; a name that two
        modules share, like ``config``, resolves if either has it): an attribute of it;
-     - a class defined at the top level of a module of the project (``Trainer``,
+     - a class defined at the top level of a module of the project (``RunParts``,
        ``Rollout``): a method, field, class attribute or ``self.`` attribute of it or
        of its bases;
      - ``config``, or a top-level key of the config (``rollout``, ``updates``, ``task``,
@@ -38,7 +38,7 @@ What counts as a reference, and what it must resolve to (`Ref.check`):
    (``config.validate``: the module; ``rollout.staleness``: the config). Any other
    dotted name is not the project's (``jax.jit``, ``hp.eps_low``), nor is one whose
    last part is a file extension (``metrics.jsonl``, ``step.py``).
-3. A bare capitalised name (``Trainer``, ``RolloutQueue``): a name defined at the top
+3. A bare capitalised name (``RunParts``, ``RolloutQueue``): a name defined at the top
    level of a module of the project, a builtin, or one of `EXTERNAL_NAMES` (other
    libraries' classes that the docs name bare).
 4. In a docstring, the target of a Sphinx role (:func:`register`, :meth:`run`): a
@@ -637,7 +637,7 @@ STALE = [
     "`RolloutQueue`",
     "`rl._assemble`",
     "`gspo_jax.rl._assemble`",
-    "`Trainer.collect`",
+    "`RunParts.collect`",
     "`train.maybe_initialize_distributed`",
     "`gspo_jax.safety.RESUMABLE_FIELDS`",
     "`train.BATCH_AXES`",
@@ -671,7 +671,7 @@ RESOLVED = [
     "`models.config.ModelSection`",
     "`Rollout.replay()`",
     "`Status.CORRECT`",
-    "`Trainer`",
+    "`RunParts`",
     "`lora.merge(model)`",
     "`rollout.max_new_tokens`",
     "`config.updates.micro_batches`",
@@ -722,10 +722,10 @@ from gspo_jax.objectives.registry import names
 
 
 class Thing:
-    """Its own `run`, :meth:`run`, :meth:`Collector.collect` and :meth:`Trainer.collect`."""
+    """Its own `run`, :meth:`run`, :meth:`Collector.collect` and :meth:`RunParts.collect`."""
 
     def run(self):
-        """Sees ``self.x`` and :class:`Thing`; ``Trainer.fill_batch`` is gone."""
+        """Sees ``self.x`` and :class:`Thing`; ``RunParts.fill_batch`` is gone."""
 '''
     name, tree = "gspo_jax._docstring_example", ast.parse(source)
     module = Module(name, REPO / "gspo_jax" / "__init__.py", tree,
@@ -735,7 +735,7 @@ class Thing:
         bad = {r.text for r in docstring_refs(module) if r.check()}
     finally:
         del modules()[name]
-    assert bad == {"RolloutQueue", "Trainer.collect", "Trainer.fill_batch"}, bad
+    assert bad == {"RolloutQueue", "RunParts.collect", "RunParts.fill_batch"}, bad
 
 
 def test_a_stale_reference_in_a_doc_fails_the_check(tmp_path):

@@ -247,7 +247,7 @@ def test_trained_routers_travel_in_the_peft_adapter(tmp_path):
 def test_rl_starts_from_a_peft_adapter_on_a_hugging_face_base(data_dir, tmp_path):
     from gspo_jax.models import export_peft, from_pretrained
     from gspo_jax.models.hf_peft import PeftLora
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
     from test_evaluation import _tiny_hf_dir
 
     hf = str(tmp_path / "hf")
@@ -267,7 +267,7 @@ def test_rl_starts_from_a_peft_adapter_on_a_hugging_face_base(data_dir, tmp_path
         c.lora.update(lora_fields)
         return c
 
-    t = Trainer(config(), str(tmp_path / "run"))
+    t = RunParts(config(), str(tmp_path / "run"))
     model = nnx.merge(t.graphdef, t.init_params)
     got, want = _adapters(model), _adapters(donor)
     assert got.keys() == want.keys()
@@ -279,9 +279,9 @@ def test_rl_starts_from_a_peft_adapter_on_a_hugging_face_base(data_dir, tmp_path
     # Refused by name: another rank or alpha, a folder that is no adapter, no HF base,
     # a warm start.
     with pytest.raises(config_lib.ConfigError, match=r"config\.lora\.rank: 4, but the PEFT"):
-        Trainer(config(rank=4), str(tmp_path / "r4"))
+        RunParts(config(rank=4), str(tmp_path / "r4"))
     with pytest.raises(config_lib.ConfigError, match=r"config\.lora\.alpha: 8\.0, .*alpha=16\.0"):
-        Trainer(config(alpha=8.0), str(tmp_path / "a8"))
+        RunParts(config(alpha=8.0), str(tmp_path / "a8"))
     with pytest.raises(config_lib.ConfigError, match=r"config\.lora\.peft_adapter: .*no adapter_config"):
         config_lib.validate(config(peft_adapter=hf), num_devices=1)
     for fields in (dict(pretrained=""), dict(steps=2)):

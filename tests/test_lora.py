@@ -251,11 +251,11 @@ def _lora_smoke(data_dir, **lora_fields):
 def test_one_rl_step_changes_only_the_adapters(data_dir, tmp_path, train_router):
     from gspo_jax.models.lora import LoRAParam
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     c = _lora_smoke(data_dir, train_router=train_router)
     c.updates.routing_replay = "R3"
-    t = Trainer(c, str(tmp_path))
+    t = RunParts(c, str(tmp_path))
     rl = RLPhase(t, t.init_params)
     kind = "lora+router" if train_router else "lora"
     assert rl.step_cfg.trainable == kind
@@ -454,13 +454,13 @@ def test_ppo_critic_trains_with_lora(data_dir, tmp_path):
     """PPO's value head has no adapter: with LoRA it trains in full beside them."""
     from configs import ppo
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     c = ppo.get_config("smoke")
     c.task.data_dir = data_dir
     c.lora.rank = 4
     c.updates.update_without_signal = True
-    t = Trainer(c, str(tmp_path))
+    t = RunParts(c, str(tmp_path))
     rl = RLPhase(t, t.init_params)
     before = jax.device_get(rl.state.params)
     rl.step(0)

@@ -42,7 +42,7 @@ def smoke(data_dir, **overrides):
     c.optimizer.lr = 3e-3
     c.optimizer.warmup_steps = 0
     fields = overrides.pop("model.fields", None)
-    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the RunParts's validation
     if fields is not None:
         c.model.fields = fields
     return c
@@ -190,11 +190,11 @@ def test_step_t_trains_on_what_the_policy_of_step_t_minus_k_sampled(data_dir, tm
     """k = 0 is the on-policy loop: each step trains on what its own parameters sampled."""
     from gspo_jax import passes
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     steps = 4
     c = smoke(data_dir, **{"rollout.staleness": k, "updates.trust_region": "behaviour"})
-    trainer = Trainer(c, str(tmp_path))
+    trainer = RunParts(c, str(tmp_path))
     rl = RLPhase(trainer, trainer.init_params)
     trained = {}
     prepare = rl.prepare
@@ -286,11 +286,11 @@ def _timeline(monkeypatch):
     outputs were ready (the sampler had finished), and at each dispatch of a training
     rollout, whether the last updates' state was ready (training had finished)."""
     from gspo_jax import rl as rl_lib
-    from gspo_jax import trainer as trainer_lib
+    from gspo_jax import run_parts as trainer_lib
 
     events, last = [], {}
     ready = lambda tree: all(x.is_ready() for x in jax.tree.leaves(tree))  # noqa: E731
-    updates, rollout = rl_lib.RLPhase.updates, trainer_lib.Trainer.rollout
+    updates, rollout = rl_lib.RLPhase.updates, trainer_lib.RunParts.rollout
 
     def timed_updates(self, batch, rng):
         events.append(("updates", ready(last["sample"]) if "sample" in last else None))
@@ -306,7 +306,7 @@ def _timeline(monkeypatch):
         return out
 
     monkeypatch.setattr(rl_lib.RLPhase, "updates", timed_updates)
-    monkeypatch.setattr(trainer_lib.Trainer, "rollout", timed_rollout)
+    monkeypatch.setattr(trainer_lib.RunParts, "rollout", timed_rollout)
     return events
 
 
@@ -348,7 +348,7 @@ def test_what_each_trust_region_replays_and_compares_against(data_dir, tmp_path,
     replays the sampler's routing under both trust regions. Under 'decoupled' every
     reference is the old pass's."""
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     got = {}
     for region in ("decoupled", "behaviour"):
@@ -356,7 +356,7 @@ def test_what_each_trust_region_replays_and_compares_against(data_dir, tmp_path,
                                "rollout.staleness": 1})
         c.objective.name, c.objective.hparams_of = "rspo", "rspo"
         c.objective.hparams = dict(objectives.get("rspo").defaults)
-        trainer = Trainer(c, str(tmp_path / region))
+        trainer = RunParts(c, str(tmp_path / region))
         rl = RLPhase(trainer, trainer.init_params)
         calls = []  # the log-prob passes the prepare program traces (no KL term: pi_old's)
         logprob_pass = passes.logprob_pass
@@ -398,12 +398,12 @@ def test_the_checkpointed_queue_has_the_shapes_of_a_collected_batch(data_dir, tm
     """The restore target of a queued batch (no routing record, the response's, R3's whole
     sequence) is what `collect_batch` makes: the same arrays, shapes, dtypes and sharding."""
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     c = smoke(data_dir, **{"rollout.staleness": 1, "updates.routing_replay": replay,
                            "model.fields": dict(default_config.get_config("smoke").model.fields,
                                                 num_experts=experts, top_k=2 if experts else 0)})
-    trainer = Trainer(c, str(tmp_path))
+    trainer = RunParts(c, str(tmp_path))
     rl = RLPhase(trainer, trainer.init_params)
     queued = rl.collect_batch(0, version=0)
     from gspo_jax.rl import CHECKPOINT_LAYOUT
@@ -447,10 +447,10 @@ def test_one_checkpoint_layout_and_the_one_before_it_restore(data_dir, tmp_path)
     from gspo_jax import evaluate, safety
     from gspo_jax.checkpoint import PhaseCheckpointer
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     c = smoke(data_dir)
-    trainer = Trainer(c, str(tmp_path))
+    trainer = RunParts(c, str(tmp_path))
     rl = RLPhase(trainer, trainer.init_params)
     rl.state = rl.state.replace(params=jax.tree.map(lambda x: x + 1, rl.state.params))
     want = jax.device_get(rl.state.params)

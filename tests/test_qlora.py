@@ -232,12 +232,12 @@ def test_rl_step_on_a_quantized_base(data_dir, tmp_path, scheme):
     without quantization; one step moves the adapters only; the base's identity is
     recorded."""
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     from test_lora import _lora_smoke  # the LoRA smoke run whose updates move the adapters
 
     c = _lora_smoke(data_dir, base_quantization=scheme)
-    t = Trainer(c, str(tmp_path))
+    t = RunParts(c, str(tmp_path))
     rl = RLPhase(t, t.init_params)
     frozen = lora.partition(rl.state.params, "lora")[1]
     flat = jax.tree_util.tree_flatten_with_path(frozen)[0]

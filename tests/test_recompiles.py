@@ -21,7 +21,7 @@ import pytest
 from gspo_jax import advantages as adv_lib
 from gspo_jax import config as config_lib
 from gspo_jax import rl as rl_lib
-from gspo_jax import sft, trainer as trainer_lib
+from gspo_jax import sft, run_parts as trainer_lib
 from gspo_jax.data.encoding import fit_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ def _config(data_dir, **overrides):
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.sft.steps = 0
-    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the RunParts's validation
     return c
 
 
@@ -66,7 +66,7 @@ def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_pat
     sampler, the log-prob passes and the train step compile in step 1 and never again."""
     c = _config(data_dir, **{"rollout.long_prompts": "truncate", "dapo.dynamic_sampling": True,
                              "dapo.max_sampling_rounds": 2, "dapo.overlong_filter": True})
-    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    trainer = trainer_lib.RunParts(c, str(tmp_path))
     rl = rl_lib.RLPhase(trainer, trainer.init_params)
     n = int(c.rollout.prompts_per_step)
     lengths = [40, 8, 24, 100, 100]  # per step; + i within the batch, + 1 for BOS
@@ -113,7 +113,7 @@ def test_routing_record_never_reaches_the_host(data_dir, tmp_path, monkeypatch):
     collecting, preparing and updating bring to the host only the response token
     ids, lengths, truncation flags and metrics."""
     c = _config(data_dir, **{"updates.routing_replay": "R3"})
-    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    trainer = trainer_lib.RunParts(c, str(tmp_path))
     rl = rl_lib.RLPhase(trainer, trainer.init_params)
     fetched = _record_host_fetches(monkeypatch)
     queued = rl.collect_batch(0, version=0)
@@ -143,7 +143,7 @@ def test_the_prepare_stage_is_one_program_on_the_devices(
     import dataclasses
 
     c = _config(data_dir, advantage="rloo")
-    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    trainer = trainer_lib.RunParts(c, str(tmp_path))
     rl = rl_lib.RLPhase(trainer, trainer.init_params)
     G = int(c.rollout.group_size)
     rewards = np.array([1.0, 0.0, 0.0, 1.0] * (int(c.rollout.prompts_per_step) - 1) + [0.5] * G)
@@ -183,7 +183,7 @@ def test_prompt_length_settings_are_validated(field, value):
 
 def test_warm_start_batches_have_one_prompt_length(data_dir, tmp_path):
     c = _config(data_dir, **{"rollout.long_prompts": "truncate"})
-    trainer = trainer_lib.Trainer(c, str(tmp_path))
+    trainer = trainer_lib.RunParts(c, str(tmp_path))
     _vary_prompt_lengths(trainer, lambda pos: [8, 100][pos // 8])
     short, cut0 = sft.sft_batch(trainer, 0)
     long, cut1 = sft.sft_batch(trainer, 8)

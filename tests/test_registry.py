@@ -32,7 +32,7 @@ def test_every_kind_is_one_registry():
 
 @pytest.mark.parametrize("old, new", [("generate", "decode"), ("evaluation", "heldout"),
                                       ("fields", "config_fields"), ("lora_rl", "lora_training"),
-                                      ("sweep_points", "sweep_grid")])
+                                      ("sweep_points", "sweep_grid"), ("trainer", "run_parts")])
 def test_renamed_modules_keep_their_old_import_paths(old, new):
     """A renamed module's old path imports as the module itself for one release."""
     import importlib
@@ -42,3 +42,5 @@ def test_renamed_modules_keep_their_old_import_paths(old, new):
         warnings.simplefilter("ignore", DeprecationWarning)
         moved = importlib.import_module(f"gspo_jax.{old}")
     assert moved is importlib.import_module(f"gspo_jax.{new}")
+    if old == "trainer":  # and the class under its old name
+        assert moved.Trainer is moved.RunParts

@@ -35,7 +35,7 @@ def data_dir(tmp_path_factory):
 def _smoke(data_dir, objective="gspo", **overrides):
     c = default_config.get_config(f"objective={objective},smoke")
     c.task.data_dir = data_dir
-    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the RunParts's validation
     return c
 
 
@@ -231,19 +231,19 @@ def test_deleted_warm_start_checkpoints_are_not_rerun(data_dir, tmp_path, capsys
     # The warm start back, but a tokenizer that encodes otherwise (its files edited in
     # place): each checkpoint records the tokenizer's fingerprint, and it is refused.
     from gspo_jax.checkpoint import SourceChanged
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     shutil.rmtree(g / "checkpoints" / "sft")
     shutil.move(own, g / "checkpoints" / "sft")
     assert len(meta["tokenizer"]) == 16
-    sources = Trainer.sources
+    sources = RunParts.sources
     try:
-        Trainer.sources = lambda self: {"tokenizer": "0123456789abcdef"}
+        RunParts.sources = lambda self: {"tokenizer": "0123456789abcdef"}
         with pytest.raises(SourceChanged, match=r"checkpoints/sft/2: config\.tokenizer encodes text "
                            rf"differently .*fingerprint {meta['tokenizer']}, now 0123456789abcdef"):
             train.run(c, str(g))
     finally:
-        Trainer.sources = sources
+        RunParts.sources = sources
     assert (g / "metrics.jsonl").read_text() == before
     # Deleted: the run names the checkpoint it needs.
     shutil.rmtree(g / "checkpoints" / "sft")

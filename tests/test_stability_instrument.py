@@ -239,15 +239,15 @@ def _config(data_dir, **overrides):
     c.task.data_dir = data_dir
     c.sft.steps = 0
     c.rollout.prompts_per_step = 8  # 32 rows: mini-batches of 16 over 8 fake devices
-    c.update_from_flattened_dict(overrides)  # a misspelt key fails the Trainer's validation
+    c.update_from_flattened_dict(overrides)  # a misspelt key fails the RunParts's validation
     return c
 
 
 def _prepared(c, workdir):
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
-    trainer = Trainer(c, str(workdir))
+    trainer = RunParts(c, str(workdir))
     rl = RLPhase(trainer, trainer.init_params)
     queued = rl.collect_batch(0, version=0)
     batch, info = rl.prepare(queued, 0)

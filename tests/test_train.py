@@ -347,14 +347,14 @@ def test_metrics_log_cut_lines(tmp_path):
 def test_collect_across_an_epoch_boundary_with_a_repeated_example(data_dir, tmp_path):
     """A prompt batch across an epoch boundary may hold one example twice (tail of one
     epoch, head of the next); the sampler still gets distinct prompt ids."""
-    from gspo_jax import rl, trainer
+    from gspo_jax import rl, run_parts
     from gspo_jax.data import PromptSource
     from gspo_jax.tasks.countdown import CountdownConfig
 
     c = default_config.get_config("smoke")
     c.task.data_dir = data_dir
     c.progress_bar = False
-    t = trainer.Trainer(c, str(tmp_path))
+    t = run_parts.RunParts(c, str(tmp_path))
     n, g = int(c.rollout.prompts_per_step), int(c.rollout.group_size)
     # Epochs of 2n + 2 examples, so that the batch of step 2 crosses one, and a seed
     # whose epoch 1 starts with one of epoch 0's last two examples.

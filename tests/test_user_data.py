@@ -244,14 +244,14 @@ def _unusable_rows():
 
 def test_prompts_the_run_cannot_encode_or_fit_are_reported_up_front(tmp_path):
     from configs import file_task
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     path = _write_jsonl(tmp_path / "p.jsonl", _unusable_rows())
     c = file_task.get_config(f"file={path},smoke")
     c.task.bad_rows = "refuse"
     c.rollout.max_prompt_len = 100
     with pytest.raises(ValueError, match=r"5 bad row\(s\)") as e:
-        Trainer(c, str(tmp_path / "run"))  # fails while preparing the data
+        RunParts(c, str(tmp_path / "run"))  # fails while preparing the data
     msg = str(e.value)
     for row, char in [(5, "é"), (6, "’"), (7, "×"), (8, "\t")]:
         assert f"{path}: row {row}: the prompt cannot be encoded" in msg and repr(char) in msg

@@ -25,7 +25,7 @@ import jax
 
 from experiments.bench.bench_rl_step import load_config
 from gspo_jax.rl import RLPhase
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 
 def run(spec: str, devices: int, overlap: bool, steps: int, workdir: str) -> dict[str, float]:
@@ -33,7 +33,7 @@ def run(spec: str, devices: int, overlap: bool, steps: int, workdir: str) -> dic
     c.rollout.staleness = max(int(c.rollout.staleness), 1)
     c.rollout.devices, c.rollout.overlap = devices, overlap
     c.sft.steps = 0
-    trainer = Trainer(c, workdir)
+    trainer = RunParts(c, workdir)
     rl = RLPhase(trainer, trainer.init_params)
     rl.step(0)  # compiles every program
     ms = [rl.step(s)[0] for s in range(1, steps + 1)]

@@ -33,7 +33,7 @@ from configs import default as default_config
 from experiments.bench.bench_model import matmul_peak
 from gspo_jax import objectives, sweep
 from gspo_jax.rl import RLPhase
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 
 def load_config(spec: str):
@@ -106,7 +106,7 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="bench_rl_")
     if args.data_dir:
         c.task.data_dir = args.data_dir
-    trainer = Trainer(c, work)
+    trainer = RunParts(c, work)
     rl = RLPhase(trainer, trainer.init_params)
 
     rl.step(0)  # compiles everything

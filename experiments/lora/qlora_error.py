@@ -31,7 +31,7 @@ from flax import nnx
 from configs import default as default_config
 from gspo_jax import lora_training, sft
 from gspo_jax.models import lora, quantized
-from gspo_jax.trainer import Trainer
+from gspo_jax.run_parts import RunParts
 
 
 class _NoLog:
@@ -42,7 +42,7 @@ class _NoLog:
         pass
 
 
-def _sequences(t: Trainer, batch: int):
+def _sequences(t: RunParts, batch: int):
     """tokens, positions, mask [B, P + T] of warm-start sequences (held-out positions
     of the data: after the warm start's own)."""
     host, _ = sft.sft_batch(t, t.cfg.sft.steps * t.cfg.sft.batch_size)
@@ -102,7 +102,7 @@ def main():
     c.sft.steps = args.sft_steps
     c.seed = args.seed
     with tempfile.TemporaryDirectory() as workdir:
-        t = Trainer(c, workdir)
+        t = RunParts(c, workdir)
         params = t.init_params
         if args.sft_steps:
             params, _ = sft.run(t, lambda phase, step: _NoLog())

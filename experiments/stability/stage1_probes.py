@@ -215,7 +215,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
     chunk's budget expires. Returns the number of probes run."""
     from gspo_jax import sft
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     ranges = gspo_grid(sc)
     done = 0
@@ -237,7 +237,7 @@ def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 if budget.expired():
                     return done
                 c = probe_config(sc, arm, int(seed), obj, lr, root)
-                trainer = Trainer(c, warm)
+                trainer = RunParts(c, warm)
                 params0 = sft.final_params(trainer)
                 if params0 is None:
                     raise RuntimeError(

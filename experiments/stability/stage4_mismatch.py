@@ -86,12 +86,12 @@ def calibrate(sc, root: str, out: str, log=print) -> dict:
 
     from gspo_jax import sft
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     seed = int(sc.calib_seed)
     warm = common.ensure_warm_start(root, sc.arm, seed, smoke=sc.smoke)
     c = common.rl_config(sc.arm, seed, root, smoke=sc.smoke)  # as the stage's RL runs
-    trainer = Trainer(c, warm)
+    trainer = RunParts(c, warm)
     params = sft.final_params(trainer)
     if params is None:
         raise RuntimeError(f"{warm}: the warm start's final checkpoint does not restore")

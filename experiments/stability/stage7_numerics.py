@@ -129,7 +129,7 @@ def measure(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
 
     from gspo_jax import sft
     from gspo_jax.rl import RLPhase
-    from gspo_jax.trainer import Trainer
+    from gspo_jax.run_parts import RunParts
 
     path = os.path.join(out, "measure.jsonl")
     records = common.read_jsonl(path)
@@ -145,7 +145,7 @@ def measure(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
                 warm = common.ensure_warm_start(root, arm, int(seed), smoke=sc.smoke)
                 c = common.rl_config(arm, int(seed), root, smoke=sc.smoke)
                 common.apply_overrides(c, precision_overrides(precision))
-                trainer = Trainer(c, warm)
+                trainer = RunParts(c, warm)
                 params = sft.final_params(trainer)
                 if params is None:
                     raise RuntimeError(
