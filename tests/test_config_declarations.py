@@ -260,3 +260,17 @@ def test_load_gives_the_frozen_run_with_the_objectives_dataclass():
     c.objective.hparams.eps_low = -1.0
     with pytest.raises(config_lib.ConfigError, match=r"config\.objective\.hparams\.eps_low"):
         config_lib.load(c, 1)
+
+
+def test_the_objectives_hyperparameters_are_made_once_per_load(monkeypatch):
+    """Loading a config makes the objective's hyperparameter dataclass once; the run reads
+    that object (rl.RLPhase's StepConfig holds it, the objective's formula reads it)."""
+    from gspo_jax import objectives
+
+    cls = objectives.get("gspo").hparams_class
+    made, post_init = [], cls.__post_init__
+    monkeypatch.setattr(cls, "__post_init__", lambda self: made.append(1) or post_init(self))
+    c = config_lib.base_config()
+    made.clear()
+    run = config_lib.load(c, 1)
+    assert len(made) == 1 and type(run.objective.hparams) is cls

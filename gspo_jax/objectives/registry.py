@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from typing import Any, Callable, Mapping
 
 from gspo_jax.config_fields import err, from_dataclass_error, setting
@@ -49,6 +50,10 @@ class Objective:
     @property
     def defaults(self) -> dict[str, Any]:
         """Every hyperparameter the objective takes, with its default."""
+        return dict(self._defaults)
+
+    @functools.cached_property
+    def _defaults(self) -> dict[str, Any]:
         return self.hparams_class().as_dict()
 
     def hparams(self, **hyperparameters) -> Hparams:
@@ -213,13 +218,19 @@ class ObjectiveConfig:
     )
 
     def __post_init__(self):
-        if isinstance(self.hparams, Mapping):
-            object.__setattr__(self, "hparams", get(self.name).hparams(**self.hparams))
+        if isinstance(self.hparams, Mapping):  # built from a config: made here, once
+            hparams = dict(self.hparams)
+            try:
+                made = get(self.name).hparams(**hparams)
+            except (TypeError, ValueError) as e:
+                raise from_dataclass_error(e, self.name, "objective.hparams", hparams) from None
+            object.__setattr__(self, "hparams", made)
 
     @classmethod
     def check_node(cls, node) -> None:
         """``config.objective``'s hyperparameters: those of ``objective.name``, each
-        known to it and valid (errors name ``config.objective.hparams.<key>``)."""
+        known to it (errors name ``config.objective.hparams.<key>``); their values are
+        checked where the dataclass is made, once, as the config is loaded."""
         if node.hparams_of != node.name:
             raise err(
                 "objective.name",
@@ -229,16 +240,13 @@ class ObjectiveConfig:
             )
         objective = get(node.name)
         hparams = dict(node.hparams)
+        known = [f.name for f in dataclasses.fields(objective.hparams_class)]
         for key in hparams:
-            if key not in objective.defaults:
-                near = difflib.get_close_matches(key, list(objective.defaults), n=1)
+            if key not in known:
+                near = difflib.get_close_matches(key, known, n=1)
                 hint = f"; did you mean config.objective.hparams.{near[0]}?" if near else ""
                 raise err(
                     f"objective.hparams.{key}",
                     f"{node.name} takes no such hyperparameter{hint} "
-                    f"(it takes {sorted(objective.defaults)})",
+                    f"(it takes {sorted(known)})",
                 )
-        try:
-            objective.hparams(**hparams)
-        except (TypeError, ValueError) as e:
-            raise from_dataclass_error(e, node.name, "objective.hparams", hparams) from None
