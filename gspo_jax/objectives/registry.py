@@ -247,6 +247,5 @@ class ObjectiveConfig:
                 hint = f"; did you mean config.objective.hparams.{near[0]}?" if near else ""
                 raise err(
                     f"objective.hparams.{key}",
-                    f"{node.name} takes no such hyperparameter{hint} "
-                    f"(it takes {sorted(known)})",
+                    f"{node.name} takes no such hyperparameter{hint} (it takes {sorted(known)})",
                 )
