@@ -119,7 +119,8 @@ class RunParts:
             )
         # A pretrained model's experts are known once it is loaded (an initialised one's
         # are checked with the config: UpdatesConfig.check_run).
-        if cfg.updates.routing_replay != "none" and self.model_cfg.num_moe_layers == 0:
+        replay = cfg.updates.routing_replay != "none"
+        if cfg.model.pretrained and replay and self.model_cfg.num_moe_layers == 0:
             raise ValueError(
                 f"updates.routing_replay={cfg.updates.routing_replay!r} needs MoE layers; "
                 "the model is dense (num_experts=0): use 'none'"

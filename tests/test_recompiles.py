@@ -28,7 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configs import default as default_config  # noqa: E402
 
 # The compiled functions of an RL step, by the name compile_counts gives them.
-SAMPLER, LOGP, TRAIN = "jit(_generate)", "jit(logprob_pass)", "jit(train_step)"
+# The sampler, the prepare stage (the old pass, advantages, trust region) and the update.
+SAMPLER, PREPARE, TRAIN = "jit(_generate)", "jit(prepare_batch)", "jit(train_step)"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def _vary_prompt_lengths(trainer, length_of):
 def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_path, compile_counts):
     """Four RL steps whose longest prompts differ (about 40, 8, 24 and 100 tokens, the
     last truncated to 64): every prompt is padded to rollout.max_prompt_len, so the
-    sampler, the log-prob passes and the train step compile in step 1 and never again."""
+    sampler, the prepare program (the log-prob passes) and the train step compile in
+    step 1 and never again."""
     c = _config(data_dir, **{"rollout.long_prompts": "truncate", "dapo.dynamic_sampling": True,
                              "dapo.max_sampling_rounds": 2, "dapo.overlong_filter": True})
     trainer = trainer_lib.RunParts(c, str(tmp_path))
@@ -76,7 +78,7 @@ def test_rl_phase_compiles_once_over_prompts_of_varying_length(data_dir, tmp_pat
     for s in range(4):
         compile_counts.clear()
         m, _ = rl.step(s)
-        counts.append({k: compile_counts[k] for k in (SAMPLER, LOGP, TRAIN)})
+        counts.append({k: compile_counts[k] for k in (SAMPLER, PREPARE, TRAIN)})
         assert np.isfinite(m["loss"]) and m["sampling_rounds"] in (1, 2)
         assert m["prompts_truncated"] == (n * m["sampling_rounds"] if lengths[s] == 100 else 0)
     assert all(counts[0].values()), counts
