@@ -13,6 +13,8 @@ the table of docs/config.md (:func:`docs_table`), the fields that may change on
 resume (:func:`resumable_fields`) and the typed sections of a validated config
 (:func:`typed`).
 
+:func:`load` turns the command line's config into the frozen `RunConfig` a run reads
+(once, validated: the objective's hyperparameters become its dataclass there).
 :func:`validate` checks a config before anything is built or compiled and raises
 :class:`ConfigError` (a ``ValueError``) naming the offending field by its path
 (``config.optimizer.lr: must be finite and > 0, got inf``). :func:`unknown_key_message`
