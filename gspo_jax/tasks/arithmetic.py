@@ -190,15 +190,7 @@ DEFAULT_LEVEL = "digits3"
 
 def level(config: ArithmeticConfig | str | None) -> ArithmeticConfig:
     """``config`` as an ArithmeticConfig: a level's name (None: `DEFAULT_LEVEL`) or itself."""
-    if config is None:
-        config = DEFAULT_LEVEL
-    if isinstance(config, str):
-        if config not in LEVELS:
-            raise ValueError(f"arithmetic has no level {config!r}; known: {list(LEVELS)}")
-        return LEVELS[config]
-    if not isinstance(config, ArithmeticConfig):
-        raise TypeError(f"config must be a level's name or an ArithmeticConfig, got {config!r}")
-    return config
+    return synthetic.pick_level("arithmetic", LEVELS, DEFAULT_LEVEL, ArithmeticConfig, config)
 
 
 @functools.lru_cache(maxsize=16)

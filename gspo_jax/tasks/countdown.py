@@ -304,15 +304,7 @@ DEFAULT_LEVEL = "easy"
 
 def level(config: CountdownConfig | str | None) -> CountdownConfig:
     """``config`` as a CountdownConfig: a level's name (None: `DEFAULT_LEVEL`) or itself."""
-    if config is None:
-        config = DEFAULT_LEVEL
-    if isinstance(config, str):
-        if config not in LEVELS:
-            raise ValueError(f"countdown has no level {config!r}; known: {list(LEVELS)}")
-        return LEVELS[config]
-    if not isinstance(config, CountdownConfig):
-        raise TypeError(f"config must be a level's name or a CountdownConfig, got {config!r}")
-    return config
+    return synthetic.pick_level("countdown", LEVELS, DEFAULT_LEVEL, CountdownConfig, config)
 
 
 def _draw(config: CountdownConfig, rng: np.random.Generator) -> CountdownProblem:

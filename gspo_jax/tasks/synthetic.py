@@ -111,3 +111,20 @@ class _Train(collections.abc.Sequence):
         if not 0 <= index < self._size:
             raise IndexError(f"train index {index} out of range [0, {self._size})")
         return self._generated.train_example(index)
+
+
+def pick_level(task: str, levels: dict, default: str, cls: type, config):
+    """``config`` as a ``cls`` (a task's difficulty dataclass): one of ``levels`` by name
+    (None: ``default``), or a ``cls`` itself."""
+    if config is None:
+        config = default
+    if isinstance(config, str):
+        if config not in levels:
+            raise ValueError(f"{task} has no level {config!r}; known: {list(levels)}")
+        return levels[config]
+    if not isinstance(config, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(
+            f"config must be a level's name or {article} {cls.__name__}, got {config!r}"
+        )
+    return config
