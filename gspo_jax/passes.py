@@ -11,13 +11,16 @@ micro-batch split both the pass and the train step use (`split_micro`).
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import routing
+from gspo_jax import packing, routing
+from gspo_jax.models.layers import rows_sharded
 
 Batch = dict[str, jax.Array]
 
@@ -58,29 +61,131 @@ def response_slice(x: jax.Array, prompt_len: int, resp_len: int) -> jax.Array:
     return jax.lax.slice_in_dim(x, prompt_len - 1, prompt_len - 1 + resp_len, axis=1)
 
 
-def forward(model, batch: Batch, replay, *, values: bool = False, temperature: float = 1.0):
-    """Response log-probs under softmax(logits / temperature), their entropies (and
-    critic values V(s_t)) of one forward.
+class Forward(NamedTuple):
+    """What one forward gives the losses and passes, in the padded layout of its batch
+    (N rows, T response positions, S = P + T - 1 input positions; L MoE layers, K
+    experts per token), however it ran (padded, or one micro-batch of a packed `Plan`).
 
-    Returns (logp, entropy, values or None, aux); per-token arrays f32[N,T].
+    logp, entropy: f32[N,T] of the response tokens under softmax(logits / temperature).
+    values: f32[N,T] the critic's V(s_t), or None.
+    topk: int32[N,S,L,K] the experts used at every input position (R2's record).
+    free_topk: int32[N,T,L,K] the free router's top-K at the response positions.
+    router_logp: f32[N,T,L,K] the router's log-softmax at ``at_topk`` (RSPO's router
+      log-probs), or at the experts it used there.
+    computed: bool[N,T] the response positions this forward computed (a packed micro-
+      batch's rows), or None (all of them); elsewhere the arrays above hold 0.
+    aux_loss, z_loss: f32[] the router losses over the routed positions;
+      replay_mismatch f32[L]; router_tokens f32[] the routed (real) positions.
     """
+
+    logp: jax.Array
+    entropy: jax.Array
+    values: jax.Array | None
+    topk: jax.Array
+    free_topk: jax.Array
+    router_logp: jax.Array
+    computed: jax.Array | None
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    replay_mismatch: jax.Array
+    router_tokens: jax.Array
+
+
+def _run(model, batch: Batch, replay, *, values, temperature, at_topk, packed):
+    """The per-token outputs of one forward in the layout it ran in: the padded rows
+    [N, S, ...] (but ``router_logp``, [N, T, ...] at the response positions only), or
+    micro-batch j of a packed plan [r, S, ...] (``packed`` = (plan, j)). Returns
+    (outputs, RouterAux, the attention mask's segment ids)."""
     inputs, targets, positions, attn = sequence_inputs(batch)
+    if packed is not None:
+        plan, j = packed
+        take = functools.partial(packing.pack, plan, j)
+        inputs, targets, positions = rows_sharded(model.cfg, *map(take, (inputs, targets, positions)))
+        attn = plan.segment[j]
+        replay = None if replay is None else take(replay)
+    h, aux = model.hidden(inputs, positions=positions, attn_mask=attn, replay=replay)
+    logp, entropy = model.logprobs_from_hidden(h, targets, temperature=temperature)
     p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    if packed is None:  # padded: the router's log-probs at the response positions only
+        logits, at = (response_slice(a, p, t) for a in (aux.router_logits, aux.topk_indices))
+        at = at if at_topk is None else at_topk
+    else:  # packed: at every slot; at_topk [N, T, L, K] to the input positions, packed
+        logits, at = aux.router_logits, aux.topk_indices
+        if at_topk is not None:
+            at = take(jnp.pad(at_topk, ((0, 0), (p - 1, 0), (0, 0), (0, 0))))
+    out = {
+        "logp": logp,
+        "entropy": entropy,
+        "topk": aux.topk_indices,
+        "free_topk": aux.free_topk_indices,
+        "router_logp": routing.topk_router_logp(logits, at),
+    }
     if values:
-        h, aux = model.hidden(inputs, positions=positions, attn_mask=attn, replay=replay)
-        logp, entropy = model.logprobs_from_hidden(h, targets, temperature=temperature)
-        v = response_slice(model.value(h), p, t)
+        out["values"] = model.value(h)
+    return out, aux, attn
+
+
+# The outputs read at every input position; the rest at the response's.
+FULL_LAYOUT = ("topk",)
+
+
+def _to_rows(out: dict, to_rows, p: int, t: int) -> dict:
+    """Outputs of `_run` as the padded rows' (``to_rows(y, window)``): `FULL_LAYOUT`'s at
+    every input position, the others' at the response positions."""
+    return {k: to_rows(y, None if k in FULL_LAYOUT else (p - 1, t)) for k, y in out.items()}
+
+
+def _padded_rows(p: int, t: int):
+    """`_to_rows`'s function for a padded `_run`: its response-only outputs as they are."""
+
+    def to_rows(y, window):
+        return y if window is None or y.shape[1] != p + t - 1 else response_slice(y, p, t)
+
+    return to_rows
+
+
+def forward(
+    model,
+    batch: Batch,
+    replay,
+    *,
+    values: bool = False,
+    temperature: float = 1.0,
+    at_topk=None,
+    packed=None,
+) -> Forward:
+    """One forward over the batch's sequences (no gradient of its own): `Forward`.
+
+    ``replay`` int32[N,S,L,K] experts to force (R2/R3), or None; ``at_topk``
+    int32[N,T,L,K] where to read the router's log-probs (None: at the experts used).
+    ``packed`` = (plan, j): run micro-batch j of a `gspo_jax.packing.Plan` of this
+    batch, its rows' real tokens end to end in buffer rows, and give its rows' outputs
+    back in the padded layout; None: run the padded rows.
+    """
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+    out, aux, attn = _run(
+        model, batch, replay, values=values, temperature=temperature, at_topk=at_topk, packed=packed
+    )
+    if packed is None:
+        rows = _to_rows(out, _padded_rows(p, t), p, t)
+        computed = None
     else:
-        logp, entropy, aux = model.token_logprobs(
-            inputs,
-            targets,
-            positions=positions,
-            attn_mask=attn,
-            replay=replay,
-            temperature=temperature,
-        )
-        v = None
-    return response_slice(logp, p, t), response_slice(entropy, p, t), v, aux
+        plan, j = packed
+        rows = _to_rows(out, lambda y, w: packing.unpack(plan, j, y, w), p, t)
+        computed = packing.computed(plan, j, (p - 1, t))
+    return Forward(
+        logp=rows["logp"],
+        entropy=rows["entropy"],
+        values=rows.get("values"),
+        topk=rows["topk"],
+        free_topk=rows["free_topk"],
+        router_logp=rows["router_logp"],
+        computed=computed,
+        aux_loss=aux.aux_loss,
+        z_loss=aux.z_loss,
+        replay_mismatch=aux.replay_mismatch,
+        router_tokens=jnp.sum((attn > 0).astype(jnp.float32)),
+    )
 
 
 def logprob_pass(
@@ -92,6 +197,7 @@ def logprob_pass(
     values: bool = False,
     temperature: float = 1.0,
     micro_batches: int = 1,
+    packing_shape: packing.Packing | None = None,
 ):
     """Per-token log-probs of the response under ``params`` (no gradient).
 
@@ -106,35 +212,45 @@ def logprob_pass(
     ``micro_batches``: the rows run in that many strided pieces, one after another
     (``lax.map``), so that the pass holds the activations and logits of N /
     micro_batches rows at a time; every row's outputs are its own either way.
+    ``packing_shape``: instead, the rows' real tokens packed (`gspo_jax.packing`) into
+    micro-batches of that shape, only the used ones computed (a ``while`` loop), and
+    the outputs given back in the padded layout (0 at padding).
     """
     model = nnx.merge(graphdef, params)
     keys = ["prompt_tokens", "prompt_mask", "tokens", "mask"] + ([replay_key] if replay_key else [])
-
-    def one(rows: Batch) -> dict[str, jax.Array]:
-        replay = rows[replay_key] if replay_key else None
-        logp, entropy, v, aux = forward(model, rows, replay, values=values, temperature=temperature)
-        p, t = rows["prompt_tokens"].shape[1], rows["tokens"].shape[1]
-        topk_resp = response_slice(aux.topk_indices, p, t)
-        router_lp = routing.topk_router_logp(response_slice(aux.router_logits, p, t), topk_resp)
-        out = {
-            "logp": logp,
-            "entropy": entropy,
-            "topk": aux.topk_indices,
-            "topk_resp": topk_resp,
-            "free_topk_resp": response_slice(aux.free_topk_indices, p, t),
-            "router_logp": router_lp,
-        }
-        if values:
-            out["values"] = v
-        return out
-
     rows = {k: batch[k] for k in keys}
-    if micro_batches == 1:
-        return one(rows)
-    n = batch["tokens"].shape[0]
-    if n % micro_batches:
-        raise ValueError(f"logprob_pass: micro_batches={micro_batches} does not divide {n} rows")
-    return merge_micro(jax.lax.map(one, split_micro(rows, micro_batches)))
+    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
+
+    def run(rows: Batch, packed=None) -> dict[str, jax.Array]:
+        replay = rows[replay_key] if replay_key else None
+        kw = dict(values=values, temperature=temperature, at_topk=None, packed=packed)
+        return _run(model, rows, replay, **kw)[0]
+
+    in_rows = _padded_rows(p, t)
+
+    if packing_shape is not None:
+        # Each used micro-batch's outputs into its slot of [m, r, S, ...] buffers, then
+        # one gather back to the rows.
+        plan = packing.plan(sequence_inputs(rows)[3], packing_shape)
+        first = run(rows, (plan, 0))
+        bufs = jax.tree.map(lambda y: jnp.zeros((packing_shape.micro,) + y.shape, y.dtype), first)
+        bufs = jax.tree.map(lambda b, y: b.at[0].set(y), bufs, first)
+        body = lambda j, b: jax.tree.map(  # noqa: E731
+            lambda bj, y: bj.at[j].set(y), b, run(rows, (plan, j))
+        )
+        bufs = jax.lax.fori_loop(1, plan.used, body, bufs)
+        out = _to_rows(bufs, lambda y, w: packing.unpack_all(plan, y, w), p, t)
+    elif micro_batches == 1:
+        out = _to_rows(run(rows), in_rows, p, t)
+    else:
+        n = batch["tokens"].shape[0]
+        if n % micro_batches:
+            raise ValueError(f"logprob_pass: micro_batches={micro_batches} does not divide {n} rows")
+        pieces = jax.lax.map(lambda r: _to_rows(run(r), in_rows, p, t), split_micro(rows, micro_batches))
+        out = merge_micro(pieces)
+    out["free_topk_resp"] = out.pop("free_topk")
+    out["topk_resp"] = response_slice(out["topk"], p, t)
+    return out
 
 
 def mismatch_metrics(sampler_logp, old_logp, mask, sampler_topk=None, old_free_topk=None):

@@ -26,13 +26,13 @@ import optax
 from flax import nnx
 
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import objectives, routing
+from gspo_jax import objectives, packing, routing
 from gspo_jax.config_fields import err, is_real, setting
 from gspo_jax.metrics import Last, Max, Mean, Min, Sum
 from gspo_jax.models import lora, quantized
 from gspo_jax.objectives.critic import value_loss_mergeable
 from gspo_jax.objectives.hparams import Hparams
-from gspo_jax.passes import forward, response_slice, sequence_inputs, split_micro
+from gspo_jax.passes import forward, sequence_inputs, split_micro
 
 Batch = dict[str, jax.Array]
 
@@ -187,6 +187,9 @@ class StepConfig:
     # The parameters updated (`gspo_jax.models.lora.TRAINABLE`): 'all', or with LoRA
     # the adapters (and routers); the rest is frozen, with no gradient or moments.
     trainable: str = "all"
+    # The policy forward on packed buffers of this shape (`gspo_jax.packing`), its
+    # micro-batches those of the plan (``micro_batches`` is then unused); None: padded.
+    packing: Optional[packing.Packing] = None
 
     @property
     def objective(self) -> str:
@@ -345,6 +348,30 @@ def _accumulate(loss_fn, params, batch, m: int, trainable: str = "all"):
     return loss, metrics_lib.reduce_all(stacked), grads
 
 
+def _accumulate_packed(loss_fn, params, batch, plan: packing.Plan, m: int, trainable: str):
+    """`_accumulate` over the micro-batches of a packing ``plan``: only its ``plan.used``
+    ones are computed (a ``while`` loop; ``m`` is the most it may use), each the rows it
+    packs, and their metrics merged as they come."""
+    params, frozen = lora.partition(params, trainable)
+
+    def loss_j(p, j):
+        return loss_fn(p if frozen is None else lora.join(p, frozen), batch, packed=(plan, j))
+
+    grad_fn = jax.value_and_grad(loss_j, has_aux=True)
+    (loss, metrics), grads = grad_fn(params, 0)
+    if m == 1:
+        return loss, metrics, grads
+
+    def body(j, carry):
+        loss_acc, grads_acc, metrics_acc = carry
+        (loss, metrics), grads = grad_fn(params, j)
+        merged = {k: v.merge(metrics[k]) for k, v in metrics_acc.items()}
+        return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), merged
+
+    loss, grads, metrics = jax.lax.fori_loop(1, plan.used, body, (loss, grads, metrics))
+    return loss, metrics, grads
+
+
 def has_signal(advantages: jax.Array, mask: jax.Array) -> jax.Array:
     """bool[]: some valid token has a non-zero advantage (f32[N] or f32[N,T])."""
     adv = advantages if advantages.ndim == 2 else advantages[:, None]
@@ -360,28 +387,43 @@ def router_tokens(batch: Batch) -> jax.Array:
     return jnp.sum(sequence_inputs(batch)[3].astype(jnp.float32))
 
 
-def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_router_tokens):
+def policy_loss(
+    params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_router_tokens, packed=None
+):
     """The objective on one (micro-)batch, scaled by whole-mini-batch denominators.
 
     ``norm`` holds the mini-batch's response counts (`objectives.normalizer`) and
-    ``num_router_tokens`` its `router_tokens`. Returns ``(loss, metrics)``, the
-    metrics as mergeable values (`gspo_jax.metrics`): each says how it merges over
-    micro-batches.
+    ``num_router_tokens`` its `router_tokens`. ``packed`` = (plan, j): the micro-batch
+    is micro-batch j of a packing plan of ``batch`` (`gspo_jax.packing`): the forward
+    runs on its buffers, and the objective reads the whole mini-batch's rows with the
+    others masked out (their log-probs pi_old's, so that nothing there is computed
+    from garbage). Returns ``(loss, metrics)``, the metrics as mergeable values
+    (`gspo_jax.metrics`): each says how it merges over micro-batches.
     """
     model = nnx.merge(graphdef, params)
     replay = batch.get("replay")
     critic = cfg.value_coef > 0
-    logp, entropy, values, aux = forward(
-        model, batch, replay, values=critic, temperature=cfg.temperature
+    # The router shift gamma (RSPO's, which floors it at its gamma_min) reads the
+    # current router's log-probs at the experts pi_old used (``at_topk``).
+    f = forward(
+        model,
+        batch,
+        replay,
+        values=critic,
+        temperature=cfg.temperature,
+        at_topk=batch["old_topk"],
+        packed=packed,
     )
     mask = batch["mask"].astype(jnp.float32)
-    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
-
-    # The router shift gamma (RSPO's, which floors it at its gamma_min): the current
-    # router's log-probs at the experts pi_old used.
-    new_router_lp = routing.topk_router_logp(
-        response_slice(aux.router_logits, p, t), batch["old_topk"]
-    )
+    logp, entropy, values, new_router_lp = f.logp, f.entropy, f.values, f.router_logp
+    if f.computed is not None:  # a packed micro-batch: its rows count, the others are inert
+        mask = mask * f.computed
+        logp = jnp.where(f.computed, logp, jax.lax.stop_gradient(batch["old_logp"]))
+        new_router_lp = jnp.where(
+            f.computed[..., None, None], new_router_lp, batch["old_router_logp"]
+        )
+        if critic:
+            values = jnp.where(f.computed, values, batch["old_values"])
     shift = routing.router_logp_shift(batch["old_router_logp"], new_router_lp)  # [N,T,L]
     gamma_raw = routing.gamma_of_shift(shift)
     fn = objectives.get(cfg.objective)
@@ -413,24 +455,27 @@ def policy_loss(params, batch: Batch, *, graphdef, cfg: StepConfig, norm, num_ro
     # Router losses. z_loss is a mean over the router's valid positions: weighted by
     # this micro-batch's share of them, the sum over micro-batches is the mini-batch's.
     # The load-balancing loss is a product of two means over a batch, so it is taken
-    # per micro-batch and averaged (as MoE trainers do); exact only when m = 1.
-    router_positions = router_tokens(batch)
+    # per micro-batch and averaged (as MoE trainers do; weighted by the micro-batch's
+    # share of the positions when packed, whose micro-batches vary in number); exact
+    # only with one micro-batch.
+    router_positions = f.router_tokens
     z_share = router_positions / jnp.maximum(num_router_tokens, 1.0)
-    loss = (
-        loss
-        + cfg.aux_loss_coef * aux.aux_loss / cfg.micro_batches
-        + cfg.z_loss_coef * aux.z_loss * z_share
-    )
+    lb_share = z_share if packed is not None else 1.0 / cfg.micro_batches
+    loss = loss + cfg.aux_loss_coef * f.aux_loss * lb_share + cfg.z_loss_coef * f.z_loss * z_share
     metrics.update(entropy=Mean.masked(jax.lax.stop_gradient(entropy), mask))
     # k3 estimate of KL(pi_old || pi_theta) on pi_old's tokens: at the first update of a
     # rollout, under trust_region 'behaviour', the behaviour-vs-proximal KL.
     log_r = jax.lax.stop_gradient(logp - batch["old_logp"])
     metrics.update(kl_k3=Mean.masked(jnp.expm1(log_r) - log_r, mask))
+    # Means over micro-batches: weighted by their routed positions when packed (their
+    # number varies), equally when padded (equal micro-batches).
+    per_micro = router_positions if packed is not None else 1.0
     metrics.update(
-        aux_loss=Mean.of(aux.aux_loss), z_loss=Mean.of(aux.z_loss, weight=router_positions)
+        aux_loss=Mean.of(f.aux_loss, weight=per_micro),
+        z_loss=Mean.of(f.z_loss, weight=router_positions),
     )
     gamma = jnp.maximum(gamma_floor(cfg), gamma_raw)
-    metrics.update(routing_metrics(batch, aux, mask, shift, gamma_raw, gamma))
+    metrics.update(routing_metrics(batch, f, mask, shift, gamma_raw, gamma, per_micro))
     return loss, metrics
 
 
@@ -441,7 +486,7 @@ def gamma_floor(cfg: StepConfig) -> float:
     return getattr(cfg.hparams, "gamma_min", objectives.get("rspo").defaults["gamma_min"])
 
 
-def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
+def routing_metrics(batch: Batch, f, mask, shift, gamma_raw, gamma, per_micro=1.0) -> dict:
     """The routing diagnostics of one update (docs/objectives.md, "Stability diagnostics").
 
     Flips compare the current *free* router's top-K (what it would choose, whatever
@@ -450,9 +495,8 @@ def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
     replay, R2 and R3. The router shift is reported raw (mean |delta log p| at pi_old's
     experts, and gamma before the floor) besides the floored ``gamma`` (`gamma_floor`).
     """
-    p, t = batch["prompt_tokens"].shape[1], batch["tokens"].shape[1]
     num_tokens = jnp.sum(mask)
-    free_topk = response_slice(aux.free_topk_indices, p, t)
+    free_topk = f.free_topk  # the forward's (`gspo_jax.passes.Forward`)
 
     def per_layer(name, layer_values):  # f32[L] -> the layer vector and its mean
         overall = jnp.mean(layer_values) if layer_values.size else jnp.zeros(())
@@ -479,9 +523,10 @@ def routing_metrics(batch: Batch, aux, mask, shift, gamma_raw, gamma) -> dict:
         flips = routing.expert_flip_fraction(batch["sampler_topk"], free_topk, mask)
         out.update(per_layer("flip_frac_vs_sampler", flips))
     if batch.get("replay") is not None:
-        mismatch = aux.replay_mismatch  # f32[L], a rate over all routed positions
-        out["replay_mismatch_layer"] = Mean.of(mismatch)
-        out["replay_mismatch"] = Mean.of(jnp.mean(mismatch) if mismatch.size else 0.0)
+        mismatch = f.replay_mismatch  # f32[L], a rate over all routed positions
+        w = per_micro  # the micro-batch's weight (`policy_loss`)
+        out["replay_mismatch_layer"] = Mean.of(mismatch, weight=w)
+        out["replay_mismatch"] = Mean.of(jnp.mean(mismatch) if mismatch.size else 0.0, weight=w)
     return out
 
 
@@ -513,8 +558,22 @@ def train_step(
     loss_fn = functools.partial(
         policy_loss, graphdef=graphdef, cfg=cfg, norm=norm, num_router_tokens=router_tokens(batch)
     )
-    loss, metrics, grads = _accumulate(
-        loss_fn, state.params, batch, cfg.micro_batches, cfg.trainable
+    valid = sequence_inputs(batch)[3]
+    if cfg.packing is None:
+        loss, metrics, grads = _accumulate(
+            loss_fn, state.params, batch, cfg.micro_batches, cfg.trainable
+        )
+        computed = jnp.asarray(valid.size, jnp.float32)
+    else:
+        plan = packing.plan(valid, cfg.packing)
+        loss, metrics, grads = _accumulate_packed(
+            loss_fn, state.params, batch, plan, cfg.packing.micro, cfg.trainable
+        )
+        computed = packing.computed_slots(plan, cfg.packing)
+    # The positions the forward computed, and the share of them that are real tokens.
+    metrics.update(
+        computed_tokens=Sum.of(computed),
+        real_token_share=Mean.of(jnp.sum(valid) / computed, weight=computed),
     )
     signal = has_signal(batch["advantages"], batch["mask"])
     new_state, norms = _apply_update(
@@ -539,15 +598,15 @@ def sft_loss(
 ):
     """Token-mean negative log-likelihood of the response given the prompt."""
     model = nnx.merge(graphdef, params)
-    logp, entropy, _, aux = forward(model, batch, None)
+    f = forward(model, batch, None)
     mask = batch["mask"].astype(jnp.float32)
-    nll = -jnp.sum(logp * mask) / num_tokens  # this micro-batch's share of the mean
+    nll = -jnp.sum(f.logp * mask) / num_tokens  # this micro-batch's share of the mean
     metrics = {
         "sft_nll": Sum.of(jax.lax.stop_gradient(nll)),
-        "entropy": Mean.masked(jax.lax.stop_gradient(entropy), mask),
-        "aux_loss": Mean.of(aux.aux_loss),
+        "entropy": Mean.masked(jax.lax.stop_gradient(f.entropy), mask),
+        "aux_loss": Mean.of(f.aux_loss),
     }
-    return nll + aux_loss_coef * aux.aux_loss / micro_batches, metrics
+    return nll + aux_loss_coef * f.aux_loss / micro_batches, metrics
 
 
 def sft_step(

@@ -178,7 +178,7 @@ def _attention_with_lse(q, k, v, mask, scale: float, impl: str, causal: bool):
     return out, lse.astype(jnp.float32)
 
 
-def _rows_sharded(cfg: ModelConfig, *xs):
+def rows_sharded(cfg: ModelConfig, *xs):
     """``xs`` constrained to the rows' sharding (the config's 'batch' rule) and
     replicated on every other axis, under a mesh set with `jax.set_mesh`; unchanged
     without one. cuDNN's attention partitioner refuses q, k and v sharded unlike
@@ -319,7 +319,7 @@ class Attention(nnx.Module):
             impl = attention_implementation(cfg, dt)
             qkvm = (q, k, v, mask[:, None])
             if impl == "cudnn":
-                qkvm = _pad_to_even(*_rows_sharded(cfg, *qkvm))
+                qkvm = _pad_to_even(*rows_sharded(cfg, *qkvm))
             out = jax.nn.dot_product_attention(
                 *qkvm[:3],
                 mask=qkvm[3],
@@ -358,7 +358,7 @@ class Attention(nnx.Module):
         v = v.astype(v_layers[0].dtype)
 
         def attend(keys, values, m, causal):
-            qkvm = _rows_sharded(cfg, q, keys.astype(dt), values.astype(dt), m[:, None])
+            qkvm = rows_sharded(cfg, q, keys.astype(dt), values.astype(dt), m[:, None])
             return _attention_with_lse(*qkvm, scale, impl, causal)
 
         out_new, lse_new = attend(k, v, mask, causal=True)

@@ -39,7 +39,7 @@ def make_mesh(shape: dict[str, int], devices: Optional[Sequence] = None) -> Mesh
 def on_mesh(fn, mesh: Mesh):
     """``fn`` (jit-compiled) called, and so traced, with ``mesh`` set (`jax.set_mesh`):
     the model's full forward reads it to shard cuDNN attention's inputs by rows
-    (`gspo_jax.models.layers._rows_sharded`). Only the programs are traced under it:
+    (`gspo_jax.models.layers.rows_sharded`). Only the programs are traced under it:
     creating parameters under a mesh would read their logical axis names as mesh axes."""
 
     @functools.wraps(fn)

@@ -6,7 +6,8 @@ each segment's stacked repeats), then the final norm and the output head
 decoding state.
 
 Attention masks work on cache slots: a query at slot q sees key slot s iff
-s <= q and slot s holds a real token (attn_mask == 1).  In the full forward the
+s <= q and slot s holds a real token (attn_mask != 0) of the query's own segment
+(attn_mask's value: one per row when padded, several in a packed row).  In the full forward the
 slots are 0..T-1; in `decode` they are the KV cache's slots, so left-padded
 prompts and one-token steps give the full forward's logits.  Positions (RoPE)
 are separate and given by the caller (default arange(T)).
@@ -180,6 +181,9 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         slots = jnp.arange(t, dtype=jnp.int32)
         mask = attention_mask(slots, slots, token_mask)  # [B, T, T] among the T tokens
+        if attn_mask is not None:  # a real token sees its own segment only (packed rows)
+            seg = attn_mask.astype(jnp.int32)
+            mask = mask & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, :, None] == 0))
         if cache is None:
             kc = vc = cache_mask = None
         else:
@@ -323,8 +327,10 @@ class Transformer(nnx.Module):
         Args:
           tokens: int32[B, T].
           positions: int32[B, T] RoPE positions (default arange(T) per row).
-          attn_mask: [B, T], 1 = real token, 0 = padding (never attended to;
-            excluded from router losses and load).
+          attn_mask: [B, T] segment ids: 0 = padding (never attended to; excluded
+            from router losses and load), and a real token attends to the earlier
+            tokens of its own segment only. A padded row's 0/1 mask is one segment;
+            a packed row (`gspo_jax.packing`) holds several.
           replay: int32[B, T, L, K] experts to force, -1 = free (a row is replayed
             iff all its K entries are >= 0).
 

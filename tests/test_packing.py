@@ -1,0 +1,228 @@
+"""Packed passes (gspo_jax.packing): the plan's rule, and the packed log-prob pass and
+train step equal to the padded ones, for every objective and loss normalisation, under
+routing replay (R2, R3), LoRA, the critic and the rollout correction."""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gspo_jax import objectives, packing, passes, step
+from gspo_jax.metrics import compute_all
+from gspo_jax.models import ModelConfig, Transformer, lora
+
+CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
+                  moe_d_ff=16, num_experts=4, top_k=2, value_head=True)
+N, P, T = 8, 5, 6
+S = P + T - 1
+# Buffer rows of S slots, two per micro-batch: the eight rows' real tokens need three
+# or four such micro-batches of the room for four.
+PACK = packing.Packing.for_batch(N, rows=2)
+
+
+def _valid(seed, n=N, s=S):
+    """A random [n, s] validity mask of contiguous runs (as a left-padded prompt and a
+    right-padded response make), lengths 1..s."""
+    rs = np.random.RandomState(seed)
+    valid = np.zeros((n, s), bool)
+    for i in range(n):
+        length = rs.randint(1, s + 1)
+        start = rs.randint(0, s - length + 1)
+        valid[i, start:start + length] = True
+    return valid
+
+
+_plan = jax.jit(packing.plan, static_argnums=1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_places_every_real_token_once(seed):
+    """Every valid position goes to one slot of one used micro-batch, in order within its
+    sequence; slots hold one sequence's tokens contiguously, as its segment; nothing else
+    is filled; the deal balances the micro-batches and the shards within them."""
+    n, s = 24, 10
+    valid = _valid(seed, n, s)
+    pk = packing.Packing.for_batch(n, rows=4, shards=2)
+    p = jax.device_get(_plan(valid, pk))
+    assert 1 <= p.used <= pk.micro and np.all(p.micro < p.used)
+    seen = np.zeros((pk.micro, pk.rows, s), int)
+    for i in range(n):
+        cols = p.slot_col[i][valid[i]]
+        np.testing.assert_array_equal(cols, cols[0] + np.arange(valid[i].sum()))  # contiguous, in order
+        j, b = p.micro[i], p.slot_row[i, 0]
+        seen[j, b, cols] += 1
+        np.testing.assert_array_equal(p.segment[j, b, cols], i + 1)
+        np.testing.assert_array_equal(p.src_row[j, b, cols], i)
+        np.testing.assert_array_equal(p.src_pos[j, b, cols], np.flatnonzero(valid[i]))
+    assert seen.max() == 1 and seen.sum() == valid.sum()
+    np.testing.assert_array_equal(p.segment > 0, seen == 1)
+    assert p.tokens.sum() == valid.sum() and np.all(p.tokens[p.used:] == 0)
+    # Fewest micro-batches the buffer rows allow, and balanced: each micro-batch and
+    # each shard of one within one sequence's length of the others.
+    bins = int(np.sum(np.any(p.segment > 0, axis=2)))
+    assert p.used == -(-bins // pk.rows)
+    per_shard = (p.segment > 0).reshape(pk.micro, pk.shards, -1).sum(-1)[: p.used]
+    assert per_shard.max() - per_shard.min() <= s, per_shard
+
+
+def test_plan_is_deterministic_and_needs_room():
+    """The same mask gives the same plan; a shape with no room for the worst case (every
+    sequence a buffer row of its own) is refused, naming the sizes."""
+    valid = _valid(0)
+    a, b = _plan(valid, PACK), _plan(jnp.asarray(valid), PACK)
+    chex.assert_trees_all_equal(a, b)
+    with pytest.raises(ValueError, match="3 micro-batches of 2 buffer rows cannot hold 8"):
+        packing.plan(valid, packing.Packing(rows=2, micro=3))
+    with pytest.raises(ValueError, match="rows a multiple of shards"):
+        packing.Packing(rows=3, micro=4, shards=2)
+
+
+def test_packed_attention_is_blind_across_sequences():
+    """Two sequences in one buffer row, positions restarting at the second: each token's
+    log-prob equals that of its sequence run alone (RoPE and the causal mask per
+    segment). Shifting the first sequence's tokens leaves the second's unchanged."""
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    rs = np.random.RandomState(1)
+    a, b = rs.randint(3, 24, 5), rs.randint(3, 24, 7)
+    row = jnp.asarray(np.concatenate([a, b])[None], jnp.int32)
+    pos = jnp.asarray(np.concatenate([np.arange(5), np.arange(7)])[None], jnp.int32)
+    seg = jnp.asarray(np.array([1] * 5 + [2] * 7)[None], jnp.int32)
+    logits, _ = model(row, positions=pos, attn_mask=seg)
+    alone_a, _ = model(jnp.asarray(a[None], jnp.int32))
+    alone_b, _ = model(jnp.asarray(b[None], jnp.int32))
+    np.testing.assert_allclose(logits[0, :5], alone_a[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[0, 5:], alone_b[0], rtol=1e-5, atol=1e-5)
+    other = row.at[0, :5].set((row[0, :5] + 1) % 24)
+    shifted, _ = model(other, positions=pos, attn_mask=seg)
+    np.testing.assert_allclose(shifted[0, 5:], logits[0, 5:], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(shifted[0, :5], logits[0, :5])
+
+
+def _batch(graphdef, params, seed=0):
+    """N rows of left-padded prompts (1..P real tokens) and right-padded responses
+    (0..T real tokens, one of each extreme), with pi_old's records, advantages, a
+    reference and the critic's targets."""
+    rs = np.random.RandomState(seed)
+    prompt_len = rs.randint(1, P + 1, N)
+    resp_len = rs.randint(0, T + 1, N)
+    resp_len[0], resp_len[1], prompt_len[2] = T, 0, P
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.float32)
+    mask = (np.arange(T)[None] < resp_len[:, None]).astype(np.float32)
+    batch = {
+        "prompt_tokens": jnp.asarray(rs.randint(3, 24, (N, P)), jnp.int32),
+        "prompt_mask": jnp.asarray(prompt_mask),
+        "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
+        "mask": jnp.asarray(mask),
+    }
+    old = passes.logprob_pass(params, batch, graphdef=graphdef, values=True)
+    batch.update(
+        old_logp=old["logp"] + jnp.asarray(rs.normal(0, 0.05, (N, T)), jnp.float32),
+        old_topk=old["topk_resp"],
+        old_free_topk=old["free_topk_resp"],
+        old_router_logp=old["router_logp"],
+        sampler_topk=old["free_topk_resp"],
+        ref_logp=old["logp"] - 0.1,
+        advantages=jnp.asarray(rs.normal(size=N), jnp.float32),
+        old_values=old["values"],
+        returns=old["values"] + jnp.asarray(rs.normal(0, 0.5, (N, T)), jnp.float32),
+        rc_weight=jnp.asarray(rs.uniform(0.5, 1.5, (N, T)), jnp.float32),
+    )
+    return batch, old
+
+
+@pytest.fixture(scope="module")
+def setup():
+    graphdef, params = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+    batch, old = _batch(graphdef, params)
+    return graphdef, params, batch, old
+
+
+def test_packed_logprob_pass_equals_padded(setup):
+    """The old pass packed gives every output the padded pass gives, at every real
+    position (the response's log-probs, entropies, values, routing records), in one
+    micro-batch or several."""
+    graphdef, params, batch, old = setup
+    valid = np.asarray(passes.sequence_inputs(batch)[3]) > 0
+    resp = np.asarray(batch["mask"]) > 0
+    for shape in (PACK, packing.Packing.for_batch(N, rows=N)):
+        got = jax.jit(functools.partial(passes.logprob_pass, graphdef=graphdef, values=True,
+                                        packing_shape=shape))(params, batch)
+        assert set(got) == set(old)
+        for key in ("logp", "entropy", "values", "router_logp"):
+            np.testing.assert_allclose(np.asarray(got[key])[resp], np.asarray(old[key])[resp],
+                                       rtol=1e-5, atol=1e-5, err_msg=key)
+        for key, where in (("topk", valid), ("topk_resp", resp), ("free_topk_resp", resp)):
+            np.testing.assert_array_equal(np.asarray(got[key])[where], np.asarray(old[key])[where], err_msg=key)
+
+
+def _step(setup, cfg, batch=None, params=None):
+    graphdef, base_params, base_batch, _ = setup
+    params = base_params if params is None else params
+    opt = optax.sgd(1e-2)  # linear in the gradient: equal parameters are equal gradients
+    state = step.TrainState.create(params, opt.init(params))
+    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
+                                   schedule=optax.constant_schedule(1e-2), cfg=cfg))
+    state, m = fn(state, base_batch if batch is None else batch, jax.random.key(0))
+    return state, compute_all(m)
+
+
+def _assert_same(setup, cfg, batch=None, params=None, *, micro=1):
+    """One update padded (``micro`` micro-batches) and packed: the same loss, gradient,
+    parameters and metrics (but for the positions computed, which is the point)."""
+    s1, m1 = _step(setup, dataclasses.replace(cfg, micro_batches=micro), batch, params)
+    s2, m2 = _step(setup, dataclasses.replace(cfg, packing=PACK), batch, params)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
+    assert set(m1) == set(m2)
+    for key in sorted(set(m1) - {"computed_tokens", "real_token_share", "aux_loss", "replay_mismatch",
+                                  "replay_mismatch_layer"}):
+        np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-6, err_msg=key)
+    assert m2["computed_tokens"] < m1["computed_tokens"] == N * S
+    assert m2["real_token_share"] > m1["real_token_share"]
+    return m1, m2
+
+
+@pytest.mark.parametrize("objective", objectives.names())
+def test_packed_step_equals_padded_for_every_objective(setup, objective):
+    """Every registered objective at its defaults (with the KL term where it has one, and
+    the rollout correction's weights): packed equals padded."""
+    cfg = step.step_config(objective, z_loss_coef=0.01)
+    batch = setup[2] if objective != "rspo" else dict(setup[2])
+    _assert_same(setup, cfg, batch)
+
+
+@pytest.mark.parametrize("agg", objectives.AGG_MODES)
+def test_packed_step_equals_padded_under_every_normalisation(setup, agg):
+    """GRPO under each loss normalisation (token-mean over the mini-batch, the sequence
+    means, Dr.GRPO's constant), against the padded step in two micro-batches."""
+    _assert_same(setup, step.step_config("grpo", {"agg": agg}), micro=2)
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_packed_step_equals_padded_under_routing_replay(setup, mode):
+    """RSPO (the router shift) with the replayed experts moving with their tokens: R2's
+    record from the old pass, R3's a record of other experts (the sampler's)."""
+    graphdef, params, batch, old = setup
+    record = old["topk"]
+    if mode == "R3":
+        record = (record + 1) % CFG.num_experts
+    m1, m2 = _assert_same(setup, step.step_config("rspo"), dict(batch, replay=record))
+    assert m1["replay_mismatch"] > 0 if mode == "R3" else True
+
+
+def test_packed_step_equals_padded_with_the_critic_and_lora(setup):
+    """PPO's clipped value loss on the critic's values, and a LoRA update (adapters
+    trained, base frozen): packed equals padded."""
+    graphdef, params, batch, _ = setup
+    _assert_same(setup, step.step_config("ppo", value_coef=0.5))
+    model = nnx.merge(graphdef, params)
+    lora.add_adapters(model, lora.LoRASpec(2, 4.0, tuple(lora.TARGETS)), jax.random.key(3))
+    lora_graphdef, lora_params = nnx.split(model)
+    lora_setup = (lora_graphdef, lora_params, batch, None)
+    _assert_same(lora_setup, step.step_config("gspo", trainable="lora"), batch)
