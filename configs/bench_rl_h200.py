@@ -6,8 +6,8 @@ vocabulary (rows past the character tokenizer's are padding, never sampled), f32
 parameters and bf16 compute, 8 layers by default; randomly initialised, so responses
 run to ``max_new_tokens`` unless the end token happens to be drawn. The rollout: 64
 prompts x 8 samples, 1,024 new tokens, 4 mini-batches of 128 rows in micro-batches of 32
-(the train step's shape of the accelerator benchmark), no warm start, no evaluation, no
-checkpoints.
+rows' tokens (the train step's shape of the accelerator benchmark; packed, or padded with
+``--config.updates.packing=False``), no warm start, no evaluation, no checkpoints.
 
     python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py --steps 3
     python -m experiments.bench.bench_rl_step --config configs/bench_rl_h200.py:layers=16
@@ -55,15 +55,16 @@ def get_config(arg: str | None = None):
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 1024
     c.updates.num_minibatches = 4
-    c.updates.micro_batches = 4
-    c.updates.logprob_micro_batches = 4
     if args.get("tiny"):
         # 32 rows: mini-batches of 8, one row per device on 8 (the tests' fake devices).
         c.rollout.prompts_per_step = 8
         c.rollout.group_size = 4
         c.rollout.max_new_tokens = 16
-        c.updates.micro_batches = 1
     if args.get("smoke"):
         config_lib.apply_smoke(c)
-        c.updates.logprob_micro_batches = 1
+    # Micro-batches (and log-prob pieces) of 32 rows' tokens: packed buffer rows, or with
+    # --config.updates.packing=False the padded twin's 32 rows (4 per mini-batch of 128).
+    seq = c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1
+    c.updates.micro_batch_tokens = 32 * seq
+    c.updates.micro_batches = c.updates.logprob_micro_batches = 1
     return c

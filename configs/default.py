@@ -44,4 +44,9 @@ def get_config(arg: str | None = None):
         c.optimizer.lr = LORA_LR
     if args.get("smoke"):
         config_lib.apply_smoke(c)
+    else:
+        # Packed micro-batches of 32 buffer rows (gspo_jax.packing): a mini-batch's real
+        # tokens fill about 5 of the 8 that its 256 padded rows would (experiments/packing.md).
+        seq = c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1
+        c.updates.micro_batch_tokens = 32 * seq
     return c

@@ -296,7 +296,7 @@ class Budget:
     def gradients(self) -> float:
         """N * bytes(param_dtype) / param shards; twice with micro_batches > 1 (the
         micro-batch scan's accumulator and the current micro-batch's gradient,
-        `step._accumulate`)."""
+        `step.accumulate`)."""
         return self.parameters() * (2 if self.run.micro_batches > 1 else 1)
 
     def reference(self) -> float:

@@ -45,6 +45,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from gspo_jax.config_fields import err
+
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
@@ -143,9 +145,7 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
     n, s = valid.shape
     r, m, d = packing.rows, packing.micro, packing.shards
     if m * r < n:
-        raise ValueError(
-            f"Packing: {m} micro-batches of {r} buffer rows cannot hold {n} sequences"
-        )
+        raise ValueError(f"Packing: {m} micro-batches of {r} buffer rows cannot hold {n} sequences")
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
     bins, offsets, loads = _first_fit_decreasing(lengths, s)
     used_bins = jnp.sum(loads > 0, dtype=jnp.int32)
@@ -221,3 +221,75 @@ def _gather(p: Plan, y, micro, sel, window):
 def computed_slots(p: Plan, packing: Packing) -> jax.Array:
     """f32[]: the buffer slots the used micro-batches compute (real tokens and empty)."""
     return (p.used * packing.rows * p.valid.shape[1]).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """How a run's train step and log-prob passes lay out their rows (`shapes`).
+
+    train, logprob: the packed shapes of the mini-batch and of the rollout batch, or
+      None (padded rows).
+    micro_batches, logprob_micro_batches: the padded rows' pieces (unused when packed).
+    """
+
+    train: Packing | None
+    logprob: Packing | None
+    micro_batches: int = 1
+    logprob_micro_batches: int = 1
+
+
+def shapes(updates, run, shards: int) -> Shapes:
+    """The `Shapes` of a run (``run``, its `gspo_jax.run_config.RunConfig`, and
+    ``updates``, its ``config.updates``) over ``shards`` batch shards.
+
+    Without a token budget (``updates.micro_batch_tokens`` 0) micro-batches hold the
+    padded rows' count (``micro_batches``, ``logprob_micro_batches``), packed or not.
+    With one, each holds ``budget // S`` rows of S = max_prompt_len + max_new_tokens - 1
+    slots: packed buffer rows, or padded rows (``updates.packing`` False: the padded twin
+    of a packed run, in the same micro-batch shape). Raises the error naming the field of
+    a budget that cannot hold the longest sequence, that the batch shards do not divide,
+    or whose padded micro-batches do not divide the batch.
+    """
+    budget, packed = updates.micro_batch_tokens, updates.packing
+    n = run.rollout.prompts_per_step * run.rollout.group_size
+    mini = n // updates.num_minibatches
+    if not budget:
+        micro, lp = updates.micro_batches, updates.logprob_micro_batches
+        if not packed:
+            return Shapes(None, None, micro, lp)
+        return Shapes(
+            Packing.for_batch(mini, mini // micro, shards), Packing.for_batch(n, n // lp, shards)
+        )
+    seq = run.rollout.max_prompt_len + run.rollout.max_new_tokens - 1
+    rows = budget // seq
+    if rows < 1:
+        raise err(
+            "updates.micro_batch_tokens",
+            f"{budget} is smaller than the longest sequence, max_prompt_len + "
+            f"max_new_tokens - 1 = {seq} tokens",
+        )
+    if rows % shards:
+        raise err(
+            "updates.micro_batch_tokens",
+            f"{budget} holds {rows} rows of {seq} tokens, not divisible by the "
+            f"data*fsdp*expert = {shards} batch shards: use a multiple of {seq * shards}",
+        )
+    for name in ("micro_batches", "logprob_micro_batches"):
+        if getattr(updates, name) != 1:
+            raise err(
+                f"updates.{name}",
+                f"{getattr(updates, name)}: with updates.micro_batch_tokens the token "
+                "budget makes the micro-batches; leave it at 1",
+            )
+    train_rows, logprob_rows = min(rows, mini), min(rows, n)
+    if packed:
+        return Shapes(
+            Packing.for_batch(mini, train_rows, shards), Packing.for_batch(n, logprob_rows, shards)
+        )
+    if mini % train_rows or n % logprob_rows:
+        raise err(
+            "updates.micro_batch_tokens",
+            f"{budget} makes padded micro-batches of {rows} rows, which do not divide the "
+            f"mini-batch of {mini} rows and the rollout batch of {n} (updates.packing=False)",
+        )
+    return Shapes(None, None, mini // train_rows, n // logprob_rows)

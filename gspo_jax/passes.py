@@ -100,7 +100,9 @@ def _run(model, batch: Batch, replay, *, values, temperature, at_topk, packed):
     if packed is not None:
         plan, j = packed
         take = functools.partial(packing.pack, plan, j)
-        inputs, targets, positions = rows_sharded(model.cfg, *map(take, (inputs, targets, positions)))
+        inputs, targets, positions = rows_sharded(
+            model.cfg, *map(take, (inputs, targets, positions))
+        )
         attn = plan.segment[j]
         replay = None if replay is None else take(replay)
     h, aux = model.hidden(inputs, positions=positions, attn_mask=attn, replay=replay)
@@ -226,28 +228,33 @@ def logprob_pass(
         kw = dict(values=values, temperature=temperature, at_topk=None, packed=packed)
         return _run(model, rows, replay, **kw)[0]
 
-    in_rows = _padded_rows(p, t)
-
+    n = batch["tokens"].shape[0]
     if packing_shape is not None:
-        # Each used micro-batch's outputs into its slot of [m, r, S, ...] buffers, then
-        # one gather back to the rows.
         plan = packing.plan(sequence_inputs(rows)[3], packing_shape)
-        first = run(rows, (plan, 0))
-        bufs = jax.tree.map(lambda y: jnp.zeros((packing_shape.micro,) + y.shape, y.dtype), first)
-        bufs = jax.tree.map(lambda b, y: b.at[0].set(y), bufs, first)
-        body = lambda j, b: jax.tree.map(  # noqa: E731
-            lambda bj, y: bj.at[j].set(y), b, run(rows, (plan, j))
-        )
-        bufs = jax.lax.fori_loop(1, plan.used, body, bufs)
-        out = _to_rows(bufs, lambda y, w: packing.unpack_all(plan, y, w), p, t)
+        if packing_shape.micro == 1:  # one micro-batch: no loop, no buffers
+            out = _to_rows(run(rows, (plan, 0)), lambda y, w: packing.unpack(plan, 0, y, w), p, t)
+        else:  # each used micro-batch into its slot of [m, r, S, ...] buffers, one gather back
+            first = run(rows, (plan, 0))
+            bufs = jax.tree.map(
+                lambda y: jnp.zeros((packing_shape.micro,) + y.shape, y.dtype), first
+            )
+            bufs = jax.tree.map(lambda b, y: b.at[0].set(y), bufs, first)
+            body = lambda j, b: jax.tree.map(  # noqa: E731
+                lambda bj, y: bj.at[j].set(y), b, run(rows, (plan, j))
+            )
+            bufs = jax.lax.fori_loop(1, plan.used, body, bufs)
+            out = _to_rows(bufs, lambda y, w: packing.unpack_all(plan, y, w), p, t)
+        out["computed_tokens"] = packing.computed_slots(plan, packing_shape)
     elif micro_batches == 1:
-        out = _to_rows(run(rows), in_rows, p, t)
+        out = _to_rows(run(rows), _padded_rows(p, t), p, t)
     else:
-        n = batch["tokens"].shape[0]
         if n % micro_batches:
-            raise ValueError(f"logprob_pass: micro_batches={micro_batches} does not divide {n} rows")
-        pieces = jax.lax.map(lambda r: _to_rows(run(r), in_rows, p, t), split_micro(rows, micro_batches))
-        out = merge_micro(pieces)
+            raise ValueError(
+                f"logprob_pass: micro_batches={micro_batches} does not divide {n} rows"
+            )
+        in_rows = functools.partial(_to_rows, to_rows=_padded_rows(p, t), p=p, t=t)
+        out = merge_micro(jax.lax.map(lambda r: in_rows(run(r)), split_micro(rows, micro_batches)))
+    out.setdefault("computed_tokens", jnp.asarray(n * (p + t - 1), jnp.float32))
     out["free_topk_resp"] = out.pop("free_topk")
     out["topk_resp"] = response_slice(out["topk"], p, t)
     return out

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from gspo_jax import advantages as adv_lib
 from gspo_jax import lora_training, offpolicy, passes
 from gspo_jax import metrics as metrics_lib
+from gspo_jax import packing as packing_lib
 from gspo_jax.objectives.correction import RolloutCorrection
 
 # Under updates.trust_region='behaviour', pi_old's routing references are the sampler's:
@@ -53,6 +54,8 @@ class PrepareConfig:
       reference routers where the routers train).
     top_k: the model's experts per token (the empty routing references of a dense
       model under 'behaviour').
+    packing: the log-prob passes' packed shape (`gspo_jax.packing`), or None: padded
+      rows in ``logprob_micro_batches`` pieces.
     """
 
     estimator: str
@@ -67,28 +70,34 @@ class PrepareConfig:
     moe: bool
     reference: str
     top_k: int
+    packing: packing_lib.Packing | None = None
 
     def __post_init__(self):
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
 
     @classmethod
-    def of(cls, cfg, model_cfg, reference: str) -> PrepareConfig:
+    def of(cls, cfg, model_cfg, reference: str, shapes=None) -> PrepareConfig:
         """The switches of a run: its loaded config ``cfg`` (`gspo_jax.run_config.RunConfig`),
-        its model's ``model_cfg``, and how its pi_ref is made (``reference``)."""
+        its model's ``model_cfg``, how its pi_ref is made (``reference``) and how the
+        passes lay out the rows (``shapes``, `gspo_jax.packing.shapes`; None: padded, in
+        ``updates.logprob_micro_batches`` pieces)."""
+        if shapes is None:
+            shapes = packing_lib.Shapes(None, None, 1, cfg.updates.logprob_micro_batches)
         return cls(
             estimator=cfg.advantage,
             group_size=cfg.rollout.group_size,
             gamma=cfg.gae.gamma,
             lam=cfg.gae.lam,
             temperature=cfg.rollout.temperature,
-            logprob_micro_batches=cfg.updates.logprob_micro_batches,
+            logprob_micro_batches=shapes.logprob_micro_batches,
             trust_region=cfg.updates.trust_region,
             rollout_correction=cfg.rollout_correction,
             routing_replay=cfg.updates.routing_replay,
             moe=model_cfg.num_moe_layers > 0,
             reference=reference,
             top_k=model_cfg.top_k,
+            packing=shapes.logprob,
         )
 
     @property
@@ -155,6 +164,7 @@ def prepare_batch(params, reference, dev, rewards, step, *, graphdef, cfg: Prepa
         graphdef=graphdef,
         temperature=cfg.temperature,
         micro_batches=cfg.logprob_micro_batches,
+        packing_shape=cfg.packing,
     )
     batch = {k: dev[k] for k in BATCH_KEYS}
     old = None
@@ -198,6 +208,10 @@ def prepare_batch(params, reference, dev, rewards, step, *, graphdef, cfg: Prepa
     elif cfg.reference == "lora":
         batch["ref_logp"] = logp_pass(lora_training.reference(params, reference), dev)["logp"]
     info: dict[str, Any] = offpolicy.staleness_metrics(dev["policy_version"], dev["mask"], step)
+    if old is not None:  # the positions each log-prob pass computed, and their real share
+        valid = jnp.sum(passes.sequence_inputs(dev)[3])
+        info.update(logprob_computed_tokens=old["computed_tokens"])
+        info.update(logprob_real_token_share=valid / old["computed_tokens"])
     if not cfg.behaviour:
         info.update(
             passes.mismatch_metrics(

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import checkpoint, heldout, lora_training, offpolicy, step
+from gspo_jax import checkpoint, heldout, lora_training, offpolicy, packing, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
@@ -199,9 +199,11 @@ class RLPhase:
         cfg = trainer.cfg
         self.updates_per_step = cfg.updates.num_minibatches * cfg.updates.num_epochs
         self.optimizer, self.sched = rl_optimizer(trainer.cfg)
+        shards = int(np.prod([trainer.mesh.shape[a] for a in BATCH_AXES]))
+        self.shapes = packing.shapes(cfg.updates, cfg, shards)  # packed or padded rows
         self.step_cfg = step.StepConfig(
             hparams=cfg.objective.hparams,
-            micro_batches=cfg.updates.micro_batches,
+            micro_batches=self.shapes.micro_batches,
             aux_loss_coef=cfg.updates.aux_loss_coef,
             z_loss_coef=cfg.updates.z_loss_coef,
             entropy_coef=cfg.entropy_coef,
@@ -210,6 +212,7 @@ class RLPhase:
             temperature=cfg.rollout.temperature,
             update_without_signal=cfg.updates.update_without_signal,
             trainable=lora_training.trainable(cfg.lora, "rl"),
+            packing=self.shapes.train,
         )
         # The routing record the training rollouts keep: R3 replays all of it; an MoE
         # model's mismatch metrics compare the response tokens' with the trainer's.
@@ -241,7 +244,7 @@ class RLPhase:
         # Stages 4-6, one program (gspo_jax.prepare): pi_old's and pi_ref's passes, the
         # advantages, the rollout correction and the step's diagnostics.
         ref = "lora" if self.lora and trainer.kl_coef else "full" if kl else "none"
-        self.prepare_cfg = PrepareConfig.of(cfg, trainer.model_cfg, ref)
+        self.prepare_cfg = PrepareConfig.of(cfg, trainer.model_cfg, ref, self.shapes)
         self.prepare_fn = on_mesh(
             jax.jit(
                 functools.partial(prepare_batch, graphdef=trainer.graphdef, cfg=self.prepare_cfg)

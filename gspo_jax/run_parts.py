@@ -186,7 +186,7 @@ class RunParts:
     def jit_step(self, fn, state, **static):
         """``fn(state, batch, rng, graphdef=..., **static)`` jit-compiled with the
         state's shardings kept and the state donated (:func:`gspo_jax.step.train_step`,
-        :func:`gspo_jax.step.sft_step`)."""
+        :func:`gspo_jax.sft.sft_step`)."""
         shardings = self._state_shardings(state)
         jitted = jax.jit(
             functools.partial(fn, graphdef=self.graphdef, **static),

@@ -1,7 +1,7 @@
 """The supervised warm start: a policy that is sometimes right before RL begins.
 
 The data set's reference solutions, trained on with the token-mean NLL
-(:func:`gspo_jax.step.sft_step`), ``config.sft.steps`` steps. It is a phase of its own,
+(:func:`sft_step`), ``config.sft.steps`` steps. It is a phase of its own,
 with its own checkpoints (``checkpoints/sft``); once RL has begun it is never repeated,
 and its final parameters are the reference policy of a KL term
 (:func:`reference_for_resume`).
@@ -9,20 +9,78 @@ and its final parameters are the reference policy of a KL term
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from gspo_jax import config as config_lib
 from gspo_jax import loop, lora_training, safety, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
+from gspo_jax.metrics import Mean, Sum
+from gspo_jax.passes import forward
 from gspo_jax.run_config import RunConfig
 from gspo_jax.run_parts import RunParts
+
+
+def sft_loss(
+    params,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef,
+    num_tokens,
+    micro_batches: int,
+    aux_loss_coef: float,
+):
+    """Token-mean negative log-likelihood of the response given the prompt."""
+    model = nnx.merge(graphdef, params)
+    f = forward(model, batch, None)
+    mask = batch["mask"].astype(jnp.float32)
+    nll = -jnp.sum(f.logp * mask) / num_tokens  # this micro-batch's share of the mean
+    metrics = {
+        "sft_nll": Sum.of(jax.lax.stop_gradient(nll)),
+        "entropy": Mean.masked(jax.lax.stop_gradient(f.entropy), mask),
+        "aux_loss": Mean.of(f.aux_loss),
+    }
+    return nll + aux_loss_coef * f.aux_loss / micro_batches, metrics
+
+
+def sft_step(
+    state: step.TrainState,
+    batch: dict[str, jax.Array],
+    rng: jax.Array,
+    *,
+    graphdef,
+    optimizer,
+    schedule,
+    micro_batches: int = 1,
+    aux_loss_coef: float = 0.0,
+    trainable: str = "all",
+):
+    """One supervised update on prompt+reference-response sequences (of the
+    ``trainable`` parameters: all, or with LoRA all but the adapters). Returns (the new
+    state, the update's metrics, mergeable as `train_step`'s)."""
+    del rng
+    num_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+    loss_fn = functools.partial(
+        sft_loss,
+        graphdef=graphdef,
+        num_tokens=num_tokens,
+        micro_batches=micro_batches,
+        aux_loss_coef=aux_loss_coef,
+    )
+    loss, metrics, grads = step.accumulate(loss_fn, state.params, batch, micro_batches, trainable)
+    new_state, norms = step.apply_update(
+        state, grads, loss, optimizer, schedule, trainable=trainable
+    )
+    return new_state, dict(metrics, loss=Mean.of(loss), **norms)
 
 
 def sft_batch(t: RunParts, position: int) -> tuple[dict[str, np.ndarray], int]:
@@ -105,7 +163,7 @@ class WarmStart:
         self.fn = None
         if self.start < self.steps:
             self.fn = t.jit_step(
-                step.sft_step,
+                sft_step,
                 self.state,
                 optimizer=optimizer,
                 schedule=sched,

@@ -53,6 +53,20 @@ class UpdatesConfig:
     micro_batches: int = setting(
         1, low=1, doc="gradient accumulation inside a mini-batch; divides it"
     )
+    packing: bool = setting(
+        True,
+        doc="the train step's and the log-prob passes' forwards on packed buffers, the "
+        "rows' real tokens end to end (gspo_jax.packing); the same loss and gradient as "
+        "padded rows, to float rounding",
+    )
+    micro_batch_tokens: int = setting(
+        0,
+        low=0,
+        doc="the token budget of a micro-batch (and of a log-prob pass's piece), in rows "
+        "of max_prompt_len + max_new_tokens - 1 slots: packed buffer rows, of which only "
+        "those the real tokens fill are computed, or with packing off padded rows (the "
+        "padded twin). 0: micro-batches by row count (micro_batches, logprob_micro_batches)",
+    )
     logprob_micro_batches: int = setting(
         1,
         low=1,
@@ -136,6 +150,7 @@ class UpdatesConfig:
                 f"{lp} pieces of the rollout batch of {n} sequences: each must be a whole "
                 f"number of sequences divisible by the data*fsdp*expert = {shards} batch shards",
             )
+        packing.shapes(self, run, shards)  # the token budget's own checks
 
 
 @flax.struct.dataclass
@@ -250,7 +265,7 @@ def make_optimizer(
     return optax.chain(*parts), sched
 
 
-def _apply_update(
+def apply_update(
     state: TrainState, grads, loss, optimizer, schedule, apply=True, trainable: str = "all"
 ):
     """The optimizer update of the ``trainable`` parameters (`lora.partition`), unless
@@ -311,7 +326,7 @@ def _apply_update(
     return new_state, norms
 
 
-def _accumulate(loss_fn, params, batch, m: int, trainable: str = "all"):
+def accumulate(loss_fn, params, batch, m: int, trainable: str = "all"):
     """Sum of value-and-grad of ``loss_fn`` over m micro-batches (lax.scan); the
     gradient of the ``trainable`` parameters only (`lora.partition`; the rest frozen).
 
@@ -349,7 +364,7 @@ def _accumulate(loss_fn, params, batch, m: int, trainable: str = "all"):
 
 
 def _accumulate_packed(loss_fn, params, batch, plan: packing.Plan, m: int, trainable: str):
-    """`_accumulate` over the micro-batches of a packing ``plan``: only its ``plan.used``
+    """`accumulate` over the micro-batches of a packing ``plan``: only its ``plan.used``
     ones are computed (a ``while`` loop; ``m`` is the most it may use), each the rows it
     packs, and their metrics merged as they come."""
     params, frozen = lora.partition(params, trainable)
@@ -560,7 +575,7 @@ def train_step(
     )
     valid = sequence_inputs(batch)[3]
     if cfg.packing is None:
-        loss, metrics, grads = _accumulate(
+        loss, metrics, grads = accumulate(
             loss_fn, state.params, batch, cfg.micro_batches, cfg.trainable
         )
         computed = jnp.asarray(valid.size, jnp.float32)
@@ -576,7 +591,7 @@ def train_step(
         real_token_share=Mean.of(jnp.sum(valid) / computed, weight=computed),
     )
     signal = has_signal(batch["advantages"], batch["mask"])
-    new_state, norms = _apply_update(
+    new_state, norms = apply_update(
         state,
         grads,
         loss,
@@ -587,52 +602,3 @@ def train_step(
     )
     no_signal = Sum.of(1.0 - signal.astype(jnp.float32))
     return new_state, dict(metrics, loss=Mean.of(loss), no_signal=no_signal, **norms)
-
-
-# --------------------------------------------------------------------------
-# Supervised warm start.
-
-
-def sft_loss(
-    params, batch: Batch, *, graphdef, num_tokens, micro_batches: int, aux_loss_coef: float
-):
-    """Token-mean negative log-likelihood of the response given the prompt."""
-    model = nnx.merge(graphdef, params)
-    f = forward(model, batch, None)
-    mask = batch["mask"].astype(jnp.float32)
-    nll = -jnp.sum(f.logp * mask) / num_tokens  # this micro-batch's share of the mean
-    metrics = {
-        "sft_nll": Sum.of(jax.lax.stop_gradient(nll)),
-        "entropy": Mean.masked(jax.lax.stop_gradient(f.entropy), mask),
-        "aux_loss": Mean.of(f.aux_loss),
-    }
-    return nll + aux_loss_coef * f.aux_loss / micro_batches, metrics
-
-
-def sft_step(
-    state: TrainState,
-    batch: Batch,
-    rng: jax.Array,
-    *,
-    graphdef,
-    optimizer,
-    schedule,
-    micro_batches: int = 1,
-    aux_loss_coef: float = 0.0,
-    trainable: str = "all",
-):
-    """One supervised update on prompt+reference-response sequences (of the
-    ``trainable`` parameters: all, or with LoRA all but the adapters). Returns (the new
-    state, the update's metrics, mergeable as `train_step`'s)."""
-    del rng
-    num_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
-    loss_fn = functools.partial(
-        sft_loss,
-        graphdef=graphdef,
-        num_tokens=num_tokens,
-        micro_batches=micro_batches,
-        aux_loss_coef=aux_loss_coef,
-    )
-    loss, metrics, grads = _accumulate(loss_fn, state.params, batch, micro_batches, trainable)
-    new_state, norms = _apply_update(state, grads, loss, optimizer, schedule, trainable=trainable)
-    return new_state, dict(metrics, loss=Mean.of(loss), **norms)

@@ -154,6 +154,46 @@ def test_ragged_train_step_reads_experts_in_place(h200):
     assert 1 <= r["hlo_over_model"] <= 1.3 * r["expected_over_model"]
 
 
+def test_ragged_backward_leaves_the_stacked_expert_weights_in_their_layout(h200):
+    """The lhs gradient of the grouped matmul reads each expert matrix transposed. On
+    the GPU that transpose is of the layer's own bf16 weight: XLA's layout assignment
+    does not move it up to the stacked f32 weights that the layer scan slices, which
+    used to be transposed whole into a copy before the backward's layer loop (18 GiB
+    at the benchmark's 16 layers: `dispatch.transposed_in_place`, docs/moe.md)."""
+    from gspo_jax.models import dispatch
+
+    layers, e, d, f, n, k = 3, 8, 256, 128, 64, 2
+
+    def step(ws, x, idx, gates):
+        def loss(ws):
+            def layer(h, w):
+                wg, wu, wd = (a.astype(jnp.bfloat16) for a in w)
+                return h + dispatch.dispatch_ragged(h, idx, gates, wg, wu, wd), None
+
+            h, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
+            return jnp.sum(h.astype(jnp.float32) ** 2)
+
+        return jax.tree.map(lambda w, g: w - g, ws, jax.grad(loss)(ws))
+
+    sh = jax.sharding.SingleDeviceSharding(h200.devices[0])
+    up, down = (layers, e, d, f), (layers, e, f, d)
+    ws = tuple(jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh) for s in (up, up, down))
+    rows = [((n, d), jnp.bfloat16), ((n, k), jnp.int32), ((n, k), jnp.bfloat16)]
+    args = [jax.ShapeDtypeStruct(s, t, sharding=sh) for s, t in rows]
+    with targets.compiling_for(h200):
+        text = jax.jit(step, donate_argnums=0).lower(ws, *args).compile().as_text()
+    stacked = {f"f32[{','.join(map(str, s))}]" for s in (up, down)}
+    moved = [
+        i
+        for c in hlo.parse_module(text).values()
+        for i in c.instrs
+        if i.type.split("{")[0] in stacked
+        and (i.opcode == "transpose" or not i.type.endswith("{3,2,1,0}"))
+    ]
+    assert moved == [], [f"{i.opcode} {i.type}" for i in moved]
+    assert "mosaic_gpu_v2" in text  # the GPU kernels, not XLA's ragged_dot
+
+
 @pytest.mark.parametrize("rows", [200, 45024])
 def test_grouped_matmul_compiles_for_the_gpu_at_any_row_count(h200, rows):
     """The GPU kernels tile rows (by 8, and by 64 in the weight gradient): a row

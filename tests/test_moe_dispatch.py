@@ -170,6 +170,37 @@ def test_expert_parallel_program_exchanges_token_rows():
     assert f"f32[1,{d},{f}]" in text
 
 
+def test_ragged_gradient_with_the_gpus_transpose_is_the_same(monkeypatch):
+    """On a GPU the grouped matmul's lhs gradient transposes the weights itself
+    (`dispatch.transposed_in_place`, through a flat view and a barrier) and runs the
+    forward product; elsewhere it asks for the transposed product. The same values:
+    the dispatch's gradients taken both ways on this CPU, bit for bit, with an empty
+    expert."""
+    rs = np.random.RandomState(0)
+    n, k, e, d, f = 40, 2, 6, 32, 24
+    x = jnp.asarray(rs.randn(n, d), jnp.float32)
+    idx = jnp.asarray(np.stack([rs.choice(e - 1, k, replace=False) for _ in range(n)]))
+    gates = jnp.asarray(rs.rand(n, k), jnp.float32)
+    shapes = [(e, d, f), (e, d, f), (e, f, d)]
+    ws = [jnp.asarray(rs.randn(*s) * 0.1, jnp.float32) for s in shapes]
+
+    def loss(x, gates, *ws):
+        return jnp.sum(jnp.sin(dispatch.dispatch_ragged(x, idx.astype(jnp.int32), gates, *ws)))
+
+    def run():  # traced afresh each time: a new function for jit's cache
+        grads = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3, 4))
+        barrier = "optimization_barrier" in str(jax.make_jaxpr(grads)(x, gates, *ws))
+        return jax.jit(grads)(x, gates, *ws), barrier
+
+    plain, barrier = run()
+    assert not barrier
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    on_gpu, barrier = run()
+    assert barrier  # the GPU's form was the one traced
+    for a, b in zip(plain, on_gpu):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_auto_is_blocked_on_cpu():
     assert jax.default_backend() == "cpu"
     assert dispatch.resolve_backend("auto") == "blocked"

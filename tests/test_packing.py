@@ -226,3 +226,22 @@ def test_packed_step_equals_padded_with_the_critic_and_lora(setup):
     lora_graphdef, lora_params = nnx.split(model)
     lora_setup = (lora_graphdef, lora_params, batch, None)
     _assert_same(lora_setup, step.step_config("gspo", trainable="lora"), batch)
+
+
+def test_shapes_of_a_token_budget():
+    """A run's token budget makes micro-batches of budget // S rows: packed buffer rows
+    (the worst case's count of them), or padded rows in the padded twin; without one,
+    the row counts' micro-batches. A budget whose padded micro-batches do not divide the
+    mini-batch is refused, naming the field."""
+    from configs import default as default_config
+    from gspo_jax import config as config_lib
+
+    c = default_config.get_config()  # 256-row mini-batches of 87-token rows
+    run = config_lib.load(c, 1)
+    sh = packing.shapes(run.updates, run, 1)
+    assert sh.train == packing.Packing(rows=32, micro=8) and sh.logprob == packing.Packing(rows=32, micro=16)
+    padded = dataclasses.replace(run.updates, packing=False)
+    assert packing.shapes(padded, run, 1) == packing.Shapes(None, None, 8, 16)
+    assert packing.shapes(dataclasses.replace(padded, micro_batch_tokens=0), run, 1) == packing.Shapes(None, None, 1, 1)
+    with pytest.raises(config_lib.ConfigError, match="^config.updates.micro_batch_tokens: .*do not divide"):
+        packing.shapes(dataclasses.replace(padded, micro_batch_tokens=24 * 87), run, 1)

@@ -17,7 +17,7 @@ from conftest import subprocess_env
 from flax import nnx
 
 from gspo_jax import config as config_lib
-from gspo_jax import safety
+from gspo_jax import safety, sft
 from gspo_jax.metrics import compute_all
 from gspo_jax.metrics_log import read_metrics
 from gspo_jax.models import ModelConfig, Transformer
@@ -288,7 +288,7 @@ def test_an_update_to_non_finite_parameters_is_reported():
              "tokens": jnp.ones((2, 4), jnp.int32), "mask": jnp.ones((2, 4))}
     for lr, finite in ((1e-3, 1.0), (1e39, 0.0)):
         opt = optax.sgd(lr)
-        fn = jax.jit(functools.partial(step.sft_step, graphdef=graphdef, optimizer=opt,
+        fn = jax.jit(functools.partial(sft.sft_step, graphdef=graphdef, optimizer=opt,
                                        schedule=optax.constant_schedule(lr)))
         _, m = fn(step.TrainState.create(params, opt.init(params)), batch, jax.random.key(0))
         m = compute_all(m)

@@ -55,6 +55,12 @@ def smoke(**overrides):
         ({"updates.logprob_micro_batches": 3}, "config.updates.logprob_micro_batches"),  # 16 % 3
         ({"updates.logprob_micro_batches": 4}, "config.updates.logprob_micro_batches"),  # 4 rows, 8 shards
         ({"updates.logprob_micro_batches": 0}, "config.updates.logprob_micro_batches"),
+        # Token budgets: below the longest sequence (64 + 16 - 1 = 79 tokens), rows the 8
+        # shards do not divide, beside a row count.
+        ({"updates.micro_batch_tokens": 78}, "config.updates.micro_batch_tokens"),
+        ({"updates.micro_batch_tokens": 3 * 79}, "config.updates.micro_batch_tokens"),
+        ({"updates.micro_batch_tokens": 8 * 79, "updates.logprob_micro_batches": 2},
+         "config.updates.logprob_micro_batches"),
         ({"updates.routing_replay": "R4"}, "config.updates.routing_replay"),
         ({"updates.gamma_min": 0.0}, "config.updates.gamma_min"),
         ({"task.name": "sudoku"}, "config.task.name"),

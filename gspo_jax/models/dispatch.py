@@ -102,9 +102,39 @@ def _grouped_fwd(lhs, rhs, sizes, varying):
     return _grouped(lhs, rhs, sizes, varying), (lhs, rhs, sizes)
 
 
+def transposed_in_place(w):
+    """w [G, K, N] -> [G, N, K], transposed from this value, where it is.
+
+    The GPU kernel reads a group's weights [K, N] row-major, so the lhs gradient's
+    ``rhs[g]^T`` is an XLA transpose (tokamax's own, for `_LHS_GRAD`). Left to
+    itself, XLA's layout assignment makes that transpose free by giving its operand
+    the transposed layout, and carries the layout up through the cast to bf16, the
+    layer scan's slice and the loop: the whole stacked f32 expert weights are
+    transposed into a copy before the backward's layer loop, once per micro-batch,
+    and the copy lives through it (18 GiB on the 16-layer H200 train step, more
+    than `blocked` needs in all; docs/moe.md). Here the value goes through a
+    [G, K*N] view behind an optimization barrier: no layout of that view is a
+    transposed [G, K, N], so the layout stops at the barrier and the transpose is
+    of this one bf16 weight. Values unchanged (data movement only)."""
+    flat = jax.lax.optimization_barrier(w.reshape(w.shape[0], -1))
+    return jnp.swapaxes(flat.reshape(w.shape), 1, 2)
+
+
+def _lhs_grad(dout, rhs, sizes, dtype, varying, *, in_place: bool):
+    """dlhs [M, K] = dout [M, N] . rhs[g]^T for the rows of group g. ``in_place``:
+    with the transpose made here (`transposed_in_place`); else the kernel's own
+    transposed form (`_LHS_GRAD`: in place on TPU, ``jax.lax.ragged_dot`` on CPU)."""
+    if in_place:
+        return _ragged_dot(dout, transposed_in_place(rhs), sizes, _FORWARD, dtype, varying)
+    return _ragged_dot(dout, rhs, sizes, _LHS_GRAD, dtype, varying)
+
+
 def _grouped_bwd(varying, res, dout):
     lhs, rhs, sizes = res
-    dlhs = _ragged_dot(dout, rhs, sizes, _LHS_GRAD, lhs.dtype, varying)
+    # tokamax's GPU kernel reads the weights in one layout only (`transposed_in_place`);
+    # its TPU kernel reads them transposed where they lie.
+    in_place = _platform() not in ("cpu", "tpu")
+    dlhs = _lhs_grad(dout, rhs, sizes, lhs.dtype, varying, in_place=in_place)
     drhs = _ragged_dot(lhs, dout, sizes, _RHS_GRAD, rhs.dtype, varying)
     return dlhs, drhs, None
 
@@ -123,11 +153,13 @@ def grouped_matmul(lhs, rhs, sizes):
     Pallas Mosaic kernel on Hopper/Blackwell GPUs and on TPU, `jax.lax.ragged_dot`
     elsewhere (CPU).  The backward is two more grouped matmuls (`_grouped_bwd`:
     rows against the transposed weights, and per group lhs^T dout), so no scatter
-    of weights appears either way.  Written here rather than left to tokamax's own
-    VJP so that inside a shard_map every product is typed as varying over the
-    operands' mesh axes (its GPU kernel's weight gradient comes out untyped).  The
-    choice over `jax.lax.ragged_dot` on GPU, which XLA expands into a dense
-    [M, G*K] product there, is recorded in docs/moe.md.
+    of weights appears either way; on GPU the transposed weights are a copy of
+    this call's rhs only (`transposed_in_place`), never of what it was cut from.
+    Written here rather than left to tokamax's own VJP so that inside a shard_map
+    every product is typed as varying over the operands' mesh axes (its GPU
+    kernel's weight gradient comes out untyped).  The choice over
+    `jax.lax.ragged_dot` on GPU, which XLA expands into a dense [M, G*K] product
+    there, is recorded in docs/moe.md.
     """
     # Pad the rows to the kernels' tile with rows of no group; drop their outputs.
     m = lhs.shape[0]
