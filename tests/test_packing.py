@@ -245,3 +245,45 @@ def test_shapes_of_a_token_budget():
     assert packing.shapes(dataclasses.replace(padded, micro_batch_tokens=0), run, 1) == packing.Shapes(None, None, 1, 1)
     with pytest.raises(config_lib.ConfigError, match="^config.updates.micro_batch_tokens: .*do not divide"):
         packing.shapes(dataclasses.replace(padded, micro_batch_tokens=24 * 87), run, 1)
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_packed_run_equals_its_padded_twin(tmp_path, staleness):
+    """Whole smoke runs with R3 replay under a token budget of 8 rows per micro-batch
+    (16-row mini-batches on the 8 fake devices), on-policy and at staleness 2 (the
+    decoupled trust region, the rollout correction): every reward and length equal, every
+    loss and metric equal to float rounding, packed or as the padded twin."""
+    from configs import default as default_config
+    from gspo_jax import train
+
+    def run(packed):
+        c = default_config.get_config("smoke")
+        c.task.data_dir = str(tmp_path / "data")
+        c.rollout.prompts_per_step, c.rollout.group_size = 8, 4
+        c.rollout.staleness = staleness
+        c.rollout_correction.mode = "token_tis" if staleness else "none"
+        c.updates.routing_replay = "R3"
+        c.updates.micro_batch_tokens = 8 * (c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1)
+        c.updates.packing = packed
+        c.sft.steps = 1
+        return [r for r in train.run(c, str(tmp_path / f"packed{packed}")) if r["phase"] == "rl"]
+
+    packed, padded = run(True), run(False)
+    assert len(packed) == len(padded) == 3
+    timing = {"step_time", "rollout_time", "old_logp_time", "update_time", "sample_time", "tokens_per_s",
+              "score_time"}
+    layout = {"computed_tokens", "real_token_share", "logprob_computed_tokens", "logprob_real_token_share"}
+    for a, b in zip(packed, padded):
+        assert set(a) == set(b)
+        for key in sorted(set(a) - timing - layout):
+            if isinstance(a[key], str):
+                assert a[key] == b[key], key
+            elif key.startswith(("reward", "gen_", "response_len", "eval_")):
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+            else:
+                np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    # The 16-row mini-batches' real tokens fill both 8-row micro-batches; the log-prob
+    # passes' 32 rows fit in fewer than the padded twin's four pieces.
+    for a, b in zip(packed[1:], padded[1:]):
+        assert a["computed_tokens"] <= b["computed_tokens"]
+        assert a["logprob_computed_tokens"] < b["logprob_computed_tokens"]
