@@ -3,17 +3,17 @@
 A rollout batch is rectangular (`gspo_jax.step`'s module docstring): every row is a
 prompt left-padded to P and a response right-padded to T, and the model reads its
 S = P + T - 1 input positions. A packed buffer holds the valid input positions of
-several rows one after another in rows of the same length S, so that the forward
-computes (nearly) only real tokens:
+several rows one after another in buffer rows of L >= S slots (`Packing.length`), so
+that the forward computes (nearly) only real tokens:
 
     padded   [n, S]   row i: ....pppppprrrr..      (. padding, p prompt, r response)
-    packed   [m, r, S]  micro-batch j, buffer row b: pppppprrrr ppprr pppppprrr.. ..
+    packed   [m, r, L]  micro-batch j, buffer row b: pppppprrrr ppprr pppppprrr.. ..
 
 A `Plan` says where each valid position goes; it is computed on the devices from the
 batch's validity mask, inside the program that uses it (no host round trip), by a
 deterministic rule:
 
-1. **Buffer rows.** Rows are placed into buffer rows of capacity S by first-fit
+1. **Buffer rows.** Rows are placed into buffer rows of capacity L by first-fit
    decreasing: longest first (ties by row index), each into the first buffer row with
    room. A sequence never spans two buffer rows, and every sequence fits in one.
 2. **Micro-batches and devices.** The K buffer rows used make ``used = ceil(K / r)``
@@ -31,7 +31,7 @@ restart at every sequence; attention is causal within a segment and blind across
 back to the padded layout with `unpack` (one micro-batch) or `unpack_all` (every one),
 so the objectives read the arrays they read without packing.
 
-The plan's arrays are a few integers per input position ([n, S] and [m, r, S]); the
+The plan's arrays are a few integers per input position ([n, S] and [m, r, L]); the
 gather of `pack` reads rows of the whole batch, so under a mesh XLA brings the batch's
 token ids (and a replayed routing record) to every device that packs them.
 """
@@ -53,6 +53,9 @@ class Packing:
     """The static shape of a plan (hashable; bound before jit).
 
     rows: buffer rows per micro-batch (``r``), a multiple of ``shards``.
+    length: slots per buffer row (``L``), at least the batch's S; 0: S. Sequences never
+      span two buffer rows, so with L = S only sequences shorter than S / 2 share one;
+      a longer L packs more, at attention over L keys instead of S.
     micro: micro-batches the program holds room for (``m``): enough for the worst
       case, every sequence in a buffer row of its own (``m * r >= n``); only the
       ``used`` ones are computed.
@@ -62,6 +65,7 @@ class Packing:
     rows: int
     micro: int
     shards: int = 1
+    length: int = 0
 
     def __post_init__(self):
         if self.rows < 1 or self.micro < 1 or self.shards < 1 or self.rows % self.shards:
@@ -71,9 +75,9 @@ class Packing:
             )
 
     @classmethod
-    def for_batch(cls, n: int, rows: int, shards: int = 1) -> Packing:
+    def for_batch(cls, n: int, rows: int, shards: int = 1, length: int = 0) -> Packing:
         """Room for ``n`` sequences in micro-batches of ``rows`` buffer rows."""
-        return cls(rows=rows, micro=math.ceil(n / rows), shards=shards)
+        return cls(rows=rows, micro=math.ceil(n / rows), shards=shards, length=length)
 
 
 @flax.struct.dataclass
@@ -146,8 +150,11 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
     r, m, d = packing.rows, packing.micro, packing.shards
     if m * r < n:
         raise ValueError(f"Packing: {m} micro-batches of {r} buffer rows cannot hold {n} sequences")
+    cap = packing.length or s
+    if cap < s:
+        raise ValueError(f"Packing: buffer rows of {cap} slots cannot hold a sequence of {s}")
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
-    bins, offsets, loads = _first_fit_decreasing(lengths, s)
+    bins, offsets, loads = _first_fit_decreasing(lengths, cap)
     used_bins = jnp.sum(loads > 0, dtype=jnp.int32)
     used = jnp.maximum((used_bins + r - 1) // r, 1)
     # Bins fullest first, each to the lane with the fewest tokens that has room.
@@ -157,14 +164,14 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
     # Each valid position's column: its sequence's offset plus its rank among the
     # row's valid positions; invalid positions point past the buffer (dropped below).
     col = offsets[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-    slot_col = jnp.where(valid, col, s)
+    slot_col = jnp.where(valid, col, cap)
     slot_row = jnp.broadcast_to(slot[:, None], (n, s))
     at_micro = jnp.broadcast_to(micro[:, None], (n, s))
     rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, s))
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (n, s))
 
     def scatter(values):
-        out = jnp.zeros((m, r, s), jnp.int32)
+        out = jnp.zeros((m, r, cap), jnp.int32)
         return out.at[at_micro, slot_row, slot_col].set(values, mode="drop")
 
     filled = scatter(jnp.ones((n, s), jnp.int32))
@@ -175,7 +182,7 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
         segment=jnp.where(filled > 0, scatter(rows) + 1, 0),
         micro=micro,
         slot_row=slot_row,
-        slot_col=jnp.minimum(slot_col, s - 1),
+        slot_col=jnp.minimum(slot_col, cap - 1),
         valid=valid,
         used=used,
         tokens=tokens,
@@ -220,7 +227,7 @@ def _gather(p: Plan, y, micro, sel, window):
 
 def computed_slots(p: Plan, packing: Packing) -> jax.Array:
     """f32[]: the buffer slots the used micro-batches compute (real tokens and empty)."""
-    return (p.used * packing.rows * p.valid.shape[1]).astype(jnp.float32)
+    return (p.used * packing.rows * p.segment.shape[-1]).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,36 +250,47 @@ def shapes(updates, run, shards: int) -> Shapes:
     ``updates``, its ``config.updates``) over ``shards`` batch shards.
 
     Without a token budget (``updates.micro_batch_tokens`` 0) micro-batches hold the
-    padded rows' count (``micro_batches``, ``logprob_micro_batches``), packed or not.
-    With one, each holds ``budget // S`` rows of S = max_prompt_len + max_new_tokens - 1
-    slots: packed buffer rows, or padded rows (``updates.packing`` False: the padded twin
-    of a packed run, in the same micro-batch shape). Raises the error naming the field of
-    a budget that cannot hold the longest sequence, that the batch shards do not divide,
-    or whose padded micro-batches do not divide the batch.
+    padded rows' count (``micro_batches``, ``logprob_micro_batches``), packed (in buffer
+    rows of S = max_prompt_len + max_new_tokens - 1 slots) or not. With one, a
+    micro-batch holds ``budget // L`` packed buffer rows of L = ``updates.pack_length``
+    slots (0: S), or with ``updates.packing`` False ``budget // S`` padded rows (the
+    padded twin of a packed run: the same tokens per micro-batch). Raises the error
+    naming the field of a buffer row shorter than the longest sequence, a budget below
+    one buffer row or whose rows the batch shards do not divide, or padded micro-batches
+    that do not divide the batch.
     """
-    budget, packed = updates.micro_batch_tokens, updates.packing
+    budget, packed, length = updates.micro_batch_tokens, updates.packing, updates.pack_length
     n = run.rollout.prompts_per_step * run.rollout.group_size
     mini = n // updates.num_minibatches
+    seq = run.rollout.max_prompt_len + run.rollout.max_new_tokens - 1
+    if packed and length and length < seq:
+        raise err(
+            "updates.pack_length",
+            f"{length} is shorter than the longest sequence, max_prompt_len + "
+            f"max_new_tokens - 1 = {seq} tokens",
+        )
     if not budget:
         micro, lp = updates.micro_batches, updates.logprob_micro_batches
         if not packed:
             return Shapes(None, None, micro, lp)
+        if length:
+            raise err("updates.pack_length", f"{length} needs updates.micro_batch_tokens")
         return Shapes(
             Packing.for_batch(mini, mini // micro, shards), Packing.for_batch(n, n // lp, shards)
         )
-    seq = run.rollout.max_prompt_len + run.rollout.max_new_tokens - 1
-    rows = budget // seq
+    row = (length or seq) if packed else seq
+    rows = budget // row
     if rows < 1:
         raise err(
             "updates.micro_batch_tokens",
-            f"{budget} is smaller than the longest sequence, max_prompt_len + "
-            f"max_new_tokens - 1 = {seq} tokens",
+            f"{budget} is smaller than one {'buffer ' if packed else ''}row of {row} tokens "
+            f"(the longest sequence is max_prompt_len + max_new_tokens - 1 = {seq})",
         )
     if rows % shards:
         raise err(
             "updates.micro_batch_tokens",
-            f"{budget} holds {rows} rows of {seq} tokens, not divisible by the "
-            f"data*fsdp*expert = {shards} batch shards: use a multiple of {seq * shards}",
+            f"{budget} holds {rows} rows of {row} tokens, not divisible by the "
+            f"data*fsdp*expert = {shards} batch shards: use a multiple of {row * shards}",
         )
     for name in ("micro_batches", "logprob_micro_batches"):
         if getattr(updates, name) != 1:
@@ -284,7 +302,8 @@ def shapes(updates, run, shards: int) -> Shapes:
     train_rows, logprob_rows = min(rows, mini), min(rows, n)
     if packed:
         return Shapes(
-            Packing.for_batch(mini, train_rows, shards), Packing.for_batch(n, logprob_rows, shards)
+            Packing.for_batch(mini, train_rows, shards, length),
+            Packing.for_batch(n, logprob_rows, shards, length),
         )
     if mini % train_rows or n % logprob_rows:
         raise err(

@@ -3,10 +3,12 @@
 The batch layout (`gspo_jax.step`'s module docstring): ``prompt_tokens``/``prompt_mask``
 [N, P] left-padded, ``tokens``/``mask`` [N, T] right-padded. Here: the model inputs of
 that layout (`sequence_inputs`), the response positions (`response_slice`), one forward
-to the response's log-probs (`forward`, which the losses of `gspo_jax.step` call too),
+to the response's log-probs and routing records (`forward`, which the losses of
+`gspo_jax.step` call too), run on the padded rows or on one micro-batch of packed
+buffers (`gspo_jax.packing`) and given back in the padded layout either way (`Forward`),
 the old/reference log-prob pass with its routing record (`logprob_pass`), the sampler
-against the trainer on the same tokens (`mismatch_metrics`), and the strided
-micro-batch split both the pass and the train step use (`split_micro`).
+against the trainer on the same tokens (`mismatch_metrics`), and the strided micro-batch
+split of padded rows (`split_micro`).
 """
 
 from __future__ import annotations

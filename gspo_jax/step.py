@@ -6,7 +6,9 @@ Sequence layout used throughout: a rollout batch holds left-padded prompts
 response)[:, :-1]`` and predicts ``targets = concat(prompt, response)[:, 1:]``;
 response token t is predicted at input position P-1+t, so every per-token
 array of the losses (log-probs, router records, γ) is the slice
-``[:, P-1:P-1+T]`` of a full-sequence one.
+``[:, P-1:P-1+T]`` of a full-sequence one. The model may compute them on packed
+buffers (`StepConfig.packing`, `gspo_jax.packing`); the losses read them in this
+layout either way.
 
 Functions here are module-level and pure. Static pieces (the model's graphdef,
 the optimizer, a :class:`StepConfig`) are bound with ``functools.partial``
@@ -62,10 +64,18 @@ class UpdatesConfig:
     micro_batch_tokens: int = setting(
         0,
         low=0,
-        doc="the token budget of a micro-batch (and of a log-prob pass's piece), in rows "
-        "of max_prompt_len + max_new_tokens - 1 slots: packed buffer rows, of which only "
-        "those the real tokens fill are computed, or with packing off padded rows (the "
-        "padded twin). 0: micro-batches by row count (micro_batches, logprob_micro_batches)",
+        doc="the token budget of a micro-batch (and of a log-prob pass's piece): packed "
+        "buffer rows of pack_length slots, of which only those the real tokens fill are "
+        "computed, or with packing off padded rows of max_prompt_len + max_new_tokens - 1 "
+        "(the padded twin). 0: micro-batches by row count (micro_batches, "
+        "logprob_micro_batches)",
+    )
+    pack_length: int = setting(
+        0,
+        low=0,
+        doc="with micro_batch_tokens: slots per packed buffer row, at least max_prompt_len + "
+        "max_new_tokens - 1 (0: that); a sequence never spans two buffer rows, so a longer "
+        "row packs sequences over half that length, at attention over more keys",
     )
     logprob_micro_batches: int = setting(
         1,
