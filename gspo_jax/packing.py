@@ -57,8 +57,8 @@ class Packing:
       span two buffer rows, so with L = S only sequences shorter than S / 2 share one;
       a longer L packs more, at attention over L keys instead of S.
     micro: micro-batches the program holds room for (``m``): enough for the worst
-      case, every sequence in a buffer row of its own (``m * r >= n``); only the
-      ``used`` ones are computed.
+      case, every sequence as long as the longest possible (``m * r * (L // S) >= n``);
+      only the ``used`` ones are computed.
     shards: the batch shards a micro-batch's buffer rows are split over.
     """
 
@@ -75,9 +75,14 @@ class Packing:
             )
 
     @classmethod
-    def for_batch(cls, n: int, rows: int, shards: int = 1, length: int = 0) -> Packing:
-        """Room for ``n`` sequences in micro-batches of ``rows`` buffer rows."""
-        return cls(rows=rows, micro=math.ceil(n / rows), shards=shards, length=length)
+    def for_batch(
+        cls, n: int, rows: int, shards: int = 1, length: int = 0, seq: int = 0
+    ) -> Packing:
+        """Room for ``n`` sequences of at most ``seq`` tokens in micro-batches of ``rows``
+        buffer rows of ``length`` slots: a buffer row holds ``length // seq`` sequences
+        however long they are (1 when either is 0)."""
+        per_row = max(1, length // seq) if length and seq else 1
+        return cls(rows=rows, micro=math.ceil(n / (rows * per_row)), shards=shards, length=length)
 
 
 @flax.struct.dataclass
@@ -148,11 +153,14 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
     valid = valid > 0
     n, s = valid.shape
     r, m, d = packing.rows, packing.micro, packing.shards
-    if m * r < n:
-        raise ValueError(f"Packing: {m} micro-batches of {r} buffer rows cannot hold {n} sequences")
     cap = packing.length or s
     if cap < s:
         raise ValueError(f"Packing: buffer rows of {cap} slots cannot hold a sequence of {s}")
+    if m * r * (cap // s) < n:
+        raise ValueError(
+            f"Packing: {m} micro-batches of {r} buffer rows of {cap} slots cannot hold {n} "
+            f"sequences of up to {s} tokens"
+        )
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
     bins, offsets, loads = _first_fit_decreasing(lengths, cap)
     used_bins = jnp.sum(loads > 0, dtype=jnp.int32)
@@ -302,8 +310,8 @@ def shapes(updates, run, shards: int) -> Shapes:
     train_rows, logprob_rows = min(rows, mini), min(rows, n)
     if packed:
         return Shapes(
-            Packing.for_batch(mini, train_rows, shards, length),
-            Packing.for_batch(n, logprob_rows, shards, length),
+            Packing.for_batch(mini, train_rows, shards, length, seq),
+            Packing.for_batch(n, logprob_rows, shards, length, seq),
         )
     if mini % train_rows or n % logprob_rows:
         raise err(

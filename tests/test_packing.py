@@ -21,9 +21,9 @@ CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_h
                   moe_d_ff=16, num_experts=4, top_k=2, value_head=True)
 N, P, T = 8, 5, 6
 S = P + T - 1
-# Buffer rows of 2S slots, two per micro-batch: the eight rows' real tokens need two of
-# the room for four micro-batches, several sequences sharing a buffer row.
-PACK = packing.Packing.for_batch(N, rows=2, length=2 * S)
+# Buffer rows of 2S slots, two per micro-batch: room for two micro-batches (every
+# sequence as long as S, two to a buffer row), several sequences sharing a buffer row.
+PACK = packing.Packing.for_batch(N, rows=2, length=2 * S, seq=S)
 
 
 def _valid(seed, n=N, s=S):
@@ -78,7 +78,7 @@ def test_plan_is_deterministic_and_needs_room():
     valid = _valid(0)
     a, b = _plan(valid, PACK), _plan(jnp.asarray(valid), PACK)
     chex.assert_trees_all_equal(a, b)
-    with pytest.raises(ValueError, match="3 micro-batches of 2 buffer rows cannot hold 8"):
+    with pytest.raises(ValueError, match="3 micro-batches of 2 buffer rows of 10 slots cannot hold 8"):
         packing.plan(valid, packing.Packing(rows=2, micro=3))
     with pytest.raises(ValueError, match="rows a multiple of shards"):
         packing.Packing(rows=3, micro=4, shards=2)
@@ -245,7 +245,7 @@ def test_shapes_of_a_token_budget():
     sh = packing.shapes(run.updates, run, 1)
     assert sh.train == packing.Packing(rows=32, micro=8) and sh.logprob == packing.Packing(rows=32, micro=16)
     longer = dataclasses.replace(run.updates, pack_length=4 * 87)
-    assert packing.shapes(longer, run, 1).train == packing.Packing(rows=8, micro=32, length=4 * 87)
+    assert packing.shapes(longer, run, 1).train == packing.Packing(rows=8, micro=8, length=4 * 87)
     padded = dataclasses.replace(longer, packing=False)  # the twin: 32 padded rows
     assert packing.shapes(padded, run, 1) == packing.Shapes(None, None, 8, 16)
     assert packing.shapes(dataclasses.replace(padded, micro_batch_tokens=0), run, 1) == packing.Shapes(None, None, 1, 1)
