@@ -45,8 +45,11 @@ def get_config(arg: str | None = None):
     if args.get("smoke"):
         config_lib.apply_smoke(c)
     else:
-        # Packed micro-batches of 32 buffer rows (gspo_jax.packing): a mini-batch's real
-        # tokens fill about 5 of the 8 that its 256 padded rows would (experiments/packing.md).
+        # Micro-batches of 32 rows' tokens, packed (gspo_jax.packing). At this shape
+        # nothing packs: a Countdown prompt takes 44-45 of a row's 87 slots, so no two
+        # sequences share a buffer row (updates.pack_length=348 packs them, but attention
+        # over 348 keys costs more on a CPU than it saves). The 32-row micro-batches
+        # themselves make the step faster than one of 256 rows (experiments/packing.md).
         seq = c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1
         c.updates.micro_batch_tokens = 32 * seq
     return c
