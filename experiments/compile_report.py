@@ -27,6 +27,13 @@ devices; TPU slices through libtpu) and prints for each program:
   products run in cuDNN's custom calls and are not in either figure); beside it the
   ratio expected with the recompute the design implies (`recompute_flops`).
 
+``train_packed``, ``logprob_packed``: the passes on packed buffers in the padded ones'
+micro-batch shape (`programs.packed_shape`), whose loop runs the micro-batches a plan
+uses (a count XLA cannot read): their FLOPs are one micro-batch's, the loop's body. With
+them, a table gives for one batch at lengths from `experiments.bench.lengths.sample`
+the micro-batches each pass computes (`gspo_jax.packing.plan`, run here), the real
+tokens' share of the positions computed and the matmul FLOPs per real token.
+
 ``--lora rank[,target,...]``: the train and log-prob programs of the RL phase with LoRA
 (`experiments/programs.py`: the base frozen in the compute dtype, adapters and their
 optimizer state in f32); the model's FLOPs are then those of a frozen base (no weight
@@ -40,6 +47,8 @@ and exits with status 2. ``--json`` writes every row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -56,12 +65,18 @@ import numpy as np  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from experiments import hlo, programs, targets  # noqa: E402
-from gspo_jax import config_fields  # noqa: E402
+from experiments import compile_tables, hlo, programs, targets  # noqa: E402
+from gspo_jax import config_fields, packing, passes  # noqa: E402
 from gspo_jax.lora_training import LoRAConfig  # noqa: E402
 from gspo_jax.models import dispatch  # noqa: E402
 
 GIB = 2**30
+
+
+def cpu_target() -> targets.Target:
+    """This machine's CPU as a target (``--target cpu``: the tests' fast programs)."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return targets.Target("cpu", "cpu", (jax.devices("cpu")[0],), mem)
 
 
 def mesh_for(target: targets.Target, mesh_shape: dict[str, int] | None) -> Mesh:
@@ -123,6 +138,25 @@ def recompute_flops(sh: programs.Shape, part: str, platform: str) -> float:
     ):
         n += 2.0 * experts * tokens
     return n
+
+
+def micro_batch_flops(comps, unknown: list[str]) -> tuple[float | None, list[str]]:
+    """(matmul FLOPs of one iteration, the loop's name) of a packed program's micro-batch
+    loop: the while loop of unknown trip count (``unknown``, `hlo.execution_counts`') whose
+    body holds matmuls; (None, []) unless exactly one does and its own loops are known."""
+    found = []
+    for ins in (i for c in comps.values() for i in c.instrs if i.name in set(unknown)):
+        body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs)
+        if ins.opcode != "while" or not body:
+            continue
+        sub = {k: dataclasses.replace(c, entry=k == body.group(1)) for k, c in comps.items()}
+        counts, inner = hlo.execution_counts(sub)
+        flops = sum(x.flops * x.count for x in hlo.matmuls(sub, counts))
+        if flops:
+            found.append((flops, inner, ins.name))
+    if len(found) != 1 or found[0][1] or math.isnan(found[0][0]):
+        return None, []
+    return found[0][0], [found[0][2]]
 
 
 class Labeller:
@@ -201,6 +235,7 @@ def report_one(
     top: int,
 ) -> dict:
     t0 = time.perf_counter()
+    base = part.removesuffix("_packed")
     fn, args = programs.program(
         part, sh, mesh, abstract=True, batch=batch, platform=target.platform
     )
@@ -243,11 +278,19 @@ def report_one(
         # the v5p flagship's log-prob pass came to 3,166x the model's FLOPs: not trusted.
         unread = max(unread, 1)
     hlo_flops = sum(x.flops * x.count for x in mm if not math.isnan(x.flops))
-    flops_model = model_flops(sh, part, batch) / mesh.size  # per device
-    flops_recompute = recompute_flops(sh, part, target.platform) / mesh.size
+    flops_model = model_flops(sh, base, batch) / mesh.size  # per device
+    flops_recompute = recompute_flops(sh, base, target.platform) / mesh.size
+    pk, micro_flops = None, hlo_flops
+    if base != part:  # one micro-batch: the model's over its slots, the program's loop body
+        pk = programs.packed_shape(sh, mesh, part)
+        flops_model, flops_recompute = flops_model / pk.micro, flops_recompute / pk.micro
+        if pk.micro > 1:
+            micro_flops, loops = micro_batch_flops(comps, unknown)
+            unknown = [u for u in unknown if u not in loops]
+    ratio = micro_flops / flops_model if flops_model and micro_flops else None
     labeller = Labeller(
         sh,
-        _abstract_shapes(args[0]) if part != "train" else _abstract_shapes(args[0].params),
+        _abstract_shapes(args[0]) if base != "train" else _abstract_shapes(args[0].params),
         _abstract_shapes(args[1]) if part == "decode" else [],
     )
     if part in ("prefill", "sampler"):
@@ -281,7 +324,7 @@ def report_one(
             batch
             if part in ("prefill", "decode", "sampler")
             else (sh.logprob_rows or sh.rows)
-            if part == "logprob"
+            if base == "logprob"
             else sh.rows
         ),
         compile_s=round(compile_s, 1),
@@ -299,15 +342,60 @@ def report_one(
         inventory=inv,
         matmul_tflop_hlo=hlo_flops / 1e12,
         matmul_tflop_model=flops_model / 1e12,
-        hlo_over_model=(
-            hlo_flops / flops_model
-            if flops_model and hlo_flops and not unknown and not unread
-            else None
-        ),
+        packing=dataclasses.asdict(pk) if pk else None,
+        micro_tflop_hlo=micro_flops / 1e12 if micro_flops else None,
+        hlo_over_model=ratio if ratio and not unknown and not unread else None,
         expected_over_model=(flops_model + flops_recompute) / flops_model if flops_model else None,
         unknown_trip_counts=len(unknown),
         unread_matmuls=unread,
     )
+
+
+def lengths_batch(sh: programs.Shape, sample, seed: int, source: str) -> dict:
+    """The rollout batch (``logprob_rows``, or a mini-batch's rows) at lengths drawn by
+    ``sample`` (`experiments.bench.lengths.sample`'s signature): its valid input
+    positions bool[n, S] (`gspo_jax.passes.sequence_inputs`), rows in a random order
+    (mini-batches are a permutation's slices, as in `gspo_jax.rl`), and a summary."""
+    n, p, t = sh.logprob_rows or sh.rows, sh.prompt_len, sh.response_len
+    if n % sh.rows:
+        raise ValueError(f"lengths: {n} log-prob rows are not mini-batches of {sh.rows}")
+    pl, rl = (np.asarray(x) for x in sample(n, seed=seed, max_prompt_len=p, max_new_tokens=t))
+    rows = dict(prompt_tokens=np.zeros((n, p), np.int32), tokens=np.zeros((n, t), np.int32))
+    rows.update(prompt_mask=np.arange(p) >= p - pl[:, None], mask=np.arange(t) < rl[:, None])
+    valid = np.asarray(passes.sequence_inputs(rows)[3], bool)
+    valid = valid[np.random.default_rng(seed).permutation(n)]
+    means = dict(prompt_mean=pl.mean(), response_mean=rl.mean(), response_at_max=np.mean(rl >= t))
+    summary = dict(source=source, seed=seed, rows=n, real_tokens=int(valid.sum()))
+    return dict(valid=valid, summary=dict(summary, **{k: float(v) for k, v in means.items()}))
+
+
+def token_figures(r: dict, sh: programs.Shape, mesh: Mesh, valid: np.ndarray) -> dict:
+    """What a train (per mini-batch) or log-prob row computes for the batch ``valid``
+    (`lengths_batch`); program FLOPs over all devices, a packed program's as counted (its
+    micro-batch loop once) plus the loop body's for each further micro-batch used."""
+    base = r["part"].removesuffix("_packed")
+    calls = valid.shape[0] // r["batch"] if base == "train" else 1
+    seq, real = valid.shape[1], int(valid.sum())
+    flops = lambda x: x * 1e12 * mesh.size if x is not None else None  # noqa: E731
+    once, micro = flops(r["matmul_tflop_hlo"]), flops(r["micro_tflop_hlo"])
+    pk = r["packing"] and packing.Packing(**r["packing"])
+    if pk:
+        plan = jax.jit(packing.plan, static_argnums=1)
+        used = [int(plan(v, pk).used) for v in np.split(valid, calls)]
+        shape, slots = [pk.rows, seq], sum(used) * pk.rows * seq
+        total = once if pk.micro == 1 else sum(once + (u - 2) * (micro or math.nan) for u in used)
+    else:
+        m = sh.micro_batches if base == "train" else sh.logprob_micro_batches
+        used, shape, slots = [m] * calls, [r["batch"] // m, seq], valid.size
+        total, micro = once * calls, once / m
+    read = not r["unread_matmuls"] and not r["unknown_trip_counts"] and not math.isnan(total)
+    # The model's FLOPs are one micro-batch's (packed) or the whole program's (padded).
+    per_slot = flops(r["matmul_tflop_model"]) / ((shape[0] if pk else r["batch"]) * seq)
+    out = dict(micro_batch=shape, micro_batches_used=used, real_tokens=real, computed_slots=slots)
+    out.update(real_share=real / slots, gflop_per_real_token_model=per_slot * slots / real / 1e9)
+    out.update(tflop_per_micro_batch=micro / 1e12 if micro and read else None)
+    out.update(gflop_per_real_token=total / real / 1e9 if read else None)
+    return out
 
 
 def _lora_row(sh: programs.Shape) -> dict | None:
@@ -385,6 +473,13 @@ def render(r: dict) -> str:
         )
     elif r["matmul_tflop_hlo"] == 0:
         lines.append("matmul FLOPs: no dot, GEMM call or convolution found in the program")
+    elif r.get("packing"):  # one micro-batch: the loop's body, or the whole program
+        pk, x = r["packing"], f" (program / model = {ratio:.2f})" if ratio else ""
+        lines.append(
+            f"matmul FLOPs per device, one micro-batch of {pk['rows']} buffer rows (of up to "
+            f"{pk['micro']}): program {r['micro_tflop_hlo'] or math.nan:.2f} TFLOP, model "
+            f"{r['matmul_tflop_model']:.2f} TFLOP{x}; expected {r['expected_over_model']:.2f}"
+        )
     elif r["unknown_trip_counts"]:
         lines.append(
             f"matmul FLOPs per device: program {r['matmul_tflop_hlo']:.2f} TFLOP with "
@@ -406,7 +501,7 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None, *, sample=None) -> list[dict]:  # sample: default lengths.sample
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="h200", help="h100 | h200 | b200 [xN] | v5p:2x2x1 ...")
     ap.add_argument("--size", default="h200", choices=sorted(programs.SIZES) + ["flagship"])
@@ -437,10 +532,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--mem-fraction", type=float, default=0.95)
     ap.add_argument("--top", type=int, default=8, help="largest buffers listed")
     ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--lengths", default="flagship", help="experiments.bench.lengths' name")
+    ap.add_argument("--lengths-seed", type=int, default=0, help="the lengths' draw")
+    ap.add_argument("--group-size", type=int, default=8, help="samples sharing a prompt")
     args = ap.parse_args(argv)
 
     try:
-        target = targets.compile_devices(args.target)
+        target = cpu_target() if args.target == "cpu" else targets.compile_devices(args.target)
     except targets.TargetUnavailable as e:
         print(f"compile_report: {e}", file=sys.stderr)
         sys.exit(2)
@@ -465,7 +563,8 @@ def main(argv=None) -> list[dict]:
         )
     sh = programs.on_mesh(sh, mesh)
     batches = [int(b) for b in args.batches.split(",") if b] or list(sh.sampler_batches)
-    rows = []
+    rows, extra = [], {}
+    print(f"# python -m experiments.compile_report {' '.join(argv or sys.argv[1:])}")
     print(
         f"# {target.kind} x{mesh.size} ({args.target}), jax {jax.__version__}, "
         f"{sh.cfg.num_layers} layers, {sh.cfg.num_params() / 1e9:.2f}B parameters"
@@ -490,10 +589,29 @@ def main(argv=None) -> list[dict]:
             )
             rows.append(r)
             print(render(r) + "\n", flush=True)
-            if args.json:  # written as it goes: a long report keeps what it finished
-                with open(args.json, "w") as f:
-                    json.dump(dict(jax=jax.__version__, rows=rows), f, indent=1)
+            _dump(args.json, rows, extra)  # as it goes: a long report keeps what it finished
+    if any(r.get("packing") for r in rows):
+        source = f"{getattr(sample, '__module__', None)}.{getattr(sample, '__name__', None)}"
+        if sample is None:
+            from experiments.bench import lengths
+
+            kw = dict(name=args.lengths, group_size=args.group_size)
+            sample = functools.partial(lengths.sample, **kw)
+            source = f"experiments.bench.lengths {args.lengths!r}, groups of {args.group_size}"
+        batch = lengths_batch(sh, sample, args.lengths_seed, source)
+        passes_rows = [r for r in rows if r["part"].split("_")[0] in ("train", "logprob")]
+        for r in passes_rows:
+            r["tokens"] = token_figures(r, sh, mesh, batch["valid"])
+        extra["lengths"] = batch["summary"]
+        print(compile_tables.packed_table(passes_rows, batch["summary"]), flush=True)
+        _dump(args.json, rows, extra)
     return rows
+
+
+def _dump(path: str, rows: list[dict], extra: dict):
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(jax=jax.__version__, rows=rows, **extra), f, indent=1)
 
 
 if __name__ == "__main__":

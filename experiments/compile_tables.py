@@ -1,7 +1,8 @@
 """Markdown tables of committed compile reports (`experiments/compile_report.py --json`):
 peak memory per program before and after a change, at every layer count, the report
-beside what the H200 itself recorded, and the LoRA train steps beside full fine-tuning
-(``lora_*.json``).
+beside what the H200 itself recorded, the LoRA train steps beside full fine-tuning
+(``lora_*.json``), and the packed train step and log-prob pass beside the padded ones
+(``packed_*.json``).
 
     python -m experiments.compile_tables experiments/accelerator/compile
 """
@@ -113,6 +114,42 @@ def lora_table(folder: str) -> str:
     return "\n".join(lines)
 
 
+def _num(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def packed_table(rows: list[dict], lengths: dict) -> str:
+    """The train and log-prob rows of a report with their figures at sampled lengths
+    (`experiments.compile_report.token_figures`), padded and packed side by side."""
+    s = lengths
+    lines = [
+        f"{s['rows']} rows at lengths from {s['source']} (seed {s['seed']}): prompts "
+        f"{s['prompt_mean']:.0f} tokens on average, responses {s['response_mean']:.0f} "
+        f"({100 * s['response_at_max']:.1f}% at the maximum); {s['real_tokens']:,} real "
+        "input positions\n",
+        "| program | rows | micro-batch | micro-batches used | peak GiB | TFLOP per "
+        "micro-batch | real-token share | GFLOP per real token | model's |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        t, used = r["tokens"], r["tokens"]["micro_batches_used"]
+        lines.append(
+            f"| {r['part']} | {r['batch']} | {' x '.join(map(str, t['micro_batch']))} | "
+            f"{', '.join(map(str, used)) if len(set(used)) > 1 else used[0]} | "
+            f"{r['memory']['peak_gib']:.2f} | {_num(t['tflop_per_micro_batch'], ',.2f')} | "
+            f"{100 * t['real_share']:.1f}% | {_num(t['gflop_per_real_token'], ',.2f')} | "
+            f"{t['gflop_per_real_token_model']:,.2f} |"
+        )
+    lines.append(
+        "\nmicro-batches used: per call (the train step's per mini-batch of the batch); peak "
+        "GiB: per device; "
+        "TFLOP and GFLOP: the compiled program's matmuls over all devices; model's: the "
+        "model's FLOPs per position computed (6 x active parameters in a train step, 2 x "
+        "in a forward) times the positions computed, per real token"
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder")
@@ -126,6 +163,17 @@ def main(argv=None):
     print(against_h200(args.folder))
     print("\nThe train step with LoRA beside full fine-tuning (GiB per device)\n")
     print(lora_table(args.folder))
+    for path in sorted(glob.glob(os.path.join(args.folder, "packed_*.json"))):
+        report = json.load(open(path))
+        rows = [r for r in report["rows"] if "tokens" in r]
+        if not rows:
+            continue
+        r = rows[0]
+        print(
+            f"\nPadded against packed, {r['device']} x{r['devices']}, {r['layers']} layers ", end=""
+        )
+        print(f"({os.path.basename(path)})\n")
+        print(packed_table(rows, report["lengths"]))
 
 
 if __name__ == "__main__":

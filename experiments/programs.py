@@ -20,6 +20,8 @@ The programs:
   KV cache (the cache donated, as the sampler's loop carries it).
 * ``sampler``: the sampler's whole compiled function (`gspo_jax.rollout`): prefill, the
   on-device decode loop and the routing record, as `Sampler.__call__` runs it.
+* ``train_packed``, ``logprob_packed``: the train step and the log-prob pass on packed
+  buffers (`gspo_jax.packing`) in their padded twins' micro-batch shape (`packed_shape`).
 
 The sampler-side programs take the parameters as one copy in the compute dtype
 (`inference_params`), as a rollout holds them.
@@ -45,7 +47,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import lora_training, passes, step
+from gspo_jax import lora_training, packing, passes, step
 from gspo_jax.models import ModelConfig, lora
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
@@ -113,7 +115,7 @@ SIZES = {
     ),
 }
 
-PARTS = ("train", "logprob", "prefill", "decode", "sampler")
+PARTS = ("train", "logprob", "prefill", "decode", "sampler", "train_packed", "logprob_packed")
 # The arguments of each part's program, by name (the sampler's after its graphdef).
 ARG_NAMES = {
     "train": ("state", "batch", "rng"),
@@ -122,6 +124,7 @@ ARG_NAMES = {
     "decode": ("params", "cache", "tok", "positions"),
     "sampler": ("state", "rng", "prompt_tokens", "prompt_mask", "prompt_ids", "live"),
 }
+ARG_NAMES.update(train_packed=ARG_NAMES["train"], logprob_packed=ARG_NAMES["logprob"])
 
 # configs/qwen3_moe_gsm8k.py at Qwen3-30B-A3B's architecture (its config.json's
 # numbers): the per-update mini-batch of 16 prompts x 8 samples in 4 mini-batches.
@@ -338,7 +341,16 @@ def rollout_batch(sh: Shape, mesh: Mesh, *, abstract: bool, seed: int = 0, rows:
     }
 
 
-def _logprob_fn(sh: Shape, graphdef):
+def packed_shape(sh: Shape, mesh: Mesh, part: str) -> packing.Packing:
+    """The packed twin of ``part``'s (train or logprob) padded micro-batches: buffer rows
+    of a padded micro-batch's row count, room for every row (`packing.shapes`)."""
+    n, m = (sh.rows, sh.micro_batches)
+    if part.startswith("logprob"):
+        n, m = sh.logprob_rows or sh.rows, sh.logprob_micro_batches
+    return packing.Packing.for_batch(n, n // m, math.prod(mesh.shape[a] for a in batch_axes(mesh)))
+
+
+def _logprob_fn(sh: Shape, graphdef, packing_shape: packing.Packing | None = None):
     return jax.jit(
         functools.partial(
             passes.logprob_pass,
@@ -346,14 +358,17 @@ def _logprob_fn(sh: Shape, graphdef):
             values=False,
             temperature=1.0,
             micro_batches=sh.logprob_micro_batches,
+            packing_shape=packing_shape,
         )
     )
 
 
-def logprob_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None):
+def logprob_program(
+    sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None, packed=False
+):
     if graphdef is None:
         graphdef, params = policy_params(sh, mesh, abstract=abstract)
-    fn = _logprob_fn(sh, graphdef)
+    fn = _logprob_fn(sh, graphdef, packed_shape(sh, mesh, "logprob") if packed else None)
     rows = sh.logprob_rows or sh.rows
     return fn, (params, rollout_batch(sh, mesh, abstract=abstract, rows=rows))
 
@@ -373,7 +388,9 @@ def make_optimizer(mu_dtype: str = "float32"):
     )
 
 
-def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None, old=None):
+def train_program(
+    sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, params=None, old=None, packed=False
+):
     """The train step and (state, batch, rng). ``old``: the log-prob pass's outputs on
     the batch (computed here when not given; abstractly, by `jax.eval_shape`)."""
     if graphdef is None:
@@ -390,7 +407,7 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
         opt_shard = jax.jit(optimizer.init).trace(trained).out_info
         opt_state = jax.tree.map(lambda a, i: _abstract(a, i.sharding), opt_state, opt_shard)
         old = old or jax.eval_shape(lp, *lp_args)
-        old = {k: _abstract(v, _rows_sharding(mesh, v.ndim)) for k, v in old.items()}
+        old = {k: _abstract(v, _rows_sharding(mesh, v.ndim)) for k, v in old.items() if v.ndim}
         rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     else:
         opt_state = jax.jit(optimizer.init)(trained)
@@ -419,6 +436,7 @@ def train_program(sh: Shape, mesh: Mesh, *, abstract: bool, graphdef=None, param
         hparams=(("kl_coef", 0.0),),
         micro_batches=sh.micro_batches,
         trainable=sh.trainable,
+        packing=packed_shape(sh, mesh, "train") if packed else None,
     )
     train = jax.jit(
         functools.partial(
@@ -567,15 +585,15 @@ class _SamplerJit:
 
 def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):
     """(jitted, args) of one part of `PARTS` (``batch``: the sampler-side batch)."""
-    if sh.lora and sh.lora.rank and part not in ("train", "logprob"):
+    if sh.lora and sh.lora.rank and part.split("_")[0] not in ("train", "logprob"):
         raise ValueError(
             f"part {part!r}: with LoRA only the train and logprob programs are built "
             "(the sampler's would be the merged weights' or the base's with adapters)"
         )
-    if part == "train":
-        return train_program(sh, mesh, abstract=abstract)
-    if part == "logprob":
-        return logprob_program(sh, mesh, abstract=abstract)
+    if part in ("train", "train_packed"):
+        return train_program(sh, mesh, abstract=abstract, packed=part == "train_packed")
+    if part in ("logprob", "logprob_packed"):
+        return logprob_program(sh, mesh, abstract=abstract, packed=part == "logprob_packed")
     if part == "prefill":
         return prefill_program(sh, mesh, batch, abstract=abstract)
     if part == "decode":

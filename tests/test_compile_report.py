@@ -386,3 +386,32 @@ def test_lora_option_is_checked_and_limited_to_the_trained_programs(h200):
     mesh = compile_report.mesh_for(h200, {"data": 1})
     with pytest.raises(ValueError, match="part 'prefill': with LoRA only the train and logprob"):
         programs.program("prefill", sh, mesh, abstract=True, batch=8)
+
+
+def test_packed_log_prob_pass_is_reported_beside_the_padded_one(capsys):
+    """``--target cpu`` on the tiny size: the packed log-prob pass beside the padded one,
+    one micro-batch's FLOPs (the body of its loop, whose trip count the program computes)
+    half the padded pass's whole batch of two micro-batches, and at short lengths one
+    micro-batch used, a larger real-token share and fewer FLOPs per real token."""
+
+    def short(n, *, seed, max_prompt_len, max_new_tokens):  # rows of 2 to 9 tokens
+        rs = np.random.RandomState(seed)
+        return rs.randint(2, 5, n), rs.randint(1, 7, n)
+
+    argv = ["--target", "cpu", "--size", "tiny", "--parts", "logprob,logprob_packed"]
+    argv += ["--set", "logprob_micro_batches=2", "--top", "2"]
+    padded, packed = compile_report.main(argv, sample=short)
+    assert {k: packed["packing"][k] for k in ("rows", "micro", "shards")} == dict(
+        rows=2, micro=2, shards=1
+    )
+    assert 0 < packed["micro_tflop_hlo"] < padded["matmul_tflop_hlo"]
+    assert packed["micro_tflop_hlo"] == pytest.approx(padded["matmul_tflop_hlo"] / 2, rel=0.05)
+    assert packed["unknown_trip_counts"] == 0 and packed["hlo_over_model"] > 0
+    t, tp = padded["tokens"], packed["tokens"]
+    assert t["micro_batches_used"] == [2] and tp["micro_batches_used"] == [1]
+    assert t["computed_slots"] == 4 * 31 and tp["computed_slots"] == 2 * 31
+    assert t["real_tokens"] == tp["real_tokens"] < 2 * 31
+    assert tp["real_share"] == pytest.approx(2 * t["real_share"])
+    assert tp["gflop_per_real_token"] == pytest.approx(t["gflop_per_real_token"] / 2, rel=0.05)
+    out = capsys.readouterr().out
+    assert "| logprob | 4 | 2 x 31 | 2 |" in out and "| logprob_packed | 4 | 2 x 31 | 1 |" in out
