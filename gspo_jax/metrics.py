@@ -196,6 +196,24 @@ Metric = Union[Mean, Sum, Max, Min, Std, Last]
 MetricDict = dict[str, Metric]
 
 
+def nothing_like(metrics: MetricDict) -> MetricDict:
+    """For each metric (arrays or shapes), the value that merges as nothing: zero totals
+    and counts, -inf for a Max, +inf for a Min (a loop's first carry, to which every
+    iteration's metrics merge; `Last` takes the other's value whatever it holds)."""
+
+    def fill(x, v):
+        return jnp.full(x.shape, v, x.dtype)
+
+    def one(m):
+        if isinstance(m, Max):
+            return Max(fill(m.value, -jnp.inf))
+        if isinstance(m, Min):
+            return Min(fill(m.value, jnp.inf))
+        return jax.tree.map(lambda x: fill(x, 0), m)
+
+    return {k: one(m) for k, m in metrics.items()}
+
+
 def reduce_all(stacked: MetricDict) -> MetricDict:
     """Merges metrics stacked along a leading axis (e.g. the ys of a `lax.scan`)."""
     return {k: v.reduce() for k, v in stacked.items()}

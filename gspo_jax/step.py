@@ -375,16 +375,16 @@ def accumulate(loss_fn, params, batch, m: int, trainable: str = "all"):
 
 def _accumulate_packed(loss_fn, params, batch, plan: packing.Plan, m: int, trainable: str):
     """`accumulate` over the micro-batches of a packing ``plan``: only its ``plan.used``
-    ones are computed (a ``while`` loop; ``m`` is the most it may use), each the rows it
-    packs, and their metrics merged as they come."""
+    ones are computed (a ``while`` loop from zero; ``m`` is the most it may use), each the
+    rows it packs, and their metrics merged as they come."""
     params, frozen = lora.partition(params, trainable)
 
     def loss_j(p, j):
         return loss_fn(p if frozen is None else lora.join(p, frozen), batch, packed=(plan, j))
 
     grad_fn = jax.value_and_grad(loss_j, has_aux=True)
-    (loss, metrics), grads = grad_fn(params, 0)
     if m == 1:
+        (loss, metrics), grads = grad_fn(params, 0)
         return loss, metrics, grads
 
     def body(j, carry):
@@ -393,7 +393,13 @@ def _accumulate_packed(loss_fn, params, batch, plan: packing.Plan, m: int, train
         merged = {k: v.merge(metrics[k]) for k, v in metrics_acc.items()}
         return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), merged
 
-    loss, grads, metrics = jax.lax.fori_loop(1, plan.used, body, (loss, grads, metrics))
+    (_, shapes), _ = jax.eval_shape(grad_fn, params, 0)
+    start = (
+        jnp.zeros((), jnp.float32),
+        jax.tree.map(jnp.zeros_like, params),
+        metrics_lib.nothing_like(shapes),
+    )
+    loss, grads, metrics = jax.lax.fori_loop(0, plan.used, body, start)
     return loss, metrics, grads
 
 
