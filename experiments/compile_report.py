@@ -372,7 +372,8 @@ def lengths_batch(sh: programs.Shape, sample, seed: int, source: str) -> dict:
 def token_figures(r: dict, sh: programs.Shape, mesh: Mesh, valid: np.ndarray) -> dict:
     """What a train (per mini-batch) or log-prob row computes for the batch ``valid``
     (`lengths_batch`); program FLOPs over all devices, a packed program's as counted (its
-    micro-batch loop once) plus the loop body's for each further micro-batch used."""
+    micro-batch loop, from the first micro-batch, once) plus the loop body's for each
+    further micro-batch used."""
     base = r["part"].removesuffix("_packed")
     calls = valid.shape[0] // r["batch"] if base == "train" else 1
     seq, real = valid.shape[1], int(valid.sum())
@@ -383,7 +384,7 @@ def token_figures(r: dict, sh: programs.Shape, mesh: Mesh, valid: np.ndarray) ->
         plan = jax.jit(packing.plan, static_argnums=1)
         used = [int(plan(v, pk).used) for v in np.split(valid, calls)]
         shape, slots = [pk.rows, seq], sum(used) * pk.rows * seq
-        total = once if pk.micro == 1 else sum(once + (u - 2) * (micro or math.nan) for u in used)
+        total = once if pk.micro == 1 else sum(once + (u - 1) * (micro or math.nan) for u in used)
     else:
         m = sh.micro_batches if base == "train" else sh.logprob_micro_batches
         used, shape, slots = [m] * calls, [r["batch"] // m, seq], valid.size

@@ -236,15 +236,14 @@ def logprob_pass(
         if packing_shape.micro == 1:  # one micro-batch: no loop, no buffers
             out = _to_rows(run(rows, (plan, 0)), lambda y, w: packing.unpack(plan, 0, y, w), p, t)
         else:  # each used micro-batch into its slot of [m, r, S, ...] buffers, one gather back
-            first = run(rows, (plan, 0))
+            shapes = jax.eval_shape(run, rows, (plan, 0))
             bufs = jax.tree.map(
-                lambda y: jnp.zeros((packing_shape.micro,) + y.shape, y.dtype), first
+                lambda y: jnp.zeros((packing_shape.micro,) + y.shape, y.dtype), shapes
             )
-            bufs = jax.tree.map(lambda b, y: b.at[0].set(y), bufs, first)
             body = lambda j, b: jax.tree.map(  # noqa: E731
                 lambda bj, y: bj.at[j].set(y), b, run(rows, (plan, j))
             )
-            bufs = jax.lax.fori_loop(1, plan.used, body, bufs)
+            bufs = jax.lax.fori_loop(0, plan.used, body, bufs)
             out = _to_rows(bufs, lambda y, w: packing.unpack_all(plan, y, w), p, t)
         out["computed_tokens"] = packing.computed_slots(plan, packing_shape)
     elif micro_batches == 1:
