@@ -94,7 +94,7 @@ class Plan:
     (0: empty). The padded layout: ``micro`` int32[n] the micro-batch of each row;
     ``slot_row`` / ``slot_col`` int32[n, S] the buffer row and column of each input
     position; ``valid`` bool[n, S]. ``used`` int32[]: the micro-batches holding any
-    sequence; ``tokens`` int32[m]: the real tokens each holds.
+    sequence.
     """
 
     src_row: jax.Array
@@ -105,7 +105,6 @@ class Plan:
     slot_col: jax.Array
     valid: jax.Array
     used: jax.Array
-    tokens: jax.Array
 
 
 def _first_fit_decreasing(lengths: jax.Array, capacity: int):
@@ -183,7 +182,6 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
         return out.at[at_micro, slot_row, slot_col].set(values, mode="drop")
 
     filled = scatter(jnp.ones((n, s), jnp.int32))
-    tokens = jnp.zeros(m, jnp.int32).at[micro].add(lengths)
     return Plan(
         src_row=scatter(rows),
         src_pos=scatter(pos),
@@ -193,7 +191,6 @@ def plan(valid: jax.Array, packing: Packing) -> Plan:
         slot_col=jnp.minimum(slot_col, cap - 1),
         valid=valid,
         used=used,
-        tokens=tokens,
     )
 
 

@@ -586,10 +586,14 @@ def train_step(
     """
     del rng
     norm = objectives.normalizer(batch["mask"])
+    valid = sequence_inputs(batch)[3]  # the input positions the router sees as real
     loss_fn = functools.partial(
-        policy_loss, graphdef=graphdef, cfg=cfg, norm=norm, num_router_tokens=router_tokens(batch)
+        policy_loss,
+        graphdef=graphdef,
+        cfg=cfg,
+        norm=norm,
+        num_router_tokens=jnp.sum(valid.astype(jnp.float32)),
     )
-    valid = sequence_inputs(batch)[3]
     if cfg.packing is None:
         loss, metrics, grads = accumulate(
             loss_fn, state.params, batch, cfg.micro_batches, cfg.trainable
