@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import lora_training, packing, passes, step
+from gspo_jax import lora_training, optim, packing, passes, step
 from gspo_jax.models import ModelConfig, lora
 from gspo_jax.models.precision import inference_params
 from gspo_jax.models.sharding import param_shardings
@@ -171,7 +171,7 @@ class Shape:
     sampler_batches: tuple[int, ...]
     logprob_micro_batches: int = 1
     logprob_rows: int = 0  # rows of the log-prob pass (0: a mini-batch's, ``rows``)
-    mu_dtype: str = "float32"  # Adam's first moment (`step.make_optimizer`)
+    mu_dtype: str = "float32"  # Adam's first moment (`optim.make_optimizer`)
     lora: lora_training.LoRAConfig | None = None  # the RL phase with these adapters
 
     @property
@@ -374,7 +374,7 @@ def logprob_program(
 
 
 def make_optimizer(mu_dtype: str = "float32"):
-    return step.make_optimizer(
+    return optim.make_optimizer(
         mu_dtype=mu_dtype,
         lr=1e-6,
         schedule="constant",

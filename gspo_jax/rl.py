@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import checkpoint, heldout, lora_training, offpolicy, packing, step
+from gspo_jax import checkpoint, heldout, lora_training, offpolicy, optim, packing, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
@@ -103,7 +103,7 @@ def rl_optimizer(cfg: RunConfig):
     """The RL phase's optimizer and schedule (``config.optimizer``), over every update of
     the run (``total_rl_steps x num_minibatches x num_epochs``)."""
     updates_per_step = cfg.updates.num_minibatches * cfg.updates.num_epochs
-    return step.make_optimizer(
+    return optim.make_optimizer(
         lr=cfg.optimizer.lr,
         schedule=cfg.optimizer.schedule,
         total_steps=cfg.total_rl_steps * updates_per_step,

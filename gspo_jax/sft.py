@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from gspo_jax import config as config_lib
-from gspo_jax import loop, lora_training, safety, step
+from gspo_jax import loop, lora_training, optim, safety, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.checkpoint import PhaseCheckpointer
 from gspo_jax.data.encoding import encode_prompt, pad_left, pad_right
@@ -112,7 +112,7 @@ def sft_batch(t: RunParts, position: int) -> tuple[dict[str, np.ndarray], int]:
 def sft_optimizer(cfg: RunConfig):
     """The warm start's AdamW and schedule (a cosine decay), from ``config.sft``."""
     s = cfg.sft
-    return step.make_optimizer(
+    return optim.make_optimizer(
         lr=s.lr,
         schedule="cosine",
         total_steps=s.steps,

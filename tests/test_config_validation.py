@@ -448,10 +448,10 @@ MODEL_FIELD_VALUES = {
 def test_the_warm_starts_optimizer_is_its_config(monkeypatch):
     """config.sft's AdamW settings reach the warm start's optimizer (they were written
     into sft.py), each settable on the command line."""
-    from gspo_jax import sft, step
+    from gspo_jax import optim, sft
 
     seen = {}
-    monkeypatch.setattr(step, "make_optimizer", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(optim, "make_optimizer", lambda **kw: seen.update(kw))
     c = _command_line("--config.sft.b1=0.8", "--config.sft.b2=0.95", "--config.sft.grad_clip=0.5",
                       "--config.sft.end_lr_ratio=0.2", "--config.sft.weight_decay=0.01")
     config_lib.validate(c, 8)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from gspo_jax import config as config_lib
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import routing, step
+from gspo_jax import optim, routing, step
 from gspo_jax import passes
 from gspo_jax.metrics import compute_all
 from gspo_jax.metrics_log import MetricsWriter, read_metrics
@@ -81,7 +81,7 @@ def test_uniform_groups_move_no_parameter_by_default(setup, objective):
     With ``update_without_signal`` the same mini-batch does move them."""
     graphdef, params, batch, old = setup
     b = dict(batch, advantages=jnp.zeros((N,), jnp.float32), ref_logp=old["logp"] - 0.1)
-    opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
+    opt, sched = optim.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
                                      end_lr_ratio=1.0, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
     hp = (("kl_coef", 0.04),) if objective == "grpo" else ()
     for without_signal in (False, True):
@@ -115,7 +115,7 @@ def test_logged_learning_rate_is_the_one_applied(setup):
     schedule at the optimizer's own count: after a skip, the next update logs (and
     applies) the rate the skipped one would have."""
     graphdef, params, batch, _ = setup
-    opt, sched = step.make_optimizer(lr=1e-2, schedule="linear", total_steps=10, warmup_steps=4,
+    opt, sched = optim.make_optimizer(lr=1e-2, schedule="linear", total_steps=10, warmup_steps=4,
                                      end_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
     cfg = step.step_config(objective="gspo")
     fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))

@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gspo_jax import objectives, step
+from gspo_jax import objectives, optim, step
 
 from gspo_jax import passes
 from gspo_jax.metrics import compute_all
@@ -139,7 +139,7 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     adv = np.full(N, -1.0 / (N - 1), np.float32)
     adv[0] = 1.0
     b = dict(batch, advantages=jnp.asarray(adv), old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
-    opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
+    opt, sched = optim.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
                                      weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0)
     cfg = step.step_config(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
     fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
@@ -159,7 +159,7 @@ def test_bfloat16_first_moment(setup):
     cfg = step.step_config(objective="grpo", hparams=(("kl_coef", 0.0),))
     out = {}
     for mu in ("float32", "bfloat16"):
-        opt, sched = step.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
+        opt, sched = optim.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
                                          end_lr_ratio=1.0, weight_decay=0.0, b1=0.9, b2=0.99,
                                          grad_clip=1.0, mu_dtype=mu)
         fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))

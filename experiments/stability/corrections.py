@@ -166,11 +166,11 @@ def shared_runs(stage2: list[dict], stage3: list[dict]) -> list[str]:
 def warmup() -> list[str]:
     """The learning rate of the first updates of an RL run of stages 2–4: the config
     every stage starts from (`common.rl_config`), through the optimizer's own schedule."""
-    from gspo_jax import step
+    from gspo_jax import optim
 
     c = common.rl_config("moe2", 0, "/nonexistent")
     o = c.optimizer
-    _, sched = step.make_optimizer(
+    _, sched = optim.make_optimizer(
         lr=1.0,
         schedule=o.schedule,
         total_steps=1000,
@@ -186,7 +186,7 @@ def warmup() -> list[str]:
         "## The warm-up of stages 2–4\n",
         f"`common.rl_config` (configs/stability.py, which stages 2–4 do not override here) "
         f"has `optimizer.warmup_steps` = {o.warmup_steps} and schedule `{o.schedule}`; "
-        f"through `gspo_jax.step.make_optimizer` the learning rate of updates 0..{o.warmup_steps}, "
+        f"through `gspo_jax.optim.make_optimizer` the learning rate of updates 0..{o.warmup_steps}, "
         f"as a fraction of the set lr: {first}. With 1 update per rollout (stage 4) RL step 1 "
         f"makes no change to the policy, and steps 2–{o.warmup_steps} run at 0.2–0.8× the lr; "
         "with 16 (stages 2 and 3) the first rollout's 16 updates hold 4 warm-up updates "
