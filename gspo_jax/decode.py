@@ -198,6 +198,14 @@ def _route_logp(aux, j: int) -> jax.Array:
     return topk_router_logp(at(aux.router_logits), at(aux.topk_indices))[:, 0]
 
 
+def noise_at(cfg, std, keys, positions) -> jax.Array:
+    """The sampler's router noise, σ · N(0, 1) f32[R, T', L, E]: entry [r, t] drawn from
+    fold_in(keys[r], positions[r, t]) (`gspo_jax.rollout`'s module docstring)."""
+    shape = (cfg.num_moe_layers, cfg.num_experts)
+    draw = lambda key, p: jax.random.normal(jax.random.fold_in(key, p), shape, jnp.float32)
+    return std * jax.vmap(jax.vmap(draw, (None, 0)))(keys, positions)
+
+
 def _generate(
     graphdef,
     state,
@@ -255,13 +263,7 @@ def _generate(
         row_keys = jax.vmap(row_key)(rows(prompt_ids), sample_ids)
 
     def router_noise(keys, positions):
-        """None when off, else σ · N(0, 1) f32[R, T', L, E]: entry [r, t] drawn
-        from fold_in(keys[r], positions[r, t])."""
-        if not spec.router_noise:
-            return None
-        shape = (model.cfg.num_moe_layers, model.cfg.num_experts)
-        draw = lambda key, p: jax.random.normal(jax.random.fold_in(key, p), shape, jnp.float32)
-        return router_noise_std * jax.vmap(jax.vmap(draw, (None, 0)))(keys, positions)
+        return noise_at(model.cfg, router_noise_std, keys, positions) if spec.router_noise else None
 
     # Prefill, once per prompt; positions count real tokens only, so left
     # padding is invisible.  Then each prompt's cache is copied to its G rows.
@@ -363,7 +365,8 @@ def _generate(
         prompt_mask=prompt_mask,
         prompt_experts=prompt_experts,
     )
-    return {k: None if v is None else shard(v) for k, v in out.items()}
+    out = {k: None if v is None else shard(v) for k, v in out.items()}
+    return dict(out, decode_steps=c.t)  # the steps run (forwards after the prefill)
 
 
 generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("spec",))

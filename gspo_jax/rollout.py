@@ -97,6 +97,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gspo_jax.config_fields import err, setting
 from gspo_jax.decode import Spec, generate_jit, use_cpu_sampling
 from gspo_jax.offpolicy import OffPolicySettings
+from gspo_jax.refill import RefillSpec, SlotSettings, generate_refill_jit
 
 __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
 
@@ -108,9 +109,10 @@ ROUTING = ("all", "response", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig(OffPolicySettings):
-    """``config.rollout``: what the sampler draws each RL step, and which policy drew the
-    batch a step trains on, where and when (`gspo_jax.offpolicy.OffPolicySettings`)."""
+class RolloutConfig(OffPolicySettings, SlotSettings):
+    """``config.rollout``: what the sampler draws each RL step, in how many decode slots
+    (`gspo_jax.refill.SlotSettings`), and which policy drew the batch a step trains on,
+    where and when (`gspo_jax.offpolicy.OffPolicySettings`)."""
 
     prompts_per_step: int = setting(64, low=1, doc="prompts sampled per RL step")
     group_size: int = setting(
@@ -169,8 +171,9 @@ class RolloutConfig(OffPolicySettings):
 
     def check_run(self, run, ctx) -> None:
         """The off-policy settings (`OffPolicySettings.check_run`); router noise and a
-        quantized sampler against the model and LoRA."""
-        super().check_run(run, ctx)
+        quantized sampler against the model and LoRA; the decode slots."""
+        OffPolicySettings.check_run(self, run, ctx)
+        SlotSettings.check_run(self, run, ctx)
         if run.model.dense and self.router_noise_std > 0:
             raise err(
                 "rollout.router_noise_std",
@@ -239,6 +242,9 @@ class Rollout:
       prompt_experts: int32[N, P, L, K], the prefill's top-K at every prompt
         position; -1 on padding.  ``prompt_experts[:, P-1] == experts[:, 0]``.
         None unless the sampler was asked for the whole record (``routing="all"``).
+      decode_steps: int32[], the decode steps the sampler ran after its prefill: the
+        longest row's length less one for the batch program, fewer with refilled slots
+        (`gspo_jax.refill`). Each step computes every row (slot) of the program.
     """
 
     tokens: jax.Array
@@ -251,6 +257,7 @@ class Rollout:
     prompt_tokens: jax.Array
     prompt_mask: jax.Array
     prompt_experts: jax.Array
+    decode_steps: jax.Array = None
 
     def replay(self) -> jax.Array:
         """int32[N, P+T, L, K]: the R3 replay array (`replay_r3`) for a forward over
@@ -319,6 +326,10 @@ class Sampler:
       prompt_len: every prompt is left-padded to this many tokens (a longer one
         raises ValueError), so every call compiles the same program; None: to
         the longest prompt of each call.
+      slots: decode at most this many rows at once, refilling a slot with the next
+        row as its row finishes (`gspo_jax.refill`); 0, or a call of no more rows:
+        every row at once (`gspo_jax.decode`). A multiple of the data shards.
+      refill_chunk: rows prefilled together when slots free (1 <= it <= slots).
     """
 
     def __init__(
@@ -330,6 +341,8 @@ class Sampler:
         mesh: Optional[Mesh] = None,
         data_axes: Optional[Sequence[str]] = None,
         prompt_len: Optional[int] = None,
+        slots: int = 0,
+        refill_chunk: int = 1,
     ):
         if not (_is_int(vocab_size) and vocab_size > 0):
             raise ValueError(f"vocab_size: must be a positive int, got {vocab_size!r}")
@@ -357,6 +370,16 @@ class Sampler:
             self.data_axes = data_axes
             self.data_shards = math.prod(mesh.shape[a] for a in data_axes)
             self._sharding = NamedSharding(mesh, PartitionSpec(data_axes or None))
+        if not (_is_int(slots) and slots >= 0 and slots % self.data_shards == 0):
+            raise ValueError(
+                f"slots: must be an int >= 0 and a multiple of the {self.data_shards} data "
+                f"shards, got {slots!r}"
+            )
+        if slots and not (_is_int(refill_chunk) and 1 <= refill_chunk <= slots):
+            raise ValueError(
+                f"refill_chunk: must be an int in [1, slots={slots}], got {refill_chunk!r}"
+            )
+        self.slots, self.refill_chunk = int(slots), int(refill_chunk)
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> "Sampler":
@@ -443,9 +466,19 @@ class Sampler:
         # Traced on the mesh, as the trainer's programs are: the ragged MoE dispatch
         # takes its per-device row groups (and expert parallelism) from it.
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            out = generate_jit(*args, spec=spec)
+            if self.slots and n_rows > self.slots:
+                replicated = lambda a: (
+                    a
+                    if self.mesh is None
+                    else jax.device_put(a, NamedSharding(self.mesh, PartitionSpec()))
+                )
+                args = (*args[:3], *map(replicated, args[3:6]), jnp.int32(n_rows), *args[7:])
+                spec = RefillSpec(spec, self.slots, self.refill_chunk)
+                out = generate_refill_jit(*args, spec=spec)
+            else:
+                out = generate_jit(*args, spec=spec)
         if n_rows < out["tokens"].shape[0]:
-            out = {k: None if v is None else v[:n_rows] for k, v in out.items()}
+            out = {k: v if v is None or v.ndim == 0 else v[:n_rows] for k, v in out.items()}
         return Rollout(**out)
 
     def _prepare(

@@ -143,6 +143,8 @@ class RunParts:
             vocab_size=self.model_cfg.vocab_size,
             mesh=self.sampler_mesh,
             prompt_len=self.max_prompt_len,
+            slots=cfg.rollout.decode_slots,
+            refill_chunk=cfg.rollout.refill_chunk,
         )
         # Where the sampler reads the parameters (a copy on its own devices, if any).
         self.sampler_devices = offpolicy.SamplerDevices(

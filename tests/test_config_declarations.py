@@ -88,11 +88,13 @@ BASE_CONFIG = {'advantage': 'group',
                'warmup_steps': 5,
                'weight_decay': 0.0},
  'progress_bar': True,
- 'rollout': {'group_size': 8,
+ 'rollout': {'decode_slots': 0,
+             'group_size': 8,
              'long_prompts': 'refuse',
              'max_new_tokens': 24,
              'max_prompt_len': 64,
              'prompts_per_step': 64,
+             'refill_chunk': 8,
              'router_noise_std': 0.0,
              # the sampler's own precision (gspo_jax.models.precision.SamplerPrecision)
              'sampler_dtype': '',
@@ -171,6 +173,7 @@ RESUMABLE = {
     "model.logits_chunk_size", "model.attention_impl", "rollout.max_prompt_len",
     "rollout.long_prompts", "updates.max_consecutive_skips",
     "rollout.devices", "rollout.overlap",  # where and when the sampler runs, not what it samples
+    "rollout.decode_slots", "rollout.refill_chunk",  # how many rows decode at once, likewise
     "task.reward_fn_timeout", "task.reward_fn_all_failed",  # how a plug-in's failures are met
 }
 

@@ -82,7 +82,9 @@ class KVCache:
         Both in the compute dtype unless `init_cache` was given another; one
         buffer per layer.
       valid: bool[B, S], slot holds a real token.
-      index: int32[], next slot to write.
+      index: int32[], next slot to write; or int32[B], each row's own (the
+        refilling sampler's slots, `gspo_jax.refill`: rows that started at different
+        steps write at different slots).
 
     Static shapes: a carry of lax.while_loop / scan.  One buffer per layer, not
     one stacked [L, ...] array: the layer scan reads layer l's buffer in place
@@ -96,6 +98,21 @@ class KVCache:
     v: jax.Array
     valid: jax.Array
     index: jax.Array
+
+
+def write_slots(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """``buf`` [B, ...] with ``new`` written at slots [index, index + T) of ``axis``: one
+    ``index`` for every row (int32[], a `dynamic_update_slice`), or one per row (int32[B],
+    a row-wise one, which XLA lowers to a scatter); in place where ``buf`` is a loop carry
+    or donated."""
+    if index.ndim == 0:
+        return jax.lax.dynamic_update_slice(
+            buf, new, tuple(index if a == axis else 0 for a in range(buf.ndim))
+        )
+    row = lambda b, n, i: jax.lax.dynamic_update_slice(
+        b, n, tuple(i if a == axis - 1 else 0 for a in range(b.ndim))
+    )
+    return jax.vmap(row)(buf, new, index)
 
 
 def _check_temperature(temperature) -> float:
@@ -193,7 +210,7 @@ class Transformer(nnx.Module):
             cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.valid.shape[1]))
             if prefill:  # an empty cache: nothing to attend to but the new tokens
                 cache_mask = None
-            valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
+            valid = write_slots(cache.valid, token_mask, cache.index, 1)
         # Per-MoE-layer inputs, leading L: (replay [L, B, T, K], noise [L, B, T, E]).
         per_layer = lambda a, dtype: None if a is None else jnp.moveaxis(a.astype(dtype), 2, 0)
         moe_in = (per_layer(replay, jnp.int32), per_layer(router_noise, jnp.float32))
@@ -259,9 +276,9 @@ class Transformer(nnx.Module):
             # Each layer's new keys / values (in the cache's layouts, T slots) go to
             # slots [index, index + T) of its buffers, in place.
             k_new, v_new = (jnp.concatenate(a, axis=0) for a in zip(*new_kv))  # leading L
-            at = lambda layout: tuple(cache.index if a == "s" else 0 for a in layout)
             write = lambda bufs, new, layout: tuple(
-                jax.lax.dynamic_update_slice(buf, new[j], at(layout)) for j, buf in enumerate(bufs)
+                write_slots(buf, new[j], cache.index, layout.index("s"))
+                for j, buf in enumerate(bufs)
             )
             k_layout, v_layout = cache_layouts(cfg)
             new_cache = KVCache(
@@ -517,19 +534,24 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"tokens: length {t} exceeds the cache's max_len {cache.valid.shape[1]}"
             )
-        if (
-            not isinstance(cache.index, jax.core.Tracer)
-            and int(cache.index) + t > cache.valid.shape[1]
+        known = not isinstance(cache.index, jax.core.Tracer)
+        if known and int(np.max(cache.index)) + t > cache.valid.shape[1]:
+            raise ValueError(
+                f"cache: index {int(np.max(cache.index))} + {t} tokens exceeds max_len "
+                f"{cache.valid.shape[1]}"
+            )
+        if jnp.ndim(cache.index) not in (0, 1) or (
+            jnp.ndim(cache.index) == 1 and (cache.index.shape != (b,) or t != 1)
         ):
             raise ValueError(
-                f"cache: index {int(cache.index)} + {t} tokens exceeds max_len "
-                f"{cache.valid.shape[1]}"
+                f"cache.index: int32[] or, for one token per row, int32[{b}]; got shape "
+                f"{jnp.shape(cache.index)} with {t} tokens"
             )
         if positions is None:
             raise ValueError("positions: decode needs explicit positions int32[B, T']")
-        if prefill and not isinstance(cache.index, jax.core.Tracer) and int(cache.index) != 0:
+        if prefill and known and int(np.max(cache.index)) != 0:
             raise ValueError(
-                f"prefill: the cache already holds {int(cache.index)} tokens; prefill=True "
+                f"prefill: the cache already holds {int(np.max(cache.index))} tokens; prefill=True "
                 "is for an empty cache"
             )
         h, aux, cache = self._run(
