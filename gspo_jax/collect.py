@@ -245,5 +245,13 @@ class Collector:
             "sample_time": sum(r.sample_time for r in rounds),
             "gen_tokens": sum(int(x.sum()) for x in lengths),
         }
+        # The decode steps, and the share of their rows (slots) that fed a live row's
+        # token: every response token but the last is fed once (`gspo_jax.refill`).
+        steps = sum(int(r.rollout.decode_steps) for r in rounds)
+        rows = self.t.sampler.decode_rows(n_prompts, g)
+        info["decode_steps"] = steps
+        info["decode_row_use"] = sum(float(np.maximum(x - 1, 0).sum()) for x in lengths) / max(
+            1, steps * rows
+        )
         info.update({f"verifier_{k}": v for k, v in fail_counts.items()})
         return info

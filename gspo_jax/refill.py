@@ -182,7 +182,7 @@ def _generate_refill(
         """The outputs with the rows of ``slots`` (S: none) written from their buffers."""
         at = jnp.minimum(slots, S - 1)
         rows = jnp.where(slots < S, st.row[at], B)
-        put = lambda a, v: a.at[rows].set(v[at], mode="drop")
+        put = lambda a, v: shard(a.at[rows].set(v[at], mode="drop"))
         out = {k: put(st.out[k], v) for k, v in st.buf.items()}
         out["lengths"] = put(st.out["lengths"], st.t)
         out["stopped"] = put(st.out["stopped"], st.stopped)
@@ -227,7 +227,7 @@ def _generate_refill(
             full = jnp.full((C, T) + x0.shape[1:], empty, x0.dtype)
             return full.at[:, 0].set(x0)
 
-        put = lambda a, v: a.at[slot_of].set(v, mode="drop")
+        put = lambda a, v: shard(a.at[slot_of].set(v, mode="drop"))
         new = dict(tokens=first(tok, s.pad_id), logp=first(lp, 0.0))
         if record:
             new["experts"] = first(aux.topk_indices[:, -1].astype(jnp.int32), -1)
@@ -235,7 +235,7 @@ def _generate_refill(
         if s.routing == "all":
             topk = aux.topk_indices.astype(jnp.int32)
             routed = jnp.where(pmask[:, :, None, None], topk, -1)
-            out["prompt_experts"] = out["prompt_experts"].at[rows].set(routed, mode="drop")
+            out["prompt_experts"] = shard(out["prompt_experts"].at[rows].set(routed, mode="drop"))
         return st._replace(
             cache=st.cache.replace(
                 k=tuple(map(put, st.cache.k, cache.k)),
@@ -340,7 +340,7 @@ def _generate_refill(
 
     rows = lambda x: shard(jnp.repeat(x, G, axis=0))
     mask = jnp.arange(T, dtype=jnp.int32)[None, :] < out["lengths"][:, None]
-    return dict(
+    out = dict(
         tokens=out["tokens"],
         mask=mask.astype(jnp.float32),
         lengths=out["lengths"],
@@ -351,8 +351,9 @@ def _generate_refill(
         prompt_tokens=rows(prompt_tokens),
         prompt_mask=rows(prompt_mask),
         prompt_experts=out.get("prompt_experts"),
-        decode_steps=st.steps,
     )
+    out = {k: None if v is None else shard(v) for k, v in out.items()}
+    return dict(out, decode_steps=st.steps)
 
 
 generate_refill_jit = jax.jit(_generate_refill, static_argnums=(0,), static_argnames=("spec",))

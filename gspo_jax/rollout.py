@@ -408,6 +408,14 @@ class Sampler:
             b += step
         return b
 
+    def decode_rows(self, num_prompts: int, num_samples: int) -> int:
+        """The rows a decode step of a call computes: its slots where they refill
+        (`gspo_jax.refill`), else every row of its batch bucket."""
+        n = num_prompts * num_samples
+        if self.slots and n > self.slots:
+            return self.slots
+        return self.batch_bucket(num_prompts, num_samples) * num_samples
+
     def __call__(
         self,
         prompts: Sequence[Sequence[int]],

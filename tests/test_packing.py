@@ -266,7 +266,8 @@ def test_packed_run_equals_its_padded_twin(tmp_path, staleness):
     """Whole smoke runs with R3 replay under a token budget of 8 rows per micro-batch
     (16-row mini-batches on the 8 fake devices), on-policy and at staleness 2 (the
     decoupled trust region, the rollout correction): every reward and length equal, every
-    loss and metric equal to float rounding, packed or as the padded twin."""
+    loss and metric equal to float rounding, packed with the sampler's 32 rows in 16
+    refilled slots (`gspo_jax.refill`) or as the padded twin sampling them all at once."""
     from configs import default as default_config
     from gspo_jax import train
 
@@ -279,6 +280,7 @@ def test_packed_run_equals_its_padded_twin(tmp_path, staleness):
         c.updates.routing_replay = "R3"
         c.updates.micro_batch_tokens = 8 * (c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1)
         c.updates.packing = packed
+        c.rollout.decode_slots = 16 if packed else 0  # and the sampler's refilled slots
         c.sft.steps = 1
         return [r for r in train.run(c, str(tmp_path / f"packed{packed}")) if r["phase"] == "rl"]
 
@@ -286,7 +288,8 @@ def test_packed_run_equals_its_padded_twin(tmp_path, staleness):
     assert len(packed) == len(padded) == 3
     timing = {"step_time", "rollout_time", "old_logp_time", "update_time", "sample_time", "tokens_per_s",
               "score_time"}
-    layout = {"computed_tokens", "real_token_share", "logprob_computed_tokens", "logprob_real_token_share"}
+    layout = {"computed_tokens", "real_token_share", "logprob_computed_tokens", "logprob_real_token_share",
+              "decode_steps", "decode_row_use"}
     for a, b in zip(packed, padded):
         assert set(a) == set(b)
         for key in sorted(set(a) - timing - layout):
@@ -303,3 +306,5 @@ def test_packed_run_equals_its_padded_twin(tmp_path, staleness):
         assert a["computed_tokens"] <= b["computed_tokens"]
         assert a["logprob_computed_tokens"] <= b["logprob_computed_tokens"]
         assert 0 < a["real_token_share"] <= 1 and 0 < a["logprob_real_token_share"] <= 1
+    for a, b in zip(packed, padded):  # 32 rows through 16 slots take more steps
+        assert a["decode_steps"] > b["decode_steps"] and 0 < a["decode_row_use"] <= 1
