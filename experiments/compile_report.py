@@ -2,6 +2,7 @@
 
     python -m experiments.compile_report --target h200 --layers 16 \\
         --parts train,logprob,prefill,decode,sampler --batches 64,256,1024
+    python -m experiments.compile_report --target h200 --parts sampler,sampler_refill
     python -m experiments.compile_report --target v5p:2x2x1 --size flagship --parts train
     python -m experiments.compile_report --target h200 --size flagship --parts train \\
         --lora 16,q,k,v,o,expert_gate,expert_up,expert_down
@@ -26,6 +27,10 @@ devices; TPU slices through libtpu) and prints for each program:
   active matmul parameters per token forward, 6 x for a train step (attention's
   products run in cuDNN's custom calls and are not in either figure); beside it the
   ratio expected with the recompute the design implies (`recompute_flops`).
+
+``sampler_refill``: the refilling sampler in ``batch`` slots over twice as many rows
+(`programs.sampler_program`); its decode steps depend on when rows finish, so it has no
+model FLOPs to compare with (reported as not applicable).
 
 ``train_packed``, ``logprob_packed``: the passes on packed buffers in the padded ones'
 micro-batch shape (`programs.packed_shape`), whose loop runs the micro-batches a plan
@@ -69,8 +74,10 @@ from experiments import compile_tables, hlo, programs, targets  # noqa: E402
 from gspo_jax import config_fields, packing, passes  # noqa: E402
 from gspo_jax.lora_training import LoRAConfig  # noqa: E402
 from gspo_jax.models import dispatch  # noqa: E402
+from gspo_jax.models.layers import cache_layouts  # noqa: E402
 
 GIB = 2**30
+SAMPLER_SIDE = ("prefill", "decode", "sampler", "sampler_refill")  # parts run at --batches
 
 
 def cpu_target() -> targets.Target:
@@ -91,8 +98,9 @@ def mesh_for(target: targets.Target, mesh_shape: dict[str, int] | None) -> Mesh:
     return Mesh(np.asarray(devs).reshape(tuple(shape.values())), tuple(shape))
 
 
-def model_flops(sh: programs.Shape, part: str, batch: int) -> float:
-    """The model's matmul FLOPs for one call of ``part`` (module docstring)."""
+def model_flops(sh: programs.Shape, part: str, batch: int) -> float | None:
+    """The model's matmul FLOPs for one call of ``part`` (module docstring); None for the
+    refilling sampler, whose decode steps depend on when its rows finish."""
     active = programs.matmul_params(sh.cfg, active=True)
     adapters = programs.adapter_params(sh.cfg, sh.lora, active=True)
     head = sh.cfg.vocab_size * sh.cfg.d_model
@@ -108,6 +116,8 @@ def model_flops(sh: programs.Shape, part: str, batch: int) -> float:
         return 2.0 * active * batch
     if part == "sampler":  # prefill + new_tokens - 1 decode steps
         return model_flops(sh, "prefill", batch) + (sh.new_tokens - 1) * 2.0 * active * batch
+    if part == "sampler_refill":
+        return None
     raise ValueError(part)
 
 
@@ -204,7 +214,7 @@ def _argument_paths(part: str, args) -> list[str]:
     as JAX names the parameters it can): JAX passes the flattened arguments in this
     order."""
     names = programs.ARG_NAMES[part]
-    if part == "sampler":
+    if part.startswith("sampler"):
         args = args[1:]  # the graphdef is static
     out = []
     for name, arg in zip(names, args):
@@ -278,7 +288,8 @@ def report_one(
         # the v5p flagship's log-prob pass came to 3,166x the model's FLOPs: not trusted.
         unread = max(unread, 1)
     hlo_flops = sum(x.flops * x.count for x in mm if not math.isnan(x.flops))
-    flops_model = model_flops(sh, base, batch) / mesh.size  # per device
+    flops_model = model_flops(sh, base, batch)
+    flops_model = flops_model and flops_model / mesh.size  # per device (None: not applicable)
     flops_recompute = recompute_flops(sh, base, target.platform) / mesh.size
     pk, micro_flops = None, hlo_flops
     if base != part:  # one micro-batch: the model's over its slots, the program's loop body
@@ -288,15 +299,19 @@ def report_one(
             micro_flops, loops = micro_batch_flops(comps, unknown)
             unknown = [u for u in unknown if u not in loops]
     ratio = micro_flops / flops_model if flops_model and micro_flops else None
+    n_lp = sh.logprob_rows or sh.rows
     labeller = Labeller(
         sh,
         _abstract_shapes(args[0]) if base != "train" else _abstract_shapes(args[0].params),
         _abstract_shapes(args[1]) if part == "decode" else [],
     )
-    if part in ("prefill", "sampler"):
-        kv = sh.cfg.num_kv_heads, sh.prompt_len + sh.new_tokens - 1, sh.cfg.head_dim
-        b = batch // max(1, mesh.size)
-        labeller.cache_shapes |= {(b, kv[0], kv[1], kv[2]), (b, kv[0], kv[2], kv[1])}
+    rows = programs.REFILL_ROWS_PER_SLOT * batch  # sampler_refill: its slots, rows, chunk
+    refill = part == "sampler_refill" and dict(slots=batch, rows=rows, chunk=fn.spec.chunk)
+    if part in ("prefill", "sampler", "sampler_refill"):  # the refill's: slots and a chunk
+        kv = dict(k=sh.cfg.num_kv_heads, s=sh.prompt_len + sh.new_tokens - 1, h=sh.cfg.head_dim)
+        for b in {batch // max(1, mesh.size), refill and refill["chunk"]} - {0}:
+            for layout in cache_layouts(sh.cfg):  # the model's (keys, values) axis orders
+                labeller.cache_shapes.add(tuple(dict(kv, b=b)[a] for a in layout))
     labeller.paths = _argument_paths(part, args)
     buffers = hlo.peak_buffers(comps, usage, labeller)
     by_what: dict[str, float] = {}
@@ -320,13 +335,8 @@ def report_one(
         moe_block_size=sh.cfg.moe_block_size,
         mu_dtype=sh.mu_dtype,
         lora=_lora_row(sh),
-        batch=(
-            batch
-            if part in ("prefill", "decode", "sampler")
-            else (sh.logprob_rows or sh.rows)
-            if base == "logprob"
-            else sh.rows
-        ),
+        batch=batch if part in SAMPLER_SIDE else sh.rows if base != "logprob" else n_lp,
+        refill=refill or None,
         compile_s=round(compile_s, 1),
         memory=dict(
             arguments_gib=m.argument_size_in_bytes / GIB,
@@ -341,7 +351,7 @@ def report_one(
         largest_buffers=buffers[:top],
         inventory=inv,
         matmul_tflop_hlo=hlo_flops / 1e12,
-        matmul_tflop_model=flops_model / 1e12,
+        matmul_tflop_model=flops_model and flops_model / 1e12,
         packing=dataclasses.asdict(pk) if pk else None,
         micro_tflop_hlo=micro_flops / 1e12 if micro_flops else None,
         hlo_over_model=ratio if ratio and not unknown and not unread else None,
@@ -419,10 +429,11 @@ def parse_lora(text: str):
 
 def render(r: dict) -> str:
     mem = r["memory"]
-    lo = r.get("lora")
+    lo, rf = r.get("lora"), r.get("refill")
     lines = [
         f"## {r['part']} — {r['device']} x{r['devices']} ({r['target']}), "
         f"{r['layers']} layers, {r['moe_backend']}, batch {r['batch']}"
+        + (f" slots over {rf['rows']} rows, chunks of {rf['chunk']}" if rf else "")
         + (f", LoRA rank {lo['rank']} on {','.join(lo['targets'])}" if lo else "")
         + f"  (compiled in {r['compile_s']} s)",
         f"peak {mem['peak_gib']:.2f} GiB = arguments {mem['arguments_gib']:.2f} + outputs "
@@ -443,9 +454,8 @@ def render(r: dict) -> str:
         f"expert-weight gathers/scatters: {len(inv['expert_weight_copies'])} ops, "
         f"{inv['expert_weight_copy_gib']:.2f} GiB moved per call"
     )
-    for w in sorted(inv["expert_weight_copies"], key=lambda w: -w["bytes_per_call"] * w["count"])[
-        :6
-    ]:
+    copies = sorted(inv["expert_weight_copies"], key=lambda w: -w["bytes_per_call"] * w["count"])
+    for w in copies[:6]:
         lines.append(
             f"  {w['opcode']:<8} {w['shape']:<24} x{w['count']:g}  "
             f"{w['bytes_per_call'] * w['count'] / GIB:.2f} GiB  {w['name']}"
@@ -482,11 +492,13 @@ def render(r: dict) -> str:
             f"{r['matmul_tflop_model']:.2f} TFLOP{x}; expected {r['expected_over_model']:.2f}"
         )
     elif r["unknown_trip_counts"]:
+        tf = r["matmul_tflop_model"]  # None: sampler_refill's steps run until rows finish
+        tf = f"{tf:.2f} TFLOP" if tf is not None else "FLOPs (not applicable: data-dependent)"
         lines.append(
             f"matmul FLOPs per device: program {r['matmul_tflop_hlo']:.2f} TFLOP with "
             f"{r['unknown_trip_counts']} loop(s) of unknown trip count counted once (the "
-            "decode loop stops on its own): not comparable with the model's "
-            f"{r['matmul_tflop_model']:.2f} TFLOP; the decode part gives one step's"
+            f"decode loop stops on its own): not comparable with the model's {tf}; the "
+            "decode part gives one step's"
         )
     else:
         lines.append(
@@ -552,16 +564,10 @@ def main(argv=None, *, sample=None) -> list[dict]:  # sample: default lengths.sa
             overrides[k] = v
     if args.lora:
         overrides["lora"] = parse_lora(args.lora)
-    mesh_shape = None
-    if args.mesh:
-        mesh_shape = {k: int(v) for k, v in (x.split("=") for x in args.mesh.split(","))}
+    mesh_shape = args.mesh and {k: int(v) for k, v in (x.split("=") for x in args.mesh.split(","))}
     mesh = mesh_for(target, mesh_shape)
-    if args.size == "flagship":
-        sh = programs.flagship_shape(platform=target.platform, backend=args.backend, **overrides)
-    else:
-        sh = programs.shape(
-            args.size, args.backend, args.layers, platform=target.platform, **overrides
-        )
+    layers = args.layers if args.size != "flagship" else 0  # the flagship's own (48)
+    sh = programs.shape(args.size, args.backend, layers, platform=target.platform, **overrides)
     sh = programs.on_mesh(sh, mesh)
     batches = [int(b) for b in args.batches.split(",") if b] or list(sh.sampler_batches)
     rows, extra = [], {}
@@ -578,15 +584,9 @@ def main(argv=None, *, sample=None) -> list[dict]:  # sample: default lengths.sa
         flush=True,
     )
     for part in [p for p in args.parts.split(",") if p]:
-        for b in batches if part in ("prefill", "decode", "sampler") else [0]:
+        for b in batches if part in SAMPLER_SIDE else [0]:
             r = report_one(
-                part,
-                sh,
-                target,
-                mesh,
-                batch=b,
-                mem_fraction=args.mem_fraction,
-                top=args.top,
+                part, sh, target, mesh, batch=b, mem_fraction=args.mem_fraction, top=args.top
             )
             rows.append(r)
             print(render(r) + "\n", flush=True)

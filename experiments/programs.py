@@ -20,6 +20,8 @@ The programs:
   KV cache (the cache donated, as the sampler's loop carries it).
 * ``sampler``: the sampler's whole compiled function (`gspo_jax.rollout`): prefill, the
   on-device decode loop and the routing record, as `Sampler.__call__` runs it.
+* ``sampler_refill``: the refilling sampler (`gspo_jax.refill`), as `Sampler.__call__`
+  runs it with ``slots``: ``batch`` slots over `REFILL_ROWS_PER_SLOT` x ``batch`` rows.
 * ``train_packed``, ``logprob_packed``: the train step and the log-prob pass on packed
   buffers (`gspo_jax.packing`) in their padded twins' micro-batch shape (`packed_shape`).
 
@@ -115,7 +117,8 @@ SIZES = {
     ),
 }
 
-PARTS = ("train", "logprob", "prefill", "decode", "sampler", "train_packed", "logprob_packed")
+PARTS = ("train", "logprob", "prefill", "decode", "sampler", "sampler_refill")
+PARTS += ("train_packed", "logprob_packed")
 # The arguments of each part's program, by name (the sampler's after its graphdef).
 ARG_NAMES = {
     "train": ("state", "batch", "rng"),
@@ -123,6 +126,7 @@ ARG_NAMES = {
     "prefill": ("params", "tokens", "mask"),
     "decode": ("params", "cache", "tok", "positions"),
     "sampler": ("state", "rng", "prompt_tokens", "prompt_mask", "prompt_ids", "live"),
+    "sampler_refill": ("state", "rng", "prompt_tokens", "prompt_mask", "prompt_ids", "n_rows"),
 }
 ARG_NAMES.update(train_packed=ARG_NAMES["train"], logprob_packed=ARG_NAMES["logprob"])
 
@@ -525,22 +529,32 @@ def decode_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool):
     return jax.jit(step_fn, donate_argnums=(1,)), (params, cache, tok, pos)
 
 
-def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platform=None):
+# sampler_refill's rows per slot: a step's rollout is twice the slots it decodes in.
+REFILL_ROWS_PER_SLOT = 2
+# sampler_refill's chunk: a chunk of 32 rows prefilled together (the slots, if fewer).
+REFILL_CHUNK = 32
+
+
+def sampler_program(
+    sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platform=None, refill=False
+):
     """The sampler's compiled function for ``batch`` prompts of ``prompt_len`` tokens,
     one sample each, ``new_tokens`` new tokens, temperature 1, no stop token, no
     routing record (what the benchmark times). ``platform``: the sampling formulations
-    of that backend (`gspo_jax.decode.use_cpu_sampling`)."""
-    from gspo_jax import rollout
+    of that backend (`gspo_jax.decode.use_cpu_sampling`). ``refill``: the refilling
+    program instead, in ``batch`` slots over `REFILL_ROWS_PER_SLOT` x ``batch`` prompts,
+    chunks of min(`REFILL_CHUNK`, ``batch``) rows, as `Sampler.__call__` calls it: the
+    prompts replicated, the real rows' count a scalar, its slots and rows sharded."""
+    from gspo_jax import decode, rollout
+    from gspo_jax import refill as refilling
 
     graphdef, params = _sampler_params(sh, mesh, abstract=abstract)
     sampler = rollout.Sampler(
-        graphdef,
-        params,
-        vocab_size=sh.cfg.vocab_size,
-        prompt_len=sh.prompt_len,
+        graphdef, params, vocab_size=sh.cfg.vocab_size, prompt_len=sh.prompt_len
     )
-    prompts = np.random.RandomState(0).randint(1, sh.cfg.vocab_size, (batch, sh.prompt_len))
-    args, spec, _ = sampler._prepare(
+    n = batch * (REFILL_ROWS_PER_SLOT if refill else 1)
+    prompts = np.random.RandomState(0).randint(1, sh.cfg.vocab_size, (n, sh.prompt_len))
+    args, spec, n_rows = sampler._prepare(
         prompts.tolist(),
         num_samples=1,
         max_new_tokens=sh.new_tokens,
@@ -553,34 +567,35 @@ def sampler_program(sh: Shape, mesh: Mesh, batch: int, *, abstract: bool, platfo
     spec = spec._replace(cpu=platform == "cpu")
     if mesh.size > 1:  # rows sharded over the data axes, as a Sampler with a mesh does
         spec = spec._replace(batch_sharding=NamedSharding(mesh, P(batch_axes(mesh))))
+    jitted = decode.generate_jit
+    if refill:
+        args = (*args[:6], jnp.int32(n_rows), *args[7:])
+        spec = refilling.RefillSpec(spec, batch, min(REFILL_CHUNK, batch))
+        jitted = refilling.generate_refill_jit
     if abstract:
         head, tail = args[:2], args[2:]
 
-        def place(x):
+        def place(x):  # the batch program's rows sharded; the refilling one's replicated
             x = jnp.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
-            if x.ndim and x.shape[0] == batch:
+            if x.ndim and x.shape[0] == batch and not refill:
                 return _abstract(x, _rows_sharding(mesh, x.ndim))
             return _abstract(x, NamedSharding(mesh, P()))
 
         args = head + tuple(jax.tree.map(place, t) for t in tail)
-    return _SamplerJit(spec), args
+    return _SamplerJit(jitted, spec), args
 
 
 class _SamplerJit:
-    """``jitted.lower(*args)`` for the sampler's function with its static spec bound."""
+    """``jitted.lower(*args)`` for a sampler's jitted function with its static spec bound."""
 
-    def __init__(self, spec):
-        self.spec = spec
+    def __init__(self, jitted, spec):
+        self.jitted, self.spec = jitted, spec
 
     def lower(self, *args):
-        from gspo_jax import decode
-
-        return decode.generate_jit.lower(*args, spec=self.spec)
+        return self.jitted.lower(*args, spec=self.spec)
 
     def __call__(self, *args):
-        from gspo_jax import decode
-
-        return decode.generate_jit(*args, spec=self.spec)
+        return self.jitted(*args, spec=self.spec)
 
 
 def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0, platform=None):
@@ -598,6 +613,7 @@ def program(part: str, sh: Shape, mesh: Mesh, *, abstract: bool, batch: int = 0,
         return prefill_program(sh, mesh, batch, abstract=abstract)
     if part == "decode":
         return decode_program(sh, mesh, batch, abstract=abstract)
-    if part == "sampler":
-        return sampler_program(sh, mesh, batch, abstract=abstract, platform=platform)
+    if part in ("sampler", "sampler_refill"):
+        refill = part == "sampler_refill"
+        return sampler_program(sh, mesh, batch, abstract=abstract, platform=platform, refill=refill)
     raise ValueError(f"part: unknown program {part!r}; expected one of {PARTS}")

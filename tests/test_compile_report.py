@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from experiments import compile_report, hlo, programs, targets
 
@@ -240,13 +241,46 @@ def test_expert_parallel_train_step_on_eight_gpus_moves_token_rows():
     assert "all-to-all x" in compile_report.render(r)
 
 
-@pytest.mark.parametrize("part", ["logprob", "prefill", "decode", "sampler"])
+@pytest.mark.parametrize("part", ["logprob", "prefill", "decode", "sampler", "sampler_refill"])
 def test_every_program_compiles_for_the_target(h200, part):
     sh = programs.shape("tiny", "blocked", platform="cuda", dtype="bfloat16")
     mesh = compile_report.mesh_for(h200, {"data": 1})
     r = compile_report.report_one(part, sh, h200, mesh, batch=8, mem_fraction=0.95, top=5)
     assert 0 < r["memory"]["peak_gib"] < 0.1
     assert r["matmul_tflop_hlo"] > 0
+
+
+def test_refilling_sampler_is_reported_as_the_sampler_is():
+    """``sampler_refill`` (``--target cpu``, the tiny size): the refilling program in 8
+    slots over 16 rows (chunks of 8, the slots), its prompts replicated and its row count
+    a scalar, reported with the sampler's fields and its slot KV cache found; its model
+    FLOPs (data-dependent) not applicable, and said to be."""
+    cpu = compile_report.cpu_target()
+    sh = programs.shape("tiny", "blocked", platform="cpu")
+    mesh = compile_report.mesh_for(cpu, {"data": 1})
+    fn, args = programs.program("sampler_refill", sh, mesh, abstract=True, batch=8)
+    assert (fn.spec.slots, fn.spec.chunk, fn.spec.batch.routing) == (8, 8, "none")
+    assert args[3].shape == (16, sh.prompt_len) and args[3].sharding.spec == P()  # replicated
+    assert (args[6].shape, args[6].dtype) == ((), jnp.int32)  # n_rows
+
+    sampler, refill = (
+        compile_report.report_one(p, sh, cpu, mesh, batch=8, mem_fraction=0.95, top=10_000)
+        for p in ("sampler", "sampler_refill")
+    )
+    assert set(sampler) <= set(refill)
+    assert refill["batch"] == 8 and refill["refill"] == dict(slots=8, rows=16, chunk=8)
+    assert sampler["refill"] is None and sampler["matmul_tflop_model"] > 0
+    mem = refill["memory"]
+    assert mem["peak_gib"] > 0 and mem["peak_gib"] == pytest.approx(
+        mem["arguments_gib"] + mem["outputs_gib"] + mem["temporaries_gib"] - mem["aliased_gib"]
+    )
+    kinds = {b["what"] for b in refill["largest_buffers"]}
+    assert {"parameter", "KV cache"} <= kinds and "KV cache" in refill["peak_by_kind_gib"]
+    assert refill["matmul_tflop_hlo"] > 0 and refill["unknown_trip_counts"] >= 2
+    assert refill["matmul_tflop_model"] is None and refill["expected_over_model"] is None
+    assert refill["hlo_over_model"] is None
+    text = compile_report.render(refill)
+    assert "batch 8 slots over 16 rows, chunks of 8" in text and "not applicable" in text
 
 
 def test_missing_plugin_is_said(monkeypatch, capsys):
