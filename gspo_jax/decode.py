@@ -189,7 +189,7 @@ def _repeat_rows(cache, g: int):
     )
 
 
-def _route_logp(aux, j: int) -> jax.Array:
+def router_logp_at(aux, j: int) -> jax.Array:
     """f32[R, L, K]: at the forward's position j, the router's log-softmax over the
     experts, evaluated at the experts used: `topk_router_logp`, the trainer's
     formula, on ``aux.router_logits``, which hold the router noise when the forward
@@ -288,7 +288,7 @@ def _generate(
     record = spec.routing != "none"  # the response tokens' routing (experts)
     if record:
         last_route = rows(aux.topk_indices[:, -1].astype(jnp.int32))  # [B, L, K]
-        last_route_logp = rows(_route_logp(aux, -1))
+        last_route_logp = rows(router_logp_at(aux, -1))
         route_shape = last_route.shape[1:]
     prompt_experts = None
     if spec.routing == "all":
@@ -343,7 +343,7 @@ def _generate(
             cache=cache,
             logits=logits[:, 0].astype(jnp.float32),
             route=aux.topk_indices[:, 0].astype(jnp.int32) if record else None,
-            route_logp=_route_logp(aux, 0) if record else None,
+            route_logp=router_logp_at(aux, 0) if record else None,
         )
 
     def cond(c: _Carry) -> jax.Array:

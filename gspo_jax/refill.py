@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax.config_fields import err, setting
-from gspo_jax.decode import NOISE_STREAM, Spec, _route_logp, noise_at, sample_token
+from gspo_jax.decode import NOISE_STREAM, Spec, noise_at, router_logp_at, sample_token
 from gspo_jax.models.transformer import write_slots
 
 
@@ -231,7 +231,7 @@ def _generate_refill(
         new = dict(tokens=first(tok, s.pad_id), logp=first(lp, 0.0))
         if record:
             new["experts"] = first(aux.topk_indices[:, -1].astype(jnp.int32), -1)
-            new["router_logp"] = first(_route_logp(aux, -1), 0.0)
+            new["router_logp"] = first(router_logp_at(aux, -1), 0.0)
         if s.routing == "all":
             topk = aux.topk_indices.astype(jnp.int32)
             routed = jnp.where(pmask[:, :, None, None], topk, -1)
@@ -283,7 +283,7 @@ def _generate_refill(
         if record:
             route = aux.topk_indices[:, 0].astype(jnp.int32)
             buf["experts"] = _record(st.buf["experts"], route, t, live)
-            buf["router_logp"] = _record(st.buf["router_logp"], _route_logp(aux, 0), t, live)
+            buf["router_logp"] = _record(st.buf["router_logp"], router_logp_at(aux, 0), t, live)
         n = jnp.where(live, st.t + 1, st.t)
         st = st._replace(
             cache=cache,
