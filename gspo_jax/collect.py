@@ -20,9 +20,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import shaping
+from gspo_jax import multihost, partial, shaping
+from gspo_jax.data.encoding import encode_prompt
 from gspo_jax.models.sharding import BATCH_AXES
-from gspo_jax.rollout import replay_r3
+from gspo_jax.rollout import Rollout, replay_r3
 from gspo_jax.run_config import RunConfig
 from gspo_jax.run_parts import RunParts
 
@@ -40,6 +41,7 @@ class _Round:
     groups_kept: int
     prompts_truncated: int
     sample_time: float
+    version: Any = None  # int32[N, T]: each token's policy version (partial rollouts)
 
 
 # The Rollout's arrays the training batch is assembled from (`_assemble`); the
@@ -85,6 +87,8 @@ def _assemble(parts, src_round, src_row, valid, *, overlong_filter: bool):
         "mask": mask * valid[:, None],
         "rollout_logp": take("logp"),
     }
+    if "version" in parts[0]:  # per token (partial rollouts); else the queue's, per row
+        batch["policy_version"] = take("version")
     if "experts" in parts[0]:
         # The sampler's routing of the position that produced each response token.
         batch["sampler_topk"] = take("experts")
@@ -133,16 +137,25 @@ class Collector:
             # on the sampler's devices; `gspo_jax.rl.RLPhase.queued` moves it to training's
             out_shardings=NamedSharding(trainer.sampler_mesh, P(BATCH_AXES)),
         )
+        # Partial rollouts (rollout.partial_budget): the responses carried between steps.
+        budget = trainer.cfg.rollout.partial_budget
+        self.pool = partial.Pool(trainer, routing) if budget else None
 
-    def collect(self, params, step_idx: int, rng) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def collect(
+        self, params, step_idx: int, rng, version: int | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Stages 1-3: rollouts, rewards and DAPO's filters for one RL step.
 
         Rounds of sample -> score -> shape and filter, until the kept groups fill
         the batch (one round without dynamic sampling); then the batch is filled
         and given its advantages. Returns the batch (without old log-probs), on the
         devices, and host metrics. Of the rollouts only the response token ids,
-        lengths and truncation flags came to the host (`score`).
+        lengths and truncation flags came to the host (`score`). With partial rollouts,
+        `collect_partial`; ``version``: the RL step whose parameters ``params`` are
+        (default ``step_idx``), each new token's version.
         """
+        if self.pool is not None:
+            return self.collect_partial(params, rng, step_idx if version is None else version)
         cfg = self.cfg
         n_prompts = cfg.rollout.prompts_per_step
         max_rounds = cfg.dapo.max_sampling_rounds if cfg.dapo.dynamic_sampling else 1
@@ -206,12 +219,135 @@ class Collector:
         max_rounds = cfg.dapo.max_sampling_rounds if cfg.dapo.dynamic_sampling else 1
         fields = _BATCH_FIELDS + _ROUTING_FIELDS[self.routing]
         parts = [{k: getattr(r.rollout, k) for k in fields} for r in rounds]
+        if rounds[0].version is not None:
+            parts = [dict(p, version=r.version) for p, r in zip(parts, rounds)]
         parts += [parts[0]] * (max_rounds - len(parts))
         batch = self.assemble_fn(
             tuple(parts), src_round.astype(np.int32), src_row.astype(np.int32), valid
         )
         batch["rewards"] = reward
         return batch
+
+    def collect_partial(self, params, rng, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Stages 1-3 with partial rollouts (`gspo_jax.partial`): the carried groups go on
+        and fresh prompts take the vacant slots; every live row is decoded for at most
+        ``rollout.partial_budget`` tokens by ``params`` (RL step ``version``'s); the
+        groups whose responses all ended are scored and make the batch (the others'
+        rows have mask 0, as dynamic sampling's missing groups do), and vacate their
+        slots. The host sees what `collect` does (the token ids, lengths and stop flags
+        of the rows, to verify them) and gives the devices the rows' prefix lengths."""
+        cfg, t, pool = self.cfg, self.t, self.pool
+        g, plen, tok = cfg.rollout.group_size, t.max_prompt_len, t.tokenizer
+        vacant = pool.positions < 0
+        fresh = int(vacant.sum())
+        pool.positions[vacant] = pool.next_pos + np.arange(fresh)
+        pool.next_pos += fresh
+        examples = [t.train_data.batch(int(pos), 1)[0] for pos in pool.positions]
+        encoded = [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples]
+        ids, _ = t.fit_prompts(encoded)
+        cut = t.fit_prompts([e for e, v in zip(encoded, vacant) if v])[1] if fresh else 0
+        toks = np.full((pool.groups, plen), tok.pad_id, np.int32)
+        pmask = np.zeros((pool.groups, plen), bool)
+        for i, p in enumerate(ids):
+            toks[i, plen - len(p) :], pmask[i, plen - len(p) :] = p, True
+        toks, pmask = np.repeat(toks, g, axis=0), np.repeat(pmask, g, axis=0)
+        starts = np.repeat(vacant, g)
+        pool.lengths[starts], pool.stopped[starts] = 0, False
+        live = ~pool.finished()
+        k = np.where(live, pool.lengths, 0).astype(np.int32)
+        # Each row's keys: its prompt's stream id and its sample index.
+        sid = np.concatenate([t.train_data.stream_ids(int(pos), 1) for pos in pool.positions])
+        row_ids = np.repeat(sid, g) * g + np.tile(np.arange(g), pool.groups)
+        if row_ids.max() >= 2**31:
+            raise ValueError(
+                f"rollout.partial_budget: a row key {int(row_ids.max())} (data stream id x "
+                "rollout.group_size + sample) is past 2**31"
+            )
+        sampler, put = t.sampler, t.put_rows
+        spec = partial.spec_for(
+            cfg.rollout.partial_budget,
+            tok.pad_id,
+            sampler._sharding,
+            bool(cfg.rollout.router_noise_std > 0),
+            self.routing,
+        )
+        state = t.sampler_devices.publish(t.sampler_precision.view(params))
+        t0 = time.perf_counter()
+        with jax.set_mesh(sampler.mesh):
+            new = partial.continue_jit(
+                sampler.graphdef,
+                state,
+                rng,
+                put(toks),
+                put(pmask),
+                pool.device["tokens"],
+                put(k),
+                put(row_ids.astype(np.int32)),
+                put(live),
+                jnp.asarray(np.asarray(list(tok.stop_ids), np.int32)),
+                jnp.float32(cfg.rollout.temperature),
+                jnp.float32(cfg.rollout.router_noise_std),
+                spec=spec,
+            )
+            merged, length, stopped = partial.merge_jit(
+                pool.device, new, put(k), put(live), np.int32(version), pad_id=tok.pad_id
+            )
+        _, host = multihost.local_rows({"lengths": length, "stopped": stopped})
+        length, stopped = (multihost.gather_rows(host[x], length) for x in ("lengths", "stopped"))
+        seconds = time.perf_counter() - t0
+        new_tokens = np.where(live, length - k, 0)
+        pool.lengths = np.where(live, length, pool.lengths).astype(np.int32)
+        pool.stopped = np.where(live, stopped, pool.stopped)
+        done = pool.finished().reshape(-1, g).all(axis=1)
+        done_rows = np.repeat(done, g)
+        steps_t = cfg.rollout.max_new_tokens
+        ro = Rollout(
+            tokens=merged["tokens"],
+            mask=put((np.arange(steps_t)[None, :] < pool.lengths[:, None]).astype(np.float32)),
+            lengths=put(pool.lengths),
+            truncated=put(~pool.stopped & (pool.lengths >= steps_t)),
+            logp=merged["logp"],
+            experts=merged.get("experts"),
+            router_logp=merged.get("router_logp"),
+            prompt_tokens=put(toks),
+            prompt_mask=put(pmask),
+            prompt_experts=merged.get("prompt_experts"),
+            decode_steps=new["decode_steps"],
+        )
+        r, components, fails, host = t.score(examples, ro, select=done_rows)
+        shaped, _, _ = shape_and_filter(cfg, host, r, components["correct"])
+        rows = np.flatnonzero(done_rows)
+        rnd = _Round(ro, host, shaped, components, fails, rows, int(done.sum()), cut, seconds)
+        batch = self.fill_batch([dataclasses.replace(rnd, version=merged["version"])])
+        info = {}
+        if len(rows):  # the rewards and lengths of the responses trained on
+            view = dataclasses.replace(
+                rnd,
+                rewards=shaped[rows],
+                components={x: v[rows] for x, v in components.items()},
+                host={x: np.asarray(v)[rows] for x, v in host.items()},
+            )
+            info = self._collect_metrics([view])
+        steps = int(new["decode_steps"])
+        info.update(
+            sample_time=seconds,
+            prompts_truncated=cut,
+            gen_tokens=int(new_tokens.sum()),
+            decode_steps=steps,
+            sampling_rounds=1,
+            dynamic_sampling_bound_hit=0.0,
+            # the first new token of a row comes from the prefill, each other one from
+            # a decode step
+            decode_row_use=float(np.maximum(new_tokens - 1, 0).sum()) / max(1, steps * pool.n),
+            partial_groups_done=int(done.sum()),
+            partial_groups_carried=int((~done).sum()),
+            partial_tokens_carried=int(pool.lengths[~done_rows].sum()),
+        )
+        # The trained groups vacate their slots.
+        pool.positions[done] = -1
+        pool.lengths[done_rows], pool.stopped[done_rows] = 0, False
+        pool.device = merged
+        return batch, info
 
     def _collect_metrics(self, rounds: list[_Round]) -> dict[str, Any]:
         """Host metrics of one step's rounds (every sampled response, kept or not)."""

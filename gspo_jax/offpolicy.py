@@ -303,11 +303,13 @@ def batch_template(
     route: tuple[int, int] | None,
     replay_r3: bool,
     sharding,
+    per_token_version: bool = False,
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes, dtypes and shardings of a queued batch's device arrays (the restore
     target of a checkpointed queue). ``route``: (MoE layers, experts per token) when
     the batch holds the sampler's routing record (its experts and its router's
-    log-probs there)."""
+    log-probs there). ``per_token_version``: ``policy_version`` is [rows, resp_len]
+    (partial rollouts), not [rows]."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     f32, i32 = jnp.float32, jnp.int32
     out = {
@@ -316,7 +318,7 @@ def batch_template(
         "tokens": spec((rows, resp_len), i32),
         "mask": spec((rows, resp_len), f32),
         "rollout_logp": spec((rows, resp_len), f32),
-        "policy_version": spec((rows,), i32),
+        "policy_version": spec((rows, resp_len) if per_token_version else (rows,), i32),
     }
     if route is not None:
         out["sampler_topk"] = spec((rows, resp_len) + route, i32)
@@ -327,10 +329,14 @@ def batch_template(
 
 
 def staleness_metrics(version: jax.Array, mask: jax.Array, step: int) -> dict[str, jax.Array]:
-    """``staleness_mean`` / ``staleness_max`` over the rows with a valid token: RL step
-    ``step`` minus the version of the parameters that sampled each row."""
-    valid = jnp.any(mask > 0, axis=-1)
-    age = (step - version).astype(jnp.float32)
+    """``staleness_mean`` / ``staleness_max`` over the valid tokens: RL step ``step``
+    minus the version of the parameters that sampled each token. ``version``: int32[N]
+    (a row's tokens all drawn by one policy) or int32[N, T] (partial rollouts: each
+    token its own; `gspo_jax.partial`)."""
+    valid = mask > 0
+    if version.ndim == 1:
+        version = version[:, None]
+    age = jnp.broadcast_to((step - version).astype(jnp.float32), valid.shape)
     n = jnp.maximum(jnp.sum(valid), 1)
     return {
         "staleness_mean": jnp.sum(jnp.where(valid, age, 0.0)) / n,
@@ -365,6 +371,7 @@ def queue_target(trainer):
             route=route,
             replay_r3=record == "all",
             sharding=NamedSharding(trainer.mesh, P(BATCH_AXES)),
+            per_token_version=bool(cfg.rollout.partial_budget),
         )
         return [template] * cfg.rollout.staleness
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import checkpoint, heldout, lora_training, offpolicy, optim, packing, step
+from gspo_jax import checkpoint, heldout, lora_training, offpolicy, optim, packing, partial, step
 from gspo_jax import metrics as metrics_lib
 from gspo_jax.collect import Collector
 from gspo_jax.models.precision import inference_params
@@ -137,17 +137,22 @@ def _bare_state(meta: dict[str, Any]) -> bool:
     return meta.get("layout", 1) < 2 and "queue" not in meta
 
 
-def checkpoint_target(trainer: RunParts, state):
+def checkpoint_target(trainer: RunParts, state, pool=None):
     """The restore target of an RL checkpoint for the train state ``state`` (with LoRA
     its trainable part), as a function of the checkpoint's record (its layout, and the
     prompt length its queue was sampled with: `gspo_jax.offpolicy.queue_target`); what
-    `gspo_jax.evaluate` and `gspo_jax.export` restore too."""
+    `gspo_jax.evaluate` and `gspo_jax.export` restore too. ``pool``: the run's partial
+    rollouts (`gspo_jax.partial.Pool`), whose carried responses a checkpoint holds."""
     queue = offpolicy.queue_target(trainer)
 
     def target(meta: dict[str, Any]):
         if _bare_state(meta):
             return state
-        return {"train": state, "queue": queue(meta)}
+        out = {"train": state, "queue": queue(meta)}
+        if "partial" in meta:  # evaluate/export restore the responses too, unused
+            record = offpolicy.routing_record(trainer.cfg, trainer.model_cfg)
+            out["partial"] = (pool or partial.Pool(trainer, record)).target(meta)
+        return out
 
     return target
 
@@ -326,7 +331,7 @@ class RLPhase:
 
     def postfix(self, m: dict[str, Any], record) -> dict[str, str]:
         return {
-            "reward": f"{m['reward_mean']:.3f}",
+            "reward": f"{m.get('reward_mean', float('nan')):.3f}",
             "clip": f"{m['clip_frac']:.3f}",
             "flip": f"{m.get('flip_frac', 0.0):.3f}",
         }
@@ -412,7 +417,7 @@ class RLPhase:
         parameters, RL step ``version``'s, on the training mesh."""
         with self.t.sampler_context():
             rng = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), j)
-            collected, info = self.collect(self.sampling_params(), j, rng)
+            collected, info = self.collect(self.sampling_params(), j, rng, version)
         return self.queued(collected, info, step=j, version=version)
 
     def queued(self, collected, info, *, step: int, version: int) -> offpolicy.QueuedBatch:
@@ -421,7 +426,8 @@ class RLPhase:
         collected = dict(collected)
         rewards = collected.pop("rewards")
         device = self.t.sampler_devices.to_training(collected)
-        device["policy_version"] = self.t.put_rows(np.full(len(rewards), version, np.int32))
+        if "policy_version" not in device:  # partial rollouts mark each token (collect)
+            device["policy_version"] = self.t.put_rows(np.full(len(rewards), version, np.int32))
         return offpolicy.QueuedBatch(device, rewards, info, step=step, version=version)
 
     def checkpoint_items(self) -> tuple[Any, dict[str, Any]]:
@@ -433,11 +439,15 @@ class RLPhase:
         if self.reference is not None:  # the KL term's pi_ref, in full fine-tuning
             meta["reference"] = self.reference
         meta["queue"] = [b.meta() for b in self.queue]
-        return {"train": self._saved_state(), "queue": [b.device for b in self.queue]}, meta
+        tree = {"train": self._saved_state(), "queue": [b.device for b in self.queue]}
+        pool = self.collector.pool
+        if pool is not None:  # partial rollouts: the responses carried to the next step
+            meta["partial"], tree["partial"] = pool.meta(), pool.device
+        return tree, meta
 
     def checkpoint_target(self):
         """The restore target of `checkpoint_items`' tree (`checkpoint_target`)."""
-        return checkpoint_target(self.t, self._saved_state())
+        return checkpoint_target(self.t, self._saved_state(), self.collector.pool)
 
     def _saved_state(self):
         """The train state as a checkpoint holds it: with LoRA, its trainable part."""
@@ -451,6 +461,8 @@ class RLPhase:
         pi_ref checked against the one the checkpoint trained with; the queue re-padded
         to this run's rollout.max_prompt_len."""
         state, queue = unpack_checkpoint(tree, meta)
+        if self.collector.pool is not None and "partial" in meta:
+            self.collector.pool.load(tree["partial"], meta["partial"])
         check_reference(meta.get("reference"), self.reference)
         if self.lora:
             state = lora_training.loaded_state(
@@ -464,6 +476,8 @@ class RLPhase:
             self.queue.append(offpolicy.QueuedBatch.from_checkpoint(device, record))
         self.sampler_params = None
 
-    def collect(self, params, step_idx: int, rng) -> tuple[dict[str, Any], dict[str, Any]]:
+    def collect(
+        self, params, step_idx: int, rng, version: int | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Stages 1-3 for batch ``step_idx`` (`gspo_jax.collect.Collector.collect`)."""
-        return self.collector.collect(params, step_idx, rng)
+        return self.collector.collect(params, step_idx, rng, version)

@@ -97,6 +97,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gspo_jax.config_fields import err, setting
 from gspo_jax.decode import Spec, generate_jit, use_cpu_sampling
 from gspo_jax.offpolicy import OffPolicySettings
+from gspo_jax.partial import PartialSettings
 from gspo_jax.refill import RefillSpec, SlotSettings, generate_refill_jit
 
 __all__ = ["ROUTING", "Rollout", "Sampler", "replay_r3"]
@@ -109,7 +110,7 @@ ROUTING = ("all", "response", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig(OffPolicySettings, SlotSettings):
+class RolloutConfig(OffPolicySettings, SlotSettings, PartialSettings):
     """``config.rollout``: what the sampler draws each RL step, in how many decode slots
     (`gspo_jax.refill.SlotSettings`), and which policy drew the batch a step trains on,
     where and when (`gspo_jax.offpolicy.OffPolicySettings`)."""
@@ -174,6 +175,7 @@ class RolloutConfig(OffPolicySettings, SlotSettings):
         quantized sampler against the model and LoRA; the decode slots."""
         OffPolicySettings.check_run(self, run, ctx)
         SlotSettings.check_run(self, run, ctx)
+        PartialSettings.check_run(self, run, ctx)
         if run.model.dense and self.router_noise_std > 0:
             raise err(
                 "rollout.router_noise_std",

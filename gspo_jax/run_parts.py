@@ -272,7 +272,13 @@ class RunParts:
         return [self.tokenizer.decode(toks[i, : lengths[i]].tolist()) for i in range(len(toks))]
 
     def score(
-        self, examples, ro, *, num_samples: int | None = None, answers: str | None = None
+        self,
+        examples,
+        ro,
+        *,
+        num_samples: int | None = None,
+        answers: str | None = None,
+        select: np.ndarray | None = None,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int], dict[str, np.ndarray]]:
         """Stage 2, score: the task's verifier on the decoded responses of rollout ``ro``
         (``num_samples`` per example; default: the group size).
@@ -282,7 +288,9 @@ class RunParts:
         verifies only the rows on its own devices; their per-row results are then
         gathered to every process (`gspo_jax.multihost`; in one process there is
         nothing to gather). ``answers``: also the final answers as `evaluation` reads
-        them for this verifier kind, as codes (``components["answer_code"]``).
+        them for this verifier kind, as codes (``components["answer_code"]``). ``select``:
+        bool[n * G], only these rows are verified (and counted); the others' rewards and
+        components are 0 (partial rollouts' unfinished responses, `gspo_jax.partial`).
 
         Returns (rewards [n * G], their components, verifier failure counts, and
         ``{"lengths", "truncated"}`` of every row), the same on every process.
@@ -294,13 +302,19 @@ class RunParts:
         )
         texts = self.texts(host)
         metas = [ex.meta for ex in examples for _ in range(g)][rows]
+        pick = np.arange(len(texts)) if select is None else np.flatnonzero(select[rows])
         r, components, fails = rewards.score(
             cfg.task.name,
-            texts,
-            metas,
+            [texts[i] for i in pick],
+            [metas[i] for i in pick],
             format_weight=cfg.task.format_reward,
             reward_fns=self.reward_fns,
         )
+        if select is not None:  # back to every row, 0 where not verified
+            r, components = (
+                _spread(r, pick, len(texts)),
+                {k: _spread(v, pick, len(texts)) for k, v in components.items()},
+            )
         per_row = dict(components, reward=r, lengths=host["lengths"], truncated=host["truncated"])
         if answers is not None:
             per_row["answer_code"] = multihost.answer_codes(heldout.final_answers(answers, texts))
@@ -309,6 +323,13 @@ class RunParts:
         r = per_row.pop("reward")
         host = {k: per_row.pop(k) for k in ("lengths", "truncated")}
         return r, per_row, fails, host
+
+
+def _spread(x: np.ndarray, pick: np.ndarray, n: int) -> np.ndarray:
+    """``x``'s values at rows ``pick`` of n rows, 0 elsewhere."""
+    out = np.zeros((n,) + x.shape[1:], x.dtype)
+    out[pick] = x
+    return out
 
 
 # The old name, kept with the old module path (gspo_jax.trainer) for one release.

@@ -93,6 +93,8 @@ BASE_CONFIG = {'advantage': 'group',
              'long_prompts': 'refuse',
              'max_new_tokens': 24,
              'max_prompt_len': 64,
+             # partial rollouts (docs/partial.md)
+             'partial_budget': 0,
              'prompts_per_step': 64,
              'refill_chunk': 8,
              'router_noise_std': 0.0,

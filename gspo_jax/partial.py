@@ -1,0 +1,290 @@
+"""Partial rollouts (``rollout.partial_budget``; docs/partial.md): a step decodes each
+response for at most a budget of tokens; a response unfinished by then keeps its tokens
+and goes on in the next step, under that step's policy.
+
+    step s    the N = prompts x G rows: the groups carried from step s - 1 in their
+              slots, fresh prompts (the next data positions) in the vacant ones
+      1.      each live row's prompt and the response so far, spliced into one
+              right-aligned sequence (`splice`), are prefilled and decoded for at most
+              ``partial_budget`` tokens (`continue_rows`: the batch program of
+              `gspo_jax.decode` on [N, P + T - 1] prompts, one row per prompt)
+      2.      the new tokens and their records are written after each row's old ones
+              (`merge`), every token marked with the version that drew it (s)
+      3.      a group whose G rows all ended (a stop token, or T tokens) is scored and
+              trained on; its slot is vacated. The rest are carried to step s + 1.
+
+What is kept per token is what it was drawn with: its log-prob under the sampler of its
+version (the trust region's pi_behaviour and the rollout correction's denominator), its
+routing record (what R3 replays, the mismatch metrics), its version (the staleness
+metrics). A response's prefix is re-prefilled by the new policy, so its cache is the
+new policy's (as in Kimi k1.5's partial rollouts); its recorded log-probs stay the old
+policy's. The carried rows are part of an RL checkpoint (`Pool`).
+
+Costs: each step prefills every live row over P + T - 1 positions (the batch program
+prefills a prompt once for its G rows over P), and a row whose group is carried but
+which itself has ended computes its decode steps and discards them (``live`` is False:
+it stops the loop early only when every row has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax.config_fields import ConfigError, err, setting
+from gspo_jax.decode import Spec, _generate, use_cpu_sampling
+from gspo_jax.models.sharding import BATCH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSettings:
+    """The partial-rollout field of ``config.rollout`` (`gspo_jax.rollout.RolloutConfig`
+    extends this), and its rules against the other ways a step's batch is made."""
+
+    partial_budget: int = setting(
+        0,
+        low=0,
+        doc="partial rollouts: each RL step decodes a response for at most this many "
+        "tokens; one unfinished by then goes on in the next step under that step's "
+        "policy, and its group trains when all its responses ended (gspo_jax.partial); "
+        "0: off",
+    )
+
+    def check_run(self, run, ctx) -> None:
+        """Below the response length, and not combined with what else fills or places a
+        step's batch (dynamic sampling's rounds, refilled slots, the sampler's devices)."""
+        b = self.partial_budget
+        if not b:
+            return
+        limit = run.rollout.max_new_tokens
+        if b >= limit:
+            raise err(
+                "rollout.partial_budget",
+                f"{b} is not below rollout.max_new_tokens={limit}: every response ends "
+                "within its step; use 0 (off)",
+            )
+        for field, on in (
+            ("dapo.dynamic_sampling", run.dapo.dynamic_sampling),
+            ("rollout.decode_slots", run.rollout.decode_slots),
+            ("rollout.devices", run.rollout.devices),
+        ):
+            if on:
+                raise err(
+                    "rollout.partial_budget",
+                    f"{b}: partial rollouts are not combined with {field}={on!r}; "
+                    f"set one of them to its default",
+                )
+
+
+# ----------------------------------------------------------------------------
+# The device programs.
+
+
+def splice(prompt_tokens, prompt_mask, prefix, k, pad_id: int):
+    """Each row's prompt and the first ``k[r]`` tokens of its response as one sequence,
+    right-aligned in [N, P + T - 1] (left-padded, as the batch program's prompts are;
+    positions count real tokens only, so the RoPE positions are those of the unbroken
+    sequence). ``prompt_tokens`` int32[N, P] left-padded, ``prompt_mask`` bool[N, P],
+    ``prefix`` int32[N, T], ``k`` int32[N] in [0, T - 1]."""
+    t = prefix.shape[1]
+    tokens = jnp.concatenate([prompt_tokens, prefix[:, : t - 1]], axis=1)
+    mask = jnp.concatenate([prompt_mask, jnp.arange(t - 1)[None, :] < k[:, None]], axis=1)
+    width = tokens.shape[1]
+    src = jnp.arange(width)[None, :] - (t - 1 - k)[:, None]  # shift right by T - 1 - k
+    inside = src >= 0
+    src = jnp.clip(src, 0, width - 1)
+    tokens = jnp.where(inside, jnp.take_along_axis(tokens, src, axis=1), pad_id)
+    mask = inside & jnp.take_along_axis(mask, src, axis=1)
+    return tokens, mask
+
+
+def continue_rows(
+    graphdef,
+    state,
+    rng,
+    prompt_tokens,
+    prompt_mask,
+    prefix,
+    k,
+    row_ids,
+    live,
+    eos_ids,
+    temperature,
+    router_noise_std,
+    spec: Spec,
+):
+    """`splice`, then the batch program (`gspo_jax.decode._generate`) with each row its
+    own prompt (``spec.num_samples`` 1, ``spec.max_new_tokens`` the budget): its
+    uniforms and router noise keyed by ``row_ids`` (distinct per row). Returns the
+    batch program's outputs over [N, budget] new tokens, and over the [N, P + T - 1]
+    spliced prompts."""
+    tokens, mask = splice(prompt_tokens, prompt_mask, prefix, k, spec.pad_id)
+    return _generate(
+        graphdef,
+        state,
+        rng,
+        tokens,
+        mask,
+        row_ids,
+        live,
+        eos_ids,
+        temperature,
+        router_noise_std,
+        spec,
+    )
+
+
+continue_jit = jax.jit(continue_rows, static_argnums=(0,), static_argnames=("spec",))
+
+# A pool array's value after a row's last token (the Rollout's: pad, 0, no expert).
+FILL = {"logp": 0.0, "experts": -1, "router_logp": 0.0, "version": -1}
+
+
+def merge(pool, new, k, live, version, *, pad_id: int):
+    """The pool's rows with ``new`` (`continue_rows`' outputs) written after their first
+    ``k[r]`` tokens, for the ``live`` rows; the others as they were.
+
+    A live row's columns [0, k) keep its old tokens and records, [k, k + n) take the new
+    ones (n of them: at most T - k, as a response ends at T tokens), and the columns
+    after hold the fill values (`FILL`); the new tokens' ``version`` is ``version``.
+    ``pool``: ``tokens``, ``logp``, ``version`` [N, T]; ``experts``, ``router_logp``
+    [N, T, L, K] where the routing record is kept; ``prompt_experts`` [N, P, L, K] where
+    all of it is (a row that starts, k = 0, takes the new prefill's: the spliced
+    prompt's last P positions are its prompt). Returns (the pool after the step, the
+    live rows' lengths int32[N] and whether they stopped, bool[N]: a stop token within
+    their T tokens)."""
+    t = pool["tokens"].shape[1]
+    n = jnp.minimum(new["lengths"], t - k)
+    length = k + n
+    stopped = ~new["truncated"] & (new["lengths"] <= t - k)
+    col = jnp.arange(t)[None, :]
+    src = jnp.clip(col - k[:, None], 0, new["tokens"].shape[1] - 1)
+    old, fresh = col < k[:, None], col < length[:, None]
+
+    def put(name, x, empty):
+        wide = lambda a: a.reshape(a.shape + (1,) * (x.ndim - a.ndim))
+        idx = jnp.broadcast_to(wide(src), (x.shape[0], t) + x.shape[2:])
+        out = jnp.where(wide(old), pool[name], jnp.where(wide(fresh), x_at(x, idx), empty))
+        return jnp.where(wide(live[:, None]), out, pool[name])
+
+    x_at = lambda x, idx: jnp.take_along_axis(x, idx, axis=1)
+    out = {
+        "tokens": put("tokens", new["tokens"], pad_id),
+        "logp": put("logp", new["logp"], FILL["logp"]),
+        "version": put("version", jnp.full(new["tokens"].shape, version, jnp.int32), -1),
+    }
+    if "experts" in pool:
+        out["experts"] = put("experts", new["experts"], FILL["experts"])
+        out["router_logp"] = put("router_logp", new["router_logp"], FILL["router_logp"])
+    if "prompt_experts" in pool:
+        p = pool["prompt_experts"].shape[1]
+        starts = (live & (k == 0))[:, None, None, None]
+        out["prompt_experts"] = jnp.where(
+            starts, new["prompt_experts"][:, -p:], pool["prompt_experts"]
+        )
+    return out, length, stopped
+
+
+merge_jit = jax.jit(merge, static_argnames=("pad_id",))
+
+
+# ----------------------------------------------------------------------------
+# The carried rows, between steps and in a checkpoint.
+
+
+class Pool:
+    """A run's partial responses between RL steps: N = prompts_per_step x group_size
+    rows in group slots. On the devices, the per-token arrays of `merge`; on the host,
+    each slot's data position (-1: vacant), each row's length and whether it stopped,
+    and the next data position a fresh prompt takes. Fresh prompts are read in order
+    from position 0, one per vacated slot: a run reads each prompt once, in the order
+    a run without partial rollouts reads them."""
+
+    def __init__(self, trainer, routing: str):
+        cfg, mc = trainer.cfg, trainer.model_cfg
+        self.t, self.routing = trainer, routing
+        self.groups, self.g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+        self.n, self.steps = self.groups * self.g, cfg.rollout.max_new_tokens
+        self.route = (mc.num_moe_layers, mc.top_k) if routing != "none" else None
+        self.positions = np.full(self.groups, -1, np.int64)
+        self.lengths = np.zeros(self.n, np.int32)
+        self.stopped = np.zeros(self.n, bool)
+        self.next_pos = 0
+        self.device = jax.tree.map(
+            lambda s: trainer.put_rows(np.zeros(s.shape, s.dtype)),
+            self.template(trainer.max_prompt_len, sharding=None),
+        )
+
+    def template(self, prompt_len: int, sharding) -> dict[str, jax.ShapeDtypeStruct]:
+        """The device arrays' shapes (a checkpoint's restore target, with ``sharding``)."""
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        rows, t = (self.n, self.steps), self.steps
+        out = {
+            "tokens": spec(rows, jnp.int32),
+            "logp": spec(rows, jnp.float32),
+            "version": spec(rows, jnp.int32),
+        }
+        if self.route is not None:
+            out["experts"] = spec((self.n, t) + self.route, jnp.int32)
+            out["router_logp"] = spec((self.n, t) + self.route, jnp.float32)
+        if self.routing == "all":
+            out["prompt_experts"] = spec((self.n, prompt_len) + self.route, jnp.int32)
+        return out
+
+    def finished(self) -> np.ndarray:
+        """bool[N]: the rows whose response ended (a stop token, or T tokens)."""
+        return self.stopped | (self.lengths >= self.steps)
+
+    def meta(self) -> dict[str, Any]:
+        """The host part, as JSON."""
+        return {
+            "positions": [int(x) for x in self.positions],
+            "lengths": [int(x) for x in self.lengths],
+            "stopped": [bool(x) for x in self.stopped],
+            "next_pos": int(self.next_pos),
+        }
+
+    def target(self, meta: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+        """The restore target of the device arrays an RL checkpoint with record ``meta``
+        holds (its prompt length: the config it was saved with)."""
+        saved = meta.get("config", {}).get("rollout", {}).get("max_prompt_len")
+        sharding = NamedSharding(self.t.mesh, P(BATCH_AXES))
+        return self.template(int(saved or self.t.max_prompt_len), sharding)
+
+    def load(self, device: dict[str, jax.Array], meta: dict[str, Any]) -> None:
+        """Restore what `meta` and the checkpoint's arrays hold."""
+        width = device.get("prompt_experts")
+        if width is not None and width.shape[1] != self.t.max_prompt_len:
+            raise ConfigError(
+                f"config.rollout.max_prompt_len={self.t.max_prompt_len}: the checkpoint's "
+                f"partial responses (rollout.partial_budget) were sampled with "
+                f"max_prompt_len={width.shape[1]}, whose routing record R3 replays; "
+                "resume with that length"
+            )
+        self.device = dict(device)
+        self.positions = np.asarray(meta["positions"], np.int64)
+        self.lengths = np.asarray(meta["lengths"], np.int32)
+        self.stopped = np.asarray(meta["stopped"], bool)
+        self.next_pos = int(meta["next_pos"])
+
+
+@functools.lru_cache(maxsize=None)
+def spec_for(budget: int, pad_id: int, sharding, router_noise: bool, routing: str) -> Spec:
+    """The batch program's static configuration for `continue_rows`."""
+    return Spec(
+        max_new_tokens=budget,
+        num_samples=1,
+        greedy=False,
+        cpu=use_cpu_sampling(),
+        pad_id=pad_id,
+        batch_sharding=sharding,
+        router_noise=router_noise,
+        routing=routing,
+    )
