@@ -250,27 +250,25 @@ class Collector:
         pmask = np.zeros((pool.groups, plen), bool)
         for i, p in enumerate(ids):
             toks[i, plen - len(p) :], pmask[i, plen - len(p) :] = p, True
-        toks, pmask = np.repeat(toks, g, axis=0), np.repeat(pmask, g, axis=0)
         starts = np.repeat(vacant, g)
         pool.lengths[starts], pool.stopped[starts] = 0, False
         live = ~pool.finished()
         k = np.where(live, pool.lengths, 0).astype(np.int32)
-        # Each row's keys: its prompt's stream id and its sample index.
+        # Each row keyed as the batch program keys it: its prompt's stream id, its sample.
         sid = np.concatenate([t.train_data.stream_ids(int(pos), 1) for pos in pool.positions])
-        row_ids = np.repeat(sid, g) * g + np.tile(np.arange(g), pool.groups)
-        if row_ids.max() >= 2**31:
-            raise ValueError(
-                f"rollout.partial_budget: a row key {int(row_ids.max())} (data stream id x "
-                "rollout.group_size + sample) is past 2**31"
-            )
+        if sid.max() >= 2**31:  # the sampler's keys are int32
+            raise ValueError(f"a prompt's data stream id {int(sid.max())} is past 2**31")
         sampler, put = t.sampler, t.put_rows
         spec = partial.spec_for(
             cfg.rollout.partial_budget,
+            g,
             tok.pad_id,
             sampler._sharding,
             bool(cfg.rollout.router_noise_std > 0),
             self.routing,
         )
+        shards = np.prod([t.mesh.shape[a] for a in BATCH_AXES])
+        per_prompt = put if pool.groups % shards == 0 else partial.replicated(t.mesh)
         state = t.sampler_devices.publish(t.sampler_precision.view(params))
         t0 = time.perf_counter()
         with jax.set_mesh(sampler.mesh):
@@ -278,11 +276,11 @@ class Collector:
                 sampler.graphdef,
                 state,
                 rng,
-                put(toks),
-                put(pmask),
+                per_prompt(toks),
+                per_prompt(pmask),
+                per_prompt(sid.astype(np.int32)),
                 pool.device["tokens"],
                 put(k),
-                put(row_ids.astype(np.int32)),
                 put(live),
                 jnp.asarray(np.asarray(list(tok.stop_ids), np.int32)),
                 jnp.float32(cfg.rollout.temperature),
@@ -309,8 +307,8 @@ class Collector:
             logp=merged["logp"],
             experts=merged.get("experts"),
             router_logp=merged.get("router_logp"),
-            prompt_tokens=put(toks),
-            prompt_mask=put(pmask),
+            prompt_tokens=new["prompt_tokens"],
+            prompt_mask=new["prompt_mask"],
             prompt_experts=merged.get("prompt_experts"),
             decode_steps=new["decode_steps"],
         )

@@ -161,6 +161,7 @@ class Spec(NamedTuple):
     routing: str = (
         "all"  # the routing record kept: all, response, none (`gspo_jax.rollout.ROUTING`)
     )
+    prefix: bool = False  # rows go on from responses begun before (`gspo_jax.partial`)
 
 
 class _Carry(NamedTuple):
@@ -218,6 +219,8 @@ def _generate(
     temperature,
     router_noise_std,
     spec: Spec,
+    prefix=None,
+    prefix_len=None,
 ):
     """Prefill + on-device decode loop; see `gspo_jax.rollout`'s module docstring.
 
@@ -226,6 +229,13 @@ def _generate(
     keys), live bool[B] (False on padding rows), eos_ids int32[S] (the stop
     tokens; S may be 0), temperature / router_noise_std f32[] (the last used
     when ``spec.router_noise``).
+
+    With ``spec.prefix`` (partial rollouts, `gspo_jax.partial`), row r goes on from
+    the first ``prefix_len[r]`` tokens of a response begun before: ``prefix``
+    int32[B, W] holds them right-aligned in W columns. After the prompts' prefill they
+    are fed in one pass into cache columns [P, P + W) at RoPE positions that follow the
+    prompt's, the next token is drawn from the logits after the last of them (after
+    the prompt where ``prefix_len`` is 0), and the T new tokens follow in the cache.
     """
     nb, plen = prompt_tokens.shape
     G = spec.num_samples
@@ -269,7 +279,8 @@ def _generate(
     # padding is invisible.  Then each prompt's cache is copied to its G rows.
     mask_i = prompt_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
-    cache = model.init_cache(nb, plen + steps - 1)
+    width = prefix.shape[1] if spec.prefix else 0
+    cache = model.init_cache(nb, plen + width + steps - 1)
     logits, aux, cache = model.decode(
         prompt_tokens,
         cache,
@@ -295,10 +306,31 @@ def _generate(
         topk = rows(aux.topk_indices.astype(jnp.int32))  # [B, P, L, K]
         prompt_experts = jnp.where(prompt_mask[:, :, None, None], topk, -1)
 
+    logits = rows(logits[:, 0].astype(jnp.float32))
+    if spec.prefix:  # the responses so far, after the prompts (right-aligned in W)
+        k = prefix_len.astype(jnp.int32)
+        col = jnp.arange(width, dtype=jnp.int32)[None, :] - (width - k)[:, None]
+        positions = n_prompt[:, None] + jnp.maximum(col, 0)
+        more, aux, cache = model.decode(
+            prefix,
+            cache,
+            positions=positions,
+            attn_mask=col >= 0,
+            last_only=True,
+            router_noise=router_noise(row_keys, positions),
+        )
+        going_on = k > 0
+        logits = jnp.where(going_on[:, None], more[:, 0].astype(jnp.float32), logits)
+        if record:
+            on = going_on[:, None, None]
+            last_route = jnp.where(on, aux.topk_indices[:, -1].astype(jnp.int32), last_route)
+            last_route_logp = jnp.where(on, router_logp_at(aux, -1), last_route_logp)
+        n_prompt = n_prompt + k  # the positions of the new tokens follow the prefix's
+
     carry = _Carry(
         t=jnp.zeros((), jnp.int32),
         cache=cache,
-        logits=rows(logits[:, 0].astype(jnp.float32)),
+        logits=logits,
         route=last_route if record else None,
         route_logp=last_route_logp if record else None,
         tokens=shard(jnp.full((batch, steps), spec.pad_id, jnp.int32)),

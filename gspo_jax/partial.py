@@ -4,10 +4,10 @@ and goes on in the next step, under that step's policy.
 
     step s    the N = prompts x G rows: the groups carried from step s - 1 in their
               slots, fresh prompts (the next data positions) in the vacant ones
-      1.      each live row's prompt and the response so far, spliced into one
-              right-aligned sequence (`splice`), are prefilled and decoded for at most
+      1.      each prompt is prefilled once for its G rows, each live row's response
+              so far is fed after it (`window`), and the row is decoded for at most
               ``partial_budget`` tokens (`continue_rows`: the batch program of
-              `gspo_jax.decode` on [N, P + T - 1] prompts, one row per prompt)
+              `gspo_jax.decode` with its prefix stage)
       2.      the new tokens and their records are written after each row's old ones
               (`merge`), every token marked with the version that drew it (s)
       3.      a group whose G rows all ended (a stop token, or T tokens) is scored and
@@ -20,10 +20,11 @@ metrics). A response's prefix is re-prefilled by the new policy, so its cache is
 new policy's (as in Kimi k1.5's partial rollouts); its recorded log-probs stay the old
 policy's. The carried rows are part of an RL checkpoint (`Pool`).
 
-Costs: each step prefills every live row over P + T - 1 positions (the batch program
-prefills a prompt once for its G rows over P), and a row whose group is carried but
-which itself has ended computes its decode steps and discards them (``live`` is False:
-it stops the loop early only when every row has).
+Costs: besides the prompts' prefill, each step feeds every row's response window
+[N, T - 1] (masked where it is empty: a fresh row computes it and discards it), and its
+cache is T - 1 columns wider; a row whose group is carried but which itself has ended
+computes its decode steps and discards them (``live`` is False: it stops the loop early
+only when every row has).
 """
 
 from __future__ import annotations
@@ -87,22 +88,13 @@ class PartialSettings:
 # The device programs.
 
 
-def splice(prompt_tokens, prompt_mask, prefix, k, pad_id: int):
-    """Each row's prompt and the first ``k[r]`` tokens of its response as one sequence,
-    right-aligned in [N, P + T - 1] (left-padded, as the batch program's prompts are;
-    positions count real tokens only, so the RoPE positions are those of the unbroken
-    sequence). ``prompt_tokens`` int32[N, P] left-padded, ``prompt_mask`` bool[N, P],
-    ``prefix`` int32[N, T], ``k`` int32[N] in [0, T - 1]."""
-    t = prefix.shape[1]
-    tokens = jnp.concatenate([prompt_tokens, prefix[:, : t - 1]], axis=1)
-    mask = jnp.concatenate([prompt_mask, jnp.arange(t - 1)[None, :] < k[:, None]], axis=1)
-    width = tokens.shape[1]
-    src = jnp.arange(width)[None, :] - (t - 1 - k)[:, None]  # shift right by T - 1 - k
-    inside = src >= 0
-    src = jnp.clip(src, 0, width - 1)
-    tokens = jnp.where(inside, jnp.take_along_axis(tokens, src, axis=1), pad_id)
-    mask = inside & jnp.take_along_axis(mask, src, axis=1)
-    return tokens, mask
+def window(tokens, k):
+    """The first ``k[r]`` tokens of each row's response, right-aligned in T - 1 columns
+    (what the batch program feeds after the prompt: its last column is the last token
+    so far). ``tokens`` int32[N, T], ``k`` int32[N] in [0, T - 1]."""
+    w = tokens.shape[1] - 1
+    src = jnp.arange(w)[None, :] - (w - k)[:, None]
+    return jnp.where(src >= 0, jnp.take_along_axis(tokens, jnp.maximum(src, 0), axis=1), 0)
 
 
 def continue_rows(
@@ -111,33 +103,36 @@ def continue_rows(
     rng,
     prompt_tokens,
     prompt_mask,
-    prefix,
+    prompt_ids,
+    tokens,
     k,
-    row_ids,
     live,
     eos_ids,
     temperature,
     router_noise_std,
     spec: Spec,
 ):
-    """`splice`, then the batch program (`gspo_jax.decode._generate`) with each row its
-    own prompt (``spec.num_samples`` 1, ``spec.max_new_tokens`` the budget): its
-    uniforms and router noise keyed by ``row_ids`` (distinct per row). Returns the
-    batch program's outputs over [N, budget] new tokens, and over the [N, P + T - 1]
-    spliced prompts."""
-    tokens, mask = splice(prompt_tokens, prompt_mask, prefix, k, spec.pad_id)
+    """The batch program (`gspo_jax.decode._generate`, ``spec.prefix``) on the step's
+    groups: each prompt prefilled once for its G rows, each row's response so far
+    (the first ``k[r]`` of ``tokens``, `window`) fed after it, then at most
+    ``spec.max_new_tokens`` (the budget) new tokens drawn per row, keyed by the row as
+    the batch program keys them. ``prompt_tokens`` int32[b, P], ``prompt_mask``
+    bool[b, P], ``prompt_ids`` int32[b]; the rest per row, [N = b * G]. Returns the
+    batch program's outputs over the [N, budget] new tokens."""
     return _generate(
         graphdef,
         state,
         rng,
-        tokens,
-        mask,
-        row_ids,
+        prompt_tokens,
+        prompt_mask,
+        prompt_ids,
         live,
         eos_ids,
         temperature,
         router_noise_std,
         spec,
+        prefix=window(tokens, k),
+        prefix_len=k,
     )
 
 
@@ -156,8 +151,7 @@ def merge(pool, new, k, live, version, *, pad_id: int):
     after hold the fill values (`FILL`); the new tokens' ``version`` is ``version``.
     ``pool``: ``tokens``, ``logp``, ``version`` [N, T]; ``experts``, ``router_logp``
     [N, T, L, K] where the routing record is kept; ``prompt_experts`` [N, P, L, K] where
-    all of it is (a row that starts, k = 0, takes the new prefill's: the spliced
-    prompt's last P positions are its prompt). Returns (the pool after the step, the
+    all of it is (a row that starts, k = 0, takes the new prompt prefill's). Returns (the pool after the step, the
     live rows' lengths int32[N] and whether they stopped, bool[N]: a stop token within
     their T tokens)."""
     t = pool["tokens"].shape[1]
@@ -184,11 +178,8 @@ def merge(pool, new, k, live, version, *, pad_id: int):
         out["experts"] = put("experts", new["experts"], FILL["experts"])
         out["router_logp"] = put("router_logp", new["router_logp"], FILL["router_logp"])
     if "prompt_experts" in pool:
-        p = pool["prompt_experts"].shape[1]
         starts = (live & (k == 0))[:, None, None, None]
-        out["prompt_experts"] = jnp.where(
-            starts, new["prompt_experts"][:, -p:], pool["prompt_experts"]
-        )
+        out["prompt_experts"] = jnp.where(starts, new["prompt_experts"], pool["prompt_experts"])
     return out, length, stopped
 
 
@@ -275,16 +266,25 @@ class Pool:
         self.next_pos = int(meta["next_pos"])
 
 
+def replicated(mesh):
+    """Places a host array on every device of ``mesh`` (per-prompt arrays whose count
+    the batch shards do not divide, as the sampler places them)."""
+    return functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
+
+
 @functools.lru_cache(maxsize=None)
-def spec_for(budget: int, pad_id: int, sharding, router_noise: bool, routing: str) -> Spec:
+def spec_for(
+    budget: int, group: int, pad_id: int, sharding, router_noise: bool, routing: str
+) -> Spec:
     """The batch program's static configuration for `continue_rows`."""
     return Spec(
         max_new_tokens=budget,
-        num_samples=1,
+        num_samples=group,
         greedy=False,
         cpu=use_cpu_sampling(),
         pad_id=pad_id,
         batch_sharding=sharding,
         router_noise=router_noise,
         routing=routing,
+        prefix=True,
     )
