@@ -238,10 +238,8 @@ class Collector:
         of the rows, to verify them) and gives the devices the rows' prefix lengths."""
         cfg, t, pool = self.cfg, self.t, self.pool
         g, plen, tok = cfg.rollout.group_size, t.max_prompt_len, t.tokenizer
-        vacant = pool.positions < 0
+        vacant, k, live = pool.begin()
         fresh = int(vacant.sum())
-        pool.positions[vacant] = pool.next_pos + np.arange(fresh)
-        pool.next_pos += fresh
         examples = [t.train_data.batch(int(pos), 1)[0] for pos in pool.positions]
         encoded = [encode_prompt(tok, ex.prompt, ex.messages) for ex in examples]
         ids, _ = t.fit_prompts(encoded)
@@ -250,10 +248,6 @@ class Collector:
         pmask = np.zeros((pool.groups, plen), bool)
         for i, p in enumerate(ids):
             toks[i, plen - len(p) :], pmask[i, plen - len(p) :] = p, True
-        starts = np.repeat(vacant, g)
-        pool.lengths[starts], pool.stopped[starts] = 0, False
-        live = ~pool.finished()
-        k = np.where(live, pool.lengths, 0).astype(np.int32)
         # Each row keyed as the batch program keys it: its prompt's stream id, its sample.
         sid = np.concatenate([t.train_data.stream_ids(int(pos), 1) for pos in pool.positions])
         if sid.max() >= 2**31:  # the sampler's keys are int32
@@ -294,9 +288,7 @@ class Collector:
         length, stopped = (multihost.gather_rows(host[x], length) for x in ("lengths", "stopped"))
         seconds = time.perf_counter() - t0
         new_tokens = np.where(live, length - k, 0)
-        pool.lengths = np.where(live, length, pool.lengths).astype(np.int32)
-        pool.stopped = np.where(live, stopped, pool.stopped)
-        done = pool.finished().reshape(-1, g).all(axis=1)
+        done = pool.end(live, length, stopped)
         done_rows = np.repeat(done, g)
         steps_t = cfg.rollout.max_new_tokens
         ro = Rollout(
@@ -341,9 +333,7 @@ class Collector:
             partial_groups_carried=int((~done).sum()),
             partial_tokens_carried=int(pool.lengths[~done_rows].sum()),
         )
-        # The trained groups vacate their slots.
-        pool.positions[done] = -1
-        pool.lengths[done_rows], pool.stopped[done_rows] = 0, False
+        pool.vacate(done)  # the trained groups leave their slots
         pool.device = merged
         return batch, info
 

@@ -190,24 +190,63 @@ merge_jit = jax.jit(merge, static_argnames=("pad_id",))
 # The carried rows, between steps and in a checkpoint.
 
 
-class Pool:
-    """A run's partial responses between RL steps: N = prompts_per_step x group_size
-    rows in group slots. On the devices, the per-token arrays of `merge`; on the host,
-    each slot's data position (-1: vacant), each row's length and whether it stopped,
-    and the next data position a fresh prompt takes. Fresh prompts are read in order
-    from position 0, one per vacated slot: a run reads each prompt once, in the order
-    a run without partial rollouts reads them."""
+class Slots:
+    """The host side of partial rollouts: N = groups x G rows in group slots, each slot's
+    data position (-1: vacant), each row's length and whether it stopped, and the next
+    data position a fresh prompt takes. Fresh prompts are read in order from position 0,
+    one per vacated slot: a run reads each prompt once, in the order a run without
+    partial rollouts reads them. A step is `begin`, the device programs on the rows
+    `begin` returns, `end` with their lengths, then `vacate` of the groups trained on."""
 
-    def __init__(self, trainer, routing: str):
-        cfg, mc = trainer.cfg, trainer.model_cfg
-        self.t, self.routing = trainer, routing
-        self.groups, self.g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-        self.n, self.steps = self.groups * self.g, cfg.rollout.max_new_tokens
-        self.route = (mc.num_moe_layers, mc.top_k) if routing != "none" else None
-        self.positions = np.full(self.groups, -1, np.int64)
+    def __init__(self, groups: int, group_size: int, max_new_tokens: int):
+        self.groups, self.g, self.steps = groups, group_size, max_new_tokens
+        self.n = groups * group_size
+        self.positions = np.full(groups, -1, np.int64)
         self.lengths = np.zeros(self.n, np.int32)
         self.stopped = np.zeros(self.n, bool)
         self.next_pos = 0
+
+    def finished(self) -> np.ndarray:
+        """bool[N]: the rows whose response ended (a stop token, or T tokens)."""
+        return self.stopped | (self.lengths >= self.steps)
+
+    def begin(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Fresh prompts into the vacant slots. Returns (bool[groups]: the slots that
+        took one, int32[N] ``k``: each live row's tokens so far, bool[N] ``live``: the
+        rows to decode)."""
+        vacant = self.positions < 0
+        self.positions[vacant] = self.next_pos + np.arange(int(vacant.sum()))
+        self.next_pos += int(vacant.sum())
+        starts = np.repeat(vacant, self.g)
+        self.lengths[starts], self.stopped[starts] = 0, False
+        live = ~self.finished()
+        return vacant, np.where(live, self.lengths, 0).astype(np.int32), live
+
+    def end(self, live, length, stopped) -> np.ndarray:
+        """The live rows' new lengths and stop flags (`merge`'s). Returns bool[groups]:
+        the groups whose rows have all ended."""
+        self.lengths = np.where(live, length, self.lengths).astype(np.int32)
+        self.stopped = np.where(live, stopped, self.stopped)
+        return self.finished().reshape(-1, self.g).all(axis=1)
+
+    def vacate(self, done) -> None:
+        """The groups ``done`` (bool[groups]) leave their slots."""
+        rows = np.repeat(done, self.g)
+        self.positions[done] = -1
+        self.lengths[rows], self.stopped[rows] = 0, False
+
+
+class Pool(Slots):
+    """A run's partial responses between RL steps (`Slots`), with, on the devices, the
+    per-token arrays of `merge`; all of it in an RL checkpoint."""
+
+    def __init__(self, trainer, routing: str):
+        cfg, mc = trainer.cfg, trainer.model_cfg
+        super().__init__(
+            cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens
+        )
+        self.t, self.routing = trainer, routing
+        self.route = (mc.num_moe_layers, mc.top_k) if routing != "none" else None
         self.device = jax.tree.map(
             lambda s: trainer.put_rows(np.zeros(s.shape, s.dtype)),
             self.template(trainer.max_prompt_len, sharding=None),
@@ -228,10 +267,6 @@ class Pool:
         if self.routing == "all":
             out["prompt_experts"] = spec((self.n, prompt_len) + self.route, jnp.int32)
         return out
-
-    def finished(self) -> np.ndarray:
-        """bool[N]: the rows whose response ended (a stop token, or T tokens)."""
-        return self.stopped | (self.lengths >= self.steps)
 
     def meta(self) -> dict[str, Any]:
         """The host part, as JSON."""
