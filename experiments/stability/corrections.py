@@ -11,7 +11,8 @@ schedule, with no new run:
 * stage 3's held-out endpoint beside the detector's counts, the counts at two detector
   thresholds, R3 against R2, RSPO's router-shift weight γ, and when the collapses fall
   against the precursors' baseline window;
-* stage 4's GRPO / R3 ratio of the train–inference KL with a bootstrap interval.
+* stage 4's GRPO / R3 ratio of the train–inference KL with a bootstrap interval;
+* stages 5, 6 and 7 (the corrections of 2026-12-07): `corrections_567.sections`.
 """
 
 from __future__ import annotations
@@ -386,6 +387,9 @@ def report(out: str) -> str:
     text += replay_and_gamma(stage3)
     text += precursor_window(stage3)
     text += stage4(load("stage4/runs"))
+    from experiments.stability import corrections_567  # it imports this module's helpers
+
+    text += corrections_567.sections()
     text = "\n".join(text)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "corrections.md"), "w") as f:
