@@ -224,15 +224,18 @@ def test_packed_step_equals_padded_under_routing_replay(setup, mode):
 
 
 def test_packed_step_equals_padded_with_the_critic_and_lora(setup):
-    """PPO's clipped value loss on the critic's values, and a LoRA update (adapters
-    trained, base frozen): packed equals padded."""
-    graphdef, params, batch, _ = setup
-    _assert_same(setup, step.step_config("ppo", value_coef=0.5))
+    """PPO's clipped value loss on the critic's values under R2 (the old pass's experts),
+    and a LoRA update (adapters trained, base frozen) under R3 (other experts, the
+    sampler's): packed equals padded, the settings combined."""
+    graphdef, params, batch, old = setup
+    _assert_same(setup, step.step_config("ppo", value_coef=0.5), dict(batch, replay=old["topk"]))
     model = nnx.merge(graphdef, params)
     lora.add_adapters(model, lora.LoRASpec(2, 4.0, tuple(lora.TARGETS)), jax.random.key(3))
     lora_graphdef, lora_params = nnx.split(model)
     lora_setup = (lora_graphdef, lora_params, batch, None)
-    _assert_same(lora_setup, step.step_config("gspo", trainable="lora"), batch)
+    r3 = dict(batch, replay=(old["topk"] + 1) % CFG.num_experts)
+    m1, _ = _assert_same(lora_setup, step.step_config("gspo", trainable="lora"), r3)
+    assert m1["replay_mismatch"] > 0
 
 
 def test_shapes_of_a_token_budget():
