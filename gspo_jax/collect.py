@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from gspo_jax import multihost, partial, shaping
 from gspo_jax.data.encoding import encode_prompt
+from gspo_jax.decode import generate_jit
 from gspo_jax.models.sharding import BATCH_AXES
 from gspo_jax.rollout import Rollout, replay_r3
 from gspo_jax.run_config import RunConfig
@@ -266,20 +267,20 @@ class Collector:
         state = t.sampler_devices.publish(t.sampler_precision.view(params))
         t0 = time.perf_counter()
         with jax.set_mesh(sampler.mesh):
-            new = partial.continue_jit(
+            new = generate_jit(
                 sampler.graphdef,
                 state,
                 rng,
                 per_prompt(toks),
                 per_prompt(pmask),
                 per_prompt(sid.astype(np.int32)),
-                pool.device["tokens"],
-                put(k),
                 put(live),
                 jnp.asarray(np.asarray(list(tok.stop_ids), np.int32)),
                 jnp.float32(cfg.rollout.temperature),
                 jnp.float32(cfg.rollout.router_noise_std),
                 spec=spec,
+                prefix=pool.device["tokens"],
+                prefix_len=put(k),
             )
             merged, length, stopped = partial.merge_jit(
                 pool.device, new, put(k), put(live), np.int32(version), pad_id=tok.pad_id

@@ -231,10 +231,10 @@ def _generate(
     when ``spec.router_noise``).
 
     With ``spec.prefix`` (partial rollouts, `gspo_jax.partial`), row r goes on from
-    the first ``prefix_len[r]`` tokens of a response begun before: ``prefix``
-    int32[B, W] holds them right-aligned in W columns. After the prompts' prefill they
-    are fed in one pass into cache columns [P, P + W) at RoPE positions that follow the
-    prompt's, the next token is drawn from the logits after the last of them (after
+    the first ``prefix_len[r]`` (< T') tokens of a response begun before, ``prefix``
+    int32[B, T']. After the prompts' prefill they are fed in one pass, right-aligned in
+    W = T' - 1 columns, into cache columns [P, P + W) at RoPE positions that follow the
+    prompt's; the next token is drawn from the logits after the last of them (after
     the prompt where ``prefix_len`` is 0), and the T new tokens follow in the cache.
     """
     nb, plen = prompt_tokens.shape
@@ -279,7 +279,7 @@ def _generate(
     # padding is invisible.  Then each prompt's cache is copied to its G rows.
     mask_i = prompt_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask_i, axis=1) - 1, 0)
-    width = prefix.shape[1] if spec.prefix else 0
+    width = prefix.shape[1] - 1 if spec.prefix else 0
     cache = model.init_cache(nb, plen + width + steps - 1)
     logits, aux, cache = model.decode(
         prompt_tokens,
@@ -311,8 +311,9 @@ def _generate(
         k = prefix_len.astype(jnp.int32)
         col = jnp.arange(width, dtype=jnp.int32)[None, :] - (width - k)[:, None]
         positions = n_prompt[:, None] + jnp.maximum(col, 0)
+        right_aligned = jnp.take_along_axis(prefix, jnp.maximum(col, 0), axis=1)
         more, aux, cache = model.decode(
-            prefix,
+            jnp.where(col >= 0, right_aligned, spec.pad_id),
             cache,
             positions=positions,
             attn_mask=col >= 0,

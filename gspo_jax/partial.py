@@ -5,9 +5,9 @@ and goes on in the next step, under that step's policy.
     step s    the N = prompts x G rows: the groups carried from step s - 1 in their
               slots, fresh prompts (the next data positions) in the vacant ones
       1.      each prompt is prefilled once for its G rows, each live row's response
-              so far is fed after it (`window`), and the row is decoded for at most
-              ``partial_budget`` tokens (`continue_rows`: the batch program of
-              `gspo_jax.decode` with its prefix stage)
+              so far is fed after it, and the row is decoded for at most
+              ``partial_budget`` tokens: the batch program (`gspo_jax.decode`) with its
+              prefix stage, ``spec_for``'s spec
       2.      the new tokens and their records are written after each row's old ones
               (`merge`), every token marked with the version that drew it (s)
       3.      a group whose G rows all ended (a stop token, or T tokens) is scored and
@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax.config_fields import ConfigError, err, setting
-from gspo_jax.decode import Spec, _generate, use_cpu_sampling
+from gspo_jax.decode import Spec, use_cpu_sampling
 from gspo_jax.models.sharding import BATCH_AXES
 
 
@@ -88,62 +88,12 @@ class PartialSettings:
 # The device programs.
 
 
-def window(tokens, k):
-    """The first ``k[r]`` tokens of each row's response, right-aligned in T - 1 columns
-    (what the batch program feeds after the prompt: its last column is the last token
-    so far). ``tokens`` int32[N, T], ``k`` int32[N] in [0, T - 1]."""
-    w = tokens.shape[1] - 1
-    src = jnp.arange(w)[None, :] - (w - k)[:, None]
-    return jnp.where(src >= 0, jnp.take_along_axis(tokens, jnp.maximum(src, 0), axis=1), 0)
-
-
-def continue_rows(
-    graphdef,
-    state,
-    rng,
-    prompt_tokens,
-    prompt_mask,
-    prompt_ids,
-    tokens,
-    k,
-    live,
-    eos_ids,
-    temperature,
-    router_noise_std,
-    spec: Spec,
-):
-    """The batch program (`gspo_jax.decode._generate`, ``spec.prefix``) on the step's
-    groups: each prompt prefilled once for its G rows, each row's response so far
-    (the first ``k[r]`` of ``tokens``, `window`) fed after it, then at most
-    ``spec.max_new_tokens`` (the budget) new tokens drawn per row, keyed by the row as
-    the batch program keys them. ``prompt_tokens`` int32[b, P], ``prompt_mask``
-    bool[b, P], ``prompt_ids`` int32[b]; the rest per row, [N = b * G]. Returns the
-    batch program's outputs over the [N, budget] new tokens."""
-    return _generate(
-        graphdef,
-        state,
-        rng,
-        prompt_tokens,
-        prompt_mask,
-        prompt_ids,
-        live,
-        eos_ids,
-        temperature,
-        router_noise_std,
-        spec,
-        prefix=window(tokens, k),
-        prefix_len=k,
-    )
-
-
-continue_jit = jax.jit(continue_rows, static_argnums=(0,), static_argnames=("spec",))
-
 # A pool array's value after a row's last token (the Rollout's: pad, 0, no expert).
 FILL = {"logp": 0.0, "experts": -1, "router_logp": 0.0, "version": -1}
 
 
 def merge(pool, new, k, live, version, *, pad_id: int):
-    """The pool's rows with ``new`` (`continue_rows`' outputs) written after their first
+    """The pool's rows with ``new`` (the batch program's outputs) written after their first
     ``k[r]`` tokens, for the ``live`` rows; the others as they were.
 
     A live row's columns [0, k) keep its old tokens and records, [k, k + n) take the new
@@ -240,17 +190,19 @@ class Pool(Slots):
     """A run's partial responses between RL steps (`Slots`), with, on the devices, the
     per-token arrays of `merge`; all of it in an RL checkpoint."""
 
-    def __init__(self, trainer, routing: str):
+    def __init__(self, trainer, routing: str, *, allocate: bool = True):
         cfg, mc = trainer.cfg, trainer.model_cfg
         super().__init__(
             cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens
         )
         self.t, self.routing = trainer, routing
         self.route = (mc.num_moe_layers, mc.top_k) if routing != "none" else None
-        self.device = jax.tree.map(
-            lambda s: trainer.put_rows(np.zeros(s.shape, s.dtype)),
-            self.template(trainer.max_prompt_len, sharding=None),
-        )
+        self.device = None  # ``allocate=False``: only a checkpoint's restore target
+        if allocate:
+            self.device = jax.tree.map(
+                lambda s: trainer.put_rows(np.zeros(s.shape, s.dtype)),
+                self.template(trainer.max_prompt_len, sharding=None),
+            )
 
     def template(self, prompt_len: int, sharding) -> dict[str, jax.ShapeDtypeStruct]:
         """The device arrays' shapes (a checkpoint's restore target, with ``sharding``)."""
@@ -311,7 +263,8 @@ def replicated(mesh):
 def spec_for(
     budget: int, group: int, pad_id: int, sharding, router_noise: bool, routing: str
 ) -> Spec:
-    """The batch program's static configuration for `continue_rows`."""
+    """The batch program's static configuration for a partial step: at most ``budget``
+    new tokens per row, after its prefix (`gspo_jax.decode.generate_jit`'s ``prefix``)."""
     return Spec(
         max_new_tokens=budget,
         num_samples=group,

@@ -151,7 +151,7 @@ def checkpoint_target(trainer: RunParts, state, pool=None):
         out = {"train": state, "queue": queue(meta)}
         if "partial" in meta:  # evaluate/export restore the responses too, unused
             record = offpolicy.routing_record(trainer.cfg, trainer.model_cfg)
-            out["partial"] = (pool or partial.Pool(trainer, record)).target(meta)
+            out["partial"] = (pool or partial.Pool(trainer, record, allocate=False)).target(meta)
         return out
 
     return target

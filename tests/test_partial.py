@@ -23,7 +23,7 @@ from test_offpolicy import TIMING, smoke
 from test_rollout import _teacher_forced
 
 from gspo_jax import config as config_lib
-from gspo_jax import partial, rollout
+from gspo_jax import decode, partial, rollout
 from gspo_jax.models import ModelConfig, Transformer
 
 T, P, BUDGET = 12, 12, 5
@@ -71,20 +71,20 @@ def test_each_token_is_drawn_and_recorded_by_its_own_version(model):
         live = ~(stopped | (lengths >= T))
         live_counts.append(int(live.sum()))
         k = np.where(live, lengths, 0).astype(np.int32)
-        new = partial.continue_jit(
+        new = decode.generate_jit(
             graphdef,
             params,
             jax.random.key(10 + step),
             toks,
             pmask,
             np.arange(len(PROMPTS), dtype=np.int32),
-            pool["tokens"],
-            k,
             live,
             jnp.asarray(STOP, jnp.int32),
             jnp.float32(1.0),
             jnp.float32(0.0),
             spec=spec,
+            prefix=pool["tokens"],
+            prefix_len=k,
         )
         pool, length, stop = partial.merge_jit(pool, new, k, live, np.int32(step), pad_id=0)
         lengths = np.where(live, np.asarray(length), lengths)

@@ -12,8 +12,8 @@ measures the sampler alone, not what training on carried responses does.
 
 **Partial.** ``--prompts`` x ``--group-size`` rows in group slots (`partial.Slots`): each
 step goes on with the carried rows and starts fresh prompts in the vacant slots, decodes
-at most ``--budget`` tokens per row (`partial.continue_jit`, `partial.merge_jit`), and the
-groups whose rows have all ended leave. After ``--warmup`` steps (the pool reaches its
+at most ``--budget`` tokens per row (`decode.generate_jit` with its prefix,
+`partial.merge_jit`), and the groups whose rows have all ended leave. After ``--warmup`` steps (the pool reaches its
 mix of carried and fresh groups) ``--steps`` steps are timed. **All at once:** the batch
 program on ``--prompts`` fresh prompts, until its longest response ends.
 
@@ -40,7 +40,7 @@ from flax import nnx
 
 from experiments.bench import bench_refill
 from experiments.bench import lengths as lengths_lib
-from gspo_jax import partial, rollout
+from gspo_jax import decode, partial, rollout
 
 VOCAB = bench_refill.VOCAB
 PROMPT_LEN = 40
@@ -100,20 +100,20 @@ def run_partial(model, prompts_at, args) -> dict:
         for i, pos in enumerate(slots.positions):
             p = prompts_at(int(pos))
             toks[i, PROMPT_LEN - len(p) :], mask[i, PROMPT_LEN - len(p) :] = p, True
-        new = partial.continue_jit(
+        new = decode.generate_jit(
             graphdef,
             state,
             jax.random.key(s),
             toks,
             mask,
             slots.positions.astype(np.int32),
-            pool["tokens"],
-            k,
             live,
             stop,
             jnp.float32(1.0),
             jnp.float32(0.0),
             spec=spec,
+            prefix=pool["tokens"],
+            prefix_len=k,
         )
         pool, length, stopped = partial.merge_jit(pool, new, k, live, np.int32(s), pad_id=0)
         length, stopped = np.asarray(length), np.asarray(stopped)
