@@ -288,7 +288,7 @@ def _smoke_warm_starts(tmp_path_factory):
 @pytest.fixture
 def smoke_root(tmp_path, _smoke_warm_starts):
     """``smoke_root(arms)``: a stability ``--root`` (``tmp_path/root``) that already holds
-    the smoke warm starts of ``arms`` (seed 0) and the data. The stage tests start from
-    these, so that a test process trains each warm start once (building them from an
-    empty root is what the GPU replication's test, on the hard task, still does)."""
+    the smoke warm starts of ``arms`` (seed 0) and the data. Every stage test but the
+    first (stages 1 and 2, which build their own) starts from these, so that a test
+    process trains each warm start once."""
     return lambda arms=("moe2", "dense2"): _smoke_warm_starts.root_with(tmp_path / "root", arms)
