@@ -31,6 +31,16 @@
   arguments, for tests of what a stage script runs.
 * ``smoke_root``: a stability ``--root`` holding the smoke warm starts and data, trained
   once per test process (the stage tests after stages 1 and 2 start from it).
+* Mappings: XLA:CPU maps the code of every compiled program into memory areas of its
+  own, and a jitted function keeps each program it compiled for as long as it lives. A
+  test process that runs thousands of programs passes Linux's limit on a process's memory
+  mappings (``vm.max_map_count``, 65,530 by default) and the next ``mmap`` inside XLA
+  ends it with a segmentation fault: test_qlora, test_lora, test_packing, test_step,
+  test_offpolicy, test_rollout, test_models and test_refill in one process reached 63,847
+  mappings and crashed in the compilation cache's write (`experiments/test_time.md`).
+  After any test that leaves its process above `MAPPING_SHARE` of the limit, JAX's
+  in-memory caches are dropped (``jax.clear_caches``); a program needed again is read
+  back from the persistent cache. Only compile time changes.
 * The suite's budget: every worker sums JAX's compilations and their backend seconds; the
   controller prints the totals and, for a whole-suite run (no test selected by name, file,
   ``-k`` or ``-m``), fails the session when they or the session's seconds exceed
@@ -102,6 +112,33 @@ def pytest_collection_modifyitems(config, items):
 
 _durations = collections.Counter()
 
+# Drop JAX's in-memory caches after a test that leaves the process above this share of
+# the kernel's limit on memory mappings (the docstring says why).
+MAPPING_SHARE = 0.5
+
+
+def _mapping_limit():
+    """(the process's memory mappings now, the kernel's limit), or None off Linux."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n"), limit
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's own fixtures are gone: what they held can be freed
+    counts = _mapping_limit()
+    if counts and counts[0] > MAPPING_SHARE * counts[1]:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+        _compiles["cache_clears"] += 1
+
 
 def pytest_runtest_logreport(report):  # in the controlling process under xdist too
     _durations[report.nodeid] += report.duration
@@ -109,7 +146,7 @@ def pytest_runtest_logreport(report):  # in the controlling process under xdist 
 
 # The suite's compilations: every process that runs tests counts them (the trainer
 # subprocesses a test starts are not counted, as in experiments/restructuring.md).
-_compiles = {"compilations": 0, "compile_seconds": 0.0}
+_compiles = {"compilations": 0, "compile_seconds": 0.0, "cache_clears": 0}
 
 
 def _count_compile(event, duration, **kwargs):
@@ -183,7 +220,8 @@ def pytest_terminal_summary(terminalreporter):
     t = _session["totals"]
     terminalreporter.write_line(
         f"suite budget: {t['compilations']:,} compilations, {t['compile_seconds']:,.0f} s of backend "
-        f"compile in the test processes, {t['session_seconds']:,.0f} s (tests/budget.json)"
+        f"compile in the test processes, {t['session_seconds']:,.0f} s (tests/budget.json); "
+        f"JAX's caches dropped {t['cache_clears']:,} times for the mapping limit"
     )
     for line in _session.get("over", []):
         terminalreporter.write_line(f"OVER BUDGET: {line}", red=True)
@@ -288,7 +326,7 @@ def _smoke_warm_starts(tmp_path_factory):
 @pytest.fixture
 def smoke_root(tmp_path, _smoke_warm_starts):
     """``smoke_root(arms)``: a stability ``--root`` (``tmp_path/root``) that already holds
-    the smoke warm starts of ``arms`` (seed 0) and the data. Every stage test but the
-    first (stages 1 and 2, which build their own) starts from these, so that a test
-    process trains each warm start once."""
+    the smoke warm starts of ``arms`` (seed 0) and the data. The stage tests start from
+    these, so that a test process trains each warm start once (building them from an
+    empty root is what the GPU replication's test, on the hard task, still does)."""
     return lambda arms=("moe2", "dense2"): _smoke_warm_starts.root_with(tmp_path / "root", arms)

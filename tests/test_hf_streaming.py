@@ -189,7 +189,13 @@ _CHILD = textwrap.dedent("""
     res["logit_scale"] = float(np.max(np.abs(single_logits)))
     unequal = []
     for (path, a), (_, b) in zip(nnx.to_flat_state(state), nnx.to_flat_state(nnx.state(single, nnx.Param))):
-        if not np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())):
+        a, b = a.get_value(), np.asarray(b.get_value())
+        # Bit for bit, each device's shard against its block of the unsharded load, as
+        # unsigned integers (gathering 1 GB of sharded bfloat16 and comparing it as
+        # bfloat16 took seconds).
+        bits = lambda x: x.view(f"u{x.dtype.itemsize}")  # noqa: E731
+        if a.dtype != b.dtype or a.shape != b.shape or not all(
+                np.array_equal(bits(np.asarray(s.data)), bits(b[s.index])) for s in a.addressable_shards):
             unequal.append(str(path))
     res["unequal"] = unequal
     json.dump(res, open(out, "w"))
@@ -294,8 +300,10 @@ def test_dtype_rules_and_value_head(tmp_path):
     m = from_pretrained(str(tmp_path), mesh=mesh, value_head=True, num_valid_tokens=60,
                         dtype="float32", param_dtype="float32", scan_layers=False)
     assert m.cfg.value_head and m.cfg.num_valid_tokens == 60 and not m.cfg.scan_layers
-    assert m.value_w[...].shape == (32,) and float(jnp.std(m.value_w[...])) > 0
-    assert float(jnp.max(jnp.abs(m.value_b[...]))) == 0.0
+    # On the host: jnp ops on sharded arrays compile a program per op and sharding.
+    value_w, value_b = np.asarray(m.value_w[...]), np.asarray(m.value_b[...])
+    assert value_w.shape == (32,) and float(np.std(value_w)) > 0
+    assert float(np.max(np.abs(value_b))) == 0.0
 
 
 def test_clear_errors_name_the_file_and_tensor(tmp_path):

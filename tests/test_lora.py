@@ -40,6 +40,17 @@ def _lora_model(cfg, targets=ALL, rank=4, alpha=8.0, seed=0):
     return _randomize_b(model)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, state, tokens, replay):
+    """The forward of ``nnx.merge(graphdef, state)``, compiled once per model structure
+    and shapes (for speed: an eager forward compiles every op on its own)."""
+    return nnx.merge(graphdef, state)(tokens, replay=replay)
+
+
+def _forward(model, tokens, replay=None):
+    return _apply(*nnx.split(model), tokens, replay)
+
+
 def _replay(cfg, b, t, seed=0):
     rs = np.random.RandomState(seed)
     r = np.stack(
@@ -106,18 +117,28 @@ def test_forward_equals_the_merged_weights(backend, replay):
     b, t = 4, 7
     tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
     rep = _replay(cfg, b, t) if replay else None
-    logits, aux = model(tokens, replay=rep)
-    ref, ref_aux = merged(tokens, replay=rep)
-    no_lora, _ = Transformer(cfg, rngs=nnx.Rngs(0))(tokens, replay=rep)
+    logits, aux = _forward(model, tokens, rep)
+    ref, ref_aux = _forward(merged, tokens, rep)
+    no_lora, _ = _forward(Transformer(cfg, rngs=nnx.Rngs(0)), tokens, rep)
     assert float(jnp.max(jnp.abs(logits - no_lora))) > 1e-2  # the adapters do something
     np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
     graphdef, state = lora.merge_params(*nnx.split(model))  # the same on a split model
-    np.testing.assert_array_equal(nnx.merge(graphdef, state)(tokens, replay=rep)[0], ref)
+    np.testing.assert_array_equal(_apply(graphdef, state, tokens, rep)[0], ref)
     if replay:  # replayed rows use exactly the replayed experts, with adapters or not
         replayed = np.all(np.asarray(rep) >= 0, axis=-1)
         got = np.asarray(aux.topk_indices)[replayed]
         np.testing.assert_array_equal(got, np.asarray(rep)[replayed])
     np.testing.assert_array_equal(aux.topk_indices, ref_aux.topk_indices)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _moe_grads(graphdef, st, x, mask):
+    """The gradient of sum(sin(MoE(x))) in the layer's state, compiled (for speed)."""
+
+    def loss(st):
+        return jnp.sum(jnp.sin(nnx.merge(graphdef, st)(x, mask)[0]))
+
+    return jax.grad(loss)(st)
 
 
 @pytest.mark.parametrize("backend", ["dense", "ragged", "blocked"])
@@ -132,12 +153,7 @@ def test_expert_gradients_equal_across_dispatches(backend):
 
     def grads(c):
         layer.cfg = c
-        graphdef, st = nnx.split(layer)
-
-        def loss(st):
-            return jnp.sum(jnp.sin(nnx.merge(graphdef, st)(x, mask)[0]))
-
-        return jax.grad(loss)(st)
+        return _moe_grads(*nnx.split(layer), x, mask)
 
     ref = grads(cfg)
     out = grads(cfg.replace(moe_backend=backend))
@@ -148,38 +164,53 @@ def test_expert_gradients_equal_across_dispatches(backend):
             np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (2, 1, 4, 1)])
-@pytest.mark.parametrize("replay", [False, True])
-def test_expert_parallel_forward_equals_the_merged_weights(mesh_shape, replay):
-    """On 8 CPU devices (expert, FSDP and tensor axes): the adapters sharded with
-    their experts, the rows exchanged with all-to-alls; values and the adapters'
-    gradients equal one device's merged / unsharded ones."""
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices")
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), AXES)
+@pytest.fixture(scope="module")
+def ep_reference():
+    """The expert-parallel test's model, inputs and one device's results, per replay
+    (shared by its mesh shapes, which only read them: computed once for speed)."""
     cfg = ModelConfig.tiny(moe_backend="ragged")
     model = _lora_model(cfg)
+    graphdef, state = nnx.split(model)
     b, t = 8, 5
     tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
-    rep = _replay(cfg, b, t) if replay else None
-    ref, _ = lora.merge(model)(tokens, replay=rep)
-    graphdef, state = nnx.split(model)
 
     def loss(st, tokens, rep):
         logits, _ = nnx.merge(graphdef, st)(tokens, replay=rep)
         return jnp.sum(jnp.sin(logits)), logits
 
     fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (_, g_ref) = fn(state, tokens, rep)
+    out = {}
+    for replay in (False, True):
+        rep = _replay(cfg, b, t) if replay else None
+        ref, _ = _forward(lora.merge(model), tokens, rep)
+        (_, g_ref) = fn(state, tokens, rep)
+        out[replay] = (tokens, rep, ref, g_ref)
+    return cfg, state, fn, out
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (2, 1, 4, 1)])
+@pytest.mark.parametrize("replay", [False, True])
+def test_expert_parallel_forward_equals_the_merged_weights(ep_reference, mesh_shape, replay):
+    """On 8 CPU devices (expert, FSDP and tensor axes): the adapters sharded with
+    their experts, the rows exchanged with all-to-alls; values and the adapters'
+    gradients equal one device's merged / unsharded ones."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), AXES)
+    cfg, state, fn, out = ep_reference
+    tokens, rep, ref, g_ref = out[replay]
     with jax.set_mesh(mesh):
         st = jax.device_put(state, param_shardings(state, mesh, cfg))
         rows = NamedSharding(mesh, P(("data", "fsdp", "expert")))
         args = jax.device_put((tokens, rep), rows)
-        (_, logits), g = fn(st, *args)
-        text = fn.lower(st, *args).compile().as_text()
+        compiled = fn.lower(st, *args).compile()  # what fn(st, *args) runs, compiled once
+        (_, logits), g = compiled(st, *args)
+        text = compiled.as_text()
     np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
-    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):  # adapters' included
-        assert float(jnp.max(jnp.abs(x - y))) <= 1e-4 * max(float(jnp.max(jnp.abs(y))), 1.0)
+    # Adapters' included; on the host (numpy, the same f32 values): jnp ops on the
+    # sharded leaves would compile a program per leaf.
+    for x, y in zip(jax.device_get(jax.tree.leaves(g)), jax.device_get(jax.tree.leaves(g_ref))):
+        assert float(np.max(np.abs(x - y))) <= 1e-4 * max(float(np.max(np.abs(y))), 1.0)
     if mesh_shape[2] > 1:
         assert "all-to-all(" in text
         e, d, f = cfg.num_experts, cfg.d_model, cfg.moe_d_ff
@@ -193,13 +224,19 @@ def test_kv_cache_decode_with_adapters():
     model = _lora_model(cfg)
     b, t = 2, 6
     tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
-    full, _ = model(tokens)
+    full, _ = _forward(model, tokens)
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames="prefill")  # compiled, for speed
+    def decode(state, tokens, cache, positions, prefill=False):
+        return nnx.merge(graphdef, state).decode(tokens, cache, positions=positions, prefill=prefill)
+
     cache = model.init_cache(b, t)
     pos = jnp.broadcast_to(jnp.arange(4), (b, 4))
-    logits, _, cache = model.decode(tokens[:, :4], cache, positions=pos, prefill=True)
+    logits, _, cache = decode(state, tokens[:, :4], cache, pos, prefill=True)
     steps = [logits]
     for i in range(4, t):
-        logits, _, cache = model.decode(tokens[:, i : i + 1], cache, positions=jnp.full((b, 1), i))
+        logits, _, cache = decode(state, tokens[:, i : i + 1], cache, jnp.full((b, 1), i))
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
 
@@ -209,8 +246,8 @@ def test_adapters_off_is_the_base():
     model = _lora_model(cfg)
     graphdef, state = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(3), (2, 5), 0, cfg.vocab_size)
-    off, _ = nnx.merge(graphdef, lora.adapters_off(state))(tokens)
-    base, _ = Transformer(cfg, rngs=nnx.Rngs(0))(tokens)
+    off, _ = _apply(graphdef, lora.adapters_off(state), tokens, None)
+    base, _ = _forward(Transformer(cfg, rngs=nnx.Rngs(0)), tokens)
     np.testing.assert_array_equal(off, base)
     base_leaves = jax.tree.leaves(nnx.state(model, nnx.Not(lora.LoRAParam)))
     off_leaves = jax.tree.leaves(nnx.split_state(lora.adapters_off(state), nnx.Not(lora.LoRAParam), ...)[0])
@@ -442,10 +479,12 @@ def test_dispatch_takes_adapters_like_weights(backend):
         return jnp.sum(jnp.sin(fn(x, idx, gates, *ws)))
 
     merged = [w.w + jnp.einsum("edr,erf->edf", w.a, w.b) for w in ws]
+    # Each side compiled as one program (for speed; eager would compile every op).
     np.testing.assert_allclose(
-        run(x, idx, gates, *ws), dispatch.dispatch_dense(x, idx, gates, *merged), atol=1e-5
+        jax.jit(run)(x, idx, gates, *ws), jax.jit(dispatch.dispatch_dense)(x, idx, gates, *merged), atol=1e-5
     )
-    g, g_ref = jax.grad(functools.partial(loss, run))(ws), jax.grad(functools.partial(loss, dispatch.dispatch_dense))(ws)
+    g = jax.jit(jax.grad(functools.partial(loss, run)))(ws)
+    g_ref = jax.jit(jax.grad(functools.partial(loss, dispatch.dispatch_dense)))(ws)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 

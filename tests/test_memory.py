@@ -31,9 +31,8 @@ def _left_padded(b=3, t=12):
     mask = np.ones((b, t), np.int32)
     mask[0, :4] = 0
     mask[-1, :1] = 0
-    mask = jnp.asarray(mask)
-    pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
-    return tokens, mask, pos
+    pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)  # on the host: no compile
+    return tokens, jnp.asarray(mask), jnp.asarray(pos)
 
 
 # --------------------------------------------------------------------------
@@ -86,12 +85,19 @@ def test_padding_to_an_even_length_changes_nothing(t):
     k, v = (jnp.asarray(rs.randn(b, t, kv, hd), jnp.float32) for _ in range(2))
     valid = np.ones((b, t), bool)
     valid[0, :3] = False  # left padding
-    slots = jnp.arange(t, dtype=jnp.int32)
-    mask = layers.attention_mask(slots, slots, jnp.asarray(valid))[:, None]
-    want = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    qp, kp, vp, mp = layers._pad_to_even(q, k, v, mask)
-    assert qp.shape[1] % 2 == 0 and mp.shape[2:] == (qp.shape[1], qp.shape[1])
-    got = jax.nn.dot_product_attention(qp, kp, vp, mask=mp, is_causal=True, implementation="xla")
+
+    @jax.jit  # one program instead of one per primitive (speed only)
+    def both(q, k, v, valid):
+        slots = jnp.arange(t, dtype=jnp.int32)
+        mask = layers.attention_mask(slots, slots, valid)[:, None]
+        want = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        qp, kp, vp, mp = layers._pad_to_even(q, k, v, mask)
+        # Shapes are static: checked while tracing.
+        assert qp.shape[1] % 2 == 0 and mp.shape[2:] == (qp.shape[1], qp.shape[1])
+        got = jax.nn.dot_product_attention(qp, kp, vp, mask=mp, is_causal=True, implementation="xla")
+        return want, got
+
+    want, got = both(q, k, v, jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got[:, :t])[valid], np.asarray(want)[valid], atol=1e-6)
 
 

@@ -31,13 +31,19 @@ def _left_pad_mask():
   return mask, pos
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _jit_method(graphdef, method, static, state, args, arrays):
+  return getattr(nnx.merge(graphdef, state), method)(*args, **arrays, **dict(static))
+
+
 def _fwd(model, method="__call__", *args, **kw):
-  """Jitted `getattr(model, method)(*args, **kw)` (eager op-by-op is slow)."""
+  """Jitted `getattr(model, method)(*args, **kw)` (eager op-by-op is slow); one
+  module-level jit, so a call repeated with the same structure and shapes is not
+  traced again."""
   graphdef, state = nnx.split(model)
-  static = {k: v for k, v in kw.items() if v is None or isinstance(v, (int, float))}
-  arrays = {k: v for k, v in kw.items() if k not in static}
-  f = jax.jit(lambda st, a, k: getattr(nnx.merge(graphdef, st), method)(*a, **k, **static))
-  return f(state, args, arrays)
+  static = tuple(sorted((k, v) for k, v in kw.items() if v is None or isinstance(v, (int, float))))
+  arrays = {k: v for k, v in kw.items() if k not in dict(static)}
+  return _jit_method(graphdef, method, static, state, args, arrays)
 
 
 def _value_and_grad(model, loss, has_aux=False):
@@ -52,6 +58,34 @@ def _max_tree_diff(a, b):
 
 
 # ------------------------------------------------------------------ dispatch
+_BLOCKED = functools.partial(dispatch.dispatch_blocked, max_block=64)
+# Module-level, so that both parametrised cases run the same compiled programs (the
+# expert indices are an argument, not a constant of the program).
+DISPATCH_BACKENDS = [
+    dispatch.dispatch_ragged,
+    _BLOCKED,  # small-batch rule
+    functools.partial(_BLOCKED, block_size=4),
+    functools.partial(_BLOCKED, block_size=16),
+    functools.partial(_BLOCKED, block_size=64),
+    # both ways of ordering assignments within an expert
+    functools.partial(_BLOCKED, block_size=4, rank="sort"),
+    functools.partial(_BLOCKED, block_size=4, rank="compare"),
+    # both backwards of the per-block weight gather (CPU's default: scatter)
+    functools.partial(_BLOCKED, block_size=4, weight_grad="matmul"),
+    functools.partial(_BLOCKED, weight_grad="matmul"),
+]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dispatch_grad(fn, x, idx, gates, ws):
+  """Gradient of sum(sin(y)) w.r.t. (x, gates, ws) and y = fn(x, idx, gates, *ws)."""
+  def loss(x, gates, ws):
+    y = fn(x, idx, gates, *ws)
+    return jnp.sum(jnp.sin(y)), y
+
+  return jax.grad(loss, (0, 1, 2), has_aux=True)(x, gates, ws)
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_dispatch_backends_equal_dense_values_and_grads(skew):
   rs = np.random.RandomState(1)
@@ -65,24 +99,9 @@ def test_dispatch_backends_equal_dense_values_and_grads(skew):
   gates = jnp.asarray(rs.rand(n, k), jnp.float32)
   ws = [jnp.asarray(rs.randn(*s) * 0.3, jnp.float32) for s in [(e, d, f), (e, d, f), (e, f, d)]]
 
-  def loss(fn, x, gates, ws):
-    y = fn(x, idx, gates, *ws)
-    return jnp.sum(jnp.sin(y)), y
-
-  ref_g, ref_y = jax.jit(jax.grad(lambda *a: loss(dispatch.dispatch_dense, *a), (0, 1, 2), has_aux=True))(
-      x, gates, ws)
-  for fn in [dispatch.dispatch_ragged,
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64),  # small-batch rule
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4),
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=16),
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=64),
-             # both ways of ordering assignments within an expert
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="sort"),
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, rank="compare"),
-             # both backwards of the per-block weight gather (CPU's default: scatter)
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, block_size=4, weight_grad="matmul"),
-             lambda *a: dispatch.dispatch_blocked(*a, max_block=64, weight_grad="matmul")]:
-    g, y = jax.jit(jax.grad(lambda *a: loss(fn, *a), (0, 1, 2), has_aux=True))(x, gates, ws)
+  ref_g, ref_y = _dispatch_grad(dispatch.dispatch_dense, x, idx, gates, ws)
+  for fn in DISPATCH_BACKENDS:
+    g, y = _dispatch_grad(fn, x, idx, gates, ws)
     np.testing.assert_allclose(y, ref_y, atol=1e-5, rtol=1e-5)
     assert _max_tree_diff(g, ref_g) < 1e-5
 

@@ -4,6 +4,7 @@ Expected values are written out from objectives.md with literal numbers (numpy o
 for log / exp / sqrt); no expectation is drawn from a JAX RNG.
 """
 
+import functools
 import math
 
 import chex
@@ -49,6 +50,32 @@ def loss_fn(name, old, adv, mask, **kw):
 
 def grad_of(name, logp, old, adv, mask, **kw):
     return np.asarray(jax.grad(loss_fn(name, old, adv, mask, **kw))(logp))
+
+
+ARRAY_KWARGS = ("router_shift", "ref_logp", "normalizer", "weight")
+
+
+@functools.cache
+def _program(name, hp):
+    fn = O.get(name)
+
+    def run(lp, old, adv, mask, arrays):
+        return jax.value_and_grad(lambda x: fn(x, old, adv, mask, **arrays, **dict(hp)),
+                                  has_aux=True)(lp)
+
+    return jax.jit(run)
+
+
+def compiled(name, logp, old, adv, mask, **kw):
+    """(loss, metrics, d loss / d logp) of objective ``name`` as one compiled program,
+    reused for every call with the same hyperparameters and shapes. Only for speed, where
+    a test evaluates an objective at shapes no other test uses, or many times: op by op,
+    each new shape compiles every primitive anew (test_jit_equals_eager holds the two
+    equal)."""
+    arrays = {k: v for k, v in kw.items() if k in ARRAY_KWARGS}
+    hp = tuple(sorted((k, v) for k, v in kw.items() if k not in ARRAY_KWARGS))
+    (loss, metrics), g = _program(name, hp)(logp, old, adv, mask, arrays)
+    return loss, metrics, np.asarray(g)
 
 
 # ------------------------------------------------------------------------------------
@@ -343,8 +370,7 @@ def test_clip_at_exact_boundary_keeps_gradient():
     # would halve it).
     old = jnp.zeros((1, 1))
     lp = jnp.log(jnp.array([[1.25]]))  # exactly representable ratio; eps_high 0.25
-    g = jax.grad(lambda x: O.get("ppo")(x, old, jnp.ones(1), jnp.ones((1, 1)),
-                                        eps_high=0.25)[0])(lp)
+    g = compiled("ppo", lp, old, jnp.ones(1), jnp.ones((1, 1)), eps_high=0.25)[2]
     np.testing.assert_allclose(g, [[-1.25]], rtol=1e-6)
 
 
@@ -419,16 +445,15 @@ def test_gspo_token_equals_gspo_with_constant_advantage(eps):
     mask = jnp.asarray(rs.rand(n, t) > 0.3, jnp.float32).at[3].set(0.0)
     adv = jnp.asarray(rs.normal(0, 1, n), jnp.float32)
     hp = dict(eps_low=eps[0], eps_high=eps[1])
-    lg, mg = O.get("gspo")(lp, old, adv, mask, **hp)
+    lg, mg, gg = compiled("gspo", lp, old, adv, mask, **hp)
     for a in (adv, jnp.broadcast_to(adv[:, None], (n, t))):
-        lt, mt = O.get("gspo_token")(lp, old, a, mask, **hp)
+        lt, mt, gt = compiled("gspo_token", lp, old, a, mask, **hp)
         np.testing.assert_allclose(lt, lg, rtol=1e-6)
         # Same clipping: the token-weighted clip fractions agree.
         np.testing.assert_allclose([mt["clip_frac_low"], mt["clip_frac_high"], mt["clip_frac"]],
                                    [mg["clip_frac_low"], mg["clip_frac_high"], mg["clip_frac"]],
                                    rtol=1e-6)
-        np.testing.assert_allclose(grad_of("gspo_token", lp, old, a, mask, **hp),
-                                   grad_of("gspo", lp, old, adv, mask, **hp), rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(gt, gg, rtol=1e-5, atol=1e-8)
 
 
 def test_cispo_keeps_gradient_on_clipped_tokens():
@@ -448,7 +473,7 @@ def sapo_gate_of_grad(r, a):
     """SAPO's gradient divided by the unclipped policy gradient -A r (one token)."""
     old = jnp.zeros((1, 1))
     lp = jnp.full((1, 1), math.log(r), jnp.float32)
-    g = jax.grad(lambda x: O.get("sapo")(x, old, jnp.array([a]), jnp.ones((1, 1)))[0])(lp)
+    g = compiled("sapo", lp, old, jnp.array([a], jnp.float32), jnp.ones((1, 1)))[2]
     return float(g[0, 0]) / (-a * r)
 
 
@@ -482,8 +507,8 @@ def test_gmpo_no_larger_than_grpo_am_gm():
         lp = jnp.asarray(rs.normal(0, 1, (1, t)), jnp.float32)
         mask = jnp.ones((1, t))
         a = jnp.asarray([rs.normal()], jnp.float32)
-        lg, _ = O.get("gmpo")(lp, old, a, mask, eps_low=100.0, eps_high=100.0)
-        lr, _ = O.get("grpo")(lp, old, a, mask, eps_low=0.999, eps_high=1e9, kl_coef=0.0)
+        lg, _, _ = compiled("gmpo", lp, old, a, mask, eps_low=100.0, eps_high=100.0)
+        lr, _, _ = compiled("grpo", lp, old, a, mask, eps_low=0.999, eps_high=1e9, kl_coef=0.0)
         assert abs(float(lg)) <= abs(float(lr)) * (1 + 1e-6)
 
 
@@ -534,18 +559,18 @@ def length_pair():
 
 def test_dr_grpo_has_no_length_factor():
     lp, old, adv, mask = length_pair()
-    g = grad_of("dr_grpo", lp, old, adv, mask)
+    g = compiled("dr_grpo", lp, old, adv, mask)[2]
     # -A r / (#seqs * L_norm) = -1/400 for every token of both; GRPO's 1/|o| would give
     # -1/(2*200) and -1/(2*10).
     np.testing.assert_allclose(g[mask > 0], -1 / 400, rtol=1e-6)
-    g_grpo = grad_of("grpo", lp, old, adv, mask, kl_coef=0.0)
+    g_grpo = compiled("grpo", lp, old, adv, mask, kl_coef=0.0)[2]
     np.testing.assert_allclose(g_grpo[0, 0], -1 / 400, rtol=1e-6)
     np.testing.assert_allclose(g_grpo[1, 0], -1 / 20, rtol=1e-6)
 
 
 def test_token_mean_weights_every_token_alike():
     lp, old, adv, mask = length_pair()
-    g = grad_of("dapo", lp, old, adv, mask)
+    g = compiled("dapo", lp, old, adv, mask)[2]
     # -1/210 for each of the 210 tokens; seq-mean-token-mean would give -1/400 and -1/20.
     np.testing.assert_allclose(g[mask > 0], -1 / 210, rtol=1e-6)
     assert (g[mask == 0] == 0).all()

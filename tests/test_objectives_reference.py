@@ -432,8 +432,10 @@ def assert_clipping_exercised(name, hp, batch):
 # ------------------------------------------------------------------------------------
 
 
-def call_library(fn, batch, overrides, normalizer=None):
-    """(loss, metrics, d loss / d logp) of ``fn`` on float64 arrays."""
+def call_library(fn, batch, overrides, normalizer=None, compiled=False):
+    """(loss, metrics, d loss / d logp) of ``fn`` on float64 arrays; ``compiled``: as one
+    ``jax.jit`` program instead of op by op (only for speed, at shapes no other test
+    uses, where op by op every primitive compiles anew)."""
     kw = dict(overrides)
     if batch.ref is not None:
         kw["ref_logp"] = jnp.asarray(batch.ref)
@@ -446,7 +448,10 @@ def call_library(fn, batch, overrides, normalizer=None):
     def f(lp):
         return fn(lp, old, adv, mask, **kw)
 
-    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(batch.logp))
+    value_and_grad = jax.value_and_grad(f, has_aux=True)
+    if compiled:
+        value_and_grad = jax.jit(value_and_grad)
+    (loss, metrics), grad = value_and_grad(jnp.asarray(batch.logp))
     return loss, metrics, grad
 
 
@@ -590,7 +595,7 @@ def test_micro_batches_with_the_mini_batch_normalizer(name):
     total, grads = 0.0, []
     for rows in (slice(0, 3), slice(3, N)):
         part = Batch(*(None if x is None else x[rows] for x in dataclasses.astuple(batch)))
-        loss, _, grad = call_library(O.get(name), part, overrides, normalizer=norm)
+        loss, _, grad = call_library(O.get(name), part, overrides, normalizer=norm, compiled=True)
         total += float(loss)
         grads.append(np.asarray(grad))
     want = reference_loss(name, hp, batch.logp, batch.old, batch.adv, batch.mask, batch.ref, batch.gamma)
@@ -627,7 +632,7 @@ def test_computes_in_float64(name):
         overrides.update(tau_pos=1.0, tau_neg=1.0)  # equal gates, so the two rows cancel
     gamma = np.ones((2, 3)) if name == "rspo" else None
     batch = Batch(logp, old, adv, mask, None, gamma)
-    loss, _, grad = call_library(O.get(name), batch, overrides)
+    loss, _, grad = call_library(O.get(name), batch, overrides, compiled=True)
     assert loss.dtype == jnp.float64, f"{name}: loss is {loss.dtype} for float64 inputs"
     assert grad.dtype == jnp.float64, f"{name}: gradient is {grad.dtype} for float64 inputs"
     want = reference_loss(name, full_hp(name, overrides), logp, old, adv, mask, gamma=gamma)

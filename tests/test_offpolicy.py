@@ -205,9 +205,11 @@ def test_step_t_trains_on_what_the_policy_of_step_t_minus_k_sampled(data_dir, tm
         m, _ = rl.step(s)
         assert m["staleness_mean"] == m["staleness_max"] == min(s, k)
 
+    # One compiled program for the log-prob pass (called eagerly it compiles op by op).
+    logprob_pass = jax.jit(functools.partial(passes.logprob_pass, graphdef=trainer.graphdef))
+
     def logp(p, batch):
-        out = passes.logprob_pass(p, batch, graphdef=trainer.graphdef)
-        return np.asarray(out["logp"])
+        return np.asarray(logprob_pass(p, batch)["logp"])
 
     for s in range(steps):
         q = trained[s]

@@ -40,6 +40,10 @@ def _valid(seed, n=N, s=S):
 
 _plan = jax.jit(packing.plan, static_argnums=1)
 
+# The padded old-policy pass as one program (called eagerly it compiles every primitive
+# on its own); only for speed.
+_logprob = jax.jit(passes.logprob_pass, static_argnames=("graphdef", "values"))
+
 
 @pytest.mark.parametrize("seed, length", [(0, 0), (1, 0), (2, 25), (3, 40)])
 def test_plan_places_every_real_token_once(seed, length):
@@ -91,7 +95,12 @@ def test_packed_attention_is_blind_across_sequences():
     """Two sequences in one buffer row, positions restarting at the second: each token's
     log-prob equals that of its sequence run alone (RoPE and the causal mask per
     segment). Shifting the first sequence's tokens leaves the second's unchanged."""
-    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+
+    @jax.jit  # one program per shape, not one per primitive (only for speed)
+    def model(tokens, positions=None, attn_mask=None):
+        return nnx.merge(graphdef, params)(tokens, positions=positions, attn_mask=attn_mask)
+
     rs = np.random.RandomState(1)
     a, b = rs.randint(3, 24, 5), rs.randint(3, 24, 7)
     row = jnp.asarray(np.concatenate([a, b])[None], jnp.int32)
@@ -124,7 +133,7 @@ def _batch(graphdef, params, seed=0):
         "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
         "mask": jnp.asarray(mask),
     }
-    old = passes.logprob_pass(params, batch, graphdef=graphdef, values=True)
+    old = _logprob(params, batch, graphdef=graphdef, values=True)
     batch.update(
         old_logp=old["logp"] + jnp.asarray(rs.normal(0, 0.05, (N, T)), jnp.float32),
         old_topk=old["topk_resp"],
@@ -165,13 +174,21 @@ def test_packed_logprob_pass_equals_padded(setup):
             np.testing.assert_array_equal(np.asarray(got[key])[where], np.asarray(old[key])[where], err_msg=key)
 
 
+_OPT = optax.sgd(1e-2)  # linear in the gradient: equal parameters are equal gradients
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(graphdef, cfg):
+    """The jitted step of one setting, built once (R2 and R3 run the same program)."""
+    return jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=_OPT,
+                                     schedule=optax.constant_schedule(1e-2), cfg=cfg))
+
+
 def _step(setup, cfg, batch=None, params=None):
     graphdef, base_params, base_batch, _ = setup
     params = base_params if params is None else params
-    opt = optax.sgd(1e-2)  # linear in the gradient: equal parameters are equal gradients
-    state = step.TrainState.create(params, opt.init(params))
-    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
-                                   schedule=optax.constant_schedule(1e-2), cfg=cfg))
+    state = step.TrainState.create(params, _OPT.init(params))
+    fn = _step_fn(graphdef, cfg)
     state, m = fn(state, base_batch if batch is None else batch, jax.random.key(0))
     return state, compute_all(m)
 

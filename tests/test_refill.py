@@ -7,6 +7,7 @@ bit, and its log-probs differ only by the float rounding that the batch program'
 rows show when the batch grows (XLA:CPU's matmuls round by their row count).
 """
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -90,10 +91,11 @@ def test_refilled_rows_are_the_batch_programs(model, slots, chunk, kw):
 def test_refilled_record_matches_teacher_forced_forward(model):
     """The record of a refilled rollout against the model's own full forward (not the
     batch program): log-probs, experts, prompt experts, padding after the stop."""
+    # 9 prompts (batch bucket 16): the program of test_one_program_for_every_call.
     r = rollout.Sampler.from_model(model, prompt_len=12, slots=8, refill_chunk=2)(
-        PROMPTS[:4], num_samples=4, max_new_tokens=T, rng=jax.random.key(5), eos_id=STOP)
-    assert int(r.decode_steps) > int(np.asarray(r.lengths).max()) - 1  # 16 rows in 8 slots
-    _check_record(rollout.Sampler.from_model(model), r)
+        PROMPTS[:9], num_samples=4, max_new_tokens=T, rng=jax.random.key(5), eos_id=STOP)
+    assert int(r.decode_steps) > int(np.asarray(r.lengths).max()) - 1  # 36 rows in 8 slots
+    _check_record(rollout.Sampler.from_model(model), r, rows=36, length=2 * T)
 
 
 def test_one_program_for_every_call(model, compile_counts):
@@ -172,15 +174,24 @@ def test_bad_settings_are_refused(model):
         load(decode_slots=16, refill_chunk=17)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_decode(graphdef, state, tok, cache, positions):
+    return nnx.merge(graphdef, state).decode(tok, cache, positions=positions)
+
+
 def test_a_row_index_per_row_writes_each_rows_column(model):
     """The model side: a decode step with one cache column per row equals, row by row, a
     step with that column for every row; a per-row index takes one token per row."""
     cache = model.init_cache(3, 6)
     tok = jnp.asarray([[4], [5], [6]], jnp.int32)
     cols = jnp.asarray([1, 4, 2], jnp.int32)
-    logits, _, out = model.decode(tok, cache.replace(index=cols), positions=cols[:, None])
+    # Jitted (op by op, each decode compiles its every operation): one program for the
+    # per-row index, one for the scalar index of every r.
+    graphdef, state = nnx.split(model)
+    logits, _, out = _jit_decode(graphdef, state, tok, cache.replace(index=cols), cols[:, None])
     for r in range(3):
-        want, _, ref = model.decode(tok, cache.replace(index=cols[r]), positions=cols[:, None])
+        want, _, ref = _jit_decode(graphdef, state, tok, cache.replace(index=cols[r]),
+                                   cols[:, None])
         np.testing.assert_array_equal(np.asarray(logits[r]), np.asarray(want[r]))
         for a, b in zip(out.k + out.v, ref.k + ref.v):
             np.testing.assert_array_equal(np.asarray(a[r]), np.asarray(b[r]))

@@ -55,16 +55,17 @@ def _forward(sampler, tokens, positions, mask, rows=16, length=40):
     pad = ((0, rows - n), (0, length - t))
     lp, topk = _jit_forward(sampler.graphdef, sampler.state, np.pad(np.asarray(tokens), pad),
                             np.pad(np.asarray(positions), pad), np.pad(np.asarray(mask), pad))
-    return np.asarray(lp[:n, :t], np.float64), np.asarray(topk[:n, :t])
+    return np.asarray(lp, np.float64)[:n, :t], np.asarray(topk)[:n, :t]
 
 
 def _sequence(r):
     """The full sequences of a rollout: tokens ``concat(prompt_tokens, tokens)``
     int32[N, P+T], the positions the sampler used (0 at the first real prompt
-    token, padding clamped to 0) and the attention mask bool[N, P+T]."""
-    tokens = jnp.concatenate([r.prompt_tokens, r.tokens], axis=1)
-    mask = jnp.concatenate([r.prompt_mask, r.mask > 0], axis=1)
-    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    token, padding clamped to 0) and the attention mask bool[N, P+T] (numpy: eager
+    jnp ops would compile one program each)."""
+    tokens = np.concatenate([np.asarray(r.prompt_tokens), np.asarray(r.tokens)], axis=1)
+    mask = np.concatenate([np.asarray(r.prompt_mask), np.asarray(r.mask) > 0], axis=1)
+    positions = np.maximum(np.cumsum(mask.astype(np.int32), axis=1) - 1, 0).astype(np.int32)
     return tokens, positions, mask
 
 
@@ -76,10 +77,10 @@ def _teacher_forced(sampler, r, **kw):
     return logp_all[:, P - 1:P - 1 + T_], topk[:, P - 1:P - 1 + T_], topk[:, :P]
 
 
-def _check_record(sampler, r, temperature=1.0):
+def _check_record(sampler, r, temperature=1.0, **kw):
     """The recorded logp (of softmax(logits / temperature); 0 for greedy) and experts
-    equal the teacher-forced forward's."""
-    lp_all, topk, ptopk = _teacher_forced(sampler, r)
+    equal the teacher-forced forward's (kw: `_forward`'s padded shape)."""
+    lp_all, topk, ptopk = _teacher_forced(sampler, r, **kw)
     tokens, mask = np.asarray(r.tokens), np.asarray(r.mask)
     lp = np.take_along_axis(lp_all, tokens[..., None], -1)[..., 0]
     if temperature == 0:
@@ -104,10 +105,16 @@ def _check_record(sampler, r, temperature=1.0):
 # sampler runs here, cpu=False what it runs on accelerators.
 
 
+@functools.partial(jax.jit, static_argnames=("greedy", "cpu"))
+def _jit_sample_token(logits, u, temperature, *, greedy, cpu):
+    # Jitted, as in the decode loop (op by op, every operation compiles on its own).
+    return decode.sample_token(logits, u, temperature, greedy=greedy, cpu=cpu)
+
+
 def _sample_token(logits, u, *, temperature, greedy=False, cpu=True):
     """The decode loop's sampling step with the sampler's static mode."""
-    return decode.sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
-                                 greedy=greedy, cpu=cpu)
+    return _jit_sample_token(jnp.asarray(logits, jnp.float32), u, jnp.float32(temperature),
+                             greedy=greedy, cpu=cpu)
 
 
 def _np_log_softmax(x):
@@ -177,39 +184,50 @@ def test_cpu_and_plain_sampling_draw_the_same_tokens(kw):
 # The sampler against the model's full forward.
 
 
+# G = 4 samples per prompt, as in the mixed-length and sharded tests: one program for all.
+G = 4
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_replayed_logprobs(graphdef, state, tokens, positions, mask, replay):
+    lp, _, aux = nnx.merge(graphdef, state).token_logprobs(
+        tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask, replay=replay)
+    return lp, aux.replay_mismatch
+
+
 def test_logp_and_experts_match_teacher_forced_forward(model, sampler, compile_counts):
-    r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
+    r = sampler(PROMPTS, num_samples=G, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
     # A new sampler of the same model re-splits it but reuses the compiled function.
     compile_counts.clear()
-    r1 = rollout.Sampler.from_model(model)(PROMPTS, num_samples=3, max_new_tokens=T,
+    r1 = rollout.Sampler.from_model(model)(PROMPTS, num_samples=G, max_new_tokens=T,
                                            rng=jax.random.key(0), eos_id=5)
     assert compile_counts[GENERATE] == 0
     np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r.tokens))
-    assert r.tokens.shape == (9, T) and r.tokens.dtype == jnp.int32
-    assert r.experts.shape == (9, T, 2, 2) and r.prompt_experts.shape == (9, 17, 2, 2)
-    assert r.experts.dtype == jnp.int32 and r.truncated.shape == (9,) and r.truncated.dtype == bool
-    assert r.router_logp.shape == (9, T, 2, 2) and r.router_logp.dtype == jnp.float32
+    N = 3 * G
+    assert r.tokens.shape == (N, T) and r.tokens.dtype == jnp.int32
+    assert r.experts.shape == (N, T, 2, 2) and r.prompt_experts.shape == (N, 17, 2, 2)
+    assert r.experts.dtype == jnp.int32 and r.truncated.shape == (N,) and r.truncated.dtype == bool
+    assert r.router_logp.shape == (N, T, 2, 2) and r.router_logp.dtype == jnp.float32
     for x in (r.mask, r.logp):
-        assert x.shape == (9, T) and x.dtype == jnp.float32
-    assert r.prompt_tokens.shape == (9, 17)  # padded to the longest prompt
+        assert x.shape == (N, T) and x.dtype == jnp.float32
+    assert r.prompt_tokens.shape == (N, 17)  # padded to the longest prompt
     _check_record(sampler, r)
     # Layout: prompt-major rows, left-padded prompts.
     for i, p in enumerate(PROMPTS):
-        for g in range(3):
-            np.testing.assert_array_equal(np.asarray(r.prompt_tokens[3 * i + g, -len(p):]), p)
-            assert int(r.prompt_mask[3 * i + g].sum()) == len(p)
+        for g in range(G):
+            np.testing.assert_array_equal(np.asarray(r.prompt_tokens)[G * i + g, -len(p):], p)
+            assert int(np.asarray(r.prompt_mask)[G * i + g].sum()) == len(p)
     # The R3 replay array reproduces the same log-probs when forced: `replay_r3` (what
     # the trainer's batch holds) at the P+T-1 input positions, -1 (free) at the last.
     np.testing.assert_array_equal(np.asarray(r.replay()[:, :-1]),
                                   np.asarray(rollout.replay_r3(r.prompt_experts, r.experts)))
     assert np.all(np.asarray(r.replay()[:, -1]) == -1)
     tokens, positions, mask = _sequence(r)
-    lp, _, aux = nnx.merge(sampler.graphdef, sampler.state).token_logprobs(
-        tokens, jnp.roll(tokens, -1, axis=1), positions=positions, attn_mask=mask,
-        replay=r.replay())
+    lp, replay_mismatch = _jit_replayed_logprobs(sampler.graphdef, sampler.state, tokens,
+                                                 positions, mask, r.replay())
     P = r.prompt_tokens.shape[1]
     np.testing.assert_allclose(np.where(r.mask > 0, lp[:, P - 1:P - 1 + T], 0), r.logp, atol=1e-5)
-    assert float(jnp.max(aux.replay_mismatch)) == 0.0
+    assert float(jnp.max(replay_mismatch)) == 0.0
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -222,7 +240,7 @@ def _jit_token_logprobs(graphdef, state, tokens, positions, mask, temperature):
 def test_training_forward_at_the_sampling_temperature_gives_logp(sampler):
   # The sampler draws from softmax(logits / 0.7): the training forward at temperature
   # 0.7 gives its logp; at 1.0 it would not.
-  r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7,
+  r = sampler(PROMPTS, num_samples=G, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7,
               eos_id=5)
   tokens, positions, mask = _sequence(r)
   P = r.prompt_tokens.shape[1]
@@ -240,8 +258,8 @@ def test_plain_sampling_method_gives_the_same_rollout(sampler, monkeypatch, comp
     # jnp.cumsum), here on CPU: a program of its own, the same rollout.
     if not decode.use_cpu_sampling():
         pytest.skip("off CPU the sampler runs the plain method already (seen on an H200)")
-    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7)
-    cpu = sampler(PROMPTS, **kw)
+    kw = dict(num_samples=G, max_new_tokens=T, rng=jax.random.key(1), temperature=0.7, eos_id=5)
+    cpu = sampler(PROMPTS, **kw)  # the program of test_logp_and_experts_...
     monkeypatch.setattr(rollout, "use_cpu_sampling", lambda: False)
     compile_counts.clear()
     plain = sampler(PROMPTS, **kw)
@@ -255,8 +273,8 @@ def test_fused_cached_attention_gives_the_same_rollout(sampler, monkeypatch):
     # The sampler with the KV cache of a fused attention kernel ([B, S, KV, hd], cuDNN on
     # a GPU), here through jax.nn's 'xla' implementation of the same calls: the same
     # tokens and experts, log-probs to rounding.
-    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7)
-    einsums = sampler(PROMPTS, **kw)
+    kw = dict(num_samples=G, max_new_tokens=T, rng=jax.random.key(2), temperature=0.7, eos_id=5)
+    einsums = sampler(PROMPTS, **kw)  # the program of test_logp_and_experts_...
     calls = collections.Counter()
     fused = layers._attention_with_lse
 
@@ -296,11 +314,13 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(sampler):
 
 
 def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
-    kw = dict(num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
+    # G = 4: the programs of test_logp_and_experts_... and (prompt 0 alone) of
+    # test_sharded_batch_equals_single_device.
+    kw = dict(num_samples=G, max_new_tokens=T, rng=jax.random.key(0), eos_id=5)
     mixed = sampler(PROMPTS, **kw)
     for i, p in enumerate(PROMPTS):
         alone = sampler([p], prompt_ids=[i], **kw)  # P = len(p), B = 4
-        rows = slice(3 * i, 3 * i + 3)
+        rows = slice(G * i, G * i + G)
         np.testing.assert_array_equal(np.asarray(alone.tokens), np.asarray(mixed.tokens[rows]))
         np.testing.assert_array_equal(np.asarray(alone.mask), np.asarray(mixed.mask[rows]))
         np.testing.assert_array_equal(np.asarray(alone.experts), np.asarray(mixed.experts[rows]))
@@ -309,7 +329,7 @@ def test_mixed_prompt_lengths_equal_each_prompt_alone(sampler):
         np.testing.assert_array_equal(np.asarray(alone.prompt_experts),
                                       np.asarray(mixed.prompt_experts[rows, -P:]))
     # Samples of one prompt differ from each other; a new key gives new samples.
-    assert len({tuple(x) for x in np.asarray(mixed.tokens[:3]).tolist()}) > 1
+    assert len({tuple(x) for x in np.asarray(mixed.tokens)[:G].tolist()}) > 1
     again = sampler(PROMPTS, **kw)  # the same key: the same rollout, every field bit for bit
     for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(mixed), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -445,11 +465,15 @@ def test_bad_arguments_raise(sampler):
             rollout.Sampler(sampler.graphdef, sampler.state, vocab_size=V, prompt_len=bad)
 
 
+# Jitted, as in the decode loop (op by op, every operation compiles on its own).
+_jit_cumsum = jax.jit(decode._cumsum, static_argnames="cpu")
+
+
 def test_cumsum_by_matmuls_equals_cumsum():
     rs = np.random.RandomState(0)
     for c in (7, 32, 33, 512, 1000):  # below, at and above one block; ragged last block
         w = jnp.asarray(rs.exponential(1.0, (3, c)).astype(np.float32))
-        got, want = decode._cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
+        got, want = _jit_cumsum(w, cpu=True), jnp.cumsum(w, axis=-1)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(want[:, -1].max()))
 
@@ -466,10 +490,17 @@ def test_first_true_and_argmax_equal_jnp_argmax():
         np.testing.assert_array_equal(decode._first_true(m, cpu), jnp.argmax(m, axis=-1))
 
 
+STOPS = list(range(0, 97, 4))  # a quarter of the vocabulary: most rows stop early
+# With router noise: a few stop tokens (some rows stop early, most run to T); the
+# routing record's test and the noisy router's share this program.
+NOISY_STOPS = STOPS[:8]
+
+
 def test_routing_record_can_be_left_out(sampler, compile_counts):
     # routing="response" keeps the response tokens' record only, "none" none at all
     # (a program of its own each); the samples are the same.
-    kw = dict(num_samples=2, max_new_tokens=T, rng=jax.random.key(3), router_noise_std=0.5)
+    kw = dict(num_samples=3, max_new_tokens=T, rng=jax.random.key(0), eos_id=NOISY_STOPS,
+              router_noise_std=0.5)
     full = sampler(PROMPTS, **kw)
     compile_counts.clear()
     resp = sampler(PROMPTS, routing="response", **kw)
@@ -488,7 +519,6 @@ def test_routing_record_can_be_left_out(sampler, compile_counts):
         sampler(PROMPTS, routing="prompt", **kw)
 
 
-STOPS = list(range(0, 97, 4))  # a quarter of the vocabulary: most rows stop early
 _jit_logprob_pass = jax.jit(passes.logprob_pass, static_argnames=("graphdef", "replay_key"))
 
 
@@ -525,9 +555,10 @@ def test_router_logp_with_router_noise_is_the_noisy_routers(sampler):
     # trainer's noise-free one at the same experts (tests/test_router_noise.py checks
     # it against the noisy forward itself).
     r = sampler(PROMPTS, num_samples=3, max_new_tokens=T, rng=jax.random.key(0),
-                eos_id=STOPS, router_noise_std=0.5)
+                eos_id=NOISY_STOPS, router_noise_std=0.5)  # test_routing_record_...'s program
     topk, clean = _trainer_router_logp(sampler, r)
     valid = np.asarray(r.mask) > 0
+    assert 0 < valid.sum() < valid.size  # some rows stopped early
     np.testing.assert_array_equal(np.asarray(r.experts)[valid], topk[valid])  # replayed
     diff = np.abs(np.asarray(r.router_logp) - clean)[valid]
     assert diff.mean() > 0.05, diff.mean()

@@ -6,6 +6,7 @@ is the parameters themselves; an RL run with a bf16 sampler measures a mismatch 
 same-precision run does not; the config's conflict with a quantized base is named."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -26,6 +27,7 @@ def _split(cfg, seed=0):
     return nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program per model, not op by op
 def _logits(graphdef, params, tokens):
     return nnx.merge(graphdef, params)(tokens)[0]
 

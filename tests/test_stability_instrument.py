@@ -61,6 +61,22 @@ def _move_router(params, scale, seed=1):
     return nnx.from_flat_state(out)
 
 
+# One optimizer (a linear decay: the rate after a skipped update is not the first) and
+# one compiled train step per step config, shared by the tests of the skipped update:
+# `test_logged_learning_rate_is_the_one_applied` runs the program of GSPO without signal.
+OPT = dict(lr=1e-2, schedule="linear", total_steps=10, warmup_steps=0, end_lr_ratio=0.1, weight_decay=0.0,
+           b1=0.9, b2=0.99, grad_clip=1.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _train_fn(graphdef, **cfg_kw):
+    """(jitted train_step, optimizer, schedule) of `OPT` and ``step.step_config(**cfg_kw)``."""
+    opt, sched = optim.make_optimizer(**OPT)
+    cfg = step.step_config(**cfg_kw)
+    return jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched,
+                                     cfg=cfg)), opt, sched
+
+
 def _metrics(graphdef, params, batch, **cfg_kw):
     cfg = step.step_config(**{"objective": "gspo", **cfg_kw})
     loss_fn = functools.partial(step.policy_loss, graphdef=graphdef, cfg=cfg, norm=step.objectives.normalizer(
@@ -81,13 +97,10 @@ def test_uniform_groups_move_no_parameter_by_default(setup, objective):
     With ``update_without_signal`` the same mini-batch does move them."""
     graphdef, params, batch, old = setup
     b = dict(batch, advantages=jnp.zeros((N,), jnp.float32), ref_logp=old["logp"] - 0.1)
-    opt, sched = optim.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0,
-                                     end_lr_ratio=1.0, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
     hp = (("kl_coef", 0.04),) if objective == "grpo" else ()
     for without_signal in (False, True):
-        cfg = step.step_config(objective=objective, hparams=hp, aux_loss_coef=0.01, z_loss_coef=0.001,
-                              update_without_signal=without_signal)
-        fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
+        fn, opt, _ = _train_fn(graphdef, objective=objective, hparams=hp, aux_loss_coef=0.01, z_loss_coef=0.001,
+                               update_without_signal=without_signal)
         state0 = step.TrainState.create(params, opt.init(params))
         state, m = fn(state0, b, jax.random.key(0))
         m = compute_all(m)
@@ -115,10 +128,11 @@ def test_logged_learning_rate_is_the_one_applied(setup):
     schedule at the optimizer's own count: after a skip, the next update logs (and
     applies) the rate the skipped one would have."""
     graphdef, params, batch, _ = setup
-    opt, sched = optim.make_optimizer(lr=1e-2, schedule="linear", total_steps=10, warmup_steps=4,
-                                     end_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
-    cfg = step.step_config(objective="gspo")
-    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt, schedule=sched, cfg=cfg))
+    # test_uniform_groups_move_no_parameter_by_default[gspo]'s program (its router losses
+    # included): compiled once for both.
+    fn, opt, sched = _train_fn(graphdef, objective="gspo", hparams=(), aux_loss_coef=0.01, z_loss_coef=0.001,
+                               update_without_signal=False)
+    assert float(sched(0)) > float(sched(1)) > float(sched(2))  # a skip that advanced it would show
     state = step.TrainState.create(params, opt.init(params))
     state, m0 = fn(state, batch, jax.random.key(0))
     bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))

@@ -510,8 +510,12 @@ def _groups(out) -> dict[str, list[dict]]:
 # End to end on the smoke settings.
 
 
-def test_stage3_runs_end_to_end_on_smoke(tmp_path, smoke_root):
+def test_stage3_runs_end_to_end_on_smoke(tmp_path, smoke_root, monkeypatch):
     root, out = smoke_root(("moe2",)), tmp_path / "out"
+    # The KL grid's real one-step runs at one lr of the grid: the lr is a constant of the
+    # compiled step, so each lr is a program of its own. That the grid runs every lr and
+    # seed is test_the_one_step_kl_grid_feeds_the_sapo_control's.
+    monkeypatch.setattr(stage3_config, "KL_GRID_LRS", stage3_config.KL_GRID_LRS[-1:])
     stage3_replay.main(["--root", str(root), "--out", str(out), "--config", CFG3 + ":smoke"])
     runs = sorted(os.listdir(out / "runs"))
     assert runs == ["grpo_r3_s0.jsonl", "grpo_s0.jsonl", "rspo_g0.5_s0.jsonl"]

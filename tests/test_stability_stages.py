@@ -329,10 +329,12 @@ def test_drift_metrics_match_numpy():
 # Stages 1 and 2 end to end on their smoke settings.
 
 
-def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path):
+def test_stage1_and_stage2_run_end_to_end_on_smoke(tmp_path, smoke_root):
     from experiments.stability import stage1_probes, stage2_frontier
 
-    root, out1, out2 = tmp_path / "root", tmp_path / "s1", tmp_path / "s2"
+    # The smoke warm starts the process trains once (stage 1 would build the same ones:
+    # one of another config would be refused by name, not reused).
+    root, out1, out2 = smoke_root(("moe2", "dense2")), tmp_path / "s1", tmp_path / "s2"
     cfg1 = os.path.join(REPO, "experiments", "stability", "stage1_config.py") + ":smoke"
     stage1_probes.main(["--root", str(root), "--out", str(out1), "--config", cfg1])
     probes = sorted(os.listdir(out1 / "probes"))

@@ -22,6 +22,22 @@ CFG = ModelConfig(vocab_size=24, d_model=16, num_layers=2, num_heads=2, num_kv_h
                   moe_d_ff=16, num_experts=4, top_k=2)
 N, P, T = 8, 4, 5
 
+# The old-policy pass as one jitted program per model and setting (called eagerly it
+# compiles every primitive on its own); only for speed.
+_logprob = jax.jit(passes.logprob_pass, static_argnames=("graphdef", "replay_key", "values", "micro_batches"))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(graphdef, objective, micro, lr, hparams, router_coefs):
+    """The jitted SGD train step of one setting, built once and shared by the tests that
+    run it (a new jit per call traces and lowers the same program again)."""
+    opt = optax.sgd(lr)
+    cfg = step.step_config(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
+                          z_loss_coef=router_coefs[1])
+    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
+                                   schedule=optax.constant_schedule(lr), cfg=cfg))
+    return opt, fn
+
 
 @pytest.fixture(scope="module")
 def setup():
@@ -39,7 +55,7 @@ def setup():
         "tokens": jnp.asarray(rs.randint(3, 24, (N, T)), jnp.int32),
         "mask": jnp.asarray(mask),
     }
-    old = passes.logprob_pass(params, batch, graphdef=graphdef)
+    old = _logprob(params, batch, graphdef=graphdef)
     batch.update(
         old_logp=old["logp"] + jnp.asarray(rs.normal(0, 0.05, (N, T)), jnp.float32),  # slightly off-policy
         old_topk=old["topk_resp"],
@@ -56,25 +72,28 @@ def _run(setup, objective, micro, *, lr=1e-3, batch=None, hparams=(), router_coe
     batch = base if batch is None else batch
     # Plain SGD: the update is linear in the gradient, so comparing parameters
     # compares gradients (Adam's g/sqrt(v) would amplify rounding where g ~ 0).
-    opt = optax.sgd(lr)
+    opt, fn = _step_fn(graphdef, objective, micro, lr, tuple(hparams), tuple(router_coefs))
     state = step.TrainState.create(params, opt.init(params))
-    cfg = step.step_config(objective=objective, hparams=hparams, micro_batches=micro, aux_loss_coef=router_coefs[0],
-                          z_loss_coef=router_coefs[1])
-    fn = jax.jit(functools.partial(step.train_step, graphdef=graphdef, optimizer=opt,
-                                   schedule=optax.constant_schedule(lr), cfg=cfg))
     state, m = fn(state, batch, jax.random.key(0))
     return state, compute_all(m)
 
 
-@pytest.mark.parametrize("objective", ["grpo", "gspo", "rspo", "cispo"])
+# The objectives and router-loss coefficients of test_micro_batches_equal_whole_mini_batch
+# (the load-balancing coefficient 0: that loss is not additive over micro-batches).
+# test_every_objective_trains and test_non_finite_loss_skips_update run these objectives
+# at these coefficients too, so that one compiled micro=1 step serves them all.
+MICRO_OBJECTIVES, MICRO_COEFS = ("grpo", "gspo", "rspo", "cispo"), (0.0, 0.01)
+
+
+@pytest.mark.parametrize("objective", MICRO_OBJECTIVES)
 def test_micro_batches_equal_whole_mini_batch(setup, objective):
     """Splitting into 4 micro-batches gives the same loss, gradient norm, update and
     metrics (a per-micro-batch denominator would change them all). The router z-loss
     is in the identity; the load-balancing loss, a product of two means over a batch's
     tokens, is taken per micro-batch (as everywhere) and is not: its coefficient is 0."""
-    s1, m1 = _run(setup, objective, 1, router_coefs=(0.0, 0.01))
+    s1, m1 = _run(setup, objective, 1, router_coefs=MICRO_COEFS)
     for micro in (4,):
-        s2, m2 = _run(setup, objective, micro, router_coefs=(0.0, 0.01))
+        s2, m2 = _run(setup, objective, micro, router_coefs=MICRO_COEFS)
         np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
         chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-7)
@@ -90,7 +109,7 @@ def _on_policy_batch(cfg, n, *, seed, mask):
     rs = np.random.RandomState(seed)
     batch = {"prompt_tokens": jnp.asarray(rs.randint(3, 24, (n, P)), jnp.int32), "prompt_mask": jnp.ones((n, P)),
              "tokens": jnp.asarray(rs.randint(3, 24, (n, T)), jnp.int32), "mask": mask}
-    old = passes.logprob_pass(params, batch, graphdef=graphdef)
+    old = _logprob(params, batch, graphdef=graphdef)
     batch.update(old_logp=old["logp"], old_topk=old["topk_resp"], old_router_logp=old["router_logp"],
                  old_free_topk=old["free_topk_resp"], advantages=jnp.asarray(rs.normal(size=n), jnp.float32))
     return graphdef, params, batch
@@ -116,11 +135,17 @@ def test_dense_model_trains():
 @pytest.mark.parametrize("objective", objectives.names())
 def test_every_objective_trains(setup, objective):
     """One jitted step per objective: finite loss and gradient, the parameters
-    move, and the objective's metrics come out of the step."""
+    move, and the objective's metrics come out of the step. With both router losses on,
+    but for MICRO_OBJECTIVES, whose step here is test_micro_batches_equal_whole_mini_batch's
+    micro=1 one (load-balancing coefficient 0). The load-balancing term is added to the
+    loss the same way whatever the objective (step.train_step), and it is on here for the
+    six others, and for grpo, gspo and rspo in
+    tests/test_stability_instrument.py::test_uniform_groups_move_no_parameter_by_default."""
     graphdef, params, batch = setup
     if objective == "ppo":
         batch = dict(batch, advantages=jnp.broadcast_to(batch["advantages"][:, None], (N, T)))  # per token
-    state, m = _run(setup, objective, 1, batch=batch, router_coefs=(0.01, 0.001))
+    coefs = MICRO_COEFS if objective in MICRO_OBJECTIVES else (0.01, 0.001)
+    state, m = _run(setup, objective, 1, batch=batch, router_coefs=coefs)
     assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
     assert int(state.skipped) == 0 and float(m["update_norm"]) > 0
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params))]
@@ -138,7 +163,7 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     graphdef, params, batch = setup
     adv = np.full(N, -1.0 / (N - 1), np.float32)
     adv[0] = 1.0
-    b = dict(batch, advantages=jnp.asarray(adv), old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    b = dict(batch, advantages=jnp.asarray(adv), old_logp=_logprob(params, batch, graphdef=graphdef)["logp"])
     opt, sched = optim.make_optimizer(lr=1e-2, schedule="constant", total_steps=10, warmup_steps=0, end_lr_ratio=1.0,
                                      weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=0.0)
     cfg = step.step_config(objective="gspo", hparams=(("eps_high", 0.2), ("eps_low", 0.2)))
@@ -146,7 +171,7 @@ def test_update_raises_log_prob_of_positive_advantage(setup):
     state = step.TrainState.create(params, opt.init(params))
     for _ in range(3):
         state, _ = fn(state, b, jax.random.key(0))
-    new = passes.logprob_pass(state.params, b, graphdef=graphdef)["logp"]
+    new = _logprob(state.params, b, graphdef=graphdef)["logp"]
     d = np.sum((np.asarray(new) - np.asarray(b["old_logp"])) * np.asarray(b["mask"]), axis=1)
     assert d[0] > 0.1 and np.all(d[1:] < 0), d
 
@@ -155,7 +180,7 @@ def test_bfloat16_first_moment(setup):
     """optimizer.mu_dtype: Adam's first moment stored in bf16 (the parameters and the second
     moment stay f32); the update is the f32-moment one to bf16's rounding."""
     graphdef, params, batch = setup
-    b = dict(batch, old_logp=passes.logprob_pass(params, batch, graphdef=graphdef)["logp"])
+    b = dict(batch, old_logp=_logprob(params, batch, graphdef=graphdef)["logp"])
     cfg = step.step_config(objective="grpo", hparams=(("kl_coef", 0.0),))
     out = {}
     for mu in ("float32", "bfloat16"):
@@ -179,12 +204,12 @@ def test_bfloat16_first_moment(setup):
 def test_non_finite_loss_skips_update(setup):
     graphdef, params, batch = setup
     bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))
-    state, m = _run(setup, "grpo", 1, batch=bad, router_coefs=(0.01, 0.001))
+    state, m = _run(setup, "grpo", 1, batch=bad, router_coefs=MICRO_COEFS)  # one program with the good step
     assert not np.isfinite(m["loss"])
     assert int(state.skipped) == 1 and float(m["skipped_update"]) == 1.0 and float(m["update_norm"]) == 0.0
     chex.assert_trees_all_equal(state.params, params)
     # The optimizer moments are untouched too, so the next good step is unaffected.
-    s_good, _ = _run(setup, "grpo", 1)
+    s_good, _ = _run(setup, "grpo", 1, router_coefs=MICRO_COEFS)
     assert int(s_good.skipped) == 0
 
 
@@ -209,7 +234,7 @@ def test_logprob_pass_in_pieces_is_the_whole_pass(setup, values):
     graphdef, params, batch = setup
     if values:
         graphdef, params = nnx.split(Transformer(dataclasses.replace(CFG, value_head=True), rngs=nnx.Rngs(1)))
-    first = passes.logprob_pass(params, batch, graphdef=graphdef)
+    first = _logprob(params, batch, graphdef=graphdef)
     # A replay record unlike the free routing: R3's experts shifted by one.
     b = dict(batch, replay_r3=(first["topk"] + 1) % CFG.num_experts)
     run = functools.partial(passes.logprob_pass, graphdef=graphdef, replay_key="replay_r3", values=values)
