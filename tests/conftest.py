@@ -128,16 +128,24 @@ def _mapping_limit():
         return None
 
 
+def drop_caches_near_the_mapping_limit(share: float = MAPPING_SHARE) -> bool:
+    """Drop JAX's in-memory caches if the process holds more than ``share`` of the
+    kernel's limit on memory mappings; whether it did."""
+    counts = _mapping_limit()
+    if not counts or counts[0] <= share * counts[1]:
+        return False
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+    _compiles["cache_clears"] += 1
+    return True
+
+
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # the test's own fixtures are gone: what they held can be freed
-    counts = _mapping_limit()
-    if counts and counts[0] > MAPPING_SHARE * counts[1]:
-        import gc
-
-        jax.clear_caches()
-        gc.collect()
-        _compiles["cache_clears"] += 1
+    drop_caches_near_the_mapping_limit()
 
 
 def pytest_runtest_logreport(report):  # in the controlling process under xdist too
