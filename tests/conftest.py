@@ -117,7 +117,7 @@ _durations = collections.Counter()
 MAPPING_SHARE = 0.5
 
 
-def _mapping_limit():
+def _mappings_and_limit():
     """(the process's memory mappings now, the kernel's limit), or None off Linux."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -131,7 +131,7 @@ def _mapping_limit():
 def drop_caches_near_the_mapping_limit(share: float = MAPPING_SHARE) -> bool:
     """Drop JAX's in-memory caches if the process holds more than ``share`` of the
     kernel's limit on memory mappings; whether it did."""
-    counts = _mapping_limit()
+    counts = _mappings_and_limit()
     if not counts or counts[0] <= share * counts[1]:
         return False
     import gc
