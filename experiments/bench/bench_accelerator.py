@@ -251,9 +251,9 @@ def bench_sampler(size: str, backend: str, args) -> list[dict]:
 
         n = args.new_tokens or sh.new_tokens
         half = max(1, n // 2)
-        prefill_s, _, _ = timed(lambda: sample(1), reps=args.reps)
-        total_s, first, _ = timed(lambda: sample(n), reps=args.reps)
-        half_s, _, _ = timed(lambda: sample(half), reps=args.reps)
+        prefill_s, _, _ = timed(sample, 1, reps=args.reps)
+        total_s, first, _ = timed(sample, n, reps=args.reps)
+        half_s, _, _ = timed(sample, half, reps=args.reps)
         profile = None
         if args.profile and b == max(batches):
             d = f"{args.profile}/sampler_{b}"
