@@ -206,16 +206,87 @@ def _assert_same(setup, cfg, batch=None, params=None, *, micro=1):
         np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, atol=1e-6, err_msg=key)
     assert m2["computed_tokens"] <= m1["computed_tokens"] == N * S
     assert m2["real_token_share"] >= m1["real_token_share"]
-    return m1, m2
+    return m1, m2, s1
 
 
-@pytest.mark.parametrize("objective", objectives.names())
-def test_packed_step_equals_padded_for_every_objective(setup, objective):
-    """Every registered objective at its defaults (with the KL term where it has one, and
-    the rollout correction's weights): packed equals padded."""
-    cfg = step.step_config(objective, z_loss_coef=0.01)
-    batch = setup[2] if objective != "rspo" else dict(setup[2])
-    _assert_same(setup, cfg, batch)
+def _grid():
+    """Each objective in two settings of the three switches a packed step must be exact
+    under (LoRA, routing replay, staleness), the second the complement of the first, so
+    that every objective meets each switch on and off; the first settings run through
+    the eight combinations in turn, so that all eight (and every pair of switches) occur."""
+    cells = []
+    for i, name in enumerate(objectives.names()):
+        for bits in (i % 8, 7 - i % 8):
+            lora_on, replay, stale = bool(bits & 4), bool(bits & 2), bool(bits & 1)
+            cells.append(pytest.param(
+                name, lora_on, replay, stale,
+                id=f"{name}-{'lora' if lora_on else 'full'}-{'R2R3' if replay else 'noreplay'}-"
+                   f"staleness{2 if stale else 0}"))
+    return cells
+
+
+@pytest.fixture(scope="module")
+def lora_setup(setup):
+    """The setup's model with adapters on every target (zero at the start, so pi_old's
+    records are the base model's)."""
+    graphdef, params, batch, old = setup
+    model = nnx.merge(graphdef, params)
+    lora.add_adapters(model, lora.LoRASpec(2, 4.0, tuple(lora.TARGETS)), jax.random.key(3))
+    lora_graphdef, lora_params = nnx.split(model)
+    return lora_graphdef, lora_params, batch, old
+
+
+def test_the_grid_covers_every_switch_with_every_objective():
+    cells = [p.values for p in _grid()]
+    assert {c[0] for c in cells} == set(objectives.names())
+    for k in (1, 2, 3):  # each objective with each switch on and off
+        assert {(c[0], c[k]) for c in cells} == {(n, v) for n in objectives.names() for v in (False, True)}
+    assert len({c[1:] for c in cells}) == 8
+
+
+@pytest.mark.parametrize("objective, use_lora, replay, stale", _grid())
+def test_packed_step_equals_padded(setup, lora_setup, objective, use_lora, replay, stale):
+    """Every registered objective at its defaults, with the router z-loss (and, for PPO,
+    the critic's clipped value loss): packed equals padded, the loss, the parameters and
+    every metric. The switches, as the step sees them:
+
+    * LoRA: adapters trained, the base frozen (``trainable='lora'``).
+    * Routing replay: R2 (the old pass's experts) and R3 (other experts, as a sampler's
+      record is), the experts moving with their tokens; one program serves both.
+    * Staleness 0 is a rollout's first update (pi_old is the policy: ratio 1, no
+      rollout correction); staleness 2 a later one on samples two versions old (pi_old
+      apart from the policy, the rollout correction's weights on every token).
+
+    And each objective trains: a finite loss and gradient, parameters moved, none
+    skipped, and the objective's own metrics out of the step.
+    """
+    graphdef, params, batch, old = lora_setup if use_lora else setup
+    settings = dict(z_loss_coef=0.01)
+    if objective == "ppo":
+        settings["value_coef"] = 0.5
+    if use_lora:
+        settings["trainable"] = "lora"
+    cfg = step.step_config(objective, **settings)
+    if not stale:
+        batch = {k: v for k, v in batch.items() if k != "rc_weight"} | {"old_logp": old["logp"]}
+    records = {"R2": old["topk"], "R3": (old["topk"] + 1) % CFG.num_experts} if replay else {"none": None}
+    for mode, record in records.items():
+        m1, m2, s1 = _assert_same((graphdef, params, None, None), cfg,
+                                  batch if record is None else dict(batch, replay=record))
+        if record is not None:
+            assert (m1["replay_mismatch"] > 0) == (mode == "R3"), mode
+        # pi_old is the policy (to the passes' rounding), or 0.05 nats a token apart
+        assert m1["kl_k3"] > 1e-4 if stale else m1["kl_k3"] < 1e-5
+    assert np.isfinite(m1["loss"]) and m1["grad_norm"] > 0 and m1["update_norm"] > 0
+    assert int(s1.skipped) == 0
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(params))]
+    assert any(moved)
+    expected = {"ppo_kl", "logratio_std", "frac_ratio_gt_2"}
+    expected |= {"value_loss"} if objective == "ppo" else set()
+    expected |= {"gamma_mean"} if objective == "rspo" else set()
+    expected |= {"sapo_gate_mean"} if objective == "sapo" else set()
+    expected |= {"is_weight_mean"} if objective == "cispo" else set()
+    assert expected <= set(m1), expected - set(m1)
 
 
 def test_packed_step_equals_padded_under_every_normalisation(setup):
@@ -226,33 +297,6 @@ def test_packed_step_equals_padded_under_every_normalisation(setup):
     defaults = {objectives.get(n).defaults.get("agg") for n in objectives.names()}
     assert set(objectives.AGG_MODES) - defaults == {"seq-mean-token-sum"}
     _assert_same(setup, step.step_config("grpo", {"agg": "seq-mean-token-sum"}), micro=2)
-
-
-@pytest.mark.parametrize("mode", ["R2", "R3"])
-def test_packed_step_equals_padded_under_routing_replay(setup, mode):
-    """RSPO (the router shift) with the replayed experts moving with their tokens: R2's
-    record from the old pass, R3's a record of other experts (the sampler's)."""
-    graphdef, params, batch, old = setup
-    record = old["topk"]
-    if mode == "R3":
-        record = (record + 1) % CFG.num_experts
-    m1, m2 = _assert_same(setup, step.step_config("rspo"), dict(batch, replay=record))
-    assert m1["replay_mismatch"] > 0 if mode == "R3" else True
-
-
-def test_packed_step_equals_padded_with_the_critic_and_lora(setup):
-    """PPO's clipped value loss on the critic's values under R2 (the old pass's experts),
-    and a LoRA update (adapters trained, base frozen) under R3 (other experts, the
-    sampler's): packed equals padded, the settings combined."""
-    graphdef, params, batch, old = setup
-    _assert_same(setup, step.step_config("ppo", value_coef=0.5), dict(batch, replay=old["topk"]))
-    model = nnx.merge(graphdef, params)
-    lora.add_adapters(model, lora.LoRASpec(2, 4.0, tuple(lora.TARGETS)), jax.random.key(3))
-    lora_graphdef, lora_params = nnx.split(model)
-    lora_setup = (lora_graphdef, lora_params, batch, None)
-    r3 = dict(batch, replay=(old["topk"] + 1) % CFG.num_experts)
-    m1, _ = _assert_same(lora_setup, step.step_config("gspo", trainable="lora"), r3)
-    assert m1["replay_mismatch"] > 0
 
 
 def test_shapes_of_a_token_budget():
