@@ -129,3 +129,30 @@ def test_stage9_runs_pilot_grid_and_report_on_smoke(tmp_path, smoke_root):
     assert "The pilot's rule picks: **lr 0.001**" in text
     # The moe2 cells have not run: neither comparison has a verdict yet.
     assert text.count("| no runs |") == 2 and "| dense2 grpo | 1 |" in text
+
+
+def test_pilot_processes_on_parts_of_the_seeds_wait_for_each_other(tmp_path, monkeypatch):
+    """Two processes run two pilot seeds each: neither moves to the higher rate until the
+    rule has read all four runs of the lower one."""
+    calls = []
+
+    def run_rl(root, stage, name, arm, seed, overrides, steps, *, smoke=False, task="small"):
+        calls.append((name, overrides["optimizer.lr"]))
+        return name
+
+    def summarize_run(workdir, meta):  # a run that holds: no event, censored at 141
+        return run(np.full(meta["steps"], 0.2), **meta, eval_start=0.2, eval_final=0.2)
+
+    monkeypatch.setattr(common, "run_rl", run_rl)
+    monkeypatch.setattr(common, "summarize_run", summarize_run)
+    sc = stage9_config.get_config()
+    lo, hi = sc.pilot.lrs
+    budget, out = common.Budget(None), str(tmp_path)
+    quiet = dict(log=lambda *_: None)
+    assert stage9_hazard.run_pilot(sc, "root", out, budget, (100, 101), **quiet) == 2
+    assert [lr for _, lr in calls] == [lo, lo]  # the other two runs of lo are missing: wait
+    assert stage9_hazard.run_pilot(sc, "root", out, budget, (102, 103), **quiet) == 4  # lo, then hi
+    assert [lr for _, lr in calls[2:]] == [lo, lo, hi, hi]
+    assert stage9_report.pilot_choice(sc, common.read_records(str(tmp_path / "pilot"))) is None
+    assert stage9_hazard.run_pilot(sc, "root", out, budget, (100, 101), **quiet) == 2
+    assert stage9_report.pilot_choice(sc, common.read_records(str(tmp_path / "pilot"))) == hi

@@ -46,10 +46,11 @@ def _run(sc, arm: str, variant: str, lr: float, seed: int, part: str) -> common.
     return common.GridRun(name, arm, int(seed), overrides, int(sc.steps), meta, sc.task)
 
 
-def pilot_runs(sc, lr: float):
-    """The pilot's runs at ``lr``: its arm and objective on each pilot seed."""
+def pilot_runs(sc, lr: float, seeds=None):
+    """The pilot's runs at ``lr``: its arm and objective on each pilot seed (or on
+    ``seeds``, this process's share of them)."""
     p = sc.pilot
-    for seed in p.seeds:
+    for seed in p.seeds if seeds is None else seeds:
         yield _run(sc, p.arm, p.variant, lr, seed, "pilot")
 
 
@@ -73,13 +74,14 @@ def describe(summary: dict) -> str:
     return f"{what}; held-out {summary['eval_start']} -> {summary['eval_final']}"
 
 
-def run_pilot(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
-    """The pilot's runs, rate by rate, until its rule has an answer or the budget ends."""
+def run_pilot(sc, root: str, out: str, budget: common.Budget, seeds=None, log=print) -> int:
+    """The pilot's runs (of ``seeds``, by default every pilot seed), rate by rate, until
+    its rule, which reads every pilot seed's run, has an answer or the budget ends."""
     folder = os.path.join(out, "pilot")
     done = 0
     for lr in sc.pilot.lrs:
         done += common.run_grid(
-            pilot_runs(sc, lr),
+            pilot_runs(sc, lr, seeds),
             root,
             STAGE,
             folder,
@@ -89,8 +91,14 @@ def run_pilot(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
             describe=describe,
             log=log,
         )
-        choice = stage9_report.pilot_choice(sc, common.read_records(folder))
-        if choice is not None or budget.expired():
+        records = common.read_records(folder)
+        choice = stage9_report.pilot_choice(sc, records)
+        waiting = len(stage9_report.cell_runs(records, sc.pilot.arm, sc.pilot.variant, lr)) < len(
+            sc.pilot.seeds
+        )
+        if choice is not None or waiting or budget.expired():
+            # A rate's runs still missing (another process runs them, or the budget
+            # ended): the next rate waits for the rule, which needs them all.
             log(f"stage 9 pilot: {'rate ' + format(choice, 'g') if choice else 'not decided yet'}")
             return done
     return done
@@ -122,9 +130,8 @@ def main(argv=None) -> None:
         return
     budget = common.Budget(args.max_minutes)
     if args.pilot:
-        if args.only_seeds:
-            sc.pilot.seeds = tuple(s for s in sc.pilot.seeds if s in sc.seeds)
-        n = run_pilot(sc, args.root, args.out, budget)
+        seeds = tuple(s for s in sc.pilot.seeds if s in sc.seeds) if args.only_seeds else None
+        n = run_pilot(sc, args.root, args.out, budget, seeds)
         print(f"stage 9: {n} pilot runs into {args.out}/pilot")
         return
     n = run_all(sc, args.root, args.out, budget)
