@@ -72,8 +72,9 @@ def test_the_pilots_rule():
     assert stage9_report.pilot_choice(sc, _pilot(lo, 1)) is None  # the higher rate must run
     assert stage9_report.pilot_choice(sc, _pilot(lo, 1) + _pilot(hi, 0)) == hi
     assert stage9_report.pilot_choice(sc, _pilot(lo, 2, seeds=(100, 101, 102))) is None  # a seed missing
-    # The grid waits for the rate.
-    assert sc.lr is None
+    # The grid waits for the rate (set by the pilot, 2026-12-07).
+    assert sc.lr == lo
+    sc.lr = None
     with pytest.raises(SystemExit, match="config.lr is not set"):
         list(stage9_hazard.grid(sc))
     sc.lr = lo
