@@ -122,7 +122,8 @@ def logrank(
     chi2 = (O_a - E_a)^2 / V, p = P(chi2_1 > chi2) (two-sided), and E_b = O_a + O_b - E_a.
     The Peto one-step estimate of the hazard ratio of a against b is
     log_hr = (O_a - E_a) / V with standard error 1 / sqrt(V) (Yusuf, Peto et al. 1985,
-    Prog. Cardiovasc. Dis. 27:335; good for hazard ratios near 1), and ``hr_low``, ``hr_high`` = exp(log_hr -/+ 1.96 / sqrt(V)).
+    Prog. Cardiovasc. Dis. 27:335; good for hazard ratios near 1, biased away from 1
+    for large ones), and ``hr_low``, ``hr_high`` = exp(log_hr -/+ 1.96 / sqrt(V)).
 
     With no events at all (or no information, V = 0: e.g. one run at risk at each
     event) there is nothing to test: chi2 = 0, p = 1, and log_hr, hr and its bounds are nan.
