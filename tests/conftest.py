@@ -108,14 +108,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS:
             item.add_marker(pytest.mark.slow)
-    # Files longest first (their seconds in tests/durations.json), each file's tests in
-    # their own order: xdist hands out whole files (`--dist loadfile` in setup.cfg), so
-    # a file's fixtures and compiled programs are built by one worker, and the last file
-    # a worker takes is a short one.
-    per_file = collections.Counter()
-    for nodeid, sec in seconds.items():
-        per_file[nodeid.split("::")[0]] += sec
-    items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])
 
 
 _durations = collections.Counter()
