@@ -74,48 +74,41 @@ def describe(summary: dict) -> str:
     return f"{what}; held-out {summary['eval_start']} -> {summary['eval_final']}"
 
 
-def run_pilot(sc, root: str, out: str, budget: common.Budget, seeds=None, log=print) -> int:
-    """The pilot's runs (of ``seeds``, by default every pilot seed), rate by rate, until
-    its rule, which reads every pilot seed's run, has an answer or the budget ends."""
-    folder = os.path.join(out, "pilot")
-    done = 0
-    for lr in sc.pilot.lrs:
-        done += common.run_grid(
-            pilot_runs(sc, lr, seeds),
-            root,
-            STAGE,
-            folder,
-            budget,
-            smoke=sc.smoke,
-            check=common.same_setting,
-            describe=describe,
-            log=log,
-        )
-        records = common.read_records(folder)
-        choice = stage9_report.pilot_choice(sc, records)
-        waiting = len(stage9_report.cell_runs(records, sc.pilot.arm, sc.pilot.variant, lr)) < len(
-            sc.pilot.seeds
-        )
-        if choice is not None or waiting or budget.expired():
-            # A rate's runs still missing (another process runs them, or the budget
-            # ended): the next rate waits for the rule, which needs them all.
-            log(f"stage 9 pilot: {'rate ' + format(choice, 'g') if choice else 'not decided yet'}")
-            return done
-    return done
-
-
-def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
+def _run_into(sc, runs, root: str, folder: str, budget: common.Budget, log) -> int:
+    """`common.run_grid` of ``runs`` with their summaries in ``folder``."""
     return common.run_grid(
-        grid(sc),
+        runs,
         root,
         STAGE,
-        os.path.join(out, "runs"),
+        folder,
         budget,
         smoke=sc.smoke,
         check=common.same_setting,
         describe=describe,
         log=log,
     )
+
+
+def run_pilot(sc, root: str, out: str, budget: common.Budget, seeds=None, log=print) -> int:
+    """The pilot's runs (of ``seeds``, by default every pilot seed), rate by rate, until
+    its rule, which reads every pilot seed's run, has an answer or the budget ends."""
+    p, folder = sc.pilot, os.path.join(out, "pilot")
+    done = 0
+    for lr in p.lrs:
+        done += _run_into(sc, pilot_runs(sc, lr, seeds), root, folder, budget, log)
+        records = common.read_records(folder)
+        choice = stage9_report.pilot_choice(sc, records)
+        # A rate's runs still missing (another process runs them, or the budget ended):
+        # the next rate waits for the rule, which needs them all.
+        waiting = len(stage9_report.cell_runs(records, p.arm, p.variant, lr)) < len(p.seeds)
+        if choice is not None or waiting or budget.expired():
+            log(f"stage 9 pilot: {'rate ' + format(choice, 'g') if choice else 'not decided yet'}")
+            return done
+    return done
+
+
+def run_all(sc, root: str, out: str, budget: common.Budget, log=print) -> int:
+    return _run_into(sc, grid(sc), root, os.path.join(out, "runs"), budget, log)
 
 
 def main(argv=None) -> None:
